@@ -1,0 +1,5 @@
+"""``python -m dpscale`` runs the CLI."""
+
+from dpscale.cli import main
+
+main()

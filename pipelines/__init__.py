@@ -1,0 +1,1 @@
+"""Apache Beam graphs composing the per-element stage transforms."""

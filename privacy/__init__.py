@@ -1,0 +1,1 @@
+"""Everything that makes the privacy guarantee: clipping, noise, sampling, accounting, calibration."""
