@@ -34,7 +34,8 @@ class ImageClassifier(nn.Module):
     ``backbone`` maps NHWC images ``(B, H, W, C)`` to features ``(B, D)``; ``head`` maps
     ``(B, D)`` to logits ``(B, num_classes)``. Use ``method="features"`` or
     ``method="classify"`` with ``apply`` to run one half; ``classify`` needs only
-    ``{"params": {"head": ...}}``.
+    ``{"params": {"head": ...}}``. ``return_features=True`` gives ``(logits, features)``
+    from one forward pass.
     """
 
     backbone: nn.Module
@@ -48,5 +49,7 @@ class ImageClassifier(nn.Module):
         """Logits from penultimate features."""
         return self.head(feats)
 
-    def __call__(self, x: Array) -> Array:
-        return self.head(self.backbone(x))
+    def __call__(self, x: Array, *, return_features: bool = False) -> Array | tuple[Array, Array]:
+        feats = self.backbone(x)
+        logits = self.head(feats)
+        return (logits, feats) if return_features else logits

@@ -1,0 +1,164 @@
+"""Names -> model specs: what ``dpscale models`` lists and what the stages build from a config.
+
+A :class:`ModelSpec` says how to build the Flax module and what it expects (input shape,
+default number of classes, feature dimension, whether importable weights exist). Built-in
+names are registered below; WRN-d-k also resolves for any valid ``wrn-D-K`` on demand.
+
+Adding models from another module (e.g. EfficientNet-Lite): call ``register(ModelSpec(...))``
+at import time of that module, and list the module in ``_PROVIDER_MODULES`` so the registry
+imports it the first time anyone asks for a name. Parameter counts are computed with
+``jax.eval_shape`` (no arrays are allocated), so listing even the 255M-parameter NFNet-F3 is
+cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dpscale.errors import InvalidConfigError
+from dpscale.models import cnn, nf_resnet, nfnet, wrn
+
+#: Modules that register more specs when imported (kept lazy: they may be heavy or absent).
+_PROVIDER_MODULES: tuple[str, ...] = ("dpscale.models.efficientnet_lite",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything a stage needs to know about a named model before building it.
+
+    ``build(num_classes=...)`` returns a module following the convention of
+    :mod:`dpscale.models` (``features`` / ``classify`` methods, logits from ``__call__``).
+    ``head_param_key`` is the top-level key of the classifier's parameters, so the
+    last-layer-only path can pick them out of ``params``.
+    """
+
+    name: str
+    build: Callable[..., nn.Module]
+    num_classes: int
+    input_shape: tuple[int, int, int]
+    feature_dim: int
+    pretrained: bool = False
+    head_param_key: str = "head"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.input_shape) != 3:
+            raise InvalidConfigError(f"{self.name}: input_shape must be (height, width, channels)")
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+_WRN_NAME = re.compile(r"^wrn-(\d+)-(\d+)$")
+
+
+def register(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
+    """Add ``spec`` under ``spec.name``; refuses silent overwrites unless ``replace``."""
+    if spec.name in _REGISTRY and not replace and _REGISTRY[spec.name] != spec:
+        raise InvalidConfigError(f"model name {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _wrn_spec(depth: int, width: int) -> ModelSpec:
+    return ModelSpec(
+        name=f"wrn-{depth}-{width}",
+        build=functools.partial(wrn.wide_resnet, depth, width),
+        num_classes=10,
+        input_shape=(32, 32, 3),
+        feature_dim=wrn.wrn_feature_dim(width),
+        description=f"Wide-ResNet-{depth}-{width}, GroupNorm(16) + WS conv, 32x32 (De et al. 2022)",
+    )
+
+
+def _register_builtins() -> None:
+    for depth, width in ((16, 4), (40, 4), (28, 10)):
+        register(_wrn_spec(depth, width))
+    for depth in nf_resnet.NF_RESNET_DEPTHS:
+        register(ModelSpec(
+            name=f"nf-resnet-{depth}",
+            build=functools.partial(nf_resnet.nf_resnet, depth),
+            num_classes=1000,
+            input_shape=(224, 224, 3),
+            feature_dim=nf_resnet.NF_RESNET_FEATURE_DIM,
+            description=f"Normalizer-Free ResNet-{depth} (Brock et al. 2021a)",
+        ))
+    for variant, row in nfnet.NFNET_VARIANTS.items():
+        register(ModelSpec(
+            name=f"nfnet-{variant.lower()}",
+            build=functools.partial(nfnet.nfnet, variant),
+            num_classes=1000,
+            input_shape=(row.train_size, row.train_size, 3),
+            feature_dim=nfnet.NFNET_FEATURE_DIM,
+            description=f"NFNet-{variant} (Brock et al. 2021b), train resolution {row.train_size}",
+        ))
+    register(ModelSpec(
+        name="cnn-small",
+        build=cnn.small_cnn,
+        num_classes=10,
+        input_shape=(28, 28, 1),
+        feature_dim=cnn.DEFAULT_CHANNELS[-1],
+        description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
+    ))
+
+
+_register_builtins()
+
+
+@functools.cache
+def _load_providers() -> None:
+    for module in _PROVIDER_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+
+
+def list_models() -> list[str]:
+    """Every registered name, in registration order."""
+    _load_providers()
+    return list(_REGISTRY)
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The spec for ``name``; any ``wrn-D-K`` with ``D = 6n + 4`` resolves on demand."""
+    _load_providers()
+    key = name.strip().lower()
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    match = _WRN_NAME.match(key)
+    if match:
+        depth, width = int(match.group(1)), int(match.group(2))
+        wrn.wide_resnet(depth, width)  # validates depth/width with a clear error
+        return _wrn_spec(depth, width)
+    raise InvalidConfigError(f"unknown model {name!r}; known models: {', '.join(_REGISTRY)}")
+
+
+def get_model(name: str, *, num_classes: int | None = None) -> nn.Module:
+    """Build the named model (its default number of classes unless ``num_classes`` is given)."""
+    spec = get_spec(name)
+    classes = spec.num_classes if num_classes is None else int(num_classes)
+    if classes < 1:
+        raise InvalidConfigError(f"num_classes must be >= 1, got {num_classes}")
+    return spec.build(num_classes=classes)
+
+
+def abstract_variables(name: str, *, num_classes: int | None = None,
+                       input_shape: tuple[int, int, int] | None = None) -> dict:
+    """Shapes and dtypes of the model's variables, via ``jax.eval_shape`` (nothing allocated)."""
+    spec = get_spec(name)
+    model = get_model(name, num_classes=num_classes)
+    shape = (1, *(input_shape or spec.input_shape))
+    return jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def param_count(name: str, *, num_classes: int | None = None) -> int:
+    """Number of trainable parameters (the ``params`` collection) of the named model."""
+    variables = abstract_variables(name, num_classes=num_classes)
+    return int(sum(leaf.size for leaf in jax.tree.leaves(variables.get("params", {}))))
