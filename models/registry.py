@@ -162,3 +162,17 @@ def param_count(name: str, *, num_classes: int | None = None) -> int:
     """Number of trainable parameters (the ``params`` collection) of the named model."""
     variables = abstract_variables(name, num_classes=num_classes)
     return int(sum(leaf.size for leaf in jax.tree.leaves(variables.get("params", {}))))
+
+
+def describe(name: str) -> dict:
+    """A JSON-ready summary of the named model, as ``dpscale models --json`` prints it."""
+    spec = get_spec(name)
+    return {
+        "name": spec.name,
+        "params": param_count(spec.name),
+        "input_shape": list(spec.input_shape),
+        "num_classes": spec.num_classes,
+        "feature_dim": spec.feature_dim,
+        "pretrained": spec.pretrained,
+        "description": spec.description,
+    }
