@@ -1,0 +1,135 @@
+"""Accounting equals dp-accounting's own numbers and behaves like a privacy loss should."""
+
+import dp_accounting
+import pytest
+
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.accounting import (
+    DpsgdPrivacySpec,
+    EpsilonCurve,
+    dp_event,
+    epsilon,
+)
+
+SETTINGS = [  # (sigma, q, steps, delta)
+    (1.1, 256 / 60_000, 2_000, 1e-5),
+    (3.0, 4096 / 50_000, 875, 1e-5),
+    (2.5, 16384 / 1_281_167, 71_589, 8e-7),
+    (1.5, 0.01, 50, 1e-6),
+]
+
+
+def _reference(accountant, sigma, q, steps, delta):
+    """dp-accounting used directly, without any dpscale code."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    if accountant == "pld":
+        acc = dp_accounting.pld.PLDAccountant(relation)
+    else:
+        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    return acc.compose(event).get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("sigma,q,steps,delta", SETTINGS)
+def test_epsilon_equals_dp_accounting(accountant, sigma, q, steps, delta):
+    spec = DpsgdPrivacySpec(noise_multiplier=sigma, sampling_rate=q, steps=steps)
+    ours = epsilon(spec, delta, accountant)
+    assert ours == pytest.approx(_reference(accountant, sigma, q, steps, delta), rel=1e-12)
+    assert 0 < ours < 100
+
+
+def test_dp_event_is_poisson_subsampled_gaussian_composed_t_times():
+    spec = DpsgdPrivacySpec.from_batch_size(
+        noise_multiplier=1.5, batch_size=512, num_examples=50_000, steps=300
+    )
+    expected = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(512 / 50_000, dp_accounting.GaussianDpEvent(1.5)), 300
+    )
+    assert dp_event(spec) == expected
+    assert dp_event(spec, steps=7).count == 7
+    assert spec.exact
+
+
+def test_shuffled_batches_are_accounted_as_poisson_but_flagged_inexact():
+    kwargs = dict(noise_multiplier=1.5, sampling_rate=0.01, steps=100)
+    shuffled = DpsgdPrivacySpec(**kwargs, sampling="shuffle")
+    poisson = DpsgdPrivacySpec(**kwargs)
+    assert not shuffled.exact
+    assert dp_event(shuffled) == dp_event(poisson)
+
+
+def test_full_batch_single_step_matches_the_analytic_gaussian_mechanism():
+    # q = 1, T = 1 is the plain Gaussian mechanism, whose exact epsilon is known in
+    # closed form (Balle & Wang 2018): an independent check of the PLD path.
+    spec = DpsgdPrivacySpec(noise_multiplier=2.0, sampling_rate=1.0, steps=1)
+    exact = dp_accounting.get_epsilon_gaussian(2.0, 1e-5)
+    assert epsilon(spec, 1e-5, "pld") == pytest.approx(exact, rel=1e-3)
+    assert epsilon(spec, 1e-5, "rdp") >= exact  # RDP is an upper bound, looser
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_epsilon_is_monotone_in_each_parameter(accountant):
+    def eps(sigma=2.0, q=0.01, steps=500):
+        return epsilon(DpsgdPrivacySpec(sigma, q, steps), 1e-5, accountant)
+
+    by_sigma = [eps(sigma=s) for s in (1.3, 1.6, 2.0, 4.0)]
+    by_q = [eps(q=q) for q in (0.002, 0.005, 0.01, 0.05)]
+    by_steps = [eps(steps=t) for t in (10, 100, 500, 5000)]
+    assert by_sigma == sorted(by_sigma, reverse=True) and len(set(by_sigma)) == 4
+    assert by_q == sorted(by_q) and len(set(by_q)) == 4
+    assert by_steps == sorted(by_steps) and len(set(by_steps)) == 4
+
+
+def test_pld_is_tighter_than_rdp():
+    for sigma, q, steps, delta in SETTINGS[1:]:
+        spec = DpsgdPrivacySpec(sigma, q, steps)
+        assert epsilon(spec, delta, "pld") < epsilon(spec, delta, "rdp")
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_epsilon_curve_matches_the_accountant_at_every_step_count(accountant):
+    sigma, q, delta = 2.0, 0.02, 1e-5
+    curve = EpsilonCurve(noise_multiplier=sigma, sampling_rate=q, delta=delta, accountant=accountant)
+    assert curve(0) == 0.0
+    values = []
+    for steps in (1, 37, 400, 3000):
+        values.append(curve(steps))
+        assert values[-1] == pytest.approx(
+            epsilon(DpsgdPrivacySpec(sigma, q, steps), delta, accountant), rel=1e-12
+        )
+    assert values == sorted(values)
+    assert curve(37) == values[1]  # cached value is returned unchanged
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(noise_multiplier=0.0, sampling_rate=0.1, steps=10),
+        dict(noise_multiplier=-1.0, sampling_rate=0.1, steps=10),
+        dict(noise_multiplier=float("nan"), sampling_rate=0.1, steps=10),
+        dict(noise_multiplier=1.0, sampling_rate=0.0, steps=10),
+        dict(noise_multiplier=1.0, sampling_rate=1.5, steps=10),
+        dict(noise_multiplier=1.0, sampling_rate=0.1, steps=0),
+        dict(noise_multiplier=1.0, sampling_rate=0.1, steps=2.5),
+        dict(noise_multiplier=1.0, sampling_rate=0.1, steps=10, sampling="replacement"),
+    ],
+)
+def test_invalid_specs_are_user_errors(kwargs):
+    with pytest.raises(InvalidConfigError):
+        DpsgdPrivacySpec(**kwargs)
+
+
+def test_batch_larger_than_data_set_is_rejected():
+    with pytest.raises(InvalidConfigError, match="exceeds the number of examples"):
+        DpsgdPrivacySpec.from_batch_size(
+            noise_multiplier=1.0, batch_size=101, num_examples=100, steps=1
+        )
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5])
+def test_delta_must_be_in_open_unit_interval(delta):
+    with pytest.raises(InvalidConfigError):
+        epsilon(DpsgdPrivacySpec(1.0, 0.1, 10), delta)
