@@ -1,0 +1,144 @@
+"""Per-example gradients, augmentation multiplicity and the clipped sum.
+
+The one quantity DP-SGD privatises is
+
+    S = sum_i  clip_C(g_i) / C,      g_i = (1/K) sum_k grad l(w, aug_k(x_i), y_i)
+
+Averaging over the K views happens *inside* g_i, before clipping, so one example
+still moves S by at most 1 (its sensitivity) however large K is. Dividing by C
+after clipping is the normalised form of De et al. (2022): the learning rate
+absorbs C, and the noise std is simply ``sigma * sensitivity`` with
+sensitivity 1.
+
+Padded slots (mask 0) and examples whose gradient is not finite get weight 0.
+Non-finite gradients are also counted, so a run can report them.
+
+Speed: per-example norms are computed first and the clipped sum is then one
+weighted contraction ``sum_i w_i g_i`` per parameter leaf; clipping each g_i
+inside ``vmap`` is several times slower on CPU (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+PyTree = Any
+# loss_fn(params, model_state, views) -> scalar mean loss over the leading (view) axis.
+LossFn = Callable[[PyTree, PyTree, PyTree], jax.Array]
+
+
+@struct.dataclass
+class ClippedSum:
+    """A sum of clipped, C-normalised per-example gradients and its sensitivity.
+
+    ``sensitivity`` bounds how much adding or removing one example can change
+    ``value`` in L2 norm: the noise must be calibrated against it. It is static
+    (not traced), so it survives ``jit`` as a Python number.
+    """
+
+    value: PyTree
+    num_examples: jax.Array  # real (unmasked) examples that went into the sum
+    num_clipped: jax.Array  # real examples whose gradient norm exceeded C
+    num_nonfinite: jax.Array  # real examples whose gradient was zeroed (NaN/Inf)
+    sum_of_norms: jax.Array  # of the unclipped norms of finite real examples
+    sum_of_losses: jax.Array  # of the (view-averaged) losses of finite real examples
+    sensitivity: float = struct.field(pytree_node=False, default=1.0)
+
+
+def per_example_gradients(
+    loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree
+) -> tuple[jax.Array, PyTree]:
+    """Loss and gradient of each example, averaged over its augmentation views.
+
+    ``batch`` leaves have shape ``[b, K, ...]``: b examples with K augmented views
+    each. ``loss_fn`` sees one example's K views as a batch and returns their mean
+    loss, so its gradient *is* the mean of the K view gradients: the average
+    happens before any clipping. Returns losses ``[b]`` and gradient leaves shaped
+    ``[b, *param.shape]``.
+    """
+    value_and_grad_one = jax.value_and_grad(loss_fn)
+    return jax.vmap(value_and_grad_one, in_axes=(None, None, 0))(params, model_state, batch)
+
+
+def per_example_norms(per_example_grads: PyTree) -> jax.Array:
+    """Global L2 norm of each example's gradient across all parameter leaves."""
+    leaves = jax.tree_util.tree_leaves(per_example_grads)
+    squares = [jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in leaves]
+    return jnp.sqrt(sum(squares))
+
+
+def clip_weights(
+    norms: jax.Array, mask: jax.Array, *, clip_norm: float
+) -> tuple[jax.Array, jax.Array]:
+    """Weights w_i with ``w_i * g_i = clip_C(g_i) / C`` and a per-example finiteness flag.
+
+    ``min(1, C/n) / C == 1 / max(C, n)``. Masked and non-finite examples get 0.
+    """
+    finite = jnp.isfinite(norms)
+    weights = jnp.where(finite & (mask > 0), 1.0 / jnp.maximum(clip_norm, norms), 0.0)
+    return weights.astype(jnp.float32), finite
+
+
+def weighted_sum(per_example_grads: PyTree, weights: jax.Array, finite: jax.Array) -> PyTree:
+    """``sum_i w_i g_i`` per leaf, with non-finite g_i replaced by zero.
+
+    ``0 * NaN`` is NaN, so a zero weight alone does not stop a poisoned gradient.
+    The guarded path (an extra pass over the per-example gradients) only runs when
+    some example is non-finite; the common path is a single contraction.
+    """
+
+    def contract(grads: PyTree) -> PyTree:
+        return jax.tree_util.tree_map(lambda g: jnp.tensordot(weights, g, axes=1), grads)
+
+    def zero_nonfinite_then_contract(grads: PyTree) -> PyTree:
+        def zero(g: jax.Array) -> jax.Array:
+            keep = finite.reshape((-1,) + (1,) * (g.ndim - 1))
+            return jnp.where(keep, g, jnp.zeros_like(g))
+
+        return contract(jax.tree_util.tree_map(zero, grads))
+
+    return jax.lax.cond(jnp.all(finite), contract, zero_nonfinite_then_contract, per_example_grads)
+
+
+def clipped_sum_from_gradients(
+    per_example_grads: PyTree,
+    mask: jax.Array,
+    *,
+    clip_norm: float,
+    losses: jax.Array | None = None,
+) -> ClippedSum:
+    """Clip (to C, then divide by C) and sum given per-example gradients."""
+    if not clip_norm > 0:
+        raise ValueError(f"clip_norm must be positive, got {clip_norm}")
+    norms = per_example_norms(per_example_grads)
+    weights, finite = clip_weights(norms, mask, clip_norm=clip_norm)
+    real = mask > 0
+    return ClippedSum(
+        value=weighted_sum(per_example_grads, weights, finite),
+        sensitivity=1.0,
+        num_examples=jnp.sum(real).astype(jnp.int32),
+        num_clipped=jnp.sum(real & finite & (norms > clip_norm)).astype(jnp.int32),
+        num_nonfinite=jnp.sum(real & ~finite).astype(jnp.int32),
+        sum_of_norms=jnp.sum(jnp.where(real & finite, norms, 0.0)),
+        sum_of_losses=(
+            jnp.zeros((), jnp.float32)
+            if losses is None
+            else jnp.sum(jnp.where(real & finite, losses, 0.0))
+        ),
+    )
+
+
+def make_clipped_sum_fn(
+    loss_fn: LossFn, *, clip_norm: float
+) -> Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]:
+    """``(params, model_state, batch, mask) -> ClippedSum`` through per-example gradients."""
+
+    def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+        losses, grads = per_example_gradients(loss_fn, params, model_state, batch)
+        return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
+
+    return clipped_sum

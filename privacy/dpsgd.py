@@ -1,0 +1,219 @@
+"""The DP-SGD update: accumulate clipped sums, add noise once, apply any optax optimiser.
+
+For a logical batch of expected size B cut into micro-batches,
+
+    g = ( sum_micro S_micro  +  sigma * Delta * xi ) / B,     xi ~ N(0, I)
+
+where each S_micro is a ``ClippedSum`` (sum of clip_C(g_i)/C, sensitivity Delta=1).
+The noise is added exactly once per optimiser update, whatever the number of
+micro-batches (never per micro-batch), and B is the *expected* batch size of
+Poisson sampling, not the realised one (DESIGN.md section 2). ``g`` then goes
+through any optax optimiser (plain SGD by default, no weight decay), and the EMA
+of the parameters is updated on real optimiser updates only.
+
+Data parallelism: with a ``Mesh``, micro-batches are sharded over its ``data``
+axis and parameters replicated; XLA all-reduces the clipped sum, so every device
+holds the same sum, draws the same noise from the same key, and the update does
+not depend on the number of devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.clipping import ClippedSum, LossFn, make_clipped_sum_fn
+from dpscale.privacy.ema import ema_update
+from dpscale.privacy.noise import add_gaussian_noise, key_from_seed, step_key
+
+PyTree = Any
+DATA_AXIS = "data"
+ClippedSumFn = Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]
+
+
+@dataclasses.dataclass(frozen=True)
+class DpsgdConfig:
+    """Privacy-relevant hyper-parameters of one DP-SGD update."""
+
+    noise_multiplier: float
+    expected_batch_size: float
+    clip_norm: float = 1.0
+    ema_decay: float = 0.9999
+
+    def __post_init__(self) -> None:
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise InvalidConfigError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not self.expected_batch_size > 0:
+            raise InvalidConfigError(
+                f"expected_batch_size must be positive, got {self.expected_batch_size}"
+            )
+        if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
+            raise InvalidConfigError(f"clip_norm must be positive and finite, got {self.clip_norm}")
+        if not 0 <= self.ema_decay < 1:
+            raise InvalidConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the noise on the *mean* gradient: sigma / B (sensitivity 1 after /C)."""
+        return self.noise_multiplier / self.expected_batch_size
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes during training. ``step`` counts optimiser updates."""
+
+    params: PyTree
+    opt_state: PyTree
+    ema_params: PyTree
+    model_state: PyTree  # frozen non-trainable state (e.g. BatchNorm statistics), may be {}
+    step: jax.Array
+
+
+def _zeros_like_clipped_sum(params: PyTree) -> ClippedSum:
+    zero_int = jnp.zeros((), jnp.int32)
+    zero = jnp.zeros((), jnp.float32)
+    return ClippedSum(
+        value=jax.tree_util.tree_map(jnp.zeros_like, params),
+        num_examples=zero_int,
+        num_clipped=zero_int,
+        num_nonfinite=zero_int,
+        sum_of_norms=zero,
+        sum_of_losses=zero,
+    )
+
+
+class DpsgdStep:
+    """Ties clipping, accumulation, noise and the optimiser into one update.
+
+    Use ``init`` once, then per optimiser step either ``update(state, microbatches)``
+    or, for custom loops, ``zero_sum`` / ``accumulate`` (per micro-batch) / ``apply``.
+    ``noise_seed`` must come from ``privacy.seeds.resolve_seed``.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        config: DpsgdConfig,
+        *,
+        noise_seed: int,
+        optimizer: optax.GradientTransformation | None = None,
+        learning_rate: float = 1.0,
+        mesh: Mesh | None = None,
+        clipped_sum_fn: ClippedSumFn | None = None,
+    ) -> None:
+        self.config = config
+        self.optimizer = optimizer if optimizer is not None else optax.sgd(learning_rate)
+        self.mesh = mesh
+        self._noise_base_key = key_from_seed(noise_seed)
+        self._clipped_sum = clipped_sum_fn or make_clipped_sum_fn(loss_fn, clip_norm=config.clip_norm)
+        replicated = self._sharding(PartitionSpec())
+        batch_sharded = self._sharding(PartitionSpec(DATA_AXIS))
+        self._accumulate = jax.jit(
+            self._accumulate_impl,
+            donate_argnums=(1,),
+            in_shardings=(
+                None if mesh is None else (replicated, replicated, batch_sharded, batch_sharded, replicated)
+            ),
+            out_shardings=replicated,
+        )
+        self._apply = jax.jit(self._apply_impl, donate_argnums=(0,), out_shardings=replicated)
+        self._privatize = jax.jit(self._privatize_impl, out_shardings=replicated)
+        self._zero_sum = jax.jit(_zeros_like_clipped_sum, out_shardings=replicated)
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def num_devices(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape[DATA_AXIS]
+
+    def init(self, params: PyTree, model_state: PyTree | None = None) -> TrainState:
+        """A fresh state; ``params`` are copied, since ``apply`` donates the state's buffers."""
+        state = TrainState(
+            params=jax.tree_util.tree_map(jnp.array, params),
+            opt_state=self.optimizer.init(params),
+            ema_params=jax.tree_util.tree_map(jnp.array, params),
+            model_state={} if model_state is None else model_state,
+            step=jnp.zeros((), jnp.int32),
+        )
+        return jax.device_put(state, self._sharding(PartitionSpec()))
+
+    def zero_sum(self, state: TrainState) -> ClippedSum:
+        return self._zero_sum(state.params)
+
+    def accumulate(
+        self, state: TrainState, total: ClippedSum, batch: PyTree, mask: jax.Array
+    ) -> ClippedSum:
+        """Add one micro-batch's clipped sum to ``total`` (``total`` is donated)."""
+        leading = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        if leading % self.num_devices:
+            raise InvalidConfigError(
+                f"micro-batch size {leading} is not divisible by the {self.num_devices} devices"
+            )
+        return self._accumulate(state.params, total, batch, mask, state.model_state)
+
+    def privatized_gradient(self, total: ClippedSum, step: int | jax.Array) -> PyTree:
+        """The noisy mean gradient ``(S + sigma*Delta*xi) / B`` that ``apply`` would use."""
+        return self._privatize(total, jnp.asarray(step, jnp.int32), self._noise_base_key)
+
+    def apply(self, state: TrainState, total: ClippedSum) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Noise, optimiser update and EMA for one logical batch (``state`` is donated)."""
+        return self._apply(state, total, self._noise_base_key)
+
+    def update(
+        self, state: TrainState, microbatches: Iterable[tuple[PyTree, jax.Array]]
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimiser step over all micro-batches of one logical batch."""
+        total = self.zero_sum(state)
+        for batch, mask in microbatches:
+            total = self.accumulate(state, total, batch, mask)
+        return self.apply(state, total)
+
+    # -- jitted bodies ----------------------------------------------------------------
+
+    def _sharding(self, spec: PartitionSpec) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, spec)
+
+    def _accumulate_impl(
+        self, params: PyTree, total: ClippedSum, batch: PyTree, mask: jax.Array, model_state: PyTree
+    ) -> ClippedSum:
+        micro = self._clipped_sum(params, model_state, batch, mask)
+        return jax.tree_util.tree_map(jnp.add, total, micro)
+
+    def _privatize_impl(self, total: ClippedSum, step: jax.Array, base_key: jax.Array) -> PyTree:
+        key = step_key(base_key, step)
+        std = self.config.noise_multiplier * total.sensitivity
+        noisy_sum = add_gaussian_noise(total.value, key, std=std)
+        return jax.tree_util.tree_map(lambda x: x / self.config.expected_batch_size, noisy_sum)
+
+    def _apply_impl(
+        self, state: TrainState, total: ClippedSum, base_key: jax.Array
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        grad = self._privatize_impl(total, state.step, base_key)
+        updates, opt_state = self.optimizer.update(grad, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ema = ema_update(state.ema_params, params, step=state.step, decay=self.config.ema_decay)
+        real = jnp.maximum(total.num_examples, 1)
+        metrics = {
+            "batch_size": total.num_examples,
+            "loss": total.sum_of_losses / real,
+            "clipped_fraction": total.num_clipped / real,
+            "mean_grad_norm": total.sum_of_norms / real,
+            "nonfinite": total.num_nonfinite,
+            "update_norm": optax.global_norm(grad),
+        }
+        new_state = state.replace(params=params, opt_state=opt_state, ema_params=ema, step=state.step + 1)
+        return new_state, metrics
+
+
+def data_mesh(devices: Iterable[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over ``devices`` (all local devices by default) with axis ``data``."""
+    devs = list(jax.devices() if devices is None else devices)
+    return Mesh(devs, (DATA_AXIS,))

@@ -1,0 +1,154 @@
+"""The DP-SGD update: sensitivity, noise, accumulation, devices, EMA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep, data_mesh
+from dpscale.privacy.ema import ema_decay
+
+
+def _accumulated_sum(step, state, batch, microbatch_size):
+    """Clipped sum of ``batch`` (all real) accumulated over micro-batches."""
+    n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    total = step.zero_sum(state)
+    for start in range(0, n, microbatch_size):
+        piece = jax.tree_util.tree_map(lambda a: a[start : start + microbatch_size], batch)
+        size = jax.tree_util.tree_leaves(piece)[0].shape[0]
+        total = step.accumulate(state, total, piece, jnp.ones(size))
+    return total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_noise_free_update_moves_at_most_one_over_b_per_example(toy, seed):
+    """Add-or-remove-one sensitivity of the normalised update is 1/B, with augmult and accumulation."""
+    rng = np.random.default_rng(seed)
+    n, views, micro, b = int(rng.integers(4, 13)), int(rng.integers(2, 5)), 4, 16.0
+    step = DpsgdStep(
+        toy.loss_fn,
+        DpsgdConfig(noise_multiplier=0.0, expected_batch_size=b, clip_norm=float(rng.uniform(0.05, 2))),
+        noise_seed=seed,
+    )
+    state = step.init(toy.init_params(seed))
+    data = toy.make_batch(100 + seed, n + 1, views=views, scale=float(rng.uniform(0.5, 30)))
+    without = toy.split(data, [n])[0]
+    g_with = toy.flat(step.privatized_gradient(_accumulated_sum(step, state, data, micro), 0))
+    g_without = toy.flat(step.privatized_gradient(_accumulated_sum(step, state, without, micro), 0))
+    assert np.linalg.norm(g_with - g_without) <= 1.0 / b * (1 + 1e-5)
+
+
+def test_sensitivity_bound_is_attained_by_a_large_gradient(toy):
+    step = DpsgdStep(toy.loss_fn, DpsgdConfig(noise_multiplier=0.0, expected_batch_size=8), noise_seed=0)
+    state = step.init(toy.init_params(1))
+    data = toy.make_batch(2, 5, views=3, scale=100.0)
+    g_with = toy.flat(step.privatized_gradient(_accumulated_sum(step, state, data, 2), 0))
+    g_without = toy.flat(step.privatized_gradient(_accumulated_sum(step, state, toy.split(data, [4])[0], 2), 0))
+    np.testing.assert_allclose(np.linalg.norm(g_with - g_without), 1.0 / 8, rtol=1e-3)
+
+
+def test_accumulation_equals_one_big_batch(toy):
+    config = DpsgdConfig(noise_multiplier=0.0, expected_batch_size=24)
+    step = DpsgdStep(toy.loss_fn, config, noise_seed=0, optimizer=optax.sgd(0.5, momentum=0.9))
+    params = toy.init_params(11)
+    data = toy.make_batch(12, 24, views=2, scale=4.0)
+    results = []
+    for micro in (24, 8, 3):
+        state = step.init(params)
+        for _ in range(3):
+            pieces = toy.split(data, [micro] * (24 // micro))
+            state, metrics = step.update(state, [(p, jnp.ones(micro)) for p in pieces])
+        assert int(metrics["batch_size"]) == 24
+        results.append(toy.flat(state.params))
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results[2], results[0], rtol=1e-5, atol=1e-6)
+
+
+def _noise_samples(toy, *, sigma, b, microbatches, steps, seed=0):
+    """The noise part of the privatised gradient for several steps (clipped sum removed)."""
+    step = DpsgdStep(toy.loss_fn, DpsgdConfig(noise_multiplier=sigma, expected_batch_size=b), noise_seed=seed)
+    big = {"w1": jnp.zeros((200, 100)), "b1": jnp.zeros(100), "w2": jnp.zeros((100, 3)), "b2": jnp.zeros(3)}
+    state = step.init(big)
+    total = step.zero_sum(state)
+    # Padding-only micro-batches: the clipped sum stays exactly zero, only the noise remains.
+    pad = {"x": jnp.zeros((4, 1, 200)), "y": jnp.zeros((4, 1), jnp.int32)}
+    for _ in range(microbatches):
+        total = step.accumulate(state, total, pad, jnp.zeros(4))
+    return np.stack([toy.flat(step.privatized_gradient(total, t)) for t in range(steps)])
+
+
+@pytest.mark.parametrize("microbatches", [1, 5])
+def test_noise_std_is_sigma_over_b_whatever_the_accumulation(toy, microbatches):
+    sigma, b = 1.7, 32.0
+    samples = _noise_samples(toy, sigma=sigma, b=b, microbatches=microbatches, steps=4)
+    n = samples.size  # ~82k draws: relative std error of the std is 1/sqrt(2n) ~ 0.25%
+    rel_tol = 5 / np.sqrt(2 * n)
+    assert abs(samples.std() / (sigma / b) - 1) < rel_tol
+    assert abs(samples.mean()) < 5 * (sigma / b) / np.sqrt(n)
+
+
+def test_no_two_steps_share_noise_and_a_step_is_reproducible(toy):
+    samples = _noise_samples(toy, sigma=1.0, b=1.0, microbatches=1, steps=12)
+    corr = np.corrcoef(samples)
+    off_diagonal = corr[~np.eye(len(corr), dtype=bool)]
+    assert np.max(np.abs(off_diagonal)) < 5 / np.sqrt(samples.shape[1])
+    again = _noise_samples(toy, sigma=1.0, b=1.0, microbatches=3, steps=12)
+    np.testing.assert_array_equal(samples, again)  # same seed and step: same key, same noise
+    other_seed = _noise_samples(toy, sigma=1.0, b=1.0, microbatches=1, steps=1, seed=2**40)
+    assert abs(np.corrcoef(samples[0], other_seed[0])[0, 1]) < 5 / np.sqrt(samples.shape[1])
+
+
+def test_update_is_the_same_on_one_and_four_devices(toy):
+    assert jax.device_count() >= 4, "tests/conftest.py forces 4 host devices"
+    params = toy.init_params(21)
+    data = toy.make_batch(22, 16, views=2, scale=3.0)
+    config = DpsgdConfig(noise_multiplier=0.8, expected_batch_size=16)
+    results = []
+    for devices in (jax.devices()[:1], jax.devices()[:4]):
+        step = DpsgdStep(toy.loss_fn, config, noise_seed=123, mesh=data_mesh(devices))
+        state = step.init(params)
+        for _ in range(2):
+            pieces = toy.split(data, [8, 8])
+            state, _ = step.update(state, [(p, jnp.ones(8)) for p in pieces])
+        results.append((toy.flat(state.params), toy.flat(state.ema_params)))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_microbatch_must_divide_over_devices(toy):
+    step = DpsgdStep(
+        toy.loss_fn, DpsgdConfig(noise_multiplier=1.0, expected_batch_size=4), noise_seed=0,
+        mesh=data_mesh(jax.devices()[:4]),
+    )
+    state = step.init(toy.init_params(0))
+    with pytest.raises(InvalidConfigError, match="divisible"):
+        step.accumulate(state, step.zero_sum(state), toy.make_batch(0, 6), jnp.ones(6))
+
+
+def test_ema_follows_warmup_and_ignores_microsteps(toy):
+    decay = 0.9
+    step = DpsgdStep(
+        toy.loss_fn, DpsgdConfig(noise_multiplier=0.5, expected_batch_size=8, ema_decay=decay), noise_seed=3
+    )
+    state = step.init(toy.init_params(4))
+    data = toy.make_batch(5, 8, views=1)
+    expected_ema = toy.flat(state.ema_params)
+    for t in range(4):
+        state, _ = step.update(state, [(p, jnp.ones(2)) for p in toy.split(data, [2, 2, 2, 2])])
+        mu = min(decay, (1 + t) / (10 + t))
+        expected_ema = mu * expected_ema + (1 - mu) * toy.flat(state.params)
+        assert int(state.step) == t + 1  # four micro-batches, one optimiser update
+    np.testing.assert_allclose(toy.flat(state.ema_params), expected_ema, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(ema_decay(0, 0.9999)), 0.1)
+    np.testing.assert_allclose(float(ema_decay(10**6, 0.9999)), 0.9999)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(InvalidConfigError):
+        DpsgdConfig(noise_multiplier=-1.0, expected_batch_size=8)
+    with pytest.raises(InvalidConfigError):
+        DpsgdConfig(noise_multiplier=1.0, expected_batch_size=0)
+    with pytest.raises(InvalidConfigError):
+        DpsgdConfig(noise_multiplier=1.0, expected_batch_size=8, clip_norm=float("inf"))
