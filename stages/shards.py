@@ -1,0 +1,133 @@
+"""Write one ArrayRecord shard and describe it, and assemble the manifest from shards.
+
+A shard holds the examples of one split whose content hash maps to it, sorted by
+(content hash, key): the same data gives byte-identical shards whatever order it was
+read in, and the reader's global index (shard after shard) is stable too.
+
+Outputs go through Beam's ``FileSystems`` so an output directory may be a local path or
+any URL Beam can write (``gs://...`` with the GCP extras). ArrayRecord's writer needs a
+local file, so remote shards are written to a temporary file and then copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from apache_beam.io.filesystems import FileSystems
+
+from dpscale.stages.examples import Example, combine_hashes, element_hash, encode_record
+
+FORMAT_NAME = "dpscale-ingest"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+REPORT = "report.json"
+WRITER_OPTIONS = "group_size:1"  # one record per chunk: cheap random access
+
+
+def shard_name(split: str, shard: int, num_shards: int) -> str:
+    return f"{split}-{shard:05d}-of-{num_shards:05d}.array_record"
+
+
+def join(directory: str, name: str) -> str:
+    return FileSystems.join(directory, name)
+
+
+def is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
+                examples: Iterable[Example], *, num_classes: int,
+                encoding: str = "raw") -> dict[str, Any]:
+    """Write the examples of one shard (sorted) and return its summary."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    ordered = sorted(examples, key=lambda e: (e.digest, e.key))
+    name = shard_name(split, shard, num_shards)
+    target = join(output_dir, name)
+    local_dir = output_dir if is_local(output_dir) else tempfile.mkdtemp()
+    tmp = os.path.join(local_dir, f".{name}.tmp")
+    writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
+    counts = [0] * num_classes
+    terms = []
+    for example in ordered:
+        writer.write(encode_record(example, encoding=encoding))
+        counts[example.label] += 1
+        terms.append(element_hash(split, example.label, example.digest))
+    writer.close()
+    if is_local(output_dir):
+        os.replace(tmp, target)
+    else:
+        with open(tmp, "rb") as src, FileSystems.create(target) as dst:
+            shutil.copyfileobj(src, dst)
+        shutil.rmtree(local_dir, ignore_errors=True)
+    return {"split": split, "shard": shard, "file": name, "num_examples": len(ordered),
+            "class_counts": counts, "hash": combine_hashes(terms)}
+
+
+def build_manifest(summaries: Sequence[dict[str, Any]], *, source: str,
+                   class_names: Sequence[str], image_shape: Sequence[int] | None,
+                   rejections: Sequence[dict[str, str]], validation_fraction: float,
+                   encoding: str) -> dict[str, Any]:
+    """Combine shard summaries into the manifest (deterministic: no times, sorted keys)."""
+    splits: dict[str, dict[str, Any]] = {}
+    for s in sorted(summaries, key=lambda s: (s["split"], s["shard"])):
+        entry = splits.setdefault(s["split"], {"num_examples": 0, "hash": 0, "shards": [],
+                                               "class_counts": [0] * len(class_names)})
+        entry["num_examples"] += s["num_examples"]
+        entry["hash"] = combine_hashes([entry["hash"], s["hash"]])
+        entry["class_counts"] = [a + b for a, b in zip(entry["class_counts"],
+                                                       s["class_counts"])]
+        entry["shards"].append({"file": s["file"], "num_examples": s["num_examples"]})
+    total = combine_hashes([e["hash"] for e in splits.values()])
+    for entry in splits.values():
+        entry["content_hash"] = f"{entry.pop('hash'):064x}"
+        entry["class_counts"] = dict(zip(class_names, entry["class_counts"]))
+    reasons: dict[str, int] = {}
+    for r in rejections:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "source": source,
+        "record_encoding": encoding,
+        "image_shape": list(image_shape) if image_shape else None,
+        "class_names": list(class_names),
+        "num_classes": len(class_names),
+        "content_hash": f"{total:064x}",
+        "content_hash_method": "sum mod 2**256 of sha256(split, label, sha256(image))",
+        "validation_fraction": validation_fraction,
+        "splits": dict(sorted(splits.items())),
+        "num_rejected": len(rejections),
+        "rejected_by_reason": dict(sorted(reasons.items())),
+    }
+
+
+def write_json(path: str, payload: Any) -> None:
+    data = (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode()
+    with FileSystems.create(path) as f:
+        f.write(data)
+
+
+def read_json(path: str) -> Any:
+    with FileSystems.open(path) as f:
+        return json.loads(f.read().decode())
+
+
+def write_outputs(_: Any, *, output_dir: str, summaries: Sequence[dict[str, Any]],
+                  rejections: Sequence[dict[str, str]], image_shape: Sequence[int] | None,
+                  source: str, class_names: Sequence[str], validation_fraction: float,
+                  encoding: str) -> dict[str, Any]:
+    """Write report.json, then manifest.json last: a manifest means a complete dataset."""
+    ordered = sorted(rejections, key=lambda r: (r["split"], r["key"], r["reason"]))
+    write_json(join(output_dir, REPORT), {"num_rejected": len(ordered), "rejected": ordered})
+    manifest = build_manifest(summaries, source=source, class_names=class_names,
+                              image_shape=image_shape, rejections=ordered,
+                              validation_fraction=validation_fraction, encoding=encoding)
+    write_json(join(output_dir, MANIFEST), manifest)
+    return manifest
