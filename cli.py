@@ -84,10 +84,11 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
     """
     from dpscale.stages import ingest as stage
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    stage.log.addHandler(handler)
-    stage.log.setLevel(logging.INFO)
+    if not stage.log.handlers:  # progress lines: one per stage and split
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        stage.log.addHandler(handler)
+        stage.log.setLevel(logging.INFO)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     config = stage.IngestConfig(source, output, validation_fraction=validation_fraction,
                                 examples_per_shard=examples_per_shard,
