@@ -12,21 +12,24 @@ from dpscale.privacy.ema import ema_decay
 
 
 def _accumulated_sum(step, state, batch, microbatch_size):
-    """Clipped sum of ``batch`` (all real) accumulated over micro-batches."""
+    """Clipped sum of ``batch`` (all real) over fixed-size micro-batches, the last one padded."""
     n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    num_micro = -(-n // microbatch_size)
+    pad = num_micro * microbatch_size - n
+    padded = jax.tree_util.tree_map(lambda a: jnp.concatenate([a, jnp.zeros_like(a[:pad])]), batch)
+    mask = jnp.concatenate([jnp.ones(n), jnp.zeros(pad)])
     total = step.zero_sum(state)
     for start in range(0, n, microbatch_size):
-        piece = jax.tree_util.tree_map(lambda a: a[start : start + microbatch_size], batch)
-        size = jax.tree_util.tree_leaves(piece)[0].shape[0]
-        total = step.accumulate(state, total, piece, jnp.ones(size))
+        piece = jax.tree_util.tree_map(lambda a: a[start : start + microbatch_size], padded)
+        total = step.accumulate(state, total, piece, mask[start : start + microbatch_size])
     return total
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_noise_free_update_moves_at_most_one_over_b_per_example(toy, seed):
     """Add-or-remove-one sensitivity of the normalised update is 1/B, with augmult and accumulation."""
     rng = np.random.default_rng(seed)
-    n, views, micro, b = int(rng.integers(4, 13)), int(rng.integers(2, 5)), 4, 16.0
+    n, views, micro, b = int(rng.integers(4, 13)), 3, 4, 16.0
     step = DpsgdStep(
         toy.loss_fn,
         DpsgdConfig(noise_multiplier=0.0, expected_batch_size=b, clip_norm=float(rng.uniform(0.05, 2))),
