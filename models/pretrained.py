@@ -1,0 +1,230 @@
+"""Pretrained backbones on disk: an orbax checkpoint plus the metadata that must travel with it.
+
+A backbone directory (local path, or any URL orbax / etils ``epath`` can read, e.g.
+``gs://...``) holds::
+
+    dpscale_backbone.json   model name, num_classes, preprocessing, sha256 of the weights
+    variables/              orbax checkpoint of {"params": ..., "batch_stats": ...}
+
+Preprocessing (resolution, mean/std) is stored next to the weights and handed back
+by :func:`load_pretrained` together with the model, so featurization cannot pair
+weights with the wrong normalisation. The sha256 is over the weights themselves
+(not a source file), so it identifies a backbone whatever its origin and keys the
+feature cache; loading re-hashes and refuses a checkpoint that does not match.
+
+Any Flax checkpoint can serve as a backbone if it comes with this JSON and its
+``model`` names a model dpscale can build (``efficientnet-lite0``... or a registry name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from flax import traverse_util
+
+from dpscale.errors import DataError
+from dpscale.models import efficientnet_lite
+
+METADATA_FILE = "dpscale_backbone.json"
+CHECKPOINT_DIR = "variables"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+    """How raw pixels must be prepared for a backbone.
+
+    ``mean`` and ``std`` are per RGB channel in raw pixel units (0..255), so
+    ``normalize(x) = (x - mean) / std`` for ``x`` in [0, 255].
+    """
+
+    resolution: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        if self.resolution <= 0 or len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise DataError(f"invalid preprocessing: {self}")
+
+    def normalize(self, images: jax.Array | np.ndarray) -> jax.Array:
+        """NHWC pixels in [0, 255] (uint8 or float) -> normalised float32."""
+        x = jnp.asarray(images, jnp.float32)
+        return (x - jnp.asarray(self.mean, jnp.float32)) / jnp.asarray(self.std, jnp.float32)
+
+    def __call__(self, images: jax.Array | np.ndarray) -> jax.Array:
+        """Resize NHWC pixels to ``resolution`` x ``resolution`` (bilinear) and normalise."""
+        x = jnp.asarray(images, jnp.float32)
+        n, h, w, c = x.shape
+        if (h, w) != (self.resolution, self.resolution):
+            x = jax.image.resize(x, (n, self.resolution, self.resolution, c), method="bilinear")
+        return self.normalize(x)
+
+    def fingerprint(self) -> str:
+        """A stable string for cache keys: equal iff the preprocessing is equal."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackboneMetadata:
+    """The JSON saved beside a backbone checkpoint."""
+
+    model: str
+    num_classes: int
+    preprocessing: Preprocessing
+    weights_sha256: str
+    source: str = ""
+    checkpoint: str = CHECKPOINT_DIR
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> BackboneMetadata:
+        try:
+            raw = json.loads(text)
+            raw["preprocessing"] = Preprocessing(**raw["preprocessing"])
+            meta = cls(**raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"malformed {METADATA_FILE}: {exc}") from None
+        if meta.format_version != FORMAT_VERSION:
+            raise DataError(f"{METADATA_FILE} has format_version {meta.format_version}, expected {FORMAT_VERSION}")
+        return meta
+
+
+def variables_sha256(variables: Any) -> str:
+    """sha256 over every array's path, dtype, shape and little-endian bytes, in sorted path order."""
+    flat = traverse_util.flatten_dict(jax.device_get(variables), sep="/")
+    digest = hashlib.sha256()
+    for path in sorted(flat):
+        array = np.ascontiguousarray(np.asarray(flat[path]))
+        array = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        digest.update(f"{path}|{array.dtype.str}|{array.shape}\n".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def default_weights_dir(name: str) -> pathlib.Path:
+    """Where ``dpscale import-weights NAME`` writes by default.
+
+    ``$DPSCALE_WEIGHTS_DIR/NAME`` if set, else ``$XDG_CACHE_HOME/dpscale/weights/NAME``
+    (``~/.cache/dpscale/weights/NAME``).
+    """
+    root = os.environ.get("DPSCALE_WEIGHTS_DIR")
+    if root:
+        return pathlib.Path(root).expanduser() / name
+    cache = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(cache).expanduser() / "dpscale" / "weights" / name
+
+
+def is_complete(directory: str | os.PathLike[str]) -> bool:
+    """True if a backbone was fully written there (the JSON is written last)."""
+    path = epath.Path(directory)
+    return (path / METADATA_FILE).exists() and (path / CHECKPOINT_DIR).exists()
+
+
+def _absolute(path: epath.Path) -> epath.Path:
+    """orbax wants absolute paths; URLs (``gs://``...) already are."""
+    return path if "://" in os.fspath(path) else path.resolve()
+
+
+def build_model(name: str, *, num_classes: int) -> Any:
+    """The Flax module a metadata ``model`` name stands for."""
+    if name in efficientnet_lite.VARIANTS:
+        return efficientnet_lite.efficientnet_lite(name, num_classes=num_classes)
+    raise DataError(f"backbone metadata names unknown model {name!r}")
+
+
+def save_pretrained(
+    directory: str | os.PathLike[str],
+    variables: Any,
+    *,
+    model: str,
+    num_classes: int,
+    preprocessing: Preprocessing,
+    source: str = "",
+    force: bool = False,
+) -> BackboneMetadata:
+    """Write ``variables`` as an orbax checkpoint and, last, the metadata JSON."""
+    import orbax.checkpoint as ocp
+
+    path = epath.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    meta_path = path / METADATA_FILE
+    if meta_path.exists():
+        if not force:
+            raise DataError(f"{path} already holds a backbone; pass force=True (--force) to overwrite")
+        meta_path.unlink()  # an interrupted overwrite must not look complete
+    metadata = BackboneMetadata(
+        model=model,
+        num_classes=num_classes,
+        preprocessing=preprocessing,
+        weights_sha256=variables_sha256(variables),
+        source=source,
+    )
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(_absolute(path / CHECKPOINT_DIR), variables, force=True)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    tmp = path / (METADATA_FILE + ".tmp")
+    tmp.write_text(metadata.to_json())
+    tmp.rename(meta_path)
+    return metadata
+
+
+def read_metadata(directory: str | os.PathLike[str]) -> BackboneMetadata:
+    path = epath.Path(directory) / METADATA_FILE
+    if not path.exists():
+        raise DataError(f"no {METADATA_FILE} in {directory}: not a dpscale backbone (or an unfinished import)")
+    return BackboneMetadata.from_json(path.read_text())
+
+
+def resolve_backbone(path_or_name: str | os.PathLike[str]) -> epath.Path:
+    """A known model name means its default import directory; anything else is a path or URL."""
+    text = os.fspath(path_or_name)
+    if text in efficientnet_lite.VARIANTS and not epath.Path(text).exists():
+        directory = default_weights_dir(text)
+        if not is_complete(directory):
+            raise DataError(f"no imported weights for {text} in {directory}; run: dpscale import-weights {text}")
+        return epath.Path(directory)
+    return epath.Path(text)
+
+
+def load_pretrained(
+    path_or_name: str | os.PathLike[str], *, verify: bool = True
+) -> tuple[Any, Any, Preprocessing]:
+    """Load a backbone: returns ``(model, variables, preprocessing)``.
+
+    ``verify`` re-hashes the restored weights against the metadata's sha256.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = resolve_backbone(path_or_name)
+    metadata = read_metadata(directory)
+    model = build_model(metadata.model, num_classes=metadata.num_classes)
+    size = metadata.preprocessing.resolution
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, size, size, 3), jnp.float32))
+    checkpoint = directory / metadata.checkpoint
+    if not checkpoint.exists():
+        raise DataError(f"backbone checkpoint {checkpoint} is missing")
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        variables = checkpointer.restore(_absolute(checkpoint), abstract)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise DataError(f"checkpoint {checkpoint} does not fit model {metadata.model}: {exc}") from None
+    finally:
+        checkpointer.close()
+    if verify and variables_sha256(variables) != metadata.weights_sha256:
+        raise DataError(f"weights in {checkpoint} do not match the sha256 in {METADATA_FILE}")
+    return model, variables, metadata.preprocessing
