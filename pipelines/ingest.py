@@ -54,6 +54,7 @@ class GraphSettings:
     validation_fraction: float
     shards_per_split: dict[str, int]
     encoding: str
+    num_inputs: int  # planned; the manifest is refused unless all are accounted for
 
 
 class _Decode(beam.DoFn):
@@ -123,7 +124,8 @@ def build(pipeline: beam.Pipeline, plan: SourcePlan, settings: GraphSettings) ->
              rejections=beam.pvalue.AsSingleton(rejections),
              image_shape=beam.pvalue.AsSingleton(shape),
              source=plan.spec.text, class_names=classes,
-             validation_fraction=settings.validation_fraction, encoding=settings.encoding))
+             validation_fraction=settings.validation_fraction, encoding=settings.encoding,
+             num_inputs=settings.num_inputs))
 
 
 def shards_per_split(split_sizes: dict[str, int], *, validation_fraction: float,

@@ -98,7 +98,7 @@ def run(config: IngestConfig) -> IngestResult:
         shards_per_split=graph.shards_per_split(
             plan.split_sizes, validation_fraction=config.validation_fraction,
             examples_per_shard=config.examples_per_shard),
-        encoding=config.image_encoding)
+        encoding=config.image_encoding, num_inputs=total)
     options = graph.pipeline_options(config.pipeline_args, estimated_examples=total)
     with beam.Pipeline(options=options) as pipeline:
         graph.build(pipeline, plan, settings)

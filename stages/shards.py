@@ -122,12 +122,21 @@ def read_json(path: str) -> Any:
 def write_outputs(_: Any, *, output_dir: str, summaries: Sequence[dict[str, Any]],
                   rejections: Sequence[dict[str, str]], image_shape: Sequence[int] | None,
                   source: str, class_names: Sequence[str], validation_fraction: float,
-                  encoding: str) -> dict[str, Any]:
-    """Write report.json, then manifest.json last: a manifest means a complete dataset."""
+                  encoding: str, num_inputs: int) -> dict[str, Any]:
+    """Write report.json, then manifest.json last: a manifest means a complete dataset.
+
+    Every planned input must be either an example or a rejection; if the runner lost
+    some, no manifest is written and the run fails instead of passing for complete.
+    """
     ordered = sorted(rejections, key=lambda r: (r["split"], r["key"], r["reason"]))
     write_json(join(output_dir, REPORT), {"num_rejected": len(ordered), "rejected": ordered})
     manifest = build_manifest(summaries, source=source, class_names=class_names,
                               image_shape=image_shape, rejections=ordered,
                               validation_fraction=validation_fraction, encoding=encoding)
+    accounted = len(ordered) + sum(e["num_examples"] for e in manifest["splits"].values())
+    if accounted != num_inputs:
+        raise RuntimeError(f"ingest accounted for {accounted} of {num_inputs} inputs; "
+                           "the runner lost or duplicated data, no manifest written")
+    manifest["num_inputs"] = num_inputs
     write_json(join(output_dir, MANIFEST), manifest)
     return manifest

@@ -168,8 +168,9 @@ def _plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
         except (tarfile.TarError, OSError, EOFError) as exc:
             raise DataError(f"cannot read archive {path!r}: {exc}") from exc
         members, classes = _split_layout(names)
-        # A compressed tar reads sequentially: one task, decoding is spread out later.
-        tasks = (ReadTask("tar", path=path, members=tuple(members)),)
+        # A compressed tar only reads sequentially; each task scans from the start to the
+        # end of its own contiguous run of members. One task for the whole archive would
+        # be cheaper, but its huge fan-out lost its tail on Beam's multi-process runner.
     else:
         names = []
         for root, dirs, files in os.walk(path):
@@ -178,8 +179,9 @@ def _plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
             names += [os.path.normpath(os.path.join(rel, f)).replace(os.sep, "/")
                       for f in sorted(files) if not _hidden(f)]
         members, classes = _split_layout(names)
-        tasks = tuple(ReadTask("files", path=path, members=tuple(members[i:i + chunk_size]))
-                      for i in range(0, len(members), chunk_size))
+    kind = "tar" if os.path.isfile(path) else "files"
+    tasks = tuple(ReadTask(kind, path=path, members=tuple(members[i:i + chunk_size]))
+                  for i in range(0, len(members), chunk_size))
     if not members:
         raise DataError(f"source {path!r} contains no files")
     sizes: dict[str, int] = {}
@@ -208,11 +210,17 @@ def _read_files(task: ReadTask, index: dict[str, int]) -> Iterator[RawItem]:
                 data = b""  # unreadable: reported as undecodable downstream
             yield item(rel, data)
         return
+    seen: set[str] = set()
     with tarfile.open(task.path) as archive:
         for member in archive:
-            if member.name in wanted:
+            if member.name in wanted and member.name not in seen:
+                seen.add(member.name)
                 handle = archive.extractfile(member)
                 yield item(member.name, handle.read() if handle else b"")
+                if len(seen) == len(wanted):
+                    return
+    for rel in wanted.keys() - seen:  # vanished since planning: reported as undecodable
+        yield item(rel, b"")
 
 
 # --- IDX (MNIST format) --------------------------------------------------------------

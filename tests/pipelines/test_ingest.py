@@ -68,7 +68,7 @@ def test_graph_builds_for_a_remote_output_without_running():
     plan = plan_source(parse_source("digits"))
     pipeline = beam.Pipeline(options=graph.pipeline_options([], estimated_examples=1797))
     graph.build(pipeline, plan, graph.GraphSettings(
-        output_dir="gs://b/out", validation_fraction=0.1, encoding="raw",
+        output_dir="gs://b/out", validation_fraction=0.1, encoding="raw", num_inputs=1797,
         shards_per_split={"train": 1, "test": 1, "validation": 1}))
     labels = {t.unique_name for t in pipeline.to_runner_api().components.transforms.values()}
     assert {"Read", "Decode", "WriteShards", "WriteManifest"} <= labels

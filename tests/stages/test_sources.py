@@ -81,8 +81,9 @@ def test_tar_gz_source(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    plan = plan_source(parse_source(f"folder:{archive}"))
+    plan = plan_source(parse_source(f"folder:{archive}"), chunk_size=2)
     assert plan.class_names == ("a", "b")
+    assert [len(t.members) for t in plan.tasks] == [2, 1]
     items = _read_all(plan)
     assert sorted((i.split, i.label) for i in items) == [("test", 0), ("train", 0), ("train", 1)]
     assert all(isinstance(i.payload, bytes) and i.payload[:4] == b"\x89PNG" for i in items)
