@@ -13,7 +13,10 @@ privacy ledger records exactly what :func:`epsilon` and the calibration account 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import dp_accounting
@@ -152,10 +155,36 @@ def make_accountant(
     return dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
 
 
+@contextmanager
+def quiet_rdp_warnings() -> Iterator[None]:
+    """Silence absl's "failed to converge" warnings of the RDP accountant.
+
+    dp-accounting logs them for small sigma and large q (calibration probes such
+    settings routinely). The affected RDP orders are dropped, which can only loosen
+    the bound, never invalidate it, so the warnings are noise to our users.
+    """
+    loggers = [logging.getLogger("absl")]
+    try:
+        from absl import logging as absl_logging
+
+        loggers.append(absl_logging.get_absl_logger())
+    except ImportError:  # pragma: no cover - absl ships with dp-accounting
+        pass
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, saved):
+            lg.setLevel(level)
+
+
 def epsilon(spec: DpsgdPrivacySpec, delta: float, accountant: Accountant = "pld") -> float:
     """Epsilon of the whole run at ``delta``, from dp-accounting's standard accountant."""
     check_delta(delta)
-    return float(make_accountant(accountant).compose(dp_event(spec)).get_epsilon(delta))
+    with quiet_rdp_warnings():
+        return float(make_accountant(accountant).compose(dp_event(spec)).get_epsilon(delta))
 
 
 class EpsilonCurve:
@@ -190,7 +219,8 @@ class EpsilonCurve:
         event = step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate)
         if accountant == "rdp":
             one_step = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
-            one_step.compose(event)
+            with quiet_rdp_warnings():
+                one_step.compose(event)
             self._orders = np.asarray(one_step._orders)  # noqa: SLF001 - read-only use
             self._rdp_one_step = np.asarray(one_step._rdp)  # noqa: SLF001
         else:
@@ -207,7 +237,8 @@ class EpsilonCurve:
         if steps < 0:
             raise InvalidConfigError(f"steps must be >= 0, got {steps}")
         if steps not in self._cache:
-            self._cache[steps] = self._compute(int(steps))
+            with quiet_rdp_warnings():
+                self._cache[steps] = self._compute(int(steps))
         return self._cache[steps]
 
     def _compute(self, steps: int) -> float:

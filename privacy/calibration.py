@@ -25,10 +25,8 @@ epsilon is recomputed with dp-accounting's standard accountant.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
 from dpscale.privacy.accounting import (
@@ -39,6 +37,7 @@ from dpscale.privacy.accounting import (
     check_batch_size,
     check_delta,
     epsilon,
+    quiet_rdp_warnings,
 )
 from dpscale.privacy.bracket_search import MonotoneProblem, solve_boundary
 
@@ -55,30 +54,6 @@ class Calibrated:
     value: float | int
     epsilon: float
     probes: int
-
-
-@contextmanager
-def quiet_rdp_warnings() -> Iterator[None]:
-    """Silence absl's "failed to converge" warnings that RDP emits for tiny sigma.
-
-    They are expected while the search probes small noise multipliers (the affected
-    orders are dropped, which only makes the bound looser) and are noise to users.
-    """
-    loggers = [logging.getLogger("absl")]
-    try:
-        from absl import logging as absl_logging
-
-        loggers.append(absl_logging.get_absl_logger())
-    except ImportError:  # pragma: no cover - absl ships with dp-accounting
-        pass
-    saved = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, saved):
-            lg.setLevel(level)
 
 
 class _EpsilonCache:
