@@ -1,0 +1,65 @@
+"""The registry: names, specs that match the built models, overrides, user errors."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dpscale.errors import InvalidConfigError
+from dpscale.models import registry
+from dpscale.models.registry import ModelSpec, get_model, get_spec, list_models, param_count
+
+REQUIRED = ["wrn-16-4", "wrn-40-4", "wrn-28-10", "nf-resnet-50", "nf-resnet-101", "nf-resnet-152",
+            "nf-resnet-200", "nfnet-f0", "nfnet-f1", "nfnet-f2", "nfnet-f3", "cnn-small"]
+
+
+def test_all_required_names_are_listed():
+    names = list_models()
+    assert set(REQUIRED) <= set(names)
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("name", ["wrn-16-4", "cnn-small", "nf-resnet-50", "nfnet-f0"])
+def test_spec_matches_the_model(name):
+    spec = get_spec(name)
+    model = get_model(name, num_classes=13)
+    logits, feats = jax.eval_shape(
+        lambda k, x: model.init_with_output(k, x, return_features=True)[0],
+        jax.random.key(0), jax.ShapeDtypeStruct((2, *spec.input_shape), jnp.float32))
+    assert logits.shape == (2, 13)
+    assert feats.shape == (2, spec.feature_dim)
+
+
+def test_param_count_counts_real_parameters():
+    model = get_model("cnn-small")
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+    real = sum(int(leaf.size) for leaf in jax.tree.leaves(variables["params"]))
+    assert param_count("cnn-small") == real
+    # The classifier is the only part that depends on the number of classes.
+    assert param_count("cnn-small", num_classes=11) - real == 128 + 1
+
+
+def test_any_valid_wrn_name_resolves():
+    spec = get_spec("wrn-22-2")
+    assert spec.feature_dim == 128 and spec.input_shape == (32, 32, 3)
+    with pytest.raises(InvalidConfigError, match="6n\\+4"):
+        get_spec("wrn-21-2")
+
+
+def test_unknown_names_and_bad_class_counts_are_user_errors():
+    with pytest.raises(InvalidConfigError, match="unknown model"):
+        get_spec("resnet-9000")
+    with pytest.raises(InvalidConfigError):
+        get_model("cnn-small", num_classes=0)
+
+
+def test_register_refuses_silent_overwrite():
+    spec = ModelSpec(name="test-only-cnn", build=get_spec("cnn-small").build, num_classes=3,
+                     input_shape=(28, 28, 1), feature_dim=128)
+    try:
+        registry.register(spec)
+        assert get_spec("test-only-cnn") is spec
+        registry.register(spec)  # identical re-registration (module re-import) is fine
+        with pytest.raises(InvalidConfigError, match="already registered"):
+            registry.register(ModelSpec(**{**spec.__dict__, "num_classes": 4}))
+    finally:
+        registry._REGISTRY.pop("test-only-cnn", None)
