@@ -134,6 +134,179 @@ def models_command(as_json: bool) -> None:
         click.echo(f"{row['name']:<20} {row['params']:>13,} params  {shape:<11} {weights}")
 
 
+def _print_json_line(payload: dict) -> None:
+    import json
+
+    click.echo(json.dumps(payload, sort_keys=True, default=str))
+
+
+@cli.command("train")
+@click.argument("data", type=click.Path(file_okay=False))
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models`.")
+@click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon.")
+@click.option("--delta", type=float, default=1e-5, show_default=True, help="Target delta.")
+@click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B.")
+@click.option("--steps", type=int, default=None, help="Number of optimiser steps T.")
+@click.option("--noise-multiplier", type=float, default=None, help="sigma; calibrated when left out.")
+@click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True)
+@click.option("--sampling", type=click.Choice(["poisson", "shuffle"]), default="poisson", show_default=True,
+              help="`shuffle` is NOT what the accountant assumes: for baselines only (warns).")
+@click.option("--clip-norm", type=float, default=1.0, show_default=True)
+@click.option("--learning-rate", type=float, default=2.0, show_default=True,
+              help="SGD step size on the C-normalised gradient (no momentum, no weight decay).")
+@click.option("--augmult", type=int, default=1, show_default=True,
+              help="K augmented views per example, averaged before clipping.")
+@click.option("--augment-pad", type=int, default=4, show_default=True, help="Reflect padding of random crops.")
+@click.option("--no-flip", is_flag=True, help="Do not flip views horizontally.")
+@click.option("--microbatch-size", type=int, default=64, show_default=True,
+              help="Physical batch; the logical batch is accumulated over micro-batches.")
+@click.option("--ema-decay", type=float, default=0.999, show_default=True)
+@click.option("--seed", type=int, default=None,
+              help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
+@click.option("--devices", type=int, default=None, help="Data-parallel devices (default: all local).")
+def train_command(data: str, run_dir: str, **options) -> None:
+    """Train on the ingested DATA with DP-SGD; write the run to RUN_DIR.
+
+    Give the privacy target (--epsilon, --delta) and two of --batch-size, --steps,
+    --noise-multiplier; the third is calibrated before the first step. Prints one
+    JSON line with the achieved epsilon and the hyper-parameters.
+    """
+    from dpscale.stages import train
+
+    flip = not options.pop("no_flip")
+    result = train.run(train.TrainConfig(data=data, run_dir=run_dir, augment_flip=flip, **options))
+    _print_json_line(dataclasses_asdict(result))
+
+
+@cli.command("evaluate")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--split", default="test", show_default=True)
+@click.option("--data", default=None, help="Ingested data (default: the data the run trained on).")
+def evaluate_command(run_dir: str, split: str, data: str | None) -> None:
+    """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json."""
+    from dpscale.stages import evaluate
+
+    result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data))
+    _print_json_line(result.as_dict())
+
+
+@cli.command("quickstart")
+@click.option("--data", default="digits", show_default=True,
+              help="Any ingest source: digits (bundled, offline), idx:DIR, folder:PATH, tfds:NAME.")
+@click.option("--work-dir", default="dpscale-quickstart", show_default=True,
+              help="Where the ingested data and the run directory go.")
+@click.option("--epsilon", type=float, default=8.0, show_default=True)
+@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--batch-size", type=int, default=256, show_default=True)
+@click.option("--steps", type=int, default=100, show_default=True)
+@click.option("--model", default="cnn-small", show_default=True)
+@click.option("--seed", type=int, default=None, help="Fix the secret seed (debugging only).")
+def quickstart_command(**options) -> None:
+    """Ingest -> calibrate -> train (DP-SGD) -> evaluate on a small offline data set.
+
+    Ends with one JSON line holding epsilon, delta and test_accuracy (EMA parameters).
+    """
+    from dpscale.stages import quickstart
+
+    _print_json_line(quickstart.run(quickstart.QuickstartConfig(**options)))
+
+
+_ACCOUNTANT_HELP = "pld: tight numerical accountant (default); rdp: looser upper bound, faster."
+
+
+def _echo_warnings(warnings: tuple[str, ...]) -> None:
+    for warning in warnings:
+        click.echo(f"dpscale: warning: {warning}", err=True)
+
+
+@cli.command("epsilon")
+@click.option("--noise-multiplier", type=float, required=True,
+              help="sigma: noise standard deviation divided by the clip norm.")
+@click.option("--steps", type=int, required=True, help="Number of DP-SGD steps T.")
+@click.option("--batch-size", type=int, required=True, help="Expected (Poisson) batch size B.")
+@click.option("--num-examples", type=int, required=True, help="Training set size N; q = B/N.")
+@click.option("--delta", type=float, required=True, help="delta of (epsilon, delta)-DP; keep it << 1/N.")
+@click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True,
+              help=_ACCOUNTANT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_examples: int,
+                    delta: float, accountant: str, as_json: bool) -> None:
+    """Epsilon spent by T steps of DP-SGD with Poisson sampling.
+
+    Each step samples every example with probability q = B/N and adds Gaussian noise
+    of sigma times the clip norm; neighbouring data sets differ by adding or removing
+    one example. Uses dp-accounting's PLD (default) or RDP accountant.
+
+    \b
+    Example (an ImageNet-sized run):
+      dpscale epsilon --noise-multiplier 2.5 --steps 71589 --batch-size 16384 \\
+                      --num-examples 1281167 --delta 8e-7
+    """
+    from dpscale.stages import privacy_budget as stage
+
+    result = stage.run_epsilon(stage.EpsilonConfig(
+        noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size,
+        num_examples=num_examples, delta=delta, accountant=accountant))
+    _echo_warnings(result.warnings)
+    if as_json:
+        _print_json_line(result.as_dict())
+        return
+    click.echo(f"epsilon = {result.epsilon:.6g} at delta = {result.delta:g} "
+               f"({result.accountant.upper()} accountant, Poisson sampling q = {result.sampling_rate:.6g}, "
+               f"sigma = {result.noise_multiplier:g}, {result.steps} steps)")
+
+
+@cli.command("calibrate")
+@click.option("--epsilon", type=float, required=True, help="Target epsilon: the result never exceeds it.")
+@click.option("--delta", type=float, required=True, help="delta of (epsilon, delta)-DP; keep it << 1/N.")
+@click.option("--num-examples", type=int, required=True, help="Training set size N; q = B/N.")
+@click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B; solved for if left out.")
+@click.option("--steps", type=int, default=None, help="Number of DP-SGD steps T; solved for if left out.")
+@click.option("--noise-multiplier", type=float, default=None, help="sigma; solved for if left out.")
+@click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True,
+              help=_ACCOUNTANT_HELP)
+@click.option("--rtol", type=float, default=1e-3, show_default=True,
+              help="Relative tolerance on a solved noise multiplier (steps and batch size are exact).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_size: int | None,
+                      steps: int | None, noise_multiplier: float | None, accountant: str, rtol: float,
+                      as_json: bool) -> None:
+    """Solve for the one of --noise-multiplier, --steps, --batch-size left out.
+
+    Finds the smallest noise multiplier, or the largest number of steps, or the largest
+    batch size whose epsilon is at most --epsilon (never above it) by a monotone
+    bracketing search; the reported epsilon is the achieved one.
+
+    \b
+    Example: the noise for an ImageNet-sized run at epsilon 8
+      dpscale calibrate --epsilon 8 --delta 8e-7 --num-examples 1281167 \\
+                        --batch-size 16384 --steps 71589
+    """
+    from dpscale.stages import privacy_budget as stage
+
+    result = stage.run_calibrate(stage.CalibrateConfig(
+        epsilon=epsilon, delta=delta, num_examples=num_examples, batch_size=batch_size,
+        steps=steps, noise_multiplier=noise_multiplier, accountant=accountant, rtol=rtol))
+    _echo_warnings(result.warnings)
+    if as_json:
+        _print_json_line(result.as_dict())
+        return
+    solved = {result.solved_for: "  (solved)"}
+    click.echo(f"noise multiplier  {result.noise_multiplier:.6g}{solved.get('noise_multiplier', '')}")
+    click.echo(f"steps             {result.steps}{solved.get('steps', '')}")
+    click.echo(f"batch size        {result.batch_size}{solved.get('batch_size', '')}"
+               f"  (q = {result.sampling_rate:.6g})")
+    click.echo(f"epsilon           {result.epsilon:.6g} <= {result.target_epsilon:g} at delta "
+               f"{result.delta:g} ({result.accountant.upper()} accountant, {result.seconds:.1f} s)")
+
+
+def dataclasses_asdict(obj) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
 def main() -> None:
     """Console-script entry point."""
     cli()

@@ -147,7 +147,7 @@ def test_round_trip_calibrated_steps_cover_the_run_that_set_sigma():
 
 
 def test_no_steps_fit_a_tiny_budget():
-    with pytest.raises(InfeasiblePrivacyTargetError, match="even steps 1"):
+    with pytest.raises(InfeasiblePrivacyTargetError, match="even with steps = 1,"):
         calibrate_steps(
             target_epsilon=0.01, delta=1e-5, noise_multiplier=0.8, sampling_rate=0.5,
             accountant="rdp",
@@ -155,7 +155,7 @@ def test_no_steps_fit_a_tiny_budget():
 
 
 def test_not_even_batch_size_one_fits():
-    with pytest.raises(InfeasiblePrivacyTargetError, match="even batch size 1"):
+    with pytest.raises(InfeasiblePrivacyTargetError, match="even with batch size = 1,"):
         calibrate_batch_size(
             target_epsilon=0.05, delta=1e-5, noise_multiplier=0.6, steps=10_000,
             num_examples=1000, accountant="rdp",
