@@ -13,7 +13,7 @@ weights with the wrong normalisation. The sha256 is over the weights themselves
 feature cache; loading re-hashes and refuses a checkpoint that does not match.
 
 Any Flax checkpoint can serve as a backbone if it comes with this JSON and its
-``model`` names a model dpscale can build (``efficientnet-lite0``... or a registry name).
+``model`` is a name ``dpscale models`` lists (the variables must fit that model).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from dpscale.errors import DataError
+from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import efficientnet_lite
 
 METADATA_FILE = "dpscale_backbone.json"
@@ -43,18 +43,19 @@ FORMAT_VERSION = 1
 class Preprocessing:
     """How raw pixels must be prepared for a backbone.
 
-    ``mean`` and ``std`` are per RGB channel in raw pixel units (0..255), so
-    ``normalize(x) = (x - mean) / std`` for ``x`` in [0, 255].
+    ``mean`` and ``std`` are per channel (3 for RGB, 1 for grayscale) in raw pixel
+    units (0..255), so ``normalize(x) = (x - mean) / std`` for ``x`` in [0, 255].
     """
 
     resolution: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
         object.__setattr__(self, "std", tuple(float(s) for s in self.std))
-        if self.resolution <= 0 or len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+        channels = len(self.mean)
+        if self.resolution <= 0 or channels not in (1, 3) or len(self.std) != channels or min(self.std) <= 0:
             raise DataError(f"invalid preprocessing: {self}")
 
     def normalize(self, images: jax.Array | np.ndarray) -> jax.Array:
@@ -140,10 +141,13 @@ def _absolute(path: epath.Path) -> epath.Path:
 
 
 def build_model(name: str, *, num_classes: int) -> Any:
-    """The Flax module a metadata ``model`` name stands for."""
-    if name in efficientnet_lite.VARIANTS:
-        return efficientnet_lite.efficientnet_lite(name, num_classes=num_classes)
-    raise DataError(f"backbone metadata names unknown model {name!r}")
+    """The Flax module a metadata ``model`` name stands for: any name of ``dpscale models``."""
+    from dpscale.models import registry
+
+    try:
+        return registry.get_model(name, num_classes=num_classes)
+    except InvalidConfigError as exc:
+        raise DataError(f"backbone metadata names a model dpscale cannot build: {exc}") from None
 
 
 def save_pretrained(
@@ -213,8 +217,9 @@ def load_pretrained(
     directory = resolve_backbone(path_or_name)
     metadata = read_metadata(directory)
     model = build_model(metadata.model, num_classes=metadata.num_classes)
-    size = metadata.preprocessing.resolution
-    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, size, size, 3), jnp.float32))
+    prep = metadata.preprocessing
+    shape = (1, prep.resolution, prep.resolution, len(prep.mean))
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct(shape, jnp.float32))
     checkpoint = directory / metadata.checkpoint
     if not checkpoint.exists():
         raise DataError(f"backbone checkpoint {checkpoint} is missing")

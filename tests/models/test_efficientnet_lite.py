@@ -45,6 +45,16 @@ def test_published_sizes(name, params, blocks, last_channels):
     assert not any(n.endswith("conv/bias") for n in names)
 
 
+def test_registered_with_importable_weights():
+    from dpscale.models import registry
+
+    for name in efficientnet_lite.VARIANTS:
+        row = registry.describe(name)
+        assert row["pretrained"] is True and row["input_shape"][-1] == 3
+    assert registry.describe("efficientnet-lite0")["params"] == 4_652_008
+    assert registry.get_model("efficientnet-lite1", num_classes=5).head.num_classes == 5
+
+
 def test_round_filters_matches_compound_scaling():
     assert [round_filters(c, 1.1) for c in (16, 24, 40, 80, 112, 192, 320)] == [16, 24, 48, 88, 120, 208, 352]
     assert round_filters(40, 1.0) == 40

@@ -97,3 +97,27 @@ def test_preprocessing_resizes_and_normalises():
     assert PREP.fingerprint() != Preprocessing(resolution=64, mean=(127.0,) * 3, std=(128.0,) * 3).fingerprint()
     with pytest.raises(DataError):
         Preprocessing(resolution=64, mean=(0.0, 0.0, 0.0), std=(1.0, 0.0, 1.0))
+
+
+def test_any_registry_model_checkpoint_serves_as_a_backbone(tmp_path):
+    """A user's own Flax checkpoint (here the grayscale small CNN) loads with its own preprocessing."""
+    from dpscale.models import registry
+
+    model = registry.get_model("cnn-small", num_classes=4)
+    x = np.random.default_rng(1).uniform(0, 255, size=(2, 28, 28, 1)).astype(np.float32)
+    rng = np.random.default_rng(2)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+    variables = jax.tree.map(lambda s: (0.1 * rng.normal(size=s.shape)).astype(np.float32), abstract)
+    prep = Preprocessing(resolution=28, mean=(72.9,), std=(90.0,))
+    pretrained.save_pretrained(tmp_path / "cnn", variables, model="cnn-small", num_classes=4, preprocessing=prep)
+    loaded_model, loaded, loaded_prep = pretrained.load_pretrained(str(tmp_path / "cnn"))
+    assert loaded_prep == prep
+    expected = model.apply(variables, prep(x), method="features")
+    np.testing.assert_allclose(
+        np.asarray(loaded_model.apply(loaded, loaded_prep(x), method="features")), np.asarray(expected), rtol=1e-6
+    )
+    bad = json.loads((tmp_path / "cnn" / pretrained.METADATA_FILE).read_text())
+    bad["model"] = "no-such-net"
+    (tmp_path / "cnn" / pretrained.METADATA_FILE).write_text(json.dumps(bad))
+    with pytest.raises(DataError, match="cannot build"):
+        pretrained.load_pretrained(tmp_path / "cnn")
