@@ -73,9 +73,10 @@ def test_folder_reads_labels_and_unknown_classes(tmp_path):
     assert items["test/cow/x.png"].label_name == "cow"
 
 
-def test_tar_gz_source(tmp_path):
-    archive = tmp_path / "data.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
+@pytest.mark.parametrize("suffix,mode", [(".tar.gz", "w:gz"), (".tgz", "w:gz"), (".tar", "w")])
+def test_tar_source(tmp_path, suffix, mode):
+    archive = tmp_path / f"data{suffix}"
+    with tarfile.open(archive, mode) as tar:
         for name, value in [("d/train/a/1.png", 1), ("d/train/b/2.png", 2), ("d/test/a/3.png", 3)]:
             data = _png(value)
             info = tarfile.TarInfo(name)
@@ -84,6 +85,7 @@ def test_tar_gz_source(tmp_path):
     plan = plan_source(parse_source(f"folder:{archive}"), chunk_size=2)
     assert plan.class_names == ("a", "b")
     assert [len(t.members) for t in plan.tasks] == [2, 1]
+    assert plan.tasks[1].start > 0  # the second run starts mid-archive
     items = _read_all(plan)
     assert sorted((i.split, i.label) for i in items) == [("test", 0), ("train", 0), ("train", 1)]
     assert all(isinstance(i.payload, bytes) and i.payload[:4] == b"\x89PNG" for i in items)
