@@ -89,6 +89,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         stage.log.addHandler(handler)
         stage.log.setLevel(logging.INFO)
+        stage.log.propagate = False  # Beam configures the root logger too: print once
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     config = stage.IngestConfig(source, output, validation_fraction=validation_fraction,
                                 examples_per_shard=examples_per_shard,
