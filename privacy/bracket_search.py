@@ -130,8 +130,9 @@ def solve_boundary(problem: MonotoneProblem, start: float, *, slope: float) -> t
         for probe in _candidates(problem, feasible, infeasible, guess):
             if not min(feasible, infeasible) < probe < max(feasible, infeasible):
                 continue
-            g = gaps[probe] = _gap(problem.eps_at(probe), target)
-            side = g <= 0
+            e = problem.eps_at(probe)
+            g = gaps[probe] = _gap(e, target)
+            side = e <= target  # decide on eps itself: log() can round a hair above to 0
             if side:
                 feasible, g_feasible = probe, g
                 if last_side is True:
