@@ -117,3 +117,9 @@ def test_batchnorm_uses_frozen_statistics_so_examples_do_not_mix(lite0_small):
 def test_unknown_variant_is_a_config_error():
     with pytest.raises(InvalidConfigError, match="efficientnet-lite9"):
         efficientnet_lite.efficientnet_lite("efficientnet-lite9")
+
+
+def test_dp_validator_accepts_frozen_batchnorm():
+    from dpscale.models.validation import validate_dp_model
+
+    validate_dp_model(efficientnet_lite.efficientnet_lite("efficientnet-lite0", num_classes=3), (64, 64, 3))
