@@ -110,8 +110,16 @@ def _two_stage(
                 upper=upper,
                 rtol=rtol,
             )
-            start, slope = solve_boundary(problem, start, slope=slope)
-            probes += cache.probes
+            try:
+                start, slope = solve_boundary(problem, start, slope=slope)
+            except InfeasiblePrivacyTargetError:
+                if acc == accountant:
+                    raise
+                # RDP is looser than PLD: out of reach for RDP may still be feasible for
+                # PLD, so let the PLD search start from the most private setting.
+                start = lower if increasing else upper
+            finally:
+                probes += cache.probes
     return start, probes
 
 

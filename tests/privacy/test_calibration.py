@@ -154,6 +154,17 @@ def test_no_steps_fit_a_tiny_budget():
         )
 
 
+def test_pld_is_not_limited_by_the_looser_rdp_presolve():
+    # One step of sigma = 2 on the full batch: RDP says eps 2.17, PLD 1.99. A target
+    # between them is out of reach for RDP but feasible for PLD.
+    kwargs = dict(target_epsilon=2.05, delta=1e-5, noise_multiplier=2.0, sampling_rate=1.0)
+    with pytest.raises(InfeasiblePrivacyTargetError):
+        calibrate_steps(**kwargs, accountant="rdp")
+    result = calibrate_steps(**kwargs, accountant="pld")
+    assert result.value >= 1 and result.epsilon <= 2.05
+    assert _eps(2.0, 1.0, result.value + 1, 1e-5, "pld") > 2.05
+
+
 def test_not_even_batch_size_one_fits():
     with pytest.raises(InfeasiblePrivacyTargetError, match="even with batch size = 1,"):
         calibrate_batch_size(
