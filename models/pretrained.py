@@ -206,10 +206,12 @@ def resolve_backbone(path_or_name: str | os.PathLike[str]) -> epath.Path:
 
 
 def load_pretrained(
-    path_or_name: str | os.PathLike[str], *, verify: bool = True
+    path_or_name: str | os.PathLike[str], *, num_classes: int | None = None, verify: bool = True
 ) -> tuple[Any, Any, Preprocessing]:
     """Load a backbone: returns ``(model, variables, preprocessing)``.
 
+    ``num_classes`` (if it differs from the checkpoint's) swaps the classifier for a
+    zero-initialised one of that size, as for DP fine-tuning on a new task.
     ``verify`` re-hashes the restored weights against the metadata's sha256.
     """
     import orbax.checkpoint as ocp
@@ -232,4 +234,22 @@ def load_pretrained(
         checkpointer.close()
     if verify and variables_sha256(variables) != metadata.weights_sha256:
         raise DataError(f"weights in {checkpoint} do not match the sha256 in {METADATA_FILE}")
-    return model, variables, metadata.preprocessing
+    if num_classes is not None and num_classes != metadata.num_classes:
+        return (*with_zero_head(metadata.model, variables, num_classes=num_classes, input_shape=shape[1:]), prep)
+    return model, variables, prep
+
+
+def with_zero_head(name: str, variables: Any, *, num_classes: int, input_shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """``(model, variables)`` of ``name`` with ``num_classes`` outputs: backbone kept, classifier all zeros.
+
+    A zero classifier makes the first DP steps start from uniform predictions instead of
+    ImageNet logits, the usual start for fine-tuning (De et al. 2022).
+    """
+    from dpscale.models import registry
+
+    head_key = registry.get_spec(name).head_param_key
+    model = build_model(name, num_classes=num_classes)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, *input_shape), jnp.float32))
+    params = dict(variables["params"])
+    params[head_key] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract["params"][head_key])
+    return model, {**variables, "params": params}

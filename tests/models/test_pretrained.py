@@ -52,6 +52,20 @@ def test_weights_and_preprocessing_round_trip(saved, lite0_variables):
     assert on_disk["model"] == "efficientnet-lite0" and on_disk["weights_sha256"] == meta.weights_sha256
 
 
+def test_new_task_gets_a_zero_classifier_on_the_pretrained_backbone(saved, lite0_variables):
+    directory, _ = saved
+    model, variables, _ = pretrained.load_pretrained(directory, num_classes=5)
+    assert model.head.num_classes == 5
+    head = variables["params"]["head"]["fc"]
+    assert head["kernel"].shape == (1280, 5) and not np.any(np.asarray(head["kernel"]))
+    assert not np.any(np.asarray(head["bias"]))
+    np.testing.assert_array_equal(
+        np.asarray(variables["params"]["backbone"]["stem_conv"]["kernel"]),
+        lite0_variables["params"]["backbone"]["stem_conv"]["kernel"],
+    )
+    assert set(variables["batch_stats"]) == {"backbone"}
+
+
 def test_tampered_weights_hash_is_refused(tmp_path, saved):
     directory, meta = saved
     copy = tmp_path / "copy"
