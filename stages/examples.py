@@ -23,10 +23,13 @@ import dataclasses
 import hashlib
 import io
 import struct
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from dpscale.stages.sources import UNKNOWN_LABEL, RawItem
+from dpscale.stages.sources import UNKNOWN_LABEL, RawItem, ReadTask, read_task
 
 MAGIC = b"DPSX"
 RECORD_VERSION = 1
@@ -48,6 +51,30 @@ class Example:
     @property
     def id(self) -> str:
         return self.digest.hex()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.image.shape)
+
+
+class Encoded(NamedTuple):
+    """An example ready for its shard: the record plus what sorting, checks and hashing use."""
+
+    split: str
+    key: str
+    label: int
+    shape: tuple[int, ...]
+    digest: bytes
+    record: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOutput:
+    """One read task's work, batched so Beam moves a few lists instead of every image."""
+
+    batches: dict[tuple[str, int], list[Encoded]]  # (split, shard) -> encoded examples
+    shape_counts: dict[tuple[int, ...], int]
+    rejections: list[Rejection]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +145,13 @@ def majority_shape(shape_counts: list[tuple[tuple[int, ...], int]]) -> tuple[int
     return min(shape_counts, key=lambda sc: (-sc[1], sc[0]))[0]
 
 
-def check_shape(example: Example, shape: tuple[int, ...] | None) -> Example | Rejection:
+def check_shape(example: Example | Encoded,
+                shape: Sequence[int] | None) -> Example | Encoded | Rejection:
     """Reject examples whose shape differs from the data set's majority shape."""
-    if shape is None or tuple(example.image.shape) == tuple(shape):
+    if shape is None or tuple(example.shape) == tuple(shape):
         return example
     return Rejection(example.split, example.key, "wrong_shape",
-                     f"shape {tuple(example.image.shape)} != majority shape {tuple(shape)}")
+                     f"shape {tuple(example.shape)} != majority shape {tuple(shape)}")
 
 
 def _unit_interval(salt: bytes, digest: bytes) -> float:
@@ -143,7 +171,7 @@ def assign_validation(example: Example, fraction: float) -> Example:
     return example
 
 
-def shard_index(example: Example, num_shards: int) -> int:
+def shard_index(example: Example | Encoded, num_shards: int) -> int:
     """Shard of an example, from its content hash (independent of input order)."""
     return int.from_bytes(example.digest[8:16], "big") % num_shards
 
@@ -179,6 +207,29 @@ def encode_record(example: Example, *, encoding: str = "raw") -> bytes:
     header = _HEADER.pack(MAGIC, RECORD_VERSION, ENCODINGS[encoding], h, w, c,
                           example.label, example.digest, len(key))
     return header + key + body
+
+
+def encode(example: Example, *, encoding: str = "raw") -> Encoded:
+    return Encoded(example.split, example.key, example.label, example.shape, example.digest,
+                   encode_record(example, encoding=encoding))
+
+
+def process_task(task: ReadTask, class_names: Sequence[str], *, validation_fraction: float,
+                 shards_per_split: dict[str, int], encoding: str) -> TaskOutput:
+    """Read, decode, split, encode and shard-key every item of one read task."""
+    batches: dict[tuple[str, int], list[Encoded]] = {}
+    shapes: Counter[tuple[int, ...]] = Counter()
+    rejections = []
+    for item in read_task(task, class_names):
+        result = to_example(item)
+        if isinstance(result, Rejection):
+            rejections.append(result)
+            continue
+        encoded = encode(assign_validation(result, validation_fraction), encoding=encoding)
+        shapes[encoded.shape] += 1
+        shard = shard_index(encoded, shards_per_split.get(encoded.split, 1))
+        batches.setdefault((encoded.split, shard), []).append(encoded)
+    return TaskOutput(batches, dict(shapes), rejections)
 
 
 def decode_record(record: bytes, *, split: str = "") -> Example:

@@ -20,7 +20,8 @@ from typing import Any
 
 from apache_beam.io.filesystems import FileSystems
 
-from dpscale.stages.examples import Example, combine_hashes, element_hash, encode_record
+from dpscale.stages.examples import (Encoded, Rejection, check_shape, combine_hashes,
+                                    element_hash)
 
 FORMAT_NAME = "dpscale-ingest"
 FORMAT_VERSION = 1
@@ -42,12 +43,19 @@ def is_local(path: str) -> bool:
 
 
 def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
-                examples: Iterable[Example], *, num_classes: int,
-                encoding: str = "raw") -> dict[str, Any]:
-    """Write the examples of one shard (sorted) and return its summary."""
+                examples: Iterable[Encoded], *, num_classes: int,
+                shape: Sequence[int] | None) -> tuple[dict[str, Any], list[Rejection]]:
+    """Write one shard's examples of the majority ``shape`` (sorted); reject the others.
+
+    Returns the shard's summary and the wrong-shape rejections.
+    """
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    ordered = sorted(examples, key=lambda e: (e.digest, e.key))
+    kept, rejected = [], []
+    for e in examples:
+        checked = check_shape(e, shape)
+        (rejected if isinstance(checked, Rejection) else kept).append(checked)
+    kept.sort(key=lambda e: (e.digest, e.key))
     name = shard_name(split, shard, num_shards)
     target = join(output_dir, name)
     local_dir = output_dir if is_local(output_dir) else tempfile.mkdtemp()
@@ -55,8 +63,8 @@ def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
     writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
     counts = [0] * num_classes
     terms = []
-    for example in ordered:
-        writer.write(encode_record(example, encoding=encoding))
+    for example in kept:
+        writer.write(example.record)
         counts[example.label] += 1
         terms.append(element_hash(split, example.label, example.digest))
     writer.close()
@@ -66,8 +74,9 @@ def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
         with open(tmp, "rb") as src, FileSystems.create(target) as dst:
             shutil.copyfileobj(src, dst)
         shutil.rmtree(local_dir, ignore_errors=True)
-    return {"split": split, "shard": shard, "file": name, "num_examples": len(ordered),
-            "class_counts": counts, "hash": combine_hashes(terms)}
+    summary = {"split": split, "shard": shard, "file": name, "num_examples": len(kept),
+               "class_counts": counts, "hash": combine_hashes(terms)}
+    return summary, rejected
 
 
 def build_manifest(summaries: Sequence[dict[str, Any]], *, source: str,

@@ -71,7 +71,7 @@ def test_graph_builds_for_a_remote_output_without_running():
         output_dir="gs://b/out", validation_fraction=0.1, encoding="raw", num_inputs=1797,
         shards_per_split={"train": 1, "test": 1, "validation": 1}))
     labels = {t.unique_name for t in pipeline.to_runner_api().components.transforms.values()}
-    assert {"Read", "Decode", "WriteShards", "WriteManifest"} <= labels
+    assert {"ReadDecodeEncode", "GroupShards", "WriteShards", "WriteManifest"} <= labels
 
 
 def test_pipeline_runs_multi_processing_with_two_workers(tmp_path):

@@ -227,3 +227,16 @@ def test_cifar10_jpeg_slice(tmp_path):
     assert ds.image_shape == (32, 32, 3)
     assert len(ds.class_names) == 10 and ds.manifest["num_rejected"] == 0
     assert ds.num_examples("train") == ds.num_examples("test") == len(members) // 2
+
+
+def test_tfds_source_end_to_end_with_mock_data(tmp_path):
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=12):
+        ds = ingest("tfds:mnist:train", tmp_path / "out", validation_fraction=0.25)
+    assert ds.class_names == [str(i) for i in range(10)]
+    assert ds.image_shape == (28, 28, 1)
+    assert ds.num_examples("train") + ds.num_examples("validation") == 12
+    assert ds.manifest["source"] == "tfds:mnist:train"
+    images, labels = ds.get("train", range(ds.num_examples("train")))
+    assert images.dtype == np.uint8 and ((0 <= labels) & (labels < 10)).all()
