@@ -16,8 +16,8 @@ def test_param_count_in_budget_and_no_batch_statistics():
     assert 80_000 <= count <= 300_000
     assert set(variables) == {"params"}
     backbone = variables["params"]["backbone"]
-    assert [backbone[f"conv_{i}"]["kernel"].shape[-1] for i in range(3)] == [32, 64, 128]
-    assert all("bias" not in backbone[f"conv_{i}"] for i in range(3))  # WS conv, GN shifts
+    assert [backbone[f"conv_{i}"]["kernel"].shape[-1] for i in range(4)] == [16, 32, 64, 128]
+    assert all("bias" not in backbone[f"conv_{i}"] for i in range(4))  # WS conv, GN shifts
 
 
 def test_forward_shapes_on_fashion_mnist_images():
