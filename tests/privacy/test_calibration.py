@@ -10,6 +10,7 @@ from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
 from dpscale.privacy.accounting import DpsgdPrivacySpec, epsilon
 from dpscale.privacy.calibration import (
     DEFAULT_RTOL,
+    MAX_STEPS,
     calibrate_batch_size,
     calibrate_noise_multiplier,
     calibrate_steps,
@@ -186,6 +187,15 @@ def test_whole_data_set_batches_when_the_budget_allows():
         num_examples=1000, accountant="rdp",
     )
     assert result.value == 1000 and result.epsilon <= 50.0
+
+
+def test_steps_stop_at_the_cap_when_the_budget_is_never_spent():
+    # PLD composition of 2^31 steps would not finish; the search domain ends at MAX_STEPS.
+    result = calibrate_steps(
+        target_epsilon=50.0, delta=1e-5, noise_multiplier=10.0, sampling_rate=1e-4,
+        accountant="pld",
+    )
+    assert result.value == MAX_STEPS and result.epsilon <= 50.0
 
 
 @pytest.mark.parametrize(
