@@ -15,6 +15,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from dpscale.stages import examples as ex
+from dpscale.stages.progress import mark
 from dpscale.stages.shards import write_outputs, write_shard
 from dpscale.stages.sources import SourcePlan
 
@@ -47,6 +48,12 @@ def pipeline_options(args: tuple[str, ...] | list[str], *,
     return options
 
 
+def is_local_runner(options: PipelineOptions) -> bool:
+    """Whether workers share this machine's disk (progress markers can reach us)."""
+    runner = str(options.view_as(StandardOptions).runner or "").lower()
+    return runner in ("directrunner", "direct", "fnapirunner", "bundlebaseddirectrunner")
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphSettings:
     """What the graph needs besides the source plan."""
@@ -56,6 +63,7 @@ class GraphSettings:
     shards_per_split: dict[str, int]
     encoding: str
     num_inputs: int  # planned; the manifest is refused unless all are accounted for
+    progress_dir: str | None = None  # local runs: where finished tasks are marked
 
 
 class _ProcessTask(beam.DoFn):
@@ -74,6 +82,7 @@ class _ProcessTask(beam.DoFn):
                               encoding=self.settings.encoding)
         self.rejected.inc(len(out.rejections))
         self.examples.inc(sum(out.shape_counts.values()))
+        mark(self.settings.progress_dir, len(out.rejections) + sum(out.shape_counts.values()))
         for rejection in out.rejections:
             yield beam.pvalue.TaggedOutput("rejected", rejection.as_dict())
         for shape_count in out.shape_counts.items():

@@ -18,6 +18,7 @@ from apache_beam.io.filesystems import FileSystems
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.stages import shards
 from dpscale.stages.examples import ENCODINGS
+from dpscale.stages.progress import LocalProgress
 from dpscale.stages.sources import parse_source, plan_source
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,17 @@ def run(config: IngestConfig) -> IngestResult:
     log.info("ingest %s: %d inputs in splits %s, %d classes, %d read tasks", config.source,
              total, plan.split_sizes, len(plan.class_names), len(plan.tasks))
     _prepare_output(config.output_dir, config.overwrite)
+    options = graph.pipeline_options(config.pipeline_args, estimated_examples=total)
+    local = graph.is_local_runner(options)
+    progress = LocalProgress(total, label="ingest: read+decode", log=log)
     settings = graph.GraphSettings(
         output_dir=config.output_dir, validation_fraction=config.validation_fraction,
         shards_per_split=graph.shards_per_split(
             plan.split_sizes, validation_fraction=config.validation_fraction,
             examples_per_shard=config.examples_per_shard),
-        encoding=config.image_encoding, num_inputs=total)
-    options = graph.pipeline_options(config.pipeline_args, estimated_examples=total)
-    with beam.Pipeline(options=options) as pipeline:
+        encoding=config.image_encoding, num_inputs=total,
+        progress_dir=progress.directory if local else None)
+    with progress, beam.Pipeline(options=options) as pipeline:
         graph.build(pipeline, plan, settings)
     manifest = shards.read_json(shards.join(config.output_dir, shards.MANIFEST))
     seconds = time.perf_counter() - start
