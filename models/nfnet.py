@@ -1,5 +1,5 @@
 """NFNet-F0..F3 (Brock, De, Smith & Simonyan 2021, "High-Performance Large-Scale Image
-Recognition Without Normalization"), as in the paper's Table 7 / reference implementation.
+Recognition Without Normalization"), as in the paper's variant table and its JAX release.
 
 Compared with NF-ResNet: a 4-conv 3x3 stem, GELU (rescaled), grouped 3x3 convs (group
 width 128) with two of them per block, squeeze-excite on every block (ratio 0.5, output

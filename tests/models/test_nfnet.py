@@ -13,7 +13,7 @@ from dpscale.models.nf_resnet import NFResBlock, block_betas, nf_resnet
 from dpscale.models.nfnet import NFBlock, nfnet
 
 # Brock, De, Smith & Simonyan 2021, "High-Performance Large-Scale Image Recognition Without
-# Normalization", Table 3 (ImageNet, 1000 classes).
+# Normalization", parameter column of its ImageNet results table (1000 classes).
 PUBLISHED_NFNET = {"F0": 71.5e6, "F1": 132.6e6, "F2": 193.8e6, "F3": 254.9e6}
 # NF-ResNets keep the ResNet's convolutions; the gain/bias of each scaled-WS conv replaces
 # the scale/shift of the BatchNorm after it, and SkipInit adds one scalar per block. So the

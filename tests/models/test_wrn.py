@@ -7,8 +7,8 @@ import pytest
 from dpscale.errors import InvalidConfigError
 from dpscale.models.wrn import wide_resnet
 
-# Published parameter counts (Zagoruyko & Komodakis 2016, "Wide Residual Networks", Table 1
-# and Table 4 for CIFAR, 10 classes). Normalisation layers have 2 parameters per channel,
+# Published parameter counts (Zagoruyko & Komodakis 2016, "Wide Residual Networks", CIFAR
+# tables, 10 classes). Normalisation layers have 2 parameters per channel,
 # GroupNorm exactly like BatchNorm, so the counts carry over. WRN-16-4 (2.7M) is the model
 # of De et al. 2022.
 PUBLISHED_PARAMS = {
