@@ -125,6 +125,40 @@ def _frozen_bn(name: str, dtype: Any) -> nn.BatchNorm:
     )
 
 
+class DepthwiseConv(nn.Module):
+    """k x k depthwise convolution, TF SAME padding, computed as k*k shifted multiply-adds.
+
+    Same parameter as ``nn.Conv(feature_group_count=C)`` (``kernel`` of shape (k, k, 1, C)),
+    but XLA's CPU grouped convolution ran 10-40x slower than this on Lite's shapes
+    (benchmarks/results/efficientnet_forward.md); elementwise ops also vmap cheaply
+    for per-example gradients.
+    """
+
+    kernel_size: int
+    stride: int = 1
+    dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k, s = self.kernel_size, self.stride
+        kernel = self.param("kernel", self.kernel_init, (k, k, 1, x.shape[-1]), jnp.float32)
+        x, kernel = jnp.asarray(x, self.dtype), jnp.asarray(kernel, self.dtype)
+        n, h, w, c = x.shape
+        out_h, out_w = -(-h // s), -(-w // s)
+        pad_h, pad_w = max((out_h - 1) * s + k - h, 0), max((out_w - 1) * s + k - w, 0)
+        x = jnp.pad(x, ((0, 0), (pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0)))
+        out = None
+        for i in range(k):
+            for j in range(k):
+                window = jax.lax.slice(
+                    x, (0, i, j, 0), (n, i + (out_h - 1) * s + 1, j + (out_w - 1) * s + 1, c), (1, s, s, 1)
+                )
+                term = window * kernel[i, j, 0]
+                out = term if out is None else out + term
+        return out
+
+
 class MBConv(nn.Module):
     """Inverted bottleneck: 1x1 expand -> kxk depthwise -> 1x1 linear project (+ identity)."""
 
@@ -139,16 +173,7 @@ class MBConv(nn.Module):
         if s.expand_ratio != 1:
             h = nn.Conv(mid, (1, 1), use_bias=False, dtype=self.dtype, name="expand_conv")(h)
             h = jax.nn.relu6(_frozen_bn("expand_bn", self.dtype)(h))
-        h = nn.Conv(
-            mid,
-            (s.kernel, s.kernel),
-            strides=(s.stride, s.stride),
-            padding="SAME",
-            feature_group_count=mid,
-            use_bias=False,
-            dtype=self.dtype,
-            name="depthwise_conv",
-        )(h)
+        h = DepthwiseConv(s.kernel, s.stride, dtype=self.dtype, name="depthwise_conv")(h)
         h = jax.nn.relu6(_frozen_bn("depthwise_bn", self.dtype)(h))
         h = nn.Conv(s.out_channels, (1, 1), use_bias=False, dtype=self.dtype, name="project_conv")(h)
         h = _frozen_bn("project_bn", self.dtype)(h)

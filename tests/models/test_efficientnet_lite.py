@@ -55,6 +55,22 @@ def test_registered_with_importable_weights():
     assert registry.get_model("efficientnet-lite1", num_classes=5).head.num_classes == 5
 
 
+@pytest.mark.parametrize(("kernel", "stride", "size"), [(3, 1, 9), (3, 2, 9), (5, 2, 8), (5, 1, 7)])
+def test_depthwise_conv_equals_grouped_convolution_with_same_padding(kernel, stride, size):
+    x = jax.random.normal(jax.random.key(0), (2, size, size + 1, 6))
+    layer = efficientnet_lite.DepthwiseConv(kernel, stride)
+    variables = layer.init(jax.random.key(1), x)
+    expected = jax.lax.conv_general_dilated(
+        x,
+        variables["params"]["kernel"],
+        (stride, stride),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=6,
+    )
+    np.testing.assert_allclose(np.asarray(layer.apply(variables, x)), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_round_filters_matches_compound_scaling():
     assert [round_filters(c, 1.1) for c in (16, 24, 40, 80, 112, 192, 320)] == [16, 24, 48, 88, 120, 208, 352]
     assert round_filters(40, 1.0) == 40
