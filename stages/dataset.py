@@ -103,7 +103,7 @@ class IngestedDataset:
         return [decode_record(r, split=split) for r in self.records(split, indices)]
 
     def labels(self, split: str) -> np.ndarray:
-        """All labels of a split in index order (reads record headers only)."""
+        """All labels of a split in index order (parses only each record's header)."""
         n = self.num_examples(split)
         return np.array([record_label(r) for r in self.records(split, range(n))],
                         dtype=np.int32)

@@ -4,6 +4,15 @@ A shard holds the examples of one split whose content hash maps to it, sorted by
 (content hash, key): the same data gives byte-identical shards whatever order it was
 read in, and the reader's global index (shard after shard) is stable too.
 
+An ingested dataset directory holds::
+
+    <split>-<shard:05d>-of-<n:05d>.array_record   records as in ``stages.examples``
+    manifest.json   format/format_version, source, record_encoding, image_shape,
+                    class_names, num_classes, content_hash (+ method), validation_fraction,
+                    splits.<name>.{num_examples, class_counts, content_hash, shards[]},
+                    num_inputs, num_rejected, rejected_by_reason
+    report.json     every input that did not become an example: split, key, reason, detail
+
 Outputs go through Beam's ``FileSystems`` so an output directory may be a local path or
 any URL Beam can write (``gs://...`` with the GCP extras). ArrayRecord's writer needs a
 local file, so remote shards are written to a temporary file and then copied.

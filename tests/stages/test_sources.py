@@ -43,8 +43,8 @@ def test_parse_source_kinds():
         parse_source("folder:")
 
 
-def test_split_layout_with_wrapper_dir_and_stray_file():
-    members, classes = sources._split_layout([
+def testsplit_layout_with_wrapper_dir_and_stray_file():
+    members, classes = sources.split_layout([
         "cifar/train/cat/1.png", "cifar/train/dog/2.png", "cifar/test/cat/3.png",
         "cifar/val/bird/4.png", "cifar/train/README"])
     assert classes == ["cat", "dog"]
@@ -53,7 +53,7 @@ def test_split_layout_with_wrapper_dir_and_stray_file():
 
 
 def test_class_only_layout_is_train():
-    members, classes = sources._split_layout(["a/1.jpg", "b/2.jpg"])
+    members, classes = sources.split_layout(["a/1.jpg", "b/2.jpg"])
     assert classes == ["a", "b"]
     assert {m[0] for m in members} == {"train"}
 
