@@ -43,6 +43,10 @@ class IngestedDataset:
         return list(self.manifest["class_names"])
 
     @property
+    def num_classes(self) -> int:
+        return len(self.manifest["class_names"])
+
+    @property
     def image_shape(self) -> tuple[int, ...]:
         return tuple(self.manifest["image_shape"])
 

@@ -7,6 +7,7 @@ runner and reads back the manifest the pipeline wrote.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -71,8 +72,8 @@ def _prepare_output(output_dir: str, overwrite: bool) -> None:
                 for r in FileSystems.match([shards.join(output_dir, pattern)])
                 for m in r.metadata_list]
     if existing and not overwrite:
-        raise DataError(f"output {output_dir!r} already holds an ingested dataset "
-                        "(use --overwrite to replace it)")
+        raise DataError(f"output {output_dir!r} already holds an ingested dataset or the "
+                        "remains of a failed run (use --overwrite to replace it)")
     if existing:
         FileSystems.delete(existing)
     if shards.is_local(output_dir):
@@ -95,16 +96,16 @@ def run(config: IngestConfig) -> IngestResult:
              total, plan.split_sizes, len(plan.class_names), len(plan.tasks))
     _prepare_output(config.output_dir, config.overwrite)
     options = graph.pipeline_options(config.pipeline_args, estimated_examples=total)
-    local = graph.is_local_runner(options)
-    progress = LocalProgress(total, label="ingest: read+decode", log=log)
+    progress = (LocalProgress(total, label="ingest: read+decode", log=log)
+                if graph.is_local_runner(options) else None)
     settings = graph.GraphSettings(
         output_dir=config.output_dir, validation_fraction=config.validation_fraction,
         shards_per_split=graph.shards_per_split(
             plan.split_sizes, validation_fraction=config.validation_fraction,
             examples_per_shard=config.examples_per_shard),
         encoding=config.image_encoding, num_inputs=total,
-        progress_dir=progress.directory if local else None)
-    with progress, beam.Pipeline(options=options) as pipeline:
+        progress_dir=progress.directory if progress else None)
+    with progress or contextlib.nullcontext(), beam.Pipeline(options=options) as pipeline:
         graph.build(pipeline, plan, settings)
     manifest = shards.read_json(shards.join(config.output_dir, shards.MANIFEST))
     seconds = time.perf_counter() - start

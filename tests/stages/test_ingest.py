@@ -63,7 +63,7 @@ def folder_dataset(tmp_path_factory):
 def test_manifest_counts_and_classes(folder_dataset):
     ds, _, _ = folder_dataset
     m = ds.manifest
-    assert m["class_names"] == ["a", "b", "c"]
+    assert m["class_names"] == ["a", "b", "c"] and ds.num_classes == 3
     assert m["image_shape"] == [6, 6, 3]
     assert m["splits"]["train"]["num_examples"] == 12
     assert m["splits"]["train"]["class_counts"] == {"a": 4, "b": 4, "c": 4}
