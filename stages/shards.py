@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -68,7 +69,7 @@ def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
     name = shard_name(split, shard, num_shards)
     target = join(output_dir, name)
     local_dir = output_dir if is_local(output_dir) else tempfile.mkdtemp()
-    tmp = os.path.join(local_dir, f".{name}.tmp")
+    tmp = os.path.join(local_dir, f".{name}.{uuid.uuid4().hex}.tmp")  # retries may overlap
     writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
     counts = [0] * num_classes
     terms = []
