@@ -3,17 +3,18 @@
 Featurizing a data set with the frozen backbone is one forward pass per image, so this
 bounds the featurize stage. Weights are random (speed does not depend on them).
 
-    python benchmarks/efficientnet_forward.py --batch 32 --resolutions 128,224 --torch \\
+    python benchmarks/efficientnet_forward.py --batch 32 --resolutions 128,224 --torch --depthwise \\
         --output benchmarks/results/efficientnet_forward.md
 
 ``--torch`` times the published PyTorch definition (``pip install efficientnet_lite_pytorch``)
-with ``torch.set_num_threads(2)``. The machine is shared, so the 1-minute load average
-is recorded next to the numbers.
+with ``torch.set_num_threads(1)`` and ``(2)``, and checks the imported weights' logits against it.
+The machine is shared, so the 1-minute load average is recorded next to the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -50,11 +51,72 @@ def flax_forward(batch: int, size: int, *, min_seconds: float) -> tuple[float, f
     return _time(lambda: apply(variables, x).block_until_ready(), min_seconds=min_seconds, batch=batch)
 
 
-def torch_forward(batch: int, size: int, *, min_seconds: float) -> tuple[float, float]:
+# (spatial size, channels, kernel, stride) of some Lite0 depthwise layers at 128x128 input.
+_DEPTHWISE_SHAPES = ((64, 32, 3, 1), (64, 96, 3, 2), (32, 144, 5, 1), (16, 240, 3, 1), (8, 672, 5, 1))
+
+
+def depthwise_comparison(batch: int, *, repeats: int = 5) -> list[tuple[tuple[int, ...], float, float]]:
+    """ms per call: XLA grouped convolution vs the shifted multiply-add ``DepthwiseConv``."""
+    rows = []
+    rng = np.random.default_rng(2)
+    for size, channels, kernel, stride in _DEPTHWISE_SHAPES:
+        x = jnp.asarray(rng.normal(size=(batch, size, size, channels)), jnp.float32)
+        layer = efficientnet_lite.DepthwiseConv(kernel, stride)
+        variables = {"params": {"kernel": jnp.asarray(rng.normal(size=(kernel, kernel, 1, channels)), jnp.float32)}}
+        grouped = jax.jit(
+            lambda v, x, s=stride, c=channels: jax.lax.conv_general_dilated(
+                x, v["params"]["kernel"], (s, s), "SAME",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=c,
+            )
+        )
+        shifted = jax.jit(layer.apply)
+        times = []
+        for fn in (grouped, shifted):
+            fn(variables, x).block_until_ready()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn(variables, x).block_until_ready()
+            times.append(1000 * (time.perf_counter() - t0) / repeats)
+        rows.append(((size, channels, kernel, stride), times[0], times[1]))
+        print(f"depthwise {size}x{size}x{channels} k{kernel} s{stride}: grouped {times[0]:.1f} ms, "
+              f"shifted {times[1]:.1f} ms")
+    return rows
+
+
+def published_max_diff() -> list[tuple[str, int, float]]:
+    """Max |logit difference| of the imported weights vs the published PyTorch definition, native size.
+
+    The CI test compares against a minimal reference written in the test; this checks the
+    actual ``efficientnet_lite_pytorch`` code (static TF-SAME padding for its native size).
+    """
     import torch
     from efficientnet_lite_pytorch import EfficientNet
 
-    torch.set_num_threads(2)
+    from dpscale.models import efficientnet_import
+
+    rows = []
+    for name, variant in efficientnet_lite.VARIANTS.items():
+        path = efficientnet_import.find_state_dict_file(name)
+        reference = EfficientNet.from_pretrained(name, weights_path=str(path)).eval()
+        state = efficientnet_import.load_torch_state_dict(path, name=name)
+        variables = efficientnet_import.convert_state_dict(state, name=name)
+        size = variant.resolution
+        x = efficientnet_import.preprocessing_for(name).normalize(
+            np.random.default_rng(3).uniform(0, 255, size=(2, size, size, 3))
+        )
+        with torch.inference_mode():
+            expected = reference(torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())).numpy()
+        logits = jax.jit(efficientnet_lite.efficientnet_lite(name).apply)(variables, x)
+        rows.append((name, size, float(np.max(np.abs(np.asarray(logits) - expected)))))
+        print(f"{name} at {size}: max |logit diff| vs efficientnet_lite_pytorch = {rows[-1][2]:.2e}")
+    return rows
+
+
+def torch_forward(batch: int, size: int, *, min_seconds: float, threads: int) -> tuple[float, float]:
+    import torch
+    from efficientnet_lite_pytorch import EfficientNet
+
+    torch.set_num_threads(threads)
     model = EfficientNet.from_name(NAME, image_size=size).eval()
     x = torch.randn(batch, 3, size, size)
 
@@ -71,18 +133,28 @@ def main() -> None:
     parser.add_argument("--resolutions", default="128,224")
     parser.add_argument("--min-seconds", type=float, default=10.0)
     parser.add_argument("--torch", action="store_true", help="also time the PyTorch reference")
+    parser.add_argument("--torch-threads", default="1,2", help="torch.set_num_threads values to time")
     parser.add_argument("--output", default=None, help="write a markdown report here")
+    parser.add_argument("--depthwise", action="store_true", help="also compare depthwise conv implementations")
     args = parser.parse_args()
+
+    depthwise = depthwise_comparison(args.batch) if args.depthwise else []
+    published = published_max_diff() if args.torch else []
 
     rows = []
     for size in (int(r) for r in args.resolutions.split(",")):
-        frameworks = [("flax (jax.jit)", flax_forward)] + ([("pytorch", torch_forward)] if args.torch else [])
+        frameworks = [("flax (jax.jit)", flax_forward)]
+        if args.torch:
+            frameworks += [
+                (f"pytorch, {n} thread(s)", functools.partial(torch_forward, threads=int(n)))
+                for n in args.torch_threads.split(",")
+            ]
         for label, fn in frameworks:
             load_before = os.getloadavg()[0]
             median, best = fn(args.batch, size, min_seconds=args.min_seconds)
             row = (size, label, median, best, max(load_before, os.getloadavg()[0]))
             rows.append(row)
-            print(f"{size}x{size} {label:<15} median {median:7.1f} img/s  best {best:7.1f} img/s  load {row[4]:.1f}")
+            print(f"{size}x{size} {label:<20} median {median:7.1f} img/s  best {best:7.1f} img/s  load {row[4]:.1f}")
 
     if args.output:
         lines = [
@@ -102,6 +174,27 @@ def main() -> None:
             "|---|---|---|---|---|",
         ]
         lines += [f"| {s}x{s} | {lab} | {med:.1f} | {best:.1f} | {load:.1f} |" for s, lab, med, best, load in rows]
+        if depthwise:
+            lines += [
+                "",
+                f"Depthwise convolution alone (batch {args.batch}, ms per call): XLA grouped convolution vs",
+                "`DepthwiseConv` (k*k shifted multiply-adds), which the model uses.",
+                "",
+                "| input (HxWxC) | kernel | stride | grouped conv ms | shifted ms |",
+                "|---|---|---|---|---|",
+            ]
+            lines += [f"| {h}x{h}x{c} | {k} | {st} | {g:.1f} | {sh:.1f} |" for (h, c, k, st), g, sh in depthwise]
+        if published:
+            lines += [
+                "",
+                "Correctness alongside (needs the weight packages): imported ImageNet weights, Flax logits vs the",
+                "published PyTorch definition (`efficientnet_lite_pytorch`), batch 2 of uniform-noise pixels,",
+                "at each model's native resolution.",
+                "",
+                "| model | resolution | max abs logit difference |",
+                "|---|---|---|",
+            ]
+            lines += [f"| {name} | {size} | {diff:.1e} |" for name, size, diff in published]
         with open(args.output, "w") as handle:
             handle.write("\n".join(lines) + "\n")
 
