@@ -181,7 +181,7 @@ def _plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
         members, classes = split_layout(names)
         # Tasks are contiguous runs of members; each decompresses and skips the bytes
         # before its run (cheap) and parses only its own members. (One task for the whole
-        # archive lost the tail of its huge fan-out on Beam's multi-process runner.)
+        # archive once lost the tail of its fan-out on the multi-process runner.)
     else:
         names = []
         for root, dirs, files in os.walk(path):
