@@ -2,6 +2,7 @@
 
     ds = IngestedDataset("/data/cifar10")
     images, labels = ds.get("train", [3, 17, 42])   # uint8 [3, H, W, C], int32 [3]
+    images, labels = ds.get("train", batch.indices, padding_index=-1)  # sampler batches
 
 Index ``i`` of a split is the ``i``-th record when the split's shards (as listed in the
 manifest) are read one after the other; it is stable for the same data. Reads go through
@@ -90,17 +91,24 @@ class IngestedDataset:
             return []
         return list(self._source(split).__getitems__([int(i) for i in idx]))
 
-    def get(self, split: str, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray,
-                                                                             np.ndarray]:
-        """Images uint8 ``[n, H, W, C]`` and labels int32 ``[n]`` at ``indices``."""
-        records = self.records(split, indices)
-        images = np.empty((len(records), *self.image_shape), dtype=np.uint8)
-        labels = np.empty((len(records),), dtype=np.int32)
-        for i, record in enumerate(records):
+    def get(self, split: str, indices: Sequence[int] | np.ndarray, *,
+            padding_index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Images uint8 ``[*indices.shape, H, W, C]`` and labels int32 ``[*indices.shape]``.
+
+        ``indices`` may have any shape, e.g. a Poisson sampler's ``[micro-batches, size]``.
+        Slots equal to ``padding_index`` (the sampler's -1) get a zero image and label 0;
+        the sampler's mask is what keeps them out of the gradient.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        flat = idx.reshape(-1)
+        real = np.ones(flat.shape, bool) if padding_index is None else flat != padding_index
+        images = np.zeros((flat.size, *self.image_shape), dtype=np.uint8)
+        labels = np.zeros((flat.size,), dtype=np.int32)
+        for slot, record in zip(np.flatnonzero(real), self.records(split, flat[real])):
             example = decode_record(record)
-            images[i] = example.image
-            labels[i] = example.label
-        return images, labels
+            images[slot] = example.image
+            labels[slot] = example.label
+        return images.reshape(*idx.shape, *self.image_shape), labels.reshape(idx.shape)
 
     def examples(self, split: str, indices: Sequence[int] | np.ndarray) -> list[Example]:
         """Full examples (with id and source key) at ``indices``."""

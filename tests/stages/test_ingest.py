@@ -99,6 +99,20 @@ def test_random_access_returns_the_right_image_and_label(folder_dataset):
     np.testing.assert_array_equal(ds.labels("train"), ds.get("train", range(n))[1])
     with pytest.raises(IndexError):
         ds.get("train", [n])
+    with pytest.raises(IndexError):
+        ds.get("train", [-1])  # padding only when asked for
+
+
+def test_get_takes_padded_sampler_batches(folder_dataset):
+    ds, _, _ = folder_dataset
+    batch = np.array([[3, 0, -1], [5, -1, -1]])
+    images, labels = ds.get("train", batch, padding_index=-1)
+    assert images.shape == (2, 3, 6, 6, 3) and labels.shape == (2, 3)
+    want_images, want_labels = ds.get("train", [3, 0, 5])
+    np.testing.assert_array_equal(images[0, :2], want_images[:2])
+    np.testing.assert_array_equal(images[1, 0], want_images[2])
+    assert list(labels[batch >= 0]) == list(want_labels)
+    assert not images[batch < 0].any() and not labels[batch < 0].any()
     with pytest.raises(DataError):
         ds.get("validation", [0])
 
