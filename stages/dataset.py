@@ -49,7 +49,7 @@ class IngestedDataset:
 
     @property
     def image_shape(self) -> tuple[int, ...]:
-        return tuple(self.manifest["image_shape"])
+        return tuple(self.manifest["image_shape"] or ())  # None: every input was rejected
 
     @property
     def splits(self) -> list[str]:

@@ -144,12 +144,14 @@ def _is_tar(path: str) -> bool:
 def split_layout(paths: Sequence[str]) -> tuple[list[tuple[str, str, str]], list[str]]:
     """Assign (split, class) to relative file paths; returns members and class names.
 
-    Single wrapping directories (``cifar10/``) are stripped. If every top-level folder is a
+    Single wrapping directories (``cifar10/``) are stripped, but never a split folder or
+    the last folder above the files (a one-class set keeps its class). If every top-level folder is a
     split name the layout is ``split/class/file``, otherwise ``class/file`` in ``train``.
     Files at any other depth keep an empty class, so they are reported, not dropped.
     """
     parts = [p.split("/") for p in paths]
-    while parts and all(len(p) > 1 for p in parts) and len({p[0] for p in parts}) == 1:
+    while (parts and all(len(p) > 2 for p in parts) and len({p[0] for p in parts}) == 1
+           and parts[0][0].lower() not in SPLIT_ALIASES):
         parts = [p[1:] for p in parts]
     tops = {p[0] for p in parts if len(p) > 1}
     by_split = bool(tops) and all(t.lower() in SPLIT_ALIASES for t in tops)

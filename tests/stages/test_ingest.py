@@ -208,6 +208,15 @@ def test_output_dir_is_not_silently_mixed(tmp_path, folder_dataset):
     assert len(list((tmp_path / "out").glob("train-*.array_record"))) == 3
 
 
+def test_all_inputs_rejected_still_gives_a_readable_report(tmp_path):
+    root = tmp_path / "img"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "1.jpg").write_bytes(b"not an image")
+    ds = ingest(f"folder:{root}", tmp_path / "out")
+    assert ds.splits == [] and ds.image_shape == () and len(ds) == 0
+    assert ds.manifest["rejected_by_reason"] == {"undecodable": 1}
+
+
 def test_config_validation():
     with pytest.raises(InvalidConfigError):
         IngestConfig("digits", "/tmp/x", validation_fraction=1.0)
@@ -225,7 +234,7 @@ def test_cli_ingest_and_one_line_errors(tmp_path, folder_dataset):
     assert IngestedDataset(str(tmp_path / "o")).manifest["validation_fraction"] == 0.2
     missing = runner.invoke(cli, ["ingest", f"folder:{tmp_path}/missing", str(tmp_path / "p")])
     assert missing.exit_code == 2
-    lines = missing.stderr.strip().splitlines() if hasattr(missing, "stderr") else []
+    lines = missing.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not exist" in lines[0]
     bad = runner.invoke(cli, ["ingest", "csv:/x", str(tmp_path / "p")])
     assert bad.exit_code == 2

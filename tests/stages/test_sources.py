@@ -52,6 +52,16 @@ def testsplit_layout_with_wrapper_dir_and_stray_file():
     assert ("train", "", "cifar/train/README") in members  # reported later, not dropped
 
 
+def test_single_class_and_single_split_folders_are_not_stripped():
+    assert split_layout_classes(["a/1.jpg", "a/2.jpg"]) == ["a"]
+    members, classes = sources.split_layout(["wrap/test/a/1.jpg", "wrap/test/b/2.jpg"])
+    assert classes == ["a", "b"] and {m[0] for m in members} == {"test"}
+
+
+def split_layout_classes(paths):
+    return sources.split_layout(paths)[1]
+
+
 def test_class_only_layout_is_train():
     members, classes = sources.split_layout(["a/1.jpg", "b/2.jpg"])
     assert classes == ["a", "b"]
