@@ -177,13 +177,14 @@ def _plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
             with tarfile.open(path) as archive:
                 files = [m for m in archive if m.isfile() and not _hidden(m.name)]
             names = [m.name for m in files]
-            offsets = {m.name: m.offset for m in files}
+            spans = {m.name: (m.offset_data, m.size) for m in files}
         except (tarfile.TarError, OSError, EOFError) as exc:
             raise DataError(f"cannot read archive {path!r}: {exc}") from exc
         members, classes = split_layout(names)
-        # Tasks are contiguous runs of members; each decompresses and skips the bytes
-        # before its run (cheap) and parses only its own members. (One task for the whole
-        # archive once lost the tail of its fan-out on the multi-process runner.)
+        # Tasks are contiguous runs of members with their byte spans: a worker skips
+        # (decompresses) up to its run and reads the spans, parsing no tar headers. (One
+        # task for the whole archive once lost the tail of its fan-out on the
+        # multi-process runner.)
     else:
         names = []
         for root, dirs, files in os.walk(path):
@@ -192,9 +193,10 @@ def _plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
             names += [os.path.normpath(os.path.join(rel, f)).replace(os.sep, "/")
                       for f in sorted(files) if not _hidden(f)]
         members, classes = split_layout(names)
-    if os.path.isfile(path):  # start offset of each run: a task skips the bytes before it
+    if os.path.isfile(path):
         tasks = tuple(ReadTask("tar", path=path, members=tuple(members[i:i + chunk_size]),
-                               start=offsets[members[i][2]])
+                               extra=(("spans", tuple(spans[m[2]] for m in
+                                                      members[i:i + chunk_size])),))
                       for i in range(0, len(members), chunk_size))
     else:
         tasks = tuple(ReadTask("files", path=path, members=tuple(members[i:i + chunk_size]))
@@ -227,16 +229,11 @@ def _read_files(task: ReadTask, index: dict[str, int]) -> Iterator[RawItem]:
                 data = b""  # unreadable: reported as undecodable downstream
             yield item(rel, data)
         return
-    seen: set[str] = set()
-    with open_maybe_gz(task.path) as raw:
-        raw.seek(task.start)  # a header block: the stream reads on from there
-        archive = tarfile.open(fileobj=raw, mode="r|")
-        for member in archive:
-            if member.name in wanted and member.name not in seen:
-                seen.add(member.name)
-                handle = archive.extractfile(member)
-                yield item(member.name, handle.read() if handle else b"")
-                if len(seen) == len(wanted):
-                    return
-    for rel in wanted.keys() - seen:  # vanished since planning: reported as undecodable
-        yield item(rel, b"")
+    with open_maybe_gz(task.path) as raw:  # spans ascend: every seek is forward
+        for (_, _, rel), (offset, size) in zip(task.members, dict(task.extra)["spans"]):
+            try:
+                raw.seek(offset)
+                data = raw.read(size)
+            except (OSError, EOFError):
+                data = b""
+            yield item(rel, data if len(data) == size else b"")  # short: reported

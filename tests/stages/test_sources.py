@@ -95,7 +95,7 @@ def test_tar_source(tmp_path, suffix, mode):
     plan = plan_source(parse_source(f"folder:{archive}"), chunk_size=2)
     assert plan.class_names == ("a", "b")
     assert [len(t.members) for t in plan.tasks] == [2, 1]
-    assert plan.tasks[1].start > 0  # the second run starts mid-archive
+    assert dict(plan.tasks[1].extra)["spans"][0][0] > 0  # the second run starts mid-archive
     items = _read_all(plan)
     assert sorted((i.split, i.label) for i in items) == [("test", 0), ("train", 0), ("train", 1)]
     assert all(isinstance(i.payload, bytes) and i.payload[:4] == b"\x89PNG" for i in items)
@@ -175,3 +175,20 @@ def test_tfds_source_with_mock_data():
 def test_tfds_unknown_dataset_is_data_error():
     with pytest.raises(DataError):
         plan_source(parse_source("tfds:no_such_dataset_xyz"))
+
+
+def test_archive_truncated_after_planning_yields_empty_payloads(tmp_path):
+    archive = tmp_path / "data.tar.gz"
+    rng = np.random.default_rng(0)
+    with tarfile.open(archive, "w:gz") as tar:
+        for i in range(6):  # noisy images: the compressed stream is long enough to cut
+            data = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(data, "PNG")
+            info = tarfile.TarInfo(f"train/c{i % 2}/{i}.png")
+            info.size = len(data.getvalue())
+            tar.addfile(info, io.BytesIO(data.getvalue()))
+    plan = plan_source(parse_source(f"folder:{archive}"))
+    archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    items = _read_all(plan)
+    assert len(items) == 6  # every planned member still yields an item
+    assert items[0].payload[:4] == b"\x89PNG" and items[-1].payload == b""
