@@ -116,6 +116,8 @@ def _torch_to_flax(module: str, leaf: str, value: np.ndarray) -> tuple[str, str,
         return "params", "kernel", value.transpose(2, 3, 1, 0)  # OIHW -> HWIO
     if module == "_fc":
         return "params", ("kernel" if leaf == "weight" else "bias"), (value.T if leaf == "weight" else value)
+    if leaf not in _BN_LEAVES:
+        raise DataError(f"unexpected BatchNorm tensor {module}.{leaf}")
     collection, flax_leaf = _BN_LEAVES[leaf]
     return collection, flax_leaf, value
 

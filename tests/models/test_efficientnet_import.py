@@ -151,6 +151,8 @@ def test_missing_torch_is_a_clear_data_error(monkeypatch, tmp_path):
 def test_unknown_tensor_in_state_dict_is_refused():
     with pytest.raises(DataError, match="unexpected tensor"):
         efficientnet_import.convert_state_dict({"_se_reduce.weight": np.zeros((1,))}, name="efficientnet-lite0")
+    with pytest.raises(DataError, match="unexpected BatchNorm tensor"):
+        efficientnet_import.convert_state_dict({"_bn0.momentum": np.zeros((1,))}, name="efficientnet-lite0")
 
 
 def test_imported_weights_recognise_sample_photos(lite0_backbone):

@@ -57,9 +57,10 @@ def test_registered_with_importable_weights():
 
 @pytest.mark.parametrize(("kernel", "stride", "size"), [(3, 1, 9), (3, 2, 9), (5, 2, 8), (5, 1, 7)])
 def test_depthwise_conv_equals_grouped_convolution_with_same_padding(kernel, stride, size):
-    x = jax.random.normal(jax.random.key(0), (2, size, size + 1, 6))
+    rng = np.random.default_rng(kernel * 10 + stride)
+    x = jnp.asarray(rng.normal(size=(2, size, size + 1, 6)), jnp.float32)
     layer = efficientnet_lite.DepthwiseConv(kernel, stride)
-    variables = layer.init(jax.random.key(1), x)
+    variables = {"params": {"kernel": jnp.asarray(rng.normal(size=(kernel, kernel, 1, 6)), jnp.float32)}}
     expected = jax.lax.conv_general_dilated(
         x,
         variables["params"]["kernel"],
@@ -68,6 +69,7 @@ def test_depthwise_conv_equals_grouped_convolution_with_same_padding(kernel, str
         dimension_numbers=("NHWC", "HWIO", "NHWC"),
         feature_group_count=6,
     )
+    assert jax.eval_shape(layer.init, jax.random.key(0), x)["params"]["kernel"].shape == (kernel, kernel, 1, 6)
     np.testing.assert_allclose(np.asarray(layer.apply(variables, x)), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -80,7 +82,7 @@ def test_round_filters_matches_compound_scaling():
 def lite0_small():
     """Lite0 with 3 classes on 33x33 inputs (odd: SAME padding copes), jitted: eager flax is slow."""
     model = efficientnet_lite.efficientnet_lite("efficientnet-lite0", num_classes=3)
-    x = jax.random.normal(jax.random.key(1), (3, 33, 33, 3))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 33, 33, 3)), jnp.float32)
     return model, _fan_in_variables(_abstract_variables(model, 33)), x
 
 
@@ -114,13 +116,16 @@ def test_features_and_classifier_are_separate(lite0_small):
     np.testing.assert_allclose(logits2, logits, rtol=1e-5, atol=1e-5)
 
 
-def test_batchnorm_uses_frozen_statistics_so_examples_do_not_mix(lite0_small):
-    model, variables, x = lite0_small
-
-    apply = jax.jit(model.apply)  # no mutable collections: the statistics are only read
+def test_batchnorm_uses_frozen_statistics_so_examples_do_not_mix():
+    """On one MBConv block (all three of its BatchNorms); the validator test covers the whole model."""
+    block = efficientnet_lite.MBConv(efficientnet_lite.BlockSpec(8, 8, kernel=3, stride=1, expand_ratio=6))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 9, 9, 8)), jnp.float32)
+    variables = jax.jit(block.init)(jax.random.key(0), x)  # eager init dispatches op by op: slow
+    apply = jax.jit(block.apply)  # no mutable collections: the statistics are only read
     # Non-trivial statistics, so a batch-statistics BatchNorm would give different outputs.
     rng = np.random.default_rng(3)
     stats = jax.tree.map(lambda s: s + 0.3 * rng.uniform(size=s.shape).astype(np.float32), variables["batch_stats"])
+    assert len(jax.tree.leaves(stats)) == 6
     frozen = {"params": variables["params"], "batch_stats": stats}
     batched = np.asarray(apply(frozen, x))
     alone = np.concatenate([np.asarray(apply(frozen, x[i : i + 1])) for i in range(len(x))])
