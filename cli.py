@@ -47,6 +47,10 @@ def _quiet_library_logs() -> None:
     except ImportError:  # absl comes with dp-accounting; tolerate its absence
         pass
     logging.getLogger("absl").setLevel(logging.ERROR)
+    # Beam warns on import that the optional BigQuery client is missing; we never use it.
+    logging.getLogger().addFilter(
+        lambda record: not str(record.msg).startswith("apitools not found")
+    )
 
 
 @click.group(cls=_DpscaleGroup, context_settings={"help_option_names": ["-h", "--help"]})

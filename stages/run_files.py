@@ -1,0 +1,131 @@
+"""The files of one training run directory, written so that no work is lost.
+
+    run_dir/config.json     resolved configuration (incl. calibrated hyper-parameters)
+    run_dir/ledger.json     privacy ledger: accountant, sampling, q, sigma, T, epsilon spent
+    run_dir/metrics.jsonl   one JSON object per optimiser step
+    run_dir/params/         orbax checkpoint: params, EMA params, frozen model state
+
+JSON files are written to a temporary name and renamed, so a crash never leaves a
+half-written ledger. A directory that already holds a run is never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Any, Iterator
+
+import orbax.checkpoint as ocp
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from dpscale.errors import DataError
+from dpscale.privacy.accounting import DpsgdPrivacySpec
+
+CONFIG = "config.json"
+LEDGER = "ledger.json"
+METRICS = "metrics.jsonl"
+PARAMS = "params"
+
+
+def write_json_atomic(path: str, payload: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    run_dir: str
+
+    @classmethod
+    def create(cls, run_dir: str) -> RunFiles:
+        run_dir = os.path.abspath(run_dir)
+        if os.path.exists(os.path.join(run_dir, CONFIG)):
+            raise DataError(f"{run_dir!r} already holds a run; choose a new run directory")
+        os.makedirs(run_dir, exist_ok=True)
+        return cls(run_dir)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.run_dir, name)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        write_json_atomic(self.path(CONFIG), config)
+
+    def append_metrics(self, metrics: dict[str, Any]) -> None:
+        with open(self.path(METRICS), "a") as f:
+            f.write(json.dumps(metrics, sort_keys=True) + "\n")
+
+    def write_ledger(
+        self,
+        *,
+        accounting_spec: DpsgdPrivacySpec,
+        delta: float,
+        accountant: str,
+        epsilon_spent: float,
+        steps_done: int,
+        data_hash: str,
+    ) -> None:
+        write_json_atomic(
+            self.path(LEDGER),
+            {
+                "accountant": accountant,
+                "neighboring_relation": "add_or_remove_one",
+                "sampling": accounting_spec.sampling,
+                "exact_accounting": accounting_spec.exact,
+                "sampling_rate": accounting_spec.sampling_rate,
+                "noise_multiplier": accounting_spec.noise_multiplier,
+                "planned_steps": accounting_spec.steps,
+                "steps_done": steps_done,
+                "delta": delta,
+                "epsilon_spent": epsilon_spent,
+                "data_content_hash": data_hash,
+            },
+        )
+
+    def save_params(self, **trees: Any) -> None:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(self.path(PARAMS), trees, force=True)
+
+    def load_params(self) -> dict[str, Any]:
+        if not os.path.isdir(self.path(PARAMS)):
+            raise DataError(f"{self.run_dir!r} has no saved parameters ({PARAMS}/)")
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(self.path(PARAMS))
+
+
+class _Bar:
+    def __init__(self, progress: Progress | None, task: Any) -> None:
+        self._progress, self._task = progress, task
+
+    def advance(self, *, epsilon: float | None = None, loss: float | None = None) -> None:
+        if self._progress is None:
+            return
+        fields = {}
+        if epsilon is not None:
+            fields["epsilon"] = f"eps {epsilon:.3f}"
+        if loss is not None:
+            fields["loss"] = f"loss {loss:.3f}"
+        self._progress.update(self._task, advance=1, **fields)
+
+
+@contextlib.contextmanager
+def progress(*, total: int, enabled: bool) -> Iterator[_Bar]:
+    """A progress bar over optimiser steps showing epsilon spent and the loss."""
+    if not enabled:
+        yield _Bar(None, None)
+        return
+    columns = (
+        TextColumn("train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[epsilon]}"),
+        TextColumn("{task.fields[loss]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("train", total=total, epsilon="eps 0.000", loss="")
+        yield _Bar(bar, task)

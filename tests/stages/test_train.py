@@ -1,0 +1,86 @@
+"""The train and evaluate stages end to end on the bundled digits data."""
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from dpscale.cli import cli
+from dpscale.errors import DataError, InfeasiblePrivacyTargetError
+from dpscale.stages import evaluate, ingest, train
+from dpscale.stages.dataset import IngestedDataset
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("data") / "digits")
+    ingest.run(ingest.IngestConfig(source="digits", output_dir=out))
+    return out
+
+
+def _config(digits, run_dir, **overrides):
+    base = dict(
+        data=digits, run_dir=str(run_dir), epsilon=4.0, delta=1e-5, batch_size=64, steps=3,
+        microbatch_size=32, augmult=2, augment_pad=1, seed=0, show_progress=False,
+    )
+    return train.TrainConfig(**(base | overrides))
+
+
+def test_train_writes_ledger_metrics_and_params(digits, tmp_path):
+    result = train.run(_config(digits, tmp_path / "run"))
+    run = tmp_path / "run"
+    ledger = json.loads((run / "ledger.json").read_text())
+    assert 0 < result.epsilon <= 4.0 and ledger["epsilon_spent"] == result.epsilon
+    assert ledger["sampling"] == "poisson" and ledger["exact_accounting"] is True
+    assert ledger["steps_done"] == ledger["planned_steps"] == 3
+    assert ledger["sampling_rate"] == pytest.approx(64 / IngestedDataset(digits).num_examples("train"))
+    assert ledger["data_content_hash"] == IngestedDataset(digits).content_hash
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert lines[-1]["epsilon_spent"] == result.epsilon
+    config = json.loads((run / "config.json").read_text())
+    assert config["resolved"]["noise_multiplier"] == pytest.approx(result.noise_multiplier)
+
+    scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))
+    assert scores.num_examples == IngestedDataset(digits).num_examples("test")
+    assert 0.0 <= scores.top1 <= scores.top5 <= 1.0
+    assert json.loads((run / "metrics.json").read_text())["ema_top1"] == scores.ema_top1
+
+
+def test_refuses_an_infeasible_target_before_writing_anything(digits, tmp_path):
+    with pytest.raises(InfeasiblePrivacyTargetError):
+        train.run(_config(digits, tmp_path / "run", epsilon=0.05, steps=None, noise_multiplier=0.3))
+    assert not (tmp_path / "run").exists()
+
+
+def test_never_overwrites_an_existing_run(digits, tmp_path):
+    train.run(_config(digits, tmp_path / "run", steps=1))
+    with pytest.raises(DataError, match="already holds a run"):
+        train.run(_config(digits, tmp_path / "run", steps=1))
+
+
+def test_shuffled_sampling_warns_and_is_flagged_in_the_ledger(digits, tmp_path):
+    with pytest.warns(UserWarning, match="not Poisson"):
+        train.run(_config(digits, tmp_path / "run", steps=1, sampling="shuffle"))
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger["sampling"] == "shuffle" and ledger["exact_accounting"] is False
+
+
+def test_quickstart_learns_and_prints_one_json_line(tmp_path):
+    result = CliRunner().invoke(
+        cli, ["quickstart", "--work-dir", str(tmp_path), "--steps", "40", "--seed", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 0 < last["epsilon"] <= 8.0 and last["delta"] == 1e-5
+    assert last["test_accuracy"] > 0.5  # chance is 0.1
+    assert os.path.isfile(os.path.join(last["run_dir"], "metrics.json"))
+
+
+def test_train_cli_reports_missing_data_in_one_line(tmp_path):
+    result = CliRunner().invoke(cli, ["train", str(tmp_path / "nope"), str(tmp_path / "run"), "--steps", "1",
+                                      "--batch-size", "8"])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
