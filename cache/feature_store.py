@@ -1,0 +1,379 @@
+"""Content-addressed Zarr store of frozen-backbone features, safe against partial writes.
+
+Reading (what the trainer uses)::
+
+    from dpscale.cache.feature_store import open_features
+
+    fs = open_features(result.path)        # FeaturizeResult.path: one entry directory
+    fs.splits                              # ["test", "train"]
+    fs.feature_dim, fs.class_names         # d, ["airplane", ...]
+    fs.num_examples("train")               # N
+    x = fs.features("train")               # zarr.Array float32 [N, d]: x[i:j], x[:] -> numpy
+    y = fs.labels("train")                 # np.ndarray int32 [N]
+    xb, yb = fs.get("train", indices)      # numpy rows at any indices (sampler batches)
+    fs.ids("train")                        # example ids (sha256 hex of the pixels), index order
+    fs.metadata                            # dict: "key" parts, "digest", data content hash, splits...
+
+    fs = FeatureStore.open(cache_dir, key) # the same, looked up by FeatureKey
+
+Both refuse (``DataError``) an entry that is incomplete (an interrupted run), whose stored
+key does not hash to its digest or does not equal the key asked for (stale or moved), or
+whose arrays do not have the recorded shapes.
+
+Layout of one entry, ``<cache_dir>/<key digest>/``::
+
+    dpscale_features.json   key parts, digest, splits (rows, chunk rows), feature dim, classes
+    data.zarr/              zarr 3 group: <split>/features [N, d] float32, <split>/labels [N]
+                            int32, <split>/ids [N, 32] uint8, all chunked by the same rows
+    chunks/<split>/<i>.done one marker per chunk, written after that chunk's data
+    COMPLETE                written last, after every marker is present: the entry is whole
+
+Writers (Beam workers) each write whole chunks (``write_chunk``), so no two touch the same
+zarr chunk; a run killed mid-way leaves chunks without markers, which the next run redoes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zarr
+from apache_beam.io.filesystems import FileSystems
+
+from dpscale.cache.keys import FEATURE_FORMAT_VERSION, FeatureKey
+from dpscale.errors import DataError
+
+STORE_FORMAT = "dpscale-features"
+METADATA = "dpscale_features.json"
+DATA = "data.zarr"
+MARKERS = "chunks"
+COMPLETE = "COMPLETE"
+ID_BYTES = 32
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def default_cache_dir() -> str:
+    """``$DPSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dpscale/features`` (``~/.cache/...``)."""
+    root = os.environ.get("DPSCALE_CACHE_DIR")
+    if root:
+        return os.path.expanduser(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return os.path.join(os.path.expanduser(cache), "dpscale", "features")
+
+
+def _join(*parts: str) -> str:
+    return FileSystems.join(*parts)
+
+
+def entry_path(cache_dir: str, key: FeatureKey) -> str:
+    return _join(cache_dir, key.digest)
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write-then-rename, so a reader never sees half a file (local); GCS writes are atomic."""
+    tmp = path + ".tmp"
+    with FileSystems.create(tmp) as f:
+        f.write(text.encode("utf-8"))
+    FileSystems.rename([tmp], [path])
+
+
+def _read_text(path: str) -> str:
+    with FileSystems.open(path) as f:
+        return f.read().decode("utf-8")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLayout:
+    """Rows of one split and how they are cut into chunks (the unit of work and of resume)."""
+
+    num_examples: int
+    chunk_rows: int
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_examples // self.chunk_rows)
+
+    def rows(self, chunk: int) -> tuple[int, int]:
+        if not 0 <= chunk < self.num_chunks:
+            raise IndexError(f"chunk {chunk} out of range ({self.num_chunks} chunks)")
+        start = chunk * self.chunk_rows
+        return start, min(start + self.chunk_rows, self.num_examples)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryLayout:
+    """Everything fixed before any feature is computed: the metadata JSON of an entry."""
+
+    key: FeatureKey
+    feature_dim: int
+    class_names: tuple[str, ...]
+    splits: dict[str, SplitLayout]
+    source: str = ""  # where the ingested data was read from (informational, not keyed)
+
+    def to_metadata(self) -> dict[str, Any]:
+        return {
+            "format": STORE_FORMAT,
+            "format_version": FEATURE_FORMAT_VERSION,
+            "digest": self.key.digest,
+            "key": self.key.as_dict(),
+            "data_content_hash": self.key.data_content_hash,
+            "feature_dim": self.feature_dim,
+            "class_names": list(self.class_names),
+            "splits": {s: dataclasses.asdict(v) for s, v in sorted(self.splits.items())},
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> EntryLayout:
+        if meta.get("format") != STORE_FORMAT:
+            raise DataError("not a dpscale feature-store entry")
+        if meta.get("format_version") != FEATURE_FORMAT_VERSION:
+            raise DataError(f"feature format version {meta.get('format_version')} is not "
+                            f"supported (expected {FEATURE_FORMAT_VERSION}); featurize again")
+        try:
+            return cls(key=FeatureKey.from_dict(meta["key"]), feature_dim=int(meta["feature_dim"]),
+                       class_names=tuple(meta["class_names"]),
+                       splits={s: SplitLayout(**v) for s, v in meta["splits"].items()},
+                       source=str(meta.get("source", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"malformed feature-store metadata: {exc}") from None
+
+
+def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
+    try:
+        meta = json.loads(_read_text(_join(path, METADATA)))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path!r} is not a feature-store entry (no readable {METADATA}); "
+                        "it may be an unfinished run: featurize again") from exc
+    layout = EntryLayout.from_metadata(meta)
+    if meta.get("digest") != layout.key.digest:
+        raise DataError(f"{path!r}: stored key does not hash to its digest (stale or edited entry)")
+    name = os.path.basename(path.rstrip("/"))
+    if _DIGEST.match(name) and name != layout.key.digest:
+        raise DataError(f"{path!r}: the entry's key digest {layout.key.digest[:16]}... does not "
+                        "match its directory name (stale or moved entry)")
+    return layout, meta
+
+
+class FeatureStore:
+    """The writer side of one entry (launcher creates it, workers write chunks into it)."""
+
+    def __init__(self, path: str, layout: EntryLayout) -> None:
+        self.path = path
+        self.layout = layout
+        self._arrays: dict[tuple[str, str], Any] = {}
+
+    # ---- creating and resuming ------------------------------------------------------------
+    @classmethod
+    def create(cls, cache_dir: str, layout: EntryLayout) -> FeatureStore:
+        """Make (or reuse, for resume) the entry for ``layout.key`` and its empty arrays.
+
+        An existing entry with the same layout keeps its finished chunks; one with another
+        layout (other chunking, or unreadable metadata) is cleared first.
+        """
+        path = entry_path(cache_dir, layout.key)
+        try:
+            existing, _ = _read_layout(path)
+        except DataError:
+            existing = None
+        store = cls(path, layout)
+        if existing == layout and FileSystems.exists(_join(path, DATA)):
+            return store
+        if FileSystems.exists(path):
+            FileSystems.delete([path])
+        if "://" not in path:
+            os.makedirs(path, exist_ok=True)
+        group = zarr.open_group(store=_join(path, DATA), mode="w")
+        for split, rows in sorted(layout.splits.items()):
+            n, c = rows.num_examples, rows.chunk_rows
+            sub = group.create_group(split)
+            sub.create_array("features", shape=(n, layout.feature_dim), dtype="float32",
+                             chunks=(c, layout.feature_dim), fill_value=np.nan)
+            sub.create_array("labels", shape=(n,), dtype="int32", chunks=(c,), fill_value=-1)
+            sub.create_array("ids", shape=(n, ID_BYTES), dtype="uint8", chunks=(c, ID_BYTES),
+                             fill_value=0)
+        _write_text(_join(path, METADATA), json.dumps(layout.to_metadata(), indent=2) + "\n")
+        return store
+
+    @classmethod
+    def for_writing(cls, path: str) -> FeatureStore:
+        """A worker's handle on an entry the launcher created."""
+        layout, _ = _read_layout(path)
+        return cls(path, layout)
+
+    @classmethod
+    def open(cls, cache_dir: str, key: FeatureKey) -> FeatureSplitSet:
+        """Read the complete entry for ``key``; ``DataError`` if absent, partial or stale."""
+        path = entry_path(cache_dir, key)
+        if not FileSystems.exists(_join(path, METADATA)):
+            raise DataError(f"no features for key {key.digest[:16]}... in {cache_dir!r}: "
+                            "run dpscale featurize first")
+        return open_features(path, expected_key=key)
+
+    # ---- chunk bookkeeping -----------------------------------------------------------------
+    def _marker(self, split: str, chunk: int) -> str:
+        return _join(self.path, MARKERS, split, f"{chunk:06d}.done")
+
+    def _marker_text(self, split: str, chunk: int) -> str:
+        start, stop = self.layout.splits[split].rows(chunk)
+        return f"{self.layout.key.digest} {split} {chunk} {start} {stop}\n"
+
+    def done_chunks(self) -> set[tuple[str, int]]:
+        """Chunks whose marker is present (one directory listing per split)."""
+        done = set()
+        for split, rows in self.layout.splits.items():
+            pattern = _join(self.path, MARKERS, split, "*.done")
+            for match in FileSystems.match([pattern])[0].metadata_list:
+                stem = os.path.basename(match.path)[: -len(".done")]
+                if stem.isdigit() and int(stem) < rows.num_chunks:
+                    done.add((split, int(stem)))
+        return done
+
+    def all_chunks(self) -> list[tuple[str, int]]:
+        return [(s, c) for s, rows in sorted(self.layout.splits.items())
+                for c in range(rows.num_chunks)]
+
+    def missing_chunks(self) -> list[tuple[str, int]]:
+        done = self.done_chunks()
+        return [c for c in self.all_chunks() if c not in done]
+
+    def is_complete(self) -> bool:
+        try:
+            return _read_text(_join(self.path, COMPLETE)).strip() == self.layout.key.digest
+        except OSError:
+            return False
+
+    # ---- writing ---------------------------------------------------------------------------
+    def _array(self, split: str, name: str) -> Any:
+        if (split, name) not in self._arrays:
+            self._arrays[split, name] = zarr.open_array(
+                store=_join(self.path, DATA), path=f"{split}/{name}", mode="r+")
+        return self._arrays[split, name]
+
+    def write_chunk(self, split: str, chunk: int, features: np.ndarray, labels: np.ndarray,
+                    ids: Sequence[bytes] | np.ndarray) -> None:
+        """Write one whole chunk's rows, then its marker (the marker is the commit)."""
+        start, stop = self.layout.splits[split].rows(chunk)
+        n = stop - start
+        features = np.asarray(features, dtype=np.float32)
+        if features.shape != (n, self.layout.feature_dim):
+            raise ValueError(f"chunk {split}/{chunk}: features {features.shape}, "
+                             f"expected {(n, self.layout.feature_dim)}")
+        id_array = np.asarray(ids if isinstance(ids, np.ndarray) else
+                              [np.frombuffer(i, dtype=np.uint8) for i in ids], dtype=np.uint8)
+        if id_array.shape != (n, ID_BYTES) or np.shape(labels) != (n,):
+            raise ValueError(f"chunk {split}/{chunk}: labels/ids do not have {n} rows")
+        self._array(split, "features")[start:stop] = features
+        self._array(split, "labels")[start:stop] = np.asarray(labels, dtype=np.int32)
+        self._array(split, "ids")[start:stop] = id_array
+        _write_text(self._marker(split, chunk), self._marker_text(split, chunk))
+
+    def finalize(self) -> None:
+        """Write ``COMPLETE`` if (and only if) every chunk has its marker."""
+        missing = self.missing_chunks()
+        if missing:
+            raise RuntimeError(f"{len(missing)} of {len(self.all_chunks())} chunks were not "
+                               f"written (first: {missing[0]}); the entry stays incomplete")
+        _write_text(_join(self.path, COMPLETE), self.layout.key.digest + "\n")
+
+
+class FeatureSplitSet:
+    """A complete entry, read-only: features, labels and ids per split (see module doc)."""
+
+    def __init__(self, path: str, layout: EntryLayout, metadata: dict[str, Any]) -> None:
+        self.path = path
+        self.layout = layout
+        self.metadata = metadata
+        self._group = zarr.open_group(store=_join(path, DATA), mode="r")
+        for split, rows in layout.splits.items():
+            shapes = {name: self._group[f"{split}/{name}"].shape
+                      for name in ("features", "labels", "ids")}
+            want = {"features": (rows.num_examples, layout.feature_dim),
+                    "labels": (rows.num_examples,), "ids": (rows.num_examples, ID_BYTES)}
+            if shapes != want:
+                raise DataError(f"{path!r}: arrays of split {split!r} have shapes {shapes}, "
+                                f"metadata says {want}")
+
+    @property
+    def key(self) -> FeatureKey:
+        return self.layout.key
+
+    @property
+    def content_hash(self) -> str:
+        return self.layout.key.data_content_hash
+
+    @property
+    def splits(self) -> list[str]:
+        return sorted(self.layout.splits)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.layout.feature_dim
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.layout.class_names)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.layout.class_names)
+
+    def _split(self, split: str) -> SplitLayout:
+        try:
+            return self.layout.splits[split]
+        except KeyError:
+            raise DataError(f"split {split!r} not in the features at {self.path!r} "
+                            f"(has {', '.join(self.splits)})") from None
+
+    def num_examples(self, split: str) -> int:
+        return self._split(split).num_examples
+
+    def features(self, split: str) -> Any:
+        """The lazy zarr array ``[N, d]`` float32; slice it (``[:]``) to get numpy."""
+        self._split(split)
+        return self._group[f"{split}/features"]
+
+    def labels(self, split: str) -> np.ndarray:
+        self._split(split)
+        return np.asarray(self._group[f"{split}/labels"][:], dtype=np.int32)
+
+    def ids(self, split: str) -> list[str]:
+        self._split(split)
+        return [bytes(row).hex() for row in self._group[f"{split}/ids"][:]]
+
+    def get(self, split: str, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Features ``[*indices.shape, d]`` and labels ``[*indices.shape]`` at any indices."""
+        idx = np.asarray(indices, dtype=np.int64)
+        flat = idx.reshape(-1)
+        n = self.num_examples(split)
+        if flat.size and (flat.min() < 0 or flat.max() >= n):
+            raise IndexError(f"index out of range for split {split!r} of size {n}")
+        feats = self.features(split).get_orthogonal_selection((flat, slice(None)))
+        labels = self._group[f"{split}/labels"].get_orthogonal_selection(flat)
+        return (np.asarray(feats, np.float32).reshape(*idx.shape, self.feature_dim),
+                np.asarray(labels, np.int32).reshape(idx.shape))
+
+
+def open_features(path: str | os.PathLike[str], *,
+                  expected_key: FeatureKey | None = None) -> FeatureSplitSet:
+    """Open the entry at ``path`` for reading; refuses partial, stale or mismatched entries."""
+    path = os.fspath(path)
+    layout, meta = _read_layout(path)
+    if expected_key is not None and layout.key != expected_key:
+        mine, theirs = layout.key.as_dict(), expected_key.as_dict()
+        differ = sorted(k for k in mine if mine[k] != theirs.get(k))
+        raise DataError(f"{path!r} holds features for another key (differs in: "
+                        f"{', '.join(differ)})")
+    store = FeatureStore(path, layout)
+    if not store.is_complete():
+        total = len(store.all_chunks())
+        done = total - len(store.missing_chunks())
+        raise DataError(f"{path!r} is an incomplete feature entry ({done} of {total} chunks "
+                        "written, no COMPLETE marker): run dpscale featurize again to finish it")
+    return FeatureSplitSet(path, layout, meta)

@@ -1,0 +1,62 @@
+"""Cache keys of the feature store: what makes two sets of features interchangeable.
+
+Features depend on the pixels (the ingested data's content hash), the backbone's weights
+(their sha256, not a file name), how pixels reach the backbone (resolution, mean, std,
+resize method) and how dpscale lays features out on disk (the feature-format version).
+The key is the sha256 of a canonical JSON of exactly those parts; anything else (where
+the data lives, batch size, runner) cannot change the features and stays out of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from dpscale.errors import DataError
+
+#: Bump whenever the on-disk layout or the meaning of stored features changes.
+FEATURE_FORMAT_VERSION = 1
+RESIZE_METHODS = ("bilinear", "nearest", "cubic", "lanczos3", "lanczos5")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureKey:
+    """The parts a feature-store entry is addressed by; ``digest`` is the entry's name."""
+
+    data_content_hash: str
+    weights_sha256: str
+    model: str
+    resolution: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    resize_method: str = "bilinear"
+    format_version: int = FEATURE_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        if self.resize_method not in RESIZE_METHODS:
+            raise DataError(f"resize method must be one of {', '.join(RESIZE_METHODS)}, "
+                            f"got {self.resize_method!r}")
+        if not self.data_content_hash or not self.weights_sha256:
+            raise DataError("a feature key needs the data content hash and the weights sha256")
+
+    def as_dict(self) -> dict[str, Any]:
+        parts = dataclasses.asdict(self)
+        parts["mean"], parts["std"] = list(self.mean), list(self.std)
+        return parts
+
+    @classmethod
+    def from_dict(cls, parts: dict[str, Any]) -> FeatureKey:
+        try:
+            return cls(**parts)
+        except TypeError as exc:
+            raise DataError(f"malformed feature key {parts!r}: {exc}") from None
+
+    @property
+    def digest(self) -> str:
+        """sha256 hex of the canonical JSON of every part (floats by their repr)."""
+        text = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
