@@ -121,6 +121,47 @@ def import_weights(name: str, output: str | None, force: bool) -> None:
     click.echo(f"{name}: {status}: {result.directory} (weights sha256 {result.metadata.weights_sha256[:16]}...)")
 
 
+@cli.command("featurize", context_settings={"ignore_unknown_options": True,
+                                            "allow_extra_args": True})
+@click.argument("data", type=click.Path(file_okay=False))
+@click.option("--backbone", required=True,
+              help="efficientnet-lite0 (imported weights) or a backbone directory.")
+@click.option("--cache-dir", default=None,
+              help="Feature cache root (default: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).")
+@click.option("--resolution", type=int, default=None, help="Resize to this (default: the backbone's).")
+@click.option("--resize-method", default="bilinear", show_default=True)
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Images per forward pass.")
+@click.option("--chunk-rows", type=int, default=1024, show_default=True,
+              help="Rows per Zarr chunk: one worker task, and the unit of resume.")
+@click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
+def featurize_command(data: str, backbone: str, cache_dir: str | None, resolution: int | None,
+                      resize_method: str, batch_size: int, chunk_rows: int,
+                      pipeline_args: tuple[str, ...]) -> None:
+    """Frozen-backbone features of the ingested DATA into the Zarr feature cache.
+
+    A second run with the same data, weights and preprocessing is a cache hit; an
+    interrupted run resumes its missing chunks. Prints the entry path (the trainer's
+    input). Other options (e.g. after `--`: --runner DataflowRunner ...) go to Beam.
+    """
+    from dpscale.stages import featurize as stage
+
+    if not stage.log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        stage.log.addHandler(handler)
+        stage.log.setLevel(logging.INFO)
+        stage.log.propagate = False
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    result = stage.run(stage.FeaturizeConfig(
+        data, backbone, cache_dir=cache_dir, resolution=resolution, resize_method=resize_method,
+        batch_size=batch_size, chunk_rows=chunk_rows, pipeline_args=tuple(pipeline_args)))
+    status = ("cache hit" if result.cache_hit else
+              f"computed {result.chunks_computed} of {result.chunks_total} chunks")
+    counts = ", ".join(f"{s}: {n}" for s, n in result.num_examples.items())
+    click.echo(f"{status} ({counts}) in {result.seconds:.1f} s")
+    click.echo(result.path)
+
+
 @cli.command("models")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def models_command(as_json: bool) -> None:
