@@ -117,14 +117,14 @@ class DpsgdStep:
         replicated = self._sharding(PartitionSpec())
         batch_sharded = self._sharding(PartitionSpec(DATA_AXIS))
         self._accumulate = jax.jit(
-            self._accumulate_impl,
+            self.accumulate_pure,
             donate_argnums=(1,),
             in_shardings=(
                 None if mesh is None else (replicated, replicated, batch_sharded, batch_sharded, replicated)
             ),
             out_shardings=replicated,
         )
-        self._apply = jax.jit(self._apply_impl, donate_argnums=(0,), out_shardings=replicated)
+        self._apply = jax.jit(self.apply_pure, donate_argnums=(0,), out_shardings=replicated)
         self._privatize = jax.jit(self._privatize_impl, out_shardings=replicated)
         self._zero_sum = jax.jit(_zeros_like_clipped_sum, out_shardings=replicated)
 
@@ -133,6 +133,11 @@ class DpsgdStep:
     @property
     def num_devices(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape[DATA_AXIS]
+
+    def replicate(self, tree: PyTree) -> PyTree:
+        """Place ``tree`` on the devices the way ``init`` does (e.g. after a restore)."""
+        sharding = self._sharding(PartitionSpec())
+        return tree if sharding is None else jax.device_put(tree, sharding)
 
     def init(self, params: PyTree, model_state: PyTree | None = None) -> TrainState:
         """A fresh state; ``params`` are copied, since ``apply`` donates the state's buffers."""
@@ -143,7 +148,7 @@ class DpsgdStep:
             model_state={} if model_state is None else model_state,
             step=jnp.zeros((), jnp.int32),
         )
-        return jax.device_put(state, self._sharding(PartitionSpec()))
+        return self.replicate(state)
 
     def zero_sum(self, state: TrainState) -> ClippedSum:
         return self._zero_sum(state.params)
@@ -176,26 +181,32 @@ class DpsgdStep:
             total = self.accumulate(state, total, batch, mask)
         return self.apply(state, total)
 
-    # -- jitted bodies ----------------------------------------------------------------
+    # -- pure bodies: what the jitted methods run -------------------------------------
+    # Side-effect free with explicit keys, so callers can ``vmap`` them over many
+    # independent models (the privacy audit trains thousands this way).
 
-    def _sharding(self, spec: PartitionSpec) -> NamedSharding | None:
-        return None if self.mesh is None else NamedSharding(self.mesh, spec)
-
-    def _accumulate_impl(
+    def accumulate_pure(
         self, params: PyTree, total: ClippedSum, batch: PyTree, mask: jax.Array, model_state: PyTree
     ) -> ClippedSum:
+        """``total`` plus the clipped sum of one micro-batch."""
         micro = self._clipped_sum(params, model_state, batch, mask)
         return jax.tree_util.tree_map(jnp.add, total, micro)
 
     def _privatize_impl(self, total: ClippedSum, step: jax.Array, base_key: jax.Array) -> PyTree:
-        key = step_key(base_key, step)
-        std = self.config.noise_multiplier * total.sensitivity
-        noisy_sum = add_gaussian_noise(total.value, key, std=std)
+        if self.config.noise_multiplier == 0:  # no noise: a non-private baseline
+            noisy_sum = total.value
+        elif math.isfinite(total.sensitivity):
+            key = step_key(base_key, step)
+            std = self.config.noise_multiplier * total.sensitivity
+            noisy_sum = add_gaussian_noise(total.value, key, std=std)
+        else:
+            raise InvalidConfigError("noise cannot be calibrated to a sum of unbounded sensitivity")
         return jax.tree_util.tree_map(lambda x: x / self.config.expected_batch_size, noisy_sum)
 
-    def _apply_impl(
+    def apply_pure(
         self, state: TrainState, total: ClippedSum, base_key: jax.Array
     ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Noise (key ``fold_in(base_key, state.step)``), optimiser update and EMA."""
         grad = self._privatize_impl(total, state.step, base_key)
         updates, opt_state = self.optimizer.update(grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -211,6 +222,9 @@ class DpsgdStep:
         }
         new_state = state.replace(params=params, opt_state=opt_state, ema_params=ema, step=state.step + 1)
         return new_state, metrics
+
+    def _sharding(self, spec: PartitionSpec) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, spec)
 
 
 def data_mesh(devices: Iterable[jax.Device] | None = None) -> Mesh:
