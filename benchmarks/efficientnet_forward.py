@@ -3,7 +3,7 @@
 Featurizing a data set with the frozen backbone is one forward pass per image, so this
 bounds the featurize stage. Weights are random (speed does not depend on them).
 
-    python benchmarks/efficientnet_forward.py --batch 32 --resolutions 128,224 --torch --depthwise \\
+    python benchmarks/efficientnet_forward.py --batch 32 --resolutions 128,224 --torch --depthwise --grad \\
         --output benchmarks/results/efficientnet_forward.md
 
 ``--torch`` times the published PyTorch definition (``pip install efficientnet_lite_pytorch``)
@@ -49,6 +49,37 @@ def flax_forward(batch: int, size: int, *, min_seconds: float) -> tuple[float, f
     variables = jax.tree.map(lambda s: jnp.asarray(0.05 * rng.normal(size=s.shape), jnp.float32), abstract)
     apply = jax.jit(model.apply)
     return _time(lambda: apply(variables, x).block_until_ready(), min_seconds=min_seconds, batch=batch)
+
+
+def grad_throughput(batch: int, size: int, *, min_seconds: float) -> tuple[float, float]:
+    """(per-example vmap(grad), batched grad) examples/s of cross-entropy on all parameters.
+
+    The per-example form is what DP-SGD fine-tuning of the whole network needs; frozen
+    BatchNorm statistics are inputs, not parameters, so nothing mixes examples.
+    """
+    import optax
+
+    model = efficientnet_lite.efficientnet_lite(NAME, num_classes=10)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32)
+    y = jnp.arange(batch) % 10
+    abstract = jax.eval_shape(model.init, jax.random.key(0), x[:1])
+    variables = jax.tree.map(lambda s: jnp.asarray(0.05 * rng.normal(size=s.shape), jnp.float32), abstract)
+    stats = variables["batch_stats"]
+
+    def loss(params, image, label):
+        logits = model.apply({"params": params, "batch_stats": stats}, image[None])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, label[None]).mean()
+
+    per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))
+    batched = jax.jit(jax.grad(lambda p, xs, ys: jnp.mean(jax.vmap(loss, in_axes=(None, 0, 0))(p, xs, ys))))
+    params = variables["params"]
+    rates = [
+        _time(lambda f=f: jax.block_until_ready(f(params, x, y)), min_seconds=min_seconds, batch=batch)[0]
+        for f in (per_example, batched)
+    ]
+    print(f"grad {size}x{size} batch {batch}: per-example {rates[0]:.1f} ex/s, batched {rates[1]:.1f} ex/s")
+    return rates[0], rates[1]
 
 
 # (spatial size, channels, kernel, stride) of some Lite0 depthwise layers at 128x128 input.
@@ -136,10 +167,13 @@ def main() -> None:
     parser.add_argument("--torch-threads", default="1,2", help="torch.set_num_threads values to time")
     parser.add_argument("--output", default=None, help="write a markdown report here")
     parser.add_argument("--depthwise", action="store_true", help="also compare depthwise conv implementations")
+    parser.add_argument("--grad", action="store_true", help="also time per-example vs batched gradients at 128")
+    parser.add_argument("--grad-batch", type=int, default=8)
     args = parser.parse_args()
 
     depthwise = depthwise_comparison(args.batch) if args.depthwise else []
     published = published_max_diff() if args.torch else []
+    grads = grad_throughput(args.grad_batch, 128, min_seconds=args.min_seconds) if args.grad else None
 
     rows = []
     for size in (int(r) for r in args.resolutions.split(",")):
@@ -184,6 +218,13 @@ def main() -> None:
                 "|---|---|---|---|---|",
             ]
             lines += [f"| {h}x{h}x{c} | {k} | {st} | {g:.1f} | {sh:.1f} |" for (h, c, k, st), g, sh in depthwise]
+        if grads:
+            lines += [
+                "",
+                f"Gradients of all parameters at 128x128, batch {args.grad_batch} (examples/s, median):",
+                f"per-example `vmap(grad)` {grads[0]:.1f}, batched `grad` {grads[1]:.1f}, "
+                f"ratio {grads[1] / grads[0]:.2f}.",
+            ]
         if published:
             lines += [
                 "",
