@@ -181,16 +181,29 @@ def models_command(as_json: bool) -> None:
 
 
 def _print_json_line(payload: dict) -> None:
+    """One line of strict JSON (non-finite numbers such as a non-private epsilon become "inf")."""
     import json
+    import math
 
-    click.echo(json.dumps(payload, sort_keys=True, default=str))
+    def strict(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: strict(v) for k, v in value.items()}
+        return value
+
+    click.echo(json.dumps(strict(payload), sort_keys=True, default=str, allow_nan=False))
 
 
 @cli.command("train")
-@click.argument("data", type=click.Path(file_okay=False))
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models`.")
-@click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon.")
+@click.argument("data", type=click.Path(file_okay=False), required=False)
+@click.argument("run_dir", type=click.Path(file_okay=False), required=False)
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
+              help="Continue the killed run in this directory from its last checkpoint (no other arguments).")
+@click.option("--mode", type=click.Choice(["images", "features"]), default="images", show_default=True,
+              help="images: all layers of --model on ingested DATA; features: last layer on a feature cache entry.")
+@click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode).")
+@click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon; `inf` = non-private.")
 @click.option("--delta", type=float, default=1e-5, show_default=True, help="Target delta.")
 @click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B.")
 @click.option("--steps", type=int, default=None, help="Number of optimiser steps T.")
@@ -200,7 +213,9 @@ def _print_json_line(payload: dict) -> None:
               help="`shuffle` is NOT what the accountant assumes: for baselines only (warns).")
 @click.option("--clip-norm", type=float, default=1.0, show_default=True)
 @click.option("--learning-rate", type=float, default=2.0, show_default=True,
-              help="SGD step size on the C-normalised gradient (no momentum, no weight decay).")
+              help="SGD step size on the C-normalised gradient (constant).")
+@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP).")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="Recipe: 0 under DP.")
 @click.option("--augmult", type=int, default=1, show_default=True,
               help="K augmented views per example, averaged before clipping.")
 @click.option("--augment-pad", type=int, default=4, show_default=True, help="Reflect padding of random crops.")
@@ -208,18 +223,27 @@ def _print_json_line(payload: dict) -> None:
 @click.option("--microbatch-size", type=int, default=64, show_default=True,
               help="Physical batch; the logical batch is accumulated over micro-batches.")
 @click.option("--ema-decay", type=float, default=0.999, show_default=True)
+@click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run).")
 @click.option("--seed", type=int, default=None,
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
 @click.option("--devices", type=int, default=None, help="Data-parallel devices (default: all local).")
-def train_command(data: str, run_dir: str, **options) -> None:
-    """Train on the ingested DATA with DP-SGD; write the run to RUN_DIR.
+def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, **options) -> None:
+    """Train on DATA with DP-SGD; write the run to RUN_DIR.
 
     Give the privacy target (--epsilon, --delta) and two of --batch-size, --steps,
-    --noise-multiplier; the third is calibrated before the first step. Prints one
-    JSON line with the achieved epsilon and the hyper-parameters.
+    --noise-multiplier; the third is calibrated before the first step. A run that
+    cannot meet the target does not start. Prints one JSON line with the achieved
+    epsilon and the hyper-parameters. Killed runs continue with --resume RUN_DIR.
     """
     from dpscale.stages import train
 
+    if resume_dir is not None:
+        if data or run_dir:
+            raise click.UsageError("--resume RUN_DIR takes no DATA or RUN_DIR arguments")
+        _print_json_line(dataclasses_asdict(train.resume(resume_dir)))
+        return
+    if not (data and run_dir):
+        raise click.UsageError("give DATA and RUN_DIR (or --resume RUN_DIR)")
     flip = not options.pop("no_flip")
     result = train.run(train.TrainConfig(data=data, run_dir=run_dir, augment_flip=flip, **options))
     _print_json_line(dataclasses_asdict(result))

@@ -142,3 +142,30 @@ def make_clipped_sum_fn(
         return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
 
     return clipped_sum
+
+
+def make_unclipped_sum_fn(loss_fn: LossFn) -> Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]:
+    """The NON-private counterpart: ``sum_i g_i`` by one batched backward pass.
+
+    For non-private baselines and public pre-training only. Its sensitivity is
+    infinite, so ``DpsgdStep`` refuses to pair it with noise (noise multiplier 0).
+    """
+
+    def unclipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+        def total_loss(p: PyTree) -> tuple[jax.Array, jax.Array]:
+            losses = jax.vmap(loss_fn, in_axes=(None, None, 0))(p, model_state, batch)
+            return jnp.sum(jnp.where(mask > 0, losses, 0.0)), losses
+
+        (loss_sum, _), grads = jax.value_and_grad(total_loss, has_aux=True)(params)
+        zero = jnp.zeros((), jnp.float32)
+        return ClippedSum(
+            value=grads,
+            num_examples=jnp.sum(mask > 0).astype(jnp.int32),
+            num_clipped=jnp.zeros((), jnp.int32),
+            num_nonfinite=jnp.zeros((), jnp.int32),
+            sum_of_norms=zero,
+            sum_of_losses=loss_sum,
+            sensitivity=float("inf"),
+        )
+
+    return unclipped_sum

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpscale.errors import DataError
-from dpscale.models import registry
 from dpscale.stages import run_files
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.image_data import InMemorySplit, normalize
+from dpscale.stages.train_model import build_train_model
 
 METRICS_FILE = "metrics.json"
 
@@ -55,32 +51,27 @@ def _accuracies(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
 
 
 def run(config: EvaluateConfig) -> EvaluateResult:
-    files = run_files.RunFiles(os.path.abspath(config.run_dir))
-    try:
-        with open(files.path(run_files.CONFIG)) as f:
-            train_config = json.load(f)
-    except OSError as exc:
-        raise DataError(f"{config.run_dir!r} is not a run directory (no {run_files.CONFIG})") from exc
-    dataset = IngestedDataset(config.data or train_config["data"])
-    if config.split not in dataset.splits:
-        raise DataError(f"the data has no split {config.split!r} (has {dataset.splits})")
-    split = InMemorySplit.load(dataset, config.split)
-    saved = files.load_params()
-    model = registry.get_model(train_config["model"], num_classes=len(dataset.class_names))
-    forward = jax.jit(lambda variables, x: model.apply(variables, x))
+    from dpscale.stages.train import TrainConfig  # the run's own config rebuilds its model
+
+    files = run_files.RunFiles.existing(config.run_dir)
+    with open(files.path(run_files.CONFIG)) as f:
+        saved = json.load(f)["config"]
+    train_config = TrainConfig(**(saved | ({"data": config.data} if config.data else {})))
+    model = build_train_model(train_config)
+    inputs, labels = model.eval_inputs(config.split)
+    trained = files.load_params()
+    state = trained.get("model_state", {})
+    forward = jax.jit(model.logits_fn)
 
     def logits_of(params: Any) -> np.ndarray:
-        variables = {"params": params, **saved.get("model_state", {})}
-        out = []
-        for start in range(0, len(split), config.batch_size):
-            idx = np.arange(start, min(len(split), start + config.batch_size))
-            images, _ = split.take(idx)
-            out.append(np.asarray(forward(variables, jnp.asarray(normalize(images)))))
+        out = [
+            np.asarray(forward(params, state, jnp.asarray(inputs[start : start + config.batch_size])))
+            for start in range(0, len(labels), config.batch_size)
+        ]
         return np.concatenate(out)
 
-    labels = split.take(np.arange(len(split)))[1]
-    top1, top5 = _accuracies(logits_of(saved["params"]), labels)
-    ema_top1, ema_top5 = _accuracies(logits_of(saved["ema_params"]), labels)
-    result = EvaluateResult(config.split, len(split), top1, top5, ema_top1, ema_top5)
+    top1, top5 = _accuracies(logits_of(trained["params"]), labels)
+    ema_top1, ema_top5 = _accuracies(logits_of(trained["ema_params"]), labels)
+    result = EvaluateResult(config.split, len(labels), top1, top5, ema_top1, ema_top5)
     run_files.write_json_atomic(files.path(METRICS_FILE), result.as_dict())
     return result

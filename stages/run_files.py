@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Iterator
 
@@ -49,6 +50,13 @@ class RunFiles:
         os.makedirs(run_dir, exist_ok=True)
         return cls(run_dir)
 
+    @classmethod
+    def existing(cls, run_dir: str) -> RunFiles:
+        run_dir = os.path.abspath(run_dir)
+        if not os.path.isfile(os.path.join(run_dir, CONFIG)):
+            raise DataError(f"{run_dir!r} is not a run directory (no {CONFIG})")
+        return cls(run_dir)
+
     def path(self, name: str) -> str:
         return os.path.join(self.run_dir, name)
 
@@ -59,29 +67,50 @@ class RunFiles:
         with open(self.path(METRICS), "a") as f:
             f.write(json.dumps(metrics, sort_keys=True) + "\n")
 
+    def truncate_metrics(self, *, after_step: int) -> None:
+        """Drop metric lines past ``after_step`` (and a line cut short by a crash)."""
+        if not os.path.exists(self.path(METRICS)):
+            return
+        kept = []
+        with open(self.path(METRICS)) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("step", 0) <= after_step:
+                    kept.append(json.dumps(record, sort_keys=True) + "\n")
+        with open(self.path(METRICS) + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path(METRICS) + ".tmp", self.path(METRICS))
+
     def write_ledger(
         self,
         *,
-        accounting_spec: DpsgdPrivacySpec,
+        accounting_spec: DpsgdPrivacySpec | None,
         delta: float,
         accountant: str,
         epsilon_spent: float,
         steps_done: int,
+        planned_steps: int,
         data_hash: str,
     ) -> None:
+        """The privacy ledger; ``accounting_spec`` None means a non-private run."""
+        spec = accounting_spec
         write_json_atomic(
             self.path(LEDGER),
             {
+                "private": spec is not None,
                 "accountant": accountant,
                 "neighboring_relation": "add_or_remove_one",
-                "sampling": accounting_spec.sampling,
-                "exact_accounting": accounting_spec.exact,
-                "sampling_rate": accounting_spec.sampling_rate,
-                "noise_multiplier": accounting_spec.noise_multiplier,
-                "planned_steps": accounting_spec.steps,
+                "sampling": None if spec is None else spec.sampling,
+                "exact_accounting": spec is not None and spec.exact,
+                "sampling_rate": None if spec is None else spec.sampling_rate,
+                "noise_multiplier": 0.0 if spec is None else spec.noise_multiplier,
+                "planned_steps": planned_steps,
                 "steps_done": steps_done,
                 "delta": delta,
-                "epsilon_spent": epsilon_spent,
+                "epsilon_spent": "inf" if math.isinf(epsilon_spent) else epsilon_spent,
                 "data_content_hash": data_hash,
             },
         )
@@ -113,7 +142,7 @@ class _Bar:
 
 
 @contextlib.contextmanager
-def progress(*, total: int, enabled: bool) -> Iterator[_Bar]:
+def progress(*, total: int, enabled: bool, completed: int = 0) -> Iterator[_Bar]:
     """A progress bar over optimiser steps showing epsilon spent and the loss."""
     if not enabled:
         yield _Bar(None, None)
@@ -127,5 +156,5 @@ def progress(*, total: int, enabled: bool) -> Iterator[_Bar]:
         TimeRemainingColumn(),
     )
     with Progress(*columns, transient=False) as bar:
-        task = bar.add_task("train", total=total, epsilon="eps 0.000", loss="")
+        task = bar.add_task("train", total=total, completed=completed, epsilon="", loss="")
         yield _Bar(bar, task)

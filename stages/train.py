@@ -1,12 +1,18 @@
-"""The train stage: DP-SGD on all layers of an image model, from a privacy target.
+"""The train stage: DP-SGD from a privacy target, on images (all layers) or cached features.
 
-``run(TrainConfig) -> TrainResult``. The stage calibrates whichever of
-{batch size, steps, noise multiplier} is missing *before* the first step (and
-refuses to start a run that cannot meet the target), then loops:
-Poisson-sample a batch of indices, read those examples, make K augmented views
-on device, accumulate clipped sums over fixed-shape micro-batches, add noise
-once and update. The run directory receives the resolved config, the privacy
-ledger, per-step metrics (JSONL) and the final parameters.
+``run(TrainConfig)`` calibrates whichever of {batch size, steps, noise multiplier}
+is missing *before* the first step (refusing a run that cannot meet the target),
+then loops: Poisson-sample the batch of step t, feed it as fixed-shape
+micro-batches, accumulate clipped sums, add noise once and update. ``resume(run_dir)``
+continues a killed run from its last checkpoint with the same secret seed, so the
+noise and batches of every step are those of the original plan (see
+``stages.checkpointing``) and the final epsilon is exactly the planned one.
+
+Modes: ``images`` trains every layer of a registry model with augmentation
+multiplicity; ``features`` trains a zero-initialised softmax classifier on cached
+backbone features with closed-form per-example norms (batches up to 2^18 and
+more through accumulation). ``epsilon=inf`` is the non-private baseline: no
+clipping, no noise, momentum and weight decay allowed.
 """
 
 from __future__ import annotations
@@ -15,26 +21,22 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from dpscale.errors import DataError, InvalidConfigError
-from dpscale.models import registry
-from dpscale.models.validation import validate_dp_model
 from dpscale.privacy import accounting
-from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep, data_mesh
+from dpscale.privacy.clipping import make_unclipped_sum_fn
+from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep, TrainState, data_mesh
+from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.sampling import PoissonSampler, ShuffledSampler
 from dpscale.privacy.seeds import resolve_seed
-from dpscale.stages import privacy_budget, run_files
-from dpscale.stages.augment import augment_views
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.image_data import InMemorySplit, normalize
+from dpscale.stages import checkpointing, privacy_budget, run_files
+from dpscale.stages.train_model import TrainModel, build_train_model
 
 _log = logging.getLogger(__name__)
 _AUGMENT_STREAM = 0xA06
@@ -42,12 +44,13 @@ _AUGMENT_STREAM = 0xA06
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A DP training run. Give two of {batch_size, steps, noise_multiplier}; the third is calibrated."""
+    """A training run. Give two of {batch_size, steps, noise_multiplier}; the third is calibrated."""
 
-    data: str
+    data: str  # an ingested dataset (images) or a feature-cache entry (features)
     run_dir: str
-    model: str = "cnn-small"
-    epsilon: float = 8.0
+    mode: Literal["images", "features"] = "images"
+    model: str = "cnn-small"  # images mode: a registry name
+    epsilon: float = 8.0  # math.inf: non-private baseline
     delta: float = 1e-5
     batch_size: int | None = None
     steps: int | None = None
@@ -56,6 +59,8 @@ class TrainConfig:
     sampling: Literal["poisson", "shuffle"] = "poisson"
     clip_norm: float = 1.0
     learning_rate: float = 2.0
+    momentum: float = 0.0
+    weight_decay: float = 0.0
     augmult: int = 1
     augment_pad: int = 4
     augment_flip: bool = True
@@ -64,15 +69,39 @@ class TrainConfig:
     seed: int | None = None
     train_split: str = "train"
     devices: int | None = None  # data-parallel devices; None = all local devices
+    checkpoint_every: int | None = None  # steps; None = about 20 checkpoints per run
     show_progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.mode not in ("images", "features"):
+            raise InvalidConfigError(f"mode must be 'images' or 'features', got {self.mode!r}")
         if self.augmult < 1:
             raise InvalidConfigError(f"augmult must be >= 1, got {self.augmult}")
         if self.microbatch_size < 1:
             raise InvalidConfigError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
         if not self.learning_rate > 0:
             raise InvalidConfigError(f"learning_rate must be positive, got {self.learning_rate}")
+        if not self.epsilon > 0:
+            raise InvalidConfigError(f"epsilon must be positive (inf for non-private), got {self.epsilon}")
+        if self.private and (self.momentum or self.weight_decay):
+            _log.warning("momentum/weight decay under DP: allowed (post-processing), but not the recipe's")
+        if not self.private and (self.batch_size is None or self.steps is None):
+            raise InvalidConfigError("a non-private run (epsilon=inf) needs --batch-size and --steps")
+
+    @property
+    def private(self) -> bool:
+        return math.isfinite(self.epsilon)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The resolved privacy-relevant hyper-parameters of a run."""
+
+    noise_multiplier: float
+    steps: int
+    batch_size: int
+    epsilon: float  # planned epsilon after all steps (inf when non-private)
+    num_examples: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,29 +116,10 @@ class TrainResult:
     final_metrics: dict[str, float]
 
 
-def _loss_fn(model: Any):
-    def loss(params: Any, model_state: Any, views: dict[str, jax.Array]) -> jax.Array:
-        logits = model.apply({"params": params, **model_state}, views["image"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
-
-    return loss
-
-
-def _mesh(devices: int | None):
-    available = jax.local_devices()
-    count = len(available) if devices is None else devices
-    if not 1 <= count <= len(available):
-        raise InvalidConfigError(f"devices must be in [1, {len(available)}], got {devices}")
-    return data_mesh(available[:count])
-
-
-def run(config: TrainConfig) -> TrainResult:
-    dataset = IngestedDataset(config.data)
-    if config.train_split not in dataset.splits:
-        raise DataError(f"{config.data!r} has no split {config.train_split!r} (has {dataset.splits})")
-    train = InMemorySplit.load(dataset, config.train_split)
-    num_examples = len(train)
-
+def _plan(config: TrainConfig, num_examples: int) -> Plan:
+    if not config.private:
+        accounting.check_batch_size(batch_size=config.batch_size, num_examples=num_examples)
+        return Plan(0.0, int(config.steps), int(config.batch_size), math.inf, num_examples)
     budget = privacy_budget.run_calibrate(
         privacy_budget.CalibrateConfig(
             epsilon=config.epsilon,
@@ -121,108 +131,136 @@ def run(config: TrainConfig) -> TrainResult:
             accountant=config.accountant,
         )
     )
-    spec = accounting.DpsgdPrivacySpec.from_batch_size(
-        noise_multiplier=budget.noise_multiplier,
-        batch_size=budget.batch_size,
-        num_examples=num_examples,
-        steps=budget.steps,
-        sampling=config.sampling,
-    )
+    return Plan(budget.noise_multiplier, budget.steps, budget.batch_size, budget.epsilon, num_examples)
 
-    mesh = _mesh(config.devices)
-    microbatch = config.microbatch_size
-    if microbatch % mesh.size:
-        raise InvalidConfigError(
-            f"microbatch_size {microbatch} must be divisible by the {mesh.size} devices"
+
+class _Run:
+    """Everything built from (config, plan, seed): identical for a fresh run and a resume."""
+
+    def __init__(self, config: TrainConfig, plan: Plan, seed: int, model: TrainModel) -> None:
+        self.config, self.plan, self.seed, self.model = config, plan, seed, model
+        available = jax.local_devices()
+        count = len(available) if config.devices is None else config.devices
+        if not 1 <= count <= len(available):
+            raise InvalidConfigError(f"devices must be in [1, {len(available)}], got {config.devices}")
+        if config.microbatch_size % count:
+            raise InvalidConfigError(
+                f"microbatch_size {config.microbatch_size} must be divisible by the {count} devices"
+            )
+        if config.sampling == "poisson":
+            self.sampler = PoissonSampler(num_examples=plan.num_examples, expected_batch_size=plan.batch_size,
+                                          microbatch_size=config.microbatch_size, seed=seed)
+        else:
+            self.sampler = ShuffledSampler(num_examples=plan.num_examples, batch_size=plan.batch_size,
+                                           microbatch_size=config.microbatch_size, seed=seed)
+        optimizer = optax.chain(
+            optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
+            optax.sgd(config.learning_rate, momentum=config.momentum or None),
         )
-    seed = resolve_seed(config.seed)
-    num_classes = len(dataset.class_names)
-    model = registry.get_model(config.model, num_classes=num_classes)
-    sample_input = jnp.zeros((1, *train.image_shape), jnp.float32)
-    # One compiled init instead of hundreds of op-by-op compilations.
-    variables = jax.jit(model.init)(jax.random.key(seed % 2**32), sample_input)
-    validate_dp_model(model, train.image_shape, variables=variables)
-    params = variables["params"]
-    model_state = {k: v for k, v in variables.items() if k != "params"}
+        if not config.private:
+            clipped_sum_fn = make_unclipped_sum_fn(model.loss_fn)
+        elif config.mode == "features":
+            clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=config.clip_norm)
+        else:
+            clipped_sum_fn = None  # per-example gradients through the whole model
+        self.step = DpsgdStep(
+            model.loss_fn,
+            DpsgdConfig(noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.batch_size,
+                        clip_norm=config.clip_norm, ema_decay=config.ema_decay),
+            noise_seed=seed,
+            optimizer=optimizer,
+            mesh=data_mesh(available[:count]),
+            clipped_sum_fn=clipped_sum_fn,
+        )
+        self.spec = None
+        self.curve = None
+        if config.private:
+            self.spec = accounting.DpsgdPrivacySpec.from_batch_size(
+                noise_multiplier=plan.noise_multiplier, batch_size=plan.batch_size,
+                num_examples=plan.num_examples, steps=plan.steps, sampling=config.sampling)
+            self.curve = accounting.EpsilonCurve(noise_multiplier=plan.noise_multiplier,
+                                                 sampling_rate=self.spec.sampling_rate,
+                                                 delta=config.delta, accountant=config.accountant)
+        augment_key = jax.random.fold_in(jax.random.key(_AUGMENT_STREAM), seed % 2**31)
+        self.feed = model.make_feed(augment_key)
+        every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
+        self.files = run_files.RunFiles(config.run_dir)
+        self.checkpoints = checkpointing.Checkpoints(config.run_dir, every=every)
 
-    sampler_cls = PoissonSampler if config.sampling == "poisson" else ShuffledSampler
-    size_kw = "expected_batch_size" if config.sampling == "poisson" else "batch_size"
-    sampler = sampler_cls(
-        num_examples=num_examples, microbatch_size=microbatch, seed=seed, **{size_kw: budget.batch_size}
-    )
-    dp_step = DpsgdStep(
-        _loss_fn(model),
-        DpsgdConfig(
-            noise_multiplier=budget.noise_multiplier,
-            expected_batch_size=budget.batch_size,
-            clip_norm=config.clip_norm,
-            ema_decay=config.ema_decay,
-        ),
-        noise_seed=seed,
-        learning_rate=config.learning_rate,
-        mesh=mesh,
-    )
-    state = dp_step.init(params, model_state)
+    def epsilon_at(self, steps: int) -> float:
+        return math.inf if self.curve is None else self.curve(steps)
+
+    def write_ledger(self, steps_done: int) -> None:
+        self.files.write_ledger(
+            accounting_spec=self.spec, delta=self.config.delta,
+            accountant=self.config.accountant if self.config.private else "none",
+            epsilon_spent=self.epsilon_at(steps_done), steps_done=steps_done,
+            planned_steps=self.plan.steps, data_hash=self.model.data_hash,
+        )
+
+    def loop(self, state: TrainState, start: int) -> tuple[TrainState, dict[str, float], float]:
+        total = self.plan.steps
+        started = time.perf_counter()
+        metrics: dict[str, float] = {}
+        log_every = max(1, math.ceil(total / 20))
+        with run_files.progress(total=total, completed=start, enabled=self.config.show_progress) as bar:
+            for step in range(start, total):
+                batch = self.sampler.sample(step)
+                state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
+                done = step + 1
+                metrics = {k: float(v) for k, v in step_metrics.items()} | {"step": done}
+                if done == total or done % log_every == 0:
+                    metrics["epsilon_spent"] = self.epsilon_at(done)
+                self.files.append_metrics(metrics)
+                if self.checkpoints.should_save(done, total):
+                    self.checkpoints.save(done, state)
+                    self.write_ledger(done)
+                bar.advance(epsilon=metrics.get("epsilon_spent"), loss=metrics["loss"])
+        return state, metrics, time.perf_counter() - started
+
+    def finish(self, state: TrainState, metrics: dict[str, float], seconds: float) -> TrainResult:
+        self.files.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
+        self.checkpoints.close()
+        return TrainResult(run_dir=self.config.run_dir, epsilon=self.epsilon_at(self.plan.steps),
+                           delta=self.config.delta, noise_multiplier=self.plan.noise_multiplier,
+                           steps=self.plan.steps, batch_size=self.plan.batch_size, train_seconds=seconds,
+                           final_metrics=metrics)
+
+
+def run(config: TrainConfig) -> TrainResult:
+    model = build_train_model(config)
+    plan = _plan(config, model.num_examples)
     files = run_files.RunFiles.create(config.run_dir)
-    files.write_config(dataclasses.asdict(config) | {"resolved": dataclasses.asdict(budget)})
-    curve = accounting.EpsilonCurve(
-        noise_multiplier=spec.noise_multiplier,
-        sampling_rate=spec.sampling_rate,
-        delta=config.delta,
-        accountant=config.accountant,
-    )
-    augment_key = jax.random.key(_AUGMENT_STREAM)
-    augment_key = jax.random.fold_in(augment_key, seed % 2**31)
-
-    started = time.perf_counter()
-    metrics: dict[str, float] = {}
-    with run_files.progress(total=budget.steps, enabled=config.show_progress) as bar:
-        for step in range(budget.steps):
-            batch = sampler.sample(step)
-            step_key = jax.random.fold_in(augment_key, step)
-            micro_inputs = []
-            for m in range(batch.num_microbatches):
-                images, labels = train.take(batch.indices[m])
-                views = augment_views(
-                    jax.random.fold_in(step_key, m),
-                    normalize(images),
-                    views=config.augmult,
-                    pad=config.augment_pad,
-                    flip=config.augment_flip,
-                )
-                labels = jnp.repeat(jnp.asarray(labels)[:, None], config.augmult, axis=1)
-                micro_inputs.append(({"image": views, "label": labels}, jnp.asarray(batch.mask[m])))
-            state, step_metrics = dp_step.update(state, micro_inputs)
-            spent = curve(step + 1) if _log_epsilon_at(step + 1, budget.steps) else None
-            metrics = {k: float(v) for k, v in step_metrics.items()} | {"step": step + 1}
-            if spent is not None:
-                metrics["epsilon_spent"] = spent
-            files.append_metrics(metrics)
-            bar.advance(epsilon=metrics.get("epsilon_spent"), loss=metrics["loss"])
-    seconds = time.perf_counter() - started
-
-    final_epsilon = curve(budget.steps)
-    files.write_ledger(
-        accounting_spec=spec,
-        delta=config.delta,
-        accountant=config.accountant,
-        epsilon_spent=final_epsilon,
-        steps_done=budget.steps,
-        data_hash=dataset.content_hash,
-    )
-    files.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
-    return TrainResult(
-        run_dir=config.run_dir,
-        epsilon=final_epsilon,
-        delta=config.delta,
-        noise_multiplier=budget.noise_multiplier,
-        steps=budget.steps,
-        batch_size=budget.batch_size,
-        train_seconds=seconds,
-        final_metrics=metrics,
-    )
+    seed = resolve_seed(config.seed)
+    checkpointing.write_seed(files.run_dir, seed)
+    config = dataclasses.replace(config, run_dir=files.run_dir)
+    files.write_config({"config": dataclasses.asdict(config), "resolved": dataclasses.asdict(plan)})
+    current = _Run(config, plan, seed, model)
+    state = current.step.init(model.init_params(seed), model.model_state)
+    current.write_ledger(0)
+    state, metrics, seconds = current.loop(state, 0)
+    return current.finish(state, metrics, seconds)
 
 
-def _log_epsilon_at(step: int, total: int) -> bool:
-    """Epsilon is computed on ~20 evenly spaced steps and the last (PLD is not free)."""
-    return step == total or step % max(1, math.ceil(total / 20)) == 0
+def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
+    """Continue a killed run from its newest checkpoint, with its original seed and plan."""
+    files = run_files.RunFiles.existing(run_dir)
+    try:
+        with open(files.path(run_files.CONFIG)) as f:
+            saved = json.load(f)
+        config = TrainConfig(**(saved["config"] | {"show_progress": show_progress}))
+        plan = Plan(**saved["resolved"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{run_dir!r}: unreadable {run_files.CONFIG}; cannot resume") from exc
+    model = build_train_model(config)
+    if model.num_examples != plan.num_examples:
+        raise DataError(f"the data at {config.data!r} changed since the run started "
+                        f"({model.num_examples} examples, planned for {plan.num_examples})")
+    current = _Run(config, plan, checkpointing.read_seed(files.run_dir), model)
+    fresh = current.step.init(model.init_params(current.seed), model.model_state)
+    start = current.checkpoints.latest_step() or 0
+    state = current.step.replicate(current.checkpoints.restore(start, fresh)) if start else fresh
+    files.truncate_metrics(after_step=start)
+    _log.info("resuming %s at step %d of %d", run_dir, start, plan.steps)
+    state, metrics, seconds = current.loop(state, start)
+    return current.finish(state, metrics, seconds)

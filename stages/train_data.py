@@ -1,0 +1,68 @@
+"""What the train loop feeds the DP step: fixed-shape micro-batches for a sampled batch.
+
+Two feeds, one interface (``microbatches(batch, step)``):
+
+* ``ImageFeed`` reads images by index, normalises them and makes K augmented
+  views per example on device: leaves ``[b, K, H, W, C]`` and labels ``[b, K]``.
+* ``FeatureFeed`` gathers cached backbone features by index: ``[b, d]`` and
+  labels ``[b]`` (no augmentation axis: the features are fixed).
+
+Padded slots (index -1) carry zeros and mask 0; the DP step gives them weight 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpscale.privacy.sampling import SampledBatch
+from dpscale.stages.augment import augment_views
+from dpscale.stages.image_data import InMemorySplit, normalize
+
+Microbatch = tuple[dict[str, Any], jax.Array]
+
+
+class ImageFeed:
+    def __init__(self, split: InMemorySplit, *, augmult: int, pad: int, flip: bool, key: jax.Array) -> None:
+        self.split = split
+        self.augmult, self.pad, self.flip = augmult, pad, flip
+        self._key = key
+
+    def microbatches(self, batch: SampledBatch, step: int) -> list[Microbatch]:
+        step_key = jax.random.fold_in(self._key, step)
+        out = []
+        for m in range(batch.num_microbatches):
+            images, labels = self.split.take(batch.indices[m])
+            views = augment_views(
+                jax.random.fold_in(step_key, m), normalize(images), views=self.augmult, pad=self.pad, flip=self.flip
+            )
+            labels = jnp.repeat(jnp.asarray(labels)[:, None], self.augmult, axis=1)
+            out.append(({"image": views, "label": labels}, jnp.asarray(batch.mask[m])))
+        return out
+
+
+class FeatureFeed:
+    def __init__(self, features: np.ndarray, labels: np.ndarray) -> None:
+        self.features = np.asarray(features, np.float32)
+        self.labels = np.asarray(labels, np.int32)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        real = indices >= 0
+        safe = np.where(real, indices, 0)
+        feats = self.features[safe]
+        feats[~real] = 0.0
+        return feats, np.where(real, self.labels[safe], 0).astype(np.int32)
+
+    def microbatches(self, batch: SampledBatch, step: int) -> list[Microbatch]:
+        del step
+        out = []
+        for m in range(batch.num_microbatches):
+            feats, labels = self.take(batch.indices[m])
+            out.append(({"features": jnp.asarray(feats), "label": jnp.asarray(labels)}, jnp.asarray(batch.mask[m])))
+        return out

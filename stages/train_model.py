@@ -1,0 +1,127 @@
+"""The model side of a training run: data, loss, initial parameters, and a feed.
+
+``build_train_model(config)`` opens the run's data and returns a ``TrainModel``
+that the train loop and the evaluate stage share, so both agree on what a
+forward pass is:
+
+* ``images``: a registry model (GroupNorm/WS, no layer mixes examples; checked by
+  ``models.validation``), trained on all layers with augmentation multiplicity.
+* ``features``: a softmax classifier ``x @ kernel + bias`` over cached backbone
+  features, zero-initialised as in De et al. (2022).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpscale.errors import DataError
+from dpscale.models import registry
+from dpscale.models.validation import validate_dp_model
+from dpscale.stages.dataset import IngestedDataset
+from dpscale.stages.image_data import InMemorySplit, normalize
+from dpscale.stages.train_data import FeatureFeed, ImageFeed
+
+PyTree = Any
+
+
+@dataclasses.dataclass
+class TrainModel:
+    num_examples: int
+    num_classes: int
+    data_hash: str
+    loss_fn: Callable[[PyTree, PyTree, PyTree], jax.Array]
+    init_params: Callable[[int], PyTree]
+    model_state: PyTree
+    make_feed: Callable[[jax.Array], Any]
+    logits_fn: Callable[[PyTree, PyTree, np.ndarray], jax.Array]  # (params, model_state, inputs)
+    eval_inputs: Callable[[str], tuple[np.ndarray, np.ndarray]]  # split -> (inputs, labels)
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _image_model(config: Any) -> TrainModel:
+    dataset = IngestedDataset(config.data)
+    if config.train_split not in dataset.splits:
+        raise DataError(f"{config.data!r} has no split {config.train_split!r} (has {dataset.splits})")
+    image_shape = tuple(dataset.image_shape)
+    model = registry.get_model(config.model, num_classes=len(dataset.class_names))
+    sample = jnp.zeros((1, *image_shape), jnp.float32)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), sample)
+    validate_dp_model(model, image_shape, variables=abstract)
+    model_state = {k: v for k, v in abstract.items() if k != "params"}
+    if model_state:
+        raise DataError(f"model {config.model!r} has non-trainable state {sorted(model_state)}; "
+                        "train it from a pretrained backbone instead")
+    init = jax.jit(model.init)  # one compilation instead of hundreds of op-by-op ones
+
+    def loss_fn(params: PyTree, state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
+        return _cross_entropy(model.apply({"params": params, **state}, views["image"]), views["label"])
+
+    def eval_inputs(split: str) -> tuple[np.ndarray, np.ndarray]:
+        if split not in dataset.splits:
+            raise DataError(f"the data has no split {split!r} (has {dataset.splits})")
+        data = InMemorySplit.load(dataset, split)
+        images, labels = data.take(np.arange(len(data)))
+        return normalize(images), labels
+
+    def make_feed(key: jax.Array) -> ImageFeed:  # reads the training split only when training
+        train = InMemorySplit.load(dataset, config.train_split)
+        return ImageFeed(train, augmult=config.augmult, pad=config.augment_pad, flip=config.augment_flip, key=key)
+
+    return TrainModel(
+        num_examples=dataset.num_examples(config.train_split),
+        num_classes=len(dataset.class_names),
+        data_hash=dataset.content_hash,
+        loss_fn=loss_fn,
+        init_params=lambda seed: init(jax.random.key(seed % 2**32), sample)["params"],
+        model_state={},
+        make_feed=make_feed,
+        logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
+        eval_inputs=eval_inputs,
+    )
+
+
+def _feature_model(config: Any) -> TrainModel:
+    from dpscale.cache.feature_store import open_features
+
+    store = open_features(config.data)
+    if config.train_split not in store.splits:
+        raise DataError(f"{config.data!r} has no split {config.train_split!r} (has {store.splits})")
+    features = np.asarray(store.features(config.train_split)[:], np.float32)
+    labels = np.asarray(store.labels(config.train_split), np.int32)
+    dim, classes = store.feature_dim, len(store.class_names)
+
+    def logits_fn(params: PyTree, state: PyTree, x: jax.Array) -> jax.Array:
+        return x @ params["kernel"] + params["bias"]
+
+    def loss_fn(params: PyTree, state: PyTree, example: dict[str, jax.Array]) -> jax.Array:
+        return _cross_entropy(logits_fn(params, state, example["features"]), example["label"])
+
+    def eval_inputs(split: str) -> tuple[np.ndarray, np.ndarray]:
+        if split not in store.splits:
+            raise DataError(f"the feature cache has no split {split!r} (has {store.splits})")
+        return np.asarray(store.features(split)[:], np.float32), np.asarray(store.labels(split), np.int32)
+
+    return TrainModel(
+        num_examples=len(labels),
+        num_classes=classes,
+        data_hash=str(store.metadata.get("data_content_hash", "")),
+        loss_fn=loss_fn,
+        init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
+        model_state={},
+        make_feed=lambda key: FeatureFeed(features, labels),
+        logits_fn=logits_fn,
+        eval_inputs=eval_inputs,
+    )
+
+
+def build_train_model(config: Any) -> TrainModel:
+    return _feature_model(config) if config.mode == "features" else _image_model(config)
