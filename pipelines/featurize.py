@@ -52,10 +52,13 @@ class _FeaturizeChunk(beam.DoFn):
         self.chunks = beam.metrics.Metrics.counter("featurize", "chunks")
 
     def setup(self) -> None:
+        import logging
+
         from dpscale.cache.feature_store import FeatureStore
         from dpscale.stages import featurize as stage
         from dpscale.stages.dataset import IngestedDataset
 
+        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step
         self.dataset = IngestedDataset(self.settings.data)
         self.store = FeatureStore.for_writing(self.settings.entry)
         self.featurizer = stage.Featurizer(self.settings.backbone, self.store.layout.key,
