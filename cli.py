@@ -282,6 +282,47 @@ def quickstart_command(**options) -> None:
     _print_json_line(quickstart.run(quickstart.QuickstartConfig(**options)))
 
 
+@cli.command("audit")
+@click.argument("data", type=click.Path(file_okay=False))
+@click.option("--out-dir", default=None, help="Write audit.json and audit.md here.")
+@click.option("--epsilon", "epsilons", type=float, multiple=True, default=(1.0, 2.0, 4.0, 8.0),
+              show_default=True, help="Nominal epsilon of one row (repeat the flag).")
+@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--num-examples", type=int, default=1000, show_default=True, help="|D|: a random subset.")
+@click.option("--batch-size", type=int, default=100, show_default=True)
+@click.option("--steps", type=int, default=50, show_default=True)
+@click.option("--learning-rate", type=float, default=1.0, show_default=True)
+@click.option("--clip-norm", type=float, default=1.0, show_default=True)
+@click.option("--model", type=click.Choice(["linear", "mlp"]), default="linear", show_default=True)
+@click.option("--hidden", type=int, default=32, show_default=True, help="MLP hidden units.")
+@click.option("--num-models", type=int, default=1000, show_default=True,
+              help="Models per row, half of them trained with the canary.")
+@click.option("--holdout-fraction", type=float, default=0.5, show_default=True,
+              help="Models used only to choose the threshold.")
+@click.option("--confidence", type=float, default=0.999, show_default=True,
+              help="Confidence level of the Clopper-Pearson bounds.")
+@click.option("--canary", type=click.Choice(["ood", "mislabelled"]), default="ood", show_default=True)
+@click.option("--one-run-canaries", type=int, default=0, show_default=True,
+              help="Also run the one-run audit (Steinke et al. 2023) with this many canaries.")
+@click.option("--seed", type=int, default=None, help="Fix the audit seed (reproducible audits).")
+def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
+    """Empirical lower bounds on epsilon for DP-SGD on a subset of the ingested DATA.
+
+    Trains many small models with the same update as `dpscale train`, half of them
+    with a canary, and prints a Markdown table (and one JSON line) of the lower
+    bound, AUC and advantage next to the nominal epsilon. Exit code 1 if a lower
+    bound exceeds its nominal epsilon (a DP bug).
+    """
+    from dpscale.stages import audit
+
+    result = audit.run(audit.AuditConfig(data=data, epsilons=epsilons, **options))
+    click.echo(audit.markdown_table(result.rows), nl=False)
+    _print_json_line(result.as_dict())
+    if any(row["violation"] for row in result.rows):
+        click.echo("dpscale: AUDIT FAILED: a lower bound exceeds the nominal epsilon", err=True)
+        sys.exit(1)
+
+
 _ACCOUNTANT_HELP = "pld: tight numerical accountant (default); rdp: looser upper bound, faster."
 
 

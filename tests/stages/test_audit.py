@@ -1,0 +1,96 @@
+"""The audit has teeth: it catches a broken privatizer and clears the real one."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from sklearn.datasets import load_digits
+
+from dpscale.cli import cli
+from dpscale.privacy.dpsgd import DpsgdStep
+from dpscale.privacy.noise import add_gaussian_noise, step_key
+from dpscale.stages import audit, ingest
+from dpscale.stages.audit_models import TrainingSetup
+
+NUM_EXAMPLES, BATCH, STEPS, DELTA = 200, 50, 20, 1e-5
+
+
+class NoiseOverBTwice(DpsgdStep):
+    """The classic bug: noise calibrated for the mean, then divided by B again."""
+
+    def _privatize_impl(self, total, step, base_key):
+        b = self.config.expected_batch_size
+        noisy = add_gaussian_noise(total.value, step_key(base_key, step),
+                                   std=self.config.noise_multiplier / b)
+        return jax.tree_util.tree_map(lambda x: x / b, noisy)
+
+
+@pytest.fixture(scope="module")
+def digits_data():
+    raw = load_digits()
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(raw.target))[:NUM_EXAMPLES]
+    return audit.build_data(raw.data[order] / 16.0, raw.target[order].astype(np.int32),
+                            num_examples=NUM_EXAMPLES, canaries=1, kind="ood", num_classes=10,
+                            rng=rng)
+
+
+@pytest.fixture(scope="module")
+def nominal():
+    sigma, epsilon = audit.noise_for(1.0, delta=DELTA, batch_size=BATCH,
+                                     num_examples=NUM_EXAMPLES, steps=STEPS)
+    return sigma, epsilon
+
+
+def _row(data, nominal, step_factory):
+    sigma, epsilon = nominal
+    setup = TrainingSetup(noise_multiplier=sigma, batch_size=BATCH, num_examples=NUM_EXAMPLES,
+                          steps=STEPS, learning_rate=1.0)
+    return audit.audit_setting(data, setup, nominal_epsilon=epsilon, delta=DELTA, num_models=400,
+                               confidence=0.999, holdout_fraction=0.25, seed=3,
+                               step_factory=step_factory)
+
+
+def test_broken_privatizer_is_caught(digits_data, nominal):
+    row = _row(digits_data, nominal, NoiseOverBTwice)
+    assert row["epsilon_lower_bound"] > row["nominal_epsilon"]
+    assert row["violation"] is True
+    assert row["advantage"] > row["advantage_bound"]
+
+
+def test_correct_privatizer_passes(digits_data, nominal):
+    row = _row(digits_data, nominal, DpsgdStep)
+    assert row["nominal_epsilon"] <= 1.0
+    assert row["epsilon_lower_bound"] <= row["nominal_epsilon"]
+    assert row["violation"] is False
+    assert row["advantage"] <= row["advantage_bound"]
+    assert row["auc"] < 0.75  # the broken run above reaches ~1
+    assert row["num_models"] == 400 and row["positives"] == row["negatives"] == 150
+
+
+@pytest.fixture(scope="module")
+def ingested_digits(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("data") / "digits")
+    ingest.run(ingest.IngestConfig(source="digits", output_dir=out))
+    return out
+
+
+def test_cli_writes_json_and_markdown_with_one_run(ingested_digits, tmp_path):
+    out = tmp_path / "audit"
+    args = ["audit", ingested_digits, "--out-dir", str(out), "--epsilon", "2", "--num-examples", "150",
+            "--batch-size", "30", "--steps", "5", "--num-models", "64", "--one-run-canaries", "40",
+            "--canary", "mislabelled", "--model", "mlp", "--hidden", "8", "--seed", "0"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "audit.json").read_text())
+    (row,) = report["rows"]
+    assert row["num_examples"] == 150 and row["num_models"] == 64 and row["model"] == "mlp"
+    assert 0 < row["nominal_epsilon"] <= 2.0
+    assert 0 <= row["epsilon_lower_bound"] <= row["nominal_epsilon"]
+    assert row["one_run_canaries"] == 40 and row["one_run_guesses"] == 8
+    assert 0 <= row["one_run_epsilon_lower_bound"] <= row["nominal_epsilon"]
+    table = (out / "audit.md").read_text()
+    assert table.startswith("| |D| | nominal eps |") and "| 150 |" in table
+    assert table in result.output
