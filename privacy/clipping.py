@@ -48,6 +48,17 @@ class ClippedSum:
     sum_of_losses: jax.Array  # of the (view-averaged) losses of finite real examples
     sensitivity: float = struct.field(pytree_node=False, default=1.0)
 
+    def plus(self, other: ClippedSum) -> ClippedSum:
+        """The sum over two *disjoint* sets of examples (e.g. two micro-batches).
+
+        Each example is in one part only, so the sensitivity is the larger of the
+        two, not their sum (an empty sum has sensitivity 0).
+        """
+        dynamic = jax.tree_util.tree_map(
+            jnp.add, self.replace(sensitivity=0.0), other.replace(sensitivity=0.0)
+        )
+        return dynamic.replace(sensitivity=max(self.sensitivity, other.sensitivity))
+
 
 def per_example_gradients(
     loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree
@@ -141,6 +152,7 @@ def make_clipped_sum_fn(
         losses, grads = per_example_gradients(loss_fn, params, model_state, batch)
         return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
 
+    clipped_sum.sensitivity = 1.0  # declared up front, so accumulators start with the right one
     return clipped_sum
 
 
@@ -168,4 +180,5 @@ def make_unclipped_sum_fn(loss_fn: LossFn) -> Callable[[PyTree, PyTree, PyTree, 
             sensitivity=float("inf"),
         )
 
+    unclipped_sum.sensitivity = float("inf")
     return unclipped_sum

@@ -77,7 +77,13 @@ class TrainState:
     step: jax.Array
 
 
-def _zeros_like_clipped_sum(params: PyTree) -> ClippedSum:
+def _zeros_like_clipped_sum(params: PyTree, sensitivity: float) -> ClippedSum:
+    """An accumulator holding the sum over no examples.
+
+    It carries the sensitivity the micro-batch sums will have (a valid upper
+    bound), so every accumulate call sees the same static structure and compiles
+    once.
+    """
     zero_int = jnp.zeros((), jnp.int32)
     zero = jnp.zeros((), jnp.float32)
     return ClippedSum(
@@ -87,6 +93,7 @@ def _zeros_like_clipped_sum(params: PyTree) -> ClippedSum:
         num_nonfinite=zero_int,
         sum_of_norms=zero,
         sum_of_losses=zero,
+        sensitivity=sensitivity,
     )
 
 
@@ -114,6 +121,9 @@ class DpsgdStep:
         self.mesh = mesh
         self._noise_base_key = key_from_seed(noise_seed)
         self._clipped_sum = clipped_sum_fn or make_clipped_sum_fn(loss_fn, clip_norm=config.clip_norm)
+        self._sensitivity = getattr(self._clipped_sum, "sensitivity", None)
+        if self._sensitivity is None:
+            raise InvalidConfigError("clipped_sum_fn must declare its `sensitivity` attribute")
         replicated = self._sharding(PartitionSpec())
         batch_sharded = self._sharding(PartitionSpec(DATA_AXIS))
         self._accumulate = jax.jit(
@@ -126,7 +136,7 @@ class DpsgdStep:
         )
         self._apply = jax.jit(self.apply_pure, donate_argnums=(0,), out_shardings=replicated)
         self._privatize = jax.jit(self._privatize_impl, out_shardings=replicated)
-        self._zero_sum = jax.jit(_zeros_like_clipped_sum, out_shardings=replicated)
+        self._zero_sum = jax.jit(_zeros_like_clipped_sum, static_argnums=(1,), out_shardings=replicated)
 
     # -- public API -------------------------------------------------------------------
 
@@ -151,7 +161,7 @@ class DpsgdStep:
         return self.replicate(state)
 
     def zero_sum(self, state: TrainState) -> ClippedSum:
-        return self._zero_sum(state.params)
+        return self._zero_sum(state.params, self._sensitivity)
 
     def accumulate(
         self, state: TrainState, total: ClippedSum, batch: PyTree, mask: jax.Array
@@ -189,8 +199,7 @@ class DpsgdStep:
         self, params: PyTree, total: ClippedSum, batch: PyTree, mask: jax.Array, model_state: PyTree
     ) -> ClippedSum:
         """``total`` plus the clipped sum of one micro-batch."""
-        micro = self._clipped_sum(params, model_state, batch, mask)
-        return jax.tree_util.tree_map(jnp.add, total, micro)
+        return total.plus(self._clipped_sum(params, model_state, batch, mask))
 
     def _privatize_impl(self, total: ClippedSum, step: jax.Array, base_key: jax.Array) -> PyTree:
         if self.config.noise_multiplier == 0:  # no noise: a non-private baseline

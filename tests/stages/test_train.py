@@ -1,14 +1,21 @@
 """The train and evaluate stages end to end on the bundled digits data."""
 
 import json
+import math
 import os
+import signal
+import subprocess
+import sys
+import time
 
+import jax
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from dpscale.cli import cli
 from dpscale.errors import DataError, InfeasiblePrivacyTargetError
-from dpscale.stages import evaluate, ingest, train
+from dpscale.stages import evaluate, ingest, run_files, train
 from dpscale.stages.dataset import IngestedDataset
 
 
@@ -84,3 +91,49 @@ def test_train_cli_reports_missing_data_in_one_line(tmp_path):
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _train_args(digits, run_dir, *, steps, every, seed):
+    return [sys.executable, "-m", "dpscale", "train", digits, str(run_dir), "--epsilon", "4", "--batch-size", "64",
+            "--steps", str(steps), "--microbatch-size", "32", "--augmult", "2", "--augment-pad", "1",
+            "--checkpoint-every", str(every), "--seed", str(seed)]
+
+
+def test_kill_9_then_resume_gives_the_uninterrupted_result(digits, tmp_path):
+    steps, every, seed = 24, 4, 5
+    reference = train.run(_config(digits, tmp_path / "reference", steps=steps, checkpoint_every=every, seed=seed))
+
+    run_dir = tmp_path / "killed"
+    process = subprocess.Popen(_train_args(digits, run_dir, steps=steps, every=every, seed=seed),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    checkpoints = run_dir / "checkpoints"
+    while time.time() < deadline and process.poll() is None:
+        done = [int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()] if checkpoints.exists() else []
+        if done and max(done) >= 2 * every:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "the run finished before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (run_dir / "params").exists()
+
+    resumed = train.resume(str(run_dir), show_progress=False)
+    assert resumed.epsilon == reference.epsilon and resumed.steps == steps
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["steps_done"] == steps and ledger["epsilon_spent"] == reference.epsilon
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))  # every step exactly once
+    got = run_files.RunFiles(str(run_dir)).load_params()
+    want = run_files.RunFiles(str(tmp_path / "reference")).load_params()
+    for key in ("params", "ema_params"):
+        for a, b in zip(jax.tree_util.tree_leaves(got[key]), jax.tree_util.tree_leaves(want[key])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_non_private_baseline_needs_no_calibration(digits, tmp_path):
+    result = train.run(_config(digits, tmp_path / "run", epsilon=math.inf, momentum=0.9, learning_rate=0.1,
+                               weight_decay=1e-4, steps=2))
+    assert math.isinf(result.epsilon) and result.noise_multiplier == 0.0
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger["private"] is False and ledger["epsilon_spent"] == "inf"
