@@ -107,6 +107,44 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
     click.echo(f"wrote {result.output_dir} in {result.seconds:.1f} s")
 
 
+@cli.command("dedup", context_settings={"ignore_unknown_options": True,
+                                        "allow_extra_args": True})
+@click.argument("public")
+@click.argument("private")
+@click.argument("output")
+@click.option("--threshold", type=float, default=0.25, show_default=True,
+              help="Distance at or below which a public image counts as a duplicate.")
+@click.option("--bands", type=int, default=8, show_default=True, help="LSH bands.")
+@click.option("--bits-per-band", type=int, default=8, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
+@click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
+def dedup(public: str, private: str, output: str, threshold: float, bands: int,
+          bits_per_band: int, overwrite: bool, pipeline_args: tuple[str, ...]) -> None:
+    """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
+
+    PUBLIC and PRIVATE are ingested datasets; flipped, cropped/rescaled and re-encoded
+    copies count as duplicates. OUTPUT is a new ingested dataset plus dedup_report.json.
+    Other options (--runner DataflowRunner ...) go to Beam.
+    """
+    from dpscale.stages import dedup as stage
+
+    if not stage.log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        stage.log.addHandler(handler)
+        stage.log.setLevel(logging.INFO)
+        stage.log.propagate = False
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    result = stage.run(stage.DedupConfig(
+        public, private, output, threshold=threshold, bands=bands,
+        bits_per_band=bits_per_band, overwrite=overwrite, pipeline_args=tuple(pipeline_args)))
+    report = result.report
+    click.echo(f"removed {result.num_removed} of {report['public']['num_examples']} public "
+               f"examples ({report['num_candidate_pairs']} candidate pairs checked)")
+    click.echo(f"content hash: {result.manifest['content_hash']}")
+    click.echo(f"wrote {result.output_dir} (+ {stage.REPORT}) in {result.seconds:.1f} s")
+
+
 @cli.command("import-weights")
 @click.argument("name", type=click.Choice(["efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2"]))
 @click.option("--output", type=click.Path(file_okay=False), default=None,
