@@ -116,13 +116,19 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Distance at or below which a public image counts as a duplicate.")
 @click.option("--bands", type=int, default=8, show_default=True, help="LSH bands.")
 @click.option("--bits-per-band", type=int, default=8, show_default=True)
+@click.option("--public-split", "public_splits", multiple=True,
+              help="Only these splits of PUBLIC (repeatable; default all).")
+@click.option("--private-split", "private_splits", multiple=True,
+              help="Only these splits of PRIVATE (repeatable; default all).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(public: str, private: str, output: str, threshold: float, bands: int,
-          bits_per_band: int, overwrite: bool, pipeline_args: tuple[str, ...]) -> None:
+          bits_per_band: int, public_splits: tuple[str, ...], private_splits: tuple[str, ...],
+          overwrite: bool, pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
 
-    PUBLIC and PRIVATE are ingested datasets; flipped, cropped/rescaled and re-encoded
+    PUBLIC and PRIVATE are ingested datasets (may be one dataset with disjoint splits:
+    --public-split train --private-split test); flipped, cropped/rescaled and re-encoded
     copies count as duplicates. OUTPUT is a new ingested dataset plus dedup_report.json.
     Other options (--runner DataflowRunner ...) go to Beam.
     """
@@ -137,7 +143,9 @@ def dedup(public: str, private: str, output: str, threshold: float, bands: int,
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     result = stage.run(stage.DedupConfig(
         public, private, output, threshold=threshold, bands=bands,
-        bits_per_band=bits_per_band, overwrite=overwrite, pipeline_args=tuple(pipeline_args)))
+        bits_per_band=bits_per_band, public_splits=public_splits,
+        private_splits=private_splits, overwrite=overwrite,
+        pipeline_args=tuple(pipeline_args)))
     report = result.report
     click.echo(f"removed {result.num_removed} of {report['public']['num_examples']} public "
                f"examples ({report['num_candidate_pairs']} candidate pairs checked)")

@@ -31,6 +31,7 @@ class GraphSettings:
     tasks: tuple[join.ReadTask, ...]
     shard_ranges: dict[tuple[str, int], tuple[int, int, int]]
     num_public: int
+    num_private: int
     num_classes: int
     image_shape: tuple[int, ...]
     partitions: int
@@ -116,4 +117,5 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
              removed=beam.pvalue.AsList(written.removed),
              matches=beam.pvalue.AsList(closest | "Matches" >> beam.Values()),
              candidates=beam.pvalue.AsSingleton(candidates),
-             config=settings.hash_config, num_public=settings.num_public))
+             config=settings.hash_config, num_public=settings.num_public,
+             num_private=settings.num_private))

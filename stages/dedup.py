@@ -49,6 +49,8 @@ class DedupConfig:
     threshold: float = HashConfig.threshold
     bands: int = HashConfig.bands
     bits_per_band: int = HashConfig.bits_per_band
+    public_splits: tuple[str, ...] = ()  # empty: every split
+    private_splits: tuple[str, ...] = ()
     examples_per_task: int = 1_000
     overwrite: bool = False
     pipeline_args: tuple[str, ...] = ()
@@ -60,10 +62,16 @@ class DedupConfig:
             raise InvalidConfigError(str(exc)) from None
         if self.examples_per_task < 1:
             raise InvalidConfigError("examples per task must be at least 1")
-        paths = {os.path.normpath(p) if shards.is_local(p) else p
-                 for p in (self.public, self.private, self.output_dir)}
-        if len(paths) < 3:
-            raise InvalidConfigError("public, private and output must be three different paths")
+        def norm(p: str) -> str:
+            return os.path.normpath(p) if shards.is_local(p) else p.rstrip("/")
+
+        if norm(self.output_dir) in (norm(self.public), norm(self.private)):
+            raise InvalidConfigError("the output must be a different path from both inputs")
+        if norm(self.public) == norm(self.private) and (
+                not self.public_splits or not self.private_splits
+                or set(self.public_splits) & set(self.private_splits)):
+            raise InvalidConfigError("public and private are the same dataset: give disjoint "
+                                     "--public-split and --private-split")
 
     @property
     def hash_config(self) -> HashConfig:
@@ -87,10 +95,18 @@ class DedupResult:
         return int(self.report["num_kept"])
 
 
-def read_tasks(dataset: IngestedDataset, side: str, per_task: int) -> list[ReadTask]:
-    """Index ranges of every split, never straddling a shard (public tasks know theirs)."""
+def select_splits(dataset: IngestedDataset, wanted: Sequence[str]) -> list[str]:
+    """``wanted`` (all when empty), each checked to exist."""
+    for split in wanted:
+        dataset.num_examples(split)  # DataError naming the splits it has
+    return list(wanted) or dataset.splits
+
+
+def read_tasks(dataset: IngestedDataset, side: str, per_task: int,
+               splits: Sequence[str]) -> list[ReadTask]:
+    """Index ranges of ``splits``, never straddling a shard (public tasks know theirs)."""
     tasks = []
-    for split in dataset.splits:
+    for split in splits:
         start = 0
         for shard, entry in enumerate(dataset.manifest["splits"][split]["shards"]):
             stop = start + entry["num_examples"]
@@ -100,10 +116,11 @@ def read_tasks(dataset: IngestedDataset, side: str, per_task: int) -> list[ReadT
     return tasks
 
 
-def shard_ranges(dataset: IngestedDataset) -> dict[tuple[str, int], tuple[int, int, int]]:
+def shard_ranges(dataset: IngestedDataset,
+                 splits: Sequence[str]) -> dict[tuple[str, int], tuple[int, int, int]]:
     """(split, shard) -> (first index, end index, number of shards in the split)."""
     ranges = {}
-    for split in dataset.splits:
+    for split in splits:
         entries = dataset.manifest["splits"][split]["shards"]
         start = 0
         for shard, entry in enumerate(entries):
@@ -145,7 +162,7 @@ def filter_shard(public_path: str, output_dir: str, split: str, shard: int,
 def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: str,
                   summaries: Sequence[dict[str, Any]], removed: Sequence[dict[str, Any]],
                   matches: Sequence[Match], candidates: int, config: HashConfig,
-                  num_public: int) -> dict[str, Any]:
+                  num_public: int, num_private: int) -> dict[str, Any]:
     """Report first, manifest last (a manifest means complete); refuse a lossy run."""
     public, private = IngestedDataset(public_path), IngestedDataset(private_path)
     by_public = {(m.public_split, m.public_index): m for m in matches}
@@ -178,7 +195,7 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         "public": {"path": public_path, "content_hash": public.content_hash,
                    "num_examples": num_public},
         "private": {"path": private_path, "content_hash": private.content_hash,
-                    "num_examples": len(private)},
+                    "num_examples": num_private},
         "num_candidate_pairs": candidates, "num_removed": len(pairs), "num_kept": kept,
         "removed_by_split": removed_by_split, "removed": pairs,
     }
@@ -215,12 +232,16 @@ def run(config: DedupConfig) -> DedupResult:
 
     start = time.perf_counter()
     public, private = IngestedDataset(config.public), IngestedDataset(config.private)
-    if not public.image_shape or len(public) == 0:
+    if not public.image_shape:
         raise DataError(f"public dataset {config.public!r} holds no examples")
     hash_config = config.hash_config
-    num_public, num_private = len(public), len(private)
-    tasks = (read_tasks(public, PUBLIC, config.examples_per_task)
-             + read_tasks(private, PRIVATE, max(1, config.examples_per_task // 10)))
+    public_splits = select_splits(public, config.public_splits)
+    private_splits = select_splits(private, config.private_splits)
+    num_public = sum(public.num_examples(s) for s in public_splits)
+    num_private = sum(private.num_examples(s) for s in private_splits)
+    tasks = (read_tasks(public, PUBLIC, config.examples_per_task, public_splits)
+             + read_tasks(private, PRIVATE, max(1, config.examples_per_task // 10),
+                          private_splits))
     _prepare_output(config.output_dir, config.overwrite)
     options = pipeline_options(config.pipeline_args,
                                estimated_examples=num_public + num_private * 10)
@@ -229,7 +250,8 @@ def run(config: DedupConfig) -> DedupResult:
     settings = graph.GraphSettings(
         public=config.public, private=config.private, output_dir=config.output_dir,
         hash_config=hash_config, tasks=tuple(tasks),
-        shard_ranges=shard_ranges(public), num_public=num_public,
+        shard_ranges=shard_ranges(public, public_splits), num_public=num_public,
+        num_private=num_private,
         num_classes=public.num_classes, image_shape=public.image_shape,
         partitions=partitions_per_band(num_public, num_private, hash_config),
         progress_dir=progress.directory if progress else None)

@@ -145,7 +145,12 @@ def test_existing_output_is_refused_without_overwrite(data, result):
 
 def test_config_errors():
     with pytest.raises(InvalidConfigError, match="different"):
+        stage.DedupConfig("/a", "/b", "/a/")
+    with pytest.raises(InvalidConfigError, match="disjoint"):
         stage.DedupConfig("/a", "/a/", "/b")
+    with pytest.raises(InvalidConfigError, match="disjoint"):
+        stage.DedupConfig("/a", "/a", "/b", public_splits=("train",), private_splits=("train",))
+    stage.DedupConfig("/a", "/a", "/b", public_splits=("train",), private_splits=("test",))
     with pytest.raises(InvalidConfigError, match="threshold"):
         stage.DedupConfig("/a", "/b", "/c", threshold=1.5)
 
@@ -161,3 +166,25 @@ def test_cli_runs_and_errors_are_one_line_exit_2(data, tmp_path):
     ok = runner.invoke(cli, ["dedup", public, private, str(tmp_path / "o2"), *FAST])
     assert ok.exit_code == 0, ok.output
     assert "removed 5 of 29" in ok.output
+
+
+def test_one_dataset_with_disjoint_splits(tmp_path):
+    """train vs test of one ingested dataset: only train is written, test is the private side."""
+    root = tmp_path / "src"
+    private = [smooth_image(2000 + i) for i in range(3)]
+    for i, im in enumerate(private):
+        _save(root, "test", "a", f"p{i}", im)
+    _save(root, "train", "a", "copy", PLANTED["flip_crop_jpeg"](private[1]))
+    for j in range(5):
+        _save(root, "train", "a", f"other{j}", smooth_image(3000 + j))
+    both = _ingest(root, tmp_path / "both")
+    res = stage.run(stage.DedupConfig(both, both, str(tmp_path / "out"), public_splits=("train",),
+                                      private_splits=("test",), pipeline_args=FAST))
+    assert [(p["public_key"], p["private_key"]) for p in res.report["removed"]] == [
+        ("train/a/copy.png", "test/a/p1.png")]
+    out = IngestedDataset(str(tmp_path / "out"))
+    assert out.splits == ["train"] and out.num_examples("train") == 5
+    assert res.report["private"]["num_examples"] == 3
+    with pytest.raises(DataError, match="split 'valid'"):
+        stage.run(stage.DedupConfig(both, both, str(tmp_path / "o2"), public_splits=("train",),
+                                    private_splits=("valid",), pipeline_args=FAST))
