@@ -196,8 +196,8 @@ def distances(a: np.ndarray, mean_a: np.ndarray, b: np.ndarray,
     Two flat images are at 4x their mean luma difference (a 0.25 cut then means about
     16 gray levels); a flat and a structured image are at distance 1.
     """
-    a = np.asarray(a, dtype=np.float32)
-    b = np.asarray(b, dtype=np.float32)
+    a = np.asarray(a, dtype=np.float64)  # float32 cancellation would put twins at ~5e-4
+    b = np.asarray(b, dtype=np.float64)
     sq = (np.square(a).sum(1)[:, None] + np.square(b).sum(1)[None, :] - 2.0 * (a @ b.T))
     d = np.sqrt(np.maximum(sq, 0.0))
     both = (~a.any(axis=1))[:, None] & (~b.any(axis=1))[None, :]
