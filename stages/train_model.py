@@ -113,7 +113,7 @@ def _feature_model(config: Any) -> TrainModel:
     return TrainModel(
         num_examples=len(labels),
         num_classes=classes,
-        data_hash=str(store.metadata.get("data_content_hash", "")),
+        data_hash=store.content_hash,
         loss_fn=loss_fn,
         init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
         model_state={},

@@ -1,0 +1,63 @@
+"""Last-layer DP training on a feature-cache entry, and a sweep over epsilon reusing it."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dpscale.cache.feature_store import EntryLayout, FeatureStore, SplitLayout
+from dpscale.cache.keys import FeatureKey
+from dpscale.stages import evaluate, sweep, train
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """A separable 3-class problem in 16 dimensions, stored as a real cache entry."""
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(3, 16)) * 3
+    sizes = {"train": 600, "test": 150}
+    key = FeatureKey(data_content_hash="d" * 64, weights_sha256="w" * 64, model="synthetic",
+                     resolution=8, mean=(0.0,), std=(1.0,))
+    layout = EntryLayout(key=key, feature_dim=16, class_names=("a", "b", "c"),
+                         splits={s: SplitLayout(num_examples=n, chunk_rows=256) for s, n in sizes.items()})
+    store = FeatureStore.create(str(tmp_path_factory.mktemp("cache")), layout)
+    for split, n in sizes.items():
+        labels = rng.integers(0, 3, size=n)
+        feats = centers[labels] + rng.normal(size=(n, 16))
+        rows = layout.splits[split]
+        for chunk in range(rows.num_chunks):
+            start, stop = rows.rows(chunk)
+            ids = [bytes([i % 256]) * 32 for i in range(start, stop)]
+            store.write_chunk(split, chunk, feats[start:stop], labels[start:stop], ids)
+    store.finalize()
+    return store.path
+
+
+def test_last_layer_dp_training_learns_and_spends_at_most_the_target(features, tmp_path):
+    result = train.run(train.TrainConfig(
+        data=features, run_dir=str(tmp_path / "run"), mode="features", epsilon=2.0, batch_size=128,
+        steps=30, learning_rate=4.0, microbatch_size=64, seed=3, show_progress=False))
+    assert 0 < result.epsilon <= 2.0
+    scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(tmp_path / "run")))
+    assert scores.num_examples == 150 and scores.ema_top1 > 0.8  # chance is 1/3
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger["data_content_hash"] == "d" * 64
+
+
+def test_sweep_writes_tables_and_plot_and_reuses_finished_runs(features, tmp_path):
+    config = sweep.SweepConfig(data=features, out_dir=str(tmp_path / "sweep"), epsilons=(1.0, 4.0),
+                               learning_rates=(4.0,), repeats=2, batch_size=128, steps=4,
+                               microbatch_size=64, show_progress=False)
+    summary = sweep.run(config)
+    by_eps = {s["epsilon"]: s for s in summary}
+    assert set(by_eps) == {1.0, 4.0, math.inf}
+    assert all(s["repeats"] == 2 and s["min_top1"] <= s["median_top1"] <= s["max_top1"] for s in summary)
+    out = tmp_path / "sweep"
+    assert (out / sweep.PLOT).stat().st_size > 1000
+    assert "non-private" in (out / sweep.SUMMARY_MD).read_text()
+    runs = (out / sweep.RUNS_CSV).read_text().splitlines()
+    assert len(runs) == 1 + 2 * 2 + 2  # header, 2 epsilons x 2 repeats, 2 baselines
+    stamp = (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns
+    assert sweep.run(config) == summary  # everything reused: same numbers
+    assert (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns == stamp
