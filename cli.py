@@ -116,6 +116,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Distance at or below which a public image counts as a duplicate.")
 @click.option("--bands", type=int, default=8, show_default=True, help="LSH bands.")
 @click.option("--bits-per-band", type=int, default=8, show_default=True)
+@click.option("--crop-scales", default="0.95,0.9,0.85,0.8,0.75,0.7", show_default=True,
+              help="Crop sizes (share of each side) of the private views; '' = none.")
 @click.option("--public-split", "public_splits", multiple=True,
               help="Only these splits of PUBLIC (repeatable; default all).")
 @click.option("--private-split", "private_splits", multiple=True,
@@ -123,8 +125,9 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(public: str, private: str, output: str, threshold: float, bands: int,
-          bits_per_band: int, public_splits: tuple[str, ...], private_splits: tuple[str, ...],
-          overwrite: bool, pipeline_args: tuple[str, ...]) -> None:
+          bits_per_band: int, crop_scales: str, public_splits: tuple[str, ...],
+          private_splits: tuple[str, ...], overwrite: bool,
+          pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
 
     PUBLIC and PRIVATE are ingested datasets (may be one dataset with disjoint splits:
@@ -141,9 +144,14 @@ def dedup(public: str, private: str, output: str, threshold: float, bands: int,
         stage.log.setLevel(logging.INFO)
         stage.log.propagate = False
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    try:
+        scales = tuple(float(s) for s in crop_scales.split(",") if s.strip())
+    except ValueError:
+        raise click.BadParameter(f"not a comma-separated list of numbers: {crop_scales!r}",
+                                 param_hint="--crop-scales") from None
     result = stage.run(stage.DedupConfig(
         public, private, output, threshold=threshold, bands=bands,
-        bits_per_band=bits_per_band, public_splits=public_splits,
+        bits_per_band=bits_per_band, crop_scales=scales, public_splits=public_splits,
         private_splits=private_splits, overwrite=overwrite,
         pipeline_args=tuple(pipeline_args)))
     report = result.report
@@ -305,6 +313,43 @@ def evaluate_command(run_dir: str, split: str, data: str | None) -> None:
 
     result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data))
     _print_json_line(result.as_dict())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
+
+
+@cli.command("sweep")
+@click.argument("data", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--mode", type=click.Choice(["images", "features"]), default="features", show_default=True)
+@click.option("--model", default="cnn-small", show_default=True, help="images mode: a name from `dpscale models`.")
+@click.option("--epsilons", default="1,2,4,8", show_default=True, help="Comma-separated target epsilons.")
+@click.option("--learning-rates", default="4", show_default=True, help="Comma-separated DP learning rates.")
+@click.option("--repeats", type=int, default=3, show_default=True,
+              help="Runs per grid point, each with a fresh secret seed (median and spread are reported).")
+@click.option("--delta", type=float, default=1e-5, show_default=True)
+@click.option("--batch-size", type=int, default=4096, show_default=True)
+@click.option("--steps", type=int, default=200, show_default=True)
+@click.option("--microbatch-size", type=int, default=4096, show_default=True)
+@click.option("--augmult", type=int, default=1, show_default=True)
+@click.option("--no-baseline", is_flag=True, help="Skip the non-private baseline runs.")
+@click.option("--baseline-learning-rate", type=float, default=0.5, show_default=True)
+def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, no_baseline: bool, **options) -> None:
+    """Train a grid over epsilon x learning rate (x repeats) on the same DATA; write tables and a plot.
+
+    Writes OUT_DIR/runs.csv, summary.csv, summary.md and accuracy_vs_epsilon.png.
+    Finished runs are reused, so an interrupted sweep continues where it stopped.
+    """
+    from dpscale.stages import sweep
+
+    config = sweep.SweepConfig(data=data, out_dir=out_dir, epsilons=_floats(epsilons),
+                               learning_rates=_floats(learning_rates), baseline=not no_baseline, **options)
+    for row in sweep.run(config):
+        _print_json_line(row)
 
 
 @cli.command("quickstart")

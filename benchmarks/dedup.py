@@ -101,36 +101,50 @@ def planted(cifar: str, work: str, args: tuple[str, ...]) -> dict:
                                          pipeline_args=args))
     seconds = time.perf_counter() - start
     removed = result.report["removed"]
+    for p in removed:  # "flip" must not count "flip_crop_jpeg": compare the whole kind
+        name = p["public_key"].rsplit("/", 1)[1]
+        p["kind"] = (next(k for k in sorted(TRANSFORMS, key=len, reverse=True)
+                          if name.startswith(f"planted_{k}_")) if name.startswith("planted_")
+                     else "unrelated")
     summary: dict = {"seconds": round(seconds, 1),
                      "num_candidate_pairs": result.report["num_candidate_pairs"]}
     for kind in TRANSFORMS:
-        hits = [p for p in removed if f"planted_{kind}_" in p["public_key"]]
+        hits = [p for p in removed if p["kind"] == kind]
         right = [p for p in hits if p["public_key"].split(f"planted_{kind}_")[1]
                  == p["private_key"].rsplit("/", 1)[1]]
         summary[f"recall_{kind}"] = f"{len(hits)}/1000"
         summary[f"matched_to_own_source_{kind}"] = f"{len(right)}/{len(hits)}"
-    unrelated = [p for p in removed if "/orig_" in p["public_key"]]
+    unrelated = [p for p in removed if p["kind"] == "unrelated"]
     summary["false_positives"] = f"{len(unrelated)}/10000"
     summary["false_positive_pairs"] = [(p["public_key"], p["private_key"], p["distance"])
                                        for p in unrelated]
-    distances = {kind: [p["distance"] for p in removed if f"planted_{kind}_" in p["public_key"]]
+    distances = {kind: [p["distance"] for p in removed if p["kind"] == kind]
                  for kind in TRANSFORMS}
+    # A public image goes iff its closest candidate is within the threshold, so one run
+    # at the default threshold also gives every lower threshold.
+    summary["recall_and_fp_by_threshold"] = {
+        f"{t:.2f}": {"recall_all_transforms": round(sum(
+            p["kind"] in TRANSFORMS and p["distance"] <= t for p in removed) / 4000, 4),
+                     "false_positives": sum(p["kind"] == "unrelated" and p["distance"] <= t
+                                            for p in removed)}
+        for t in (0.1, 0.125, 0.15, 0.175, 0.2, 0.225, 0.25)}
     summary["distance_p50_p99"] = {k: [round(float(np.percentile(v, q)), 3) for q in (50, 99)]
                                    for k, v in distances.items() if v}
     pub, priv = IngestedDataset(os.path.join(work, "public")), IngestedDataset(
         os.path.join(work, "private"))
     montage(unrelated[:24], pub, priv, os.path.join(RESULTS, "dedup_planted_fp.png"))
-    sample = [p for kind in TRANSFORMS
-              for p in removed if f"planted_{kind}_" in p["public_key"]][::250][:16]
+    sample = [p for kind in TRANSFORMS for p in removed if p["kind"] == kind][::250][:16]
     montage(sample, pub, priv, os.path.join(RESULTS, "dedup_planted_hits.png"))
     return summary
 
 
-def cifar_train_vs_test(cifar: str, work: str, args: tuple[str, ...]) -> dict:
+def cifar_train_vs_test(cifar: str, work: str, args: tuple[str, ...], *,
+                        crop_scales: tuple[float, ...]) -> dict:
     start = time.perf_counter()
     result = stage.run(stage.DedupConfig(cifar, cifar, os.path.join(work, "out"),
                                          public_splits=("train",), private_splits=("test",),
-                                         overwrite=True, pipeline_args=args))
+                                         crop_scales=crop_scales, overwrite=True,
+                                         pipeline_args=args))
     seconds = time.perf_counter() - start
     removed = sorted(result.report["removed"], key=lambda p: p["distance"])
     ds = IngestedDataset(cifar)
@@ -155,11 +169,18 @@ def main() -> None:
     parser.add_argument("what", choices=["planted", "cifar"])
     parser.add_argument("cifar", help="ingested CIFAR-10 (dpscale ingest folder:...tar.gz)")
     parser.add_argument("work", help="scratch directory")
+    parser.add_argument("--crop-scales", default=None,
+                        help="cifar only: private crop views ('' = whole + mirror)")
     parser.add_argument("beam_args", nargs="*", help="Beam options (after --)")
     a = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
-    run = planted if a.what == "planted" else cifar_train_vs_test
-    print(json.dumps(run(a.cifar, a.work, tuple(a.beam_args)), indent=1))
+    if a.what == "planted":
+        out = planted(a.cifar, a.work, tuple(a.beam_args))
+    else:
+        scales = (stage.HashConfig.crop_scales if a.crop_scales is None
+                  else tuple(float(s) for s in a.crop_scales.split(",") if s))
+        out = cifar_train_vs_test(a.cifar, a.work, tuple(a.beam_args), crop_scales=scales)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

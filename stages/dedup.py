@@ -49,6 +49,7 @@ class DedupConfig:
     threshold: float = HashConfig.threshold
     bands: int = HashConfig.bands
     bits_per_band: int = HashConfig.bits_per_band
+    crop_scales: tuple[float, ...] = HashConfig.crop_scales  # () = whole image + mirror only
     public_splits: tuple[str, ...] = ()  # empty: every split
     private_splits: tuple[str, ...] = ()
     examples_per_task: int = 1_000
@@ -76,7 +77,8 @@ class DedupConfig:
     @property
     def hash_config(self) -> HashConfig:
         return HashConfig(threshold=self.threshold, bands=self.bands,
-                          bits_per_band=self.bits_per_band)
+                          bits_per_band=self.bits_per_band,
+                          crop_scales=tuple(self.crop_scales))
 
 
 @dataclasses.dataclass(frozen=True)

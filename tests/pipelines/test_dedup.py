@@ -1,0 +1,103 @@
+"""The dedup graph: Beam options pass through, graph shape, two local worker processes."""
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
+from click.testing import CliRunner
+from PIL import Image
+
+from dpscale.cli import cli
+from dpscale.pipelines import dedup as graph
+from dpscale.pipelines.ingest import pipeline_options
+from dpscale.stages import dedup as stage
+from dpscale.stages.dataset import IngestedDataset
+from dpscale.stages.dedup_join import PRIVATE, PUBLIC, ReadTask
+from dpscale.stages.image_hash import HashConfig
+from dpscale.stages.ingest import IngestConfig
+from dpscale.stages.ingest import run as ingest
+
+
+def _smooth(seed: int) -> np.ndarray:
+    low = np.random.default_rng(seed).integers(0, 256, (5, 5, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(low).resize((32, 32), Image.Resampling.BICUBIC))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """One dataset: 4 test images, train = 8 unrelated + mirrored copies of tests 0 and 2."""
+    root = tmp_path_factory.mktemp("src")
+    for split, images in [("test", [_smooth(i) for i in range(4)]),
+                          ("train", [_smooth(100 + i) for i in range(8)]
+                           + [_smooth(0)[:, ::-1], _smooth(2)[:, ::-1]])]:
+        for i, im in enumerate(images):
+            path = root / split / "c" / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.ascontiguousarray(im)).save(path)
+    out = tmp_path_factory.mktemp("ds") / "both"
+    ingest(IngestConfig(f"folder:{root}", str(out), examples_per_shard=4,
+                        pipeline_args=("--direct_running_mode=in_memory",)))
+    return str(out)
+
+
+def test_cli_forwards_beam_options_to_the_stage(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(config):
+        seen["config"] = config
+        raise stage.DataError("stop here")  # no pipeline, no network
+
+    monkeypatch.setattr(stage, "run", fake_run)
+    result = CliRunner().invoke(cli, [
+        "dedup", "pub", "priv", str(tmp_path / "o"), "--threshold", "0.2",
+        "--runner", "DataflowRunner", "--project", "p", "--", "--temp_location", "gs://b/t"])
+    assert result.exit_code == 2 and result.output == "dpscale: error: stop here\n"
+    config = seen["config"]
+    assert (config.public, config.private, config.threshold) == ("pub", "priv", 0.2)
+    options = pipeline_options(config.pipeline_args, estimated_examples=10)
+    assert options.view_as(StandardOptions).runner == "DataflowRunner"
+    assert options.view_as(GoogleCloudOptions).project == "p"
+    assert options.view_as(GoogleCloudOptions).temp_location == "gs://b/t"
+
+
+def test_graph_builds_for_remote_paths_without_running():
+    """Graph construction touches no files, so gs:// paths need no credentials here."""
+    settings = graph.GraphSettings(
+        public="gs://b/pub", private="gs://b/priv", output_dir="gs://b/out",
+        hash_config=HashConfig(), num_public=10, num_private=3, num_classes=2,
+        image_shape=(32, 32, 3), partitions=2,
+        tasks=(ReadTask(PUBLIC, "train", 0, 10), ReadTask(PRIVATE, "test", 0, 3)),
+        shard_ranges={("train", 0): (0, 10, 1)})
+    pipeline = beam.Pipeline(options=pipeline_options([], estimated_examples=10))
+    graph.build(pipeline, settings)
+    labels = {t.unique_name for t in pipeline.to_runner_api().components.transforms.values()}
+    assert {"Signatures", "GroupBuckets", "ExactDistance", "ClosestPrivate", "GroupShard",
+            "WriteShards", "WriteReport"} <= labels
+
+
+def test_plans_follow_shards_and_partitions_grow_with_data(dataset):
+    ds = IngestedDataset(dataset)
+    tasks = stage.read_tasks(ds, PUBLIC, 3, ["train"])
+    ranges = stage.shard_ranges(ds, ["train"])
+    assert sum(t.stop - t.start for t in tasks) == 10
+    for t in tasks:  # a task never straddles its shard
+        start, stop, _ = ranges[("train", t.shard)]
+        assert start <= t.start < t.stop <= stop
+    assert stage.partitions_per_band(1000, 10, HashConfig()) == 1
+    assert stage.partitions_per_band(300_000_000, 1_300_000, HashConfig()) > 10_000
+
+
+def test_two_worker_processes_give_the_same_result_as_one(dataset, tmp_path):
+    args = ("--runner=FnApiRunner", "--direct_num_workers=2",
+            "--direct_running_mode=multi_processing")
+    runs = {}
+    for name, beam_args in [("one", ("--direct_running_mode=in_memory",)), ("two", args)]:
+        runs[name] = stage.run(stage.DedupConfig(
+            dataset, dataset, str(tmp_path / name), public_splits=("train",),
+            private_splits=("test",), examples_per_task=3, pipeline_args=beam_args))
+    one, two = runs["one"], runs["two"]
+    assert sorted((p["public_key"], p["private_key"]) for p in two.report["removed"]) == [
+        ("train/c/8.png", "test/c/0.png"), ("train/c/9.png", "test/c/2.png")]
+    assert one.report["removed"] == two.report["removed"]
+    assert one.manifest["content_hash"] == two.manifest["content_hash"]
+    assert IngestedDataset(str(tmp_path / "two")).num_examples("train") == 8
