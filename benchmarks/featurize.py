@@ -41,9 +41,23 @@ def bare_forward(backbone: str, resolution: int, *, batch: int, min_seconds: flo
     return float(np.median(rates))
 
 
+def steady_rate(store: fstore.FeatureStore, chunks: list[tuple[str, int]], workers: int) -> float:
+    """Images/s once every worker has finished its first chunk (start-up and compile excluded).
+
+    From the chunk markers' modification times: rows of the chunks finished after the
+    ``workers``-th marker, over the time from that marker to the last.
+    """
+    times = sorted((os.stat(store._marker(s, c)).st_mtime, store.layout.splits[s].rows(c)) for s, c in chunks)
+    if len(times) <= workers:
+        return float("nan")
+    rows = sum(stop - start for _, (start, stop) in times[workers:])
+    return rows / (times[-1][0] - times[workers - 1][0])
+
+
 def pipeline(data: str, backbone: str, resolution: int, *, subset: int, batch: int,
-             chunk_rows: int, pipeline_args: tuple[str, ...]) -> tuple[float, int]:
-    """Images/s of the Beam graph over the first ``subset`` train rows (fresh cache)."""
+             chunk_rows: int, pipeline_args: tuple[str, ...]) -> tuple[float, float, int]:
+    """Images/s of the Beam graph over the first ``subset`` train rows (fresh cache):
+    end to end, and in steady state."""
     cache = tempfile.mkdtemp(prefix="dpscale-bench-features-")
     try:
         config = stage.FeaturizeConfig(data, backbone, cache_dir=cache, resolution=resolution,
@@ -62,7 +76,12 @@ def pipeline(data: str, backbone: str, resolution: int, *, subset: int, batch: i
         stage._run_pipeline(config, store, chunks)
         seconds = time.perf_counter() - start
         assert not set(chunks) & set(store.missing_chunks()), "pipeline lost chunks"
-        return rows / seconds, rows
+        from dpscale.pipelines import featurize as graph
+        from apache_beam.options.pipeline_options import DirectOptions
+
+        options = graph.pipeline_options(pipeline_args, num_chunks=len(chunks))
+        workers = options.view_as(DirectOptions).direct_num_workers or 1
+        return rows / seconds, steady_rate(store, chunks, workers), rows
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
@@ -79,15 +98,16 @@ def main() -> None:
     parser.add_argument("--pipeline-args", default="", help="Beam options, space separated")
     parser.add_argument("--output", default=None, help="append a markdown table here")
     args = parser.parse_args()
-    lines = ["| resolution | bare forward img/s | pipeline img/s | ratio | rows | load avg |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| resolution | bare forward img/s | pipeline img/s (end to end) | ratio | "
+             "pipeline img/s (steady state) | ratio | rows | load avg |",
+             "|---|---|---|---|---|---|---|---|"]
     for resolution in (int(r) for r in args.resolutions.split(",")):
         bare = bare_forward(args.backbone, resolution, batch=args.batch, min_seconds=args.min_seconds)
-        rate, rows = pipeline(args.data, args.backbone, resolution, subset=args.subset,
+        rate, steady, rows = pipeline(args.data, args.backbone, resolution, subset=args.subset,
                               batch=args.batch, chunk_rows=args.chunk_rows,
                               pipeline_args=tuple(args.pipeline_args.split()))
-        line = (f"| {resolution} | {bare:.1f} | {rate:.1f} | {rate / bare:.2f} | {rows} | "
-                f"{os.getloadavg()[0]:.1f} |")
+        line = (f"| {resolution} | {bare:.1f} | {rate:.1f} | {rate / bare:.2f} | {steady:.1f} | "
+                f"{steady / bare:.2f} | {rows} | {os.getloadavg()[0]:.1f} |")
         print(line, flush=True)
         lines.append(line)
     if args.output:
