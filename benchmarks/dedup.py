@@ -123,7 +123,7 @@ def planted(cifar: str, work: str, args: tuple[str, ...]) -> dict:
     # A public image goes iff its closest candidate is within the threshold, so one run
     # at the default threshold also gives every lower threshold.
     summary["recall_and_fp_by_threshold"] = {
-        f"{t:.2f}": {"recall_all_transforms": round(sum(
+        f"{t:g}": {"recall_all_transforms": round(sum(
             p["kind"] in TRANSFORMS and p["distance"] <= t for p in removed) / 4000, 4),
                      "false_positives": sum(p["kind"] == "unrelated" and p["distance"] <= t
                                             for p in removed)}
