@@ -114,6 +114,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("output")
 @click.option("--threshold", type=float, default=0.25, show_default=True,
               help="Distance at or below which a public image counts as a duplicate.")
+@click.option("--verify-threshold", type=float, default=0.15, show_default=True,
+              help="Cut on the finer second check of each match (0 = no second check).")
 @click.option("--bands", type=int, default=8, show_default=True, help="LSH bands.")
 @click.option("--bits-per-band", type=int, default=8, show_default=True)
 @click.option("--crop-scales", default="0.95,0.9,0.85,0.8,0.75,0.7", show_default=True,
@@ -124,7 +126,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Only these splits of PRIVATE (repeatable; default all).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
-def dedup(public: str, private: str, output: str, threshold: float, bands: int,
+def dedup(public: str, private: str, output: str, threshold: float, verify_threshold: float,
+          bands: int,
           bits_per_band: int, crop_scales: str, public_splits: tuple[str, ...],
           private_splits: tuple[str, ...], overwrite: bool,
           pipeline_args: tuple[str, ...]) -> None:
@@ -150,7 +153,8 @@ def dedup(public: str, private: str, output: str, threshold: float, bands: int,
         raise click.BadParameter(f"not a comma-separated list of numbers: {crop_scales!r}",
                                  param_hint="--crop-scales") from None
     result = stage.run(stage.DedupConfig(
-        public, private, output, threshold=threshold, bands=bands,
+        public, private, output, threshold=threshold, verify_threshold=verify_threshold,
+        bands=bands,
         bits_per_band=bits_per_band, crop_scales=scales, public_splits=public_splits,
         private_splits=private_splits, overwrite=overwrite,
         pipeline_args=tuple(pipeline_args)))

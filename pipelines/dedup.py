@@ -69,7 +69,34 @@ def _join(group: tuple[Any, dict[str, list[join.Entries]]], *, threshold: float)
                                           threshold=threshold)
     yield beam.pvalue.TaggedOutput("candidates", candidates)
     for m in matches:
-        yield (m.public_split, m.public_index), m
+        yield (m.public_split, m.public_index, m.private_split, m.private_index), m
+
+
+class _Verify(beam.DoFn):
+    """Best view of each (public, private) pair -> the pair if the fine check agrees."""
+
+    def __init__(self, settings: GraphSettings) -> None:
+        self.settings = settings
+        self.datasets: tuple[Any, ...] = ()
+        self.rejected = beam.metrics.Metrics.counter("dedup", "rejected_by_verification")
+
+    def setup(self) -> None:
+        from dpscale.stages.dataset import IngestedDataset
+
+        self.datasets = (IngestedDataset(self.settings.public),
+                         IngestedDataset(self.settings.private))
+
+    def process(self, match: join.Match):
+        checked = join.verify(match, *self.datasets, self.settings.hash_config)
+        if checked is None:
+            self.rejected.inc()
+            yield beam.pvalue.TaggedOutput("rejected", 1)
+            return
+        yield (checked.public_split, checked.public_index), checked
+
+    def teardown(self) -> None:
+        for ds in self.datasets:
+            ds.close()
 
 
 def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
@@ -97,7 +124,12 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
               | "GroupBuckets" >> beam.CoGroupByKey()
               | "ExactDistance" >> beam.FlatMap(_join, threshold=settings.hash_config.threshold)
                                        .with_outputs("candidates", main="pairs"))
-    closest = (joined.pairs
+    verified = (joined.pairs
+                | "BestViewPerPair" >> beam.CombinePerKey(join.closest)
+                | "PairMatches" >> beam.Values()
+                | "Verify" >> beam.ParDo(_Verify(settings)).with_outputs("rejected",
+                                                                        main="matches"))
+    closest = (verified.matches
                | "ClosestPrivate" >> beam.CombinePerKey(join.closest)
                | "ByShard" >> beam.Map(lambda kv: ((kv[1].public_split, kv[1].public_shard),
                                                    kv[1])))
@@ -108,6 +140,7 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
                | "WriteShards" >> beam.FlatMap(_filter_shard, settings=settings)
                                       .with_outputs("removed", main="summaries"))
     candidates = joined.candidates | "CountCandidates" >> beam.CombineGlobally(sum)
+    rejected = verified.rejected | "CountRejected" >> beam.CombineGlobally(sum)
     _ = (pipeline
          | "Finish" >> beam.Create([None])
          | "WriteReport" >> beam.Map(
@@ -117,5 +150,6 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
              removed=beam.pvalue.AsList(written.removed),
              matches=beam.pvalue.AsList(closest | "Matches" >> beam.Values()),
              candidates=beam.pvalue.AsSingleton(candidates),
+             rejected_by_verification=beam.pvalue.AsSingleton(rejected),
              config=settings.hash_config, num_public=settings.num_public,
              num_private=settings.num_private))

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 REPORT = "dedup_report.json"
 METHOD = ("YCbCr 32x32 area thumbnail -> low DCT (6x6 luma w/o DC + 3x3 per chroma), unit "
           "length; private side as whole + 5x5-grid crops at several scales + mirrors; "
-          "SimHash LSH bands for candidates; Euclidean distance <= threshold")
+          "SimHash LSH bands for candidates; Euclidean distance <= threshold; then a finer "
+          "check (12x12 luma DCT + chroma, refined alignment) <= verify_threshold")
 GROUP_TARGET = 50_000  # entries per (band, partition) group the planner aims for
 
 
@@ -47,6 +48,7 @@ class DedupConfig:
     private: str
     output_dir: str
     threshold: float = HashConfig.threshold
+    verify_threshold: float = HashConfig.verify_threshold
     bands: int = HashConfig.bands
     bits_per_band: int = HashConfig.bits_per_band
     crop_scales: tuple[float, ...] = HashConfig.crop_scales  # () = whole image + mirror only
@@ -76,7 +78,8 @@ class DedupConfig:
 
     @property
     def hash_config(self) -> HashConfig:
-        return HashConfig(threshold=self.threshold, bands=self.bands,
+        return HashConfig(threshold=self.threshold, verify_threshold=self.verify_threshold,
+                          bands=self.bands,
                           bits_per_band=self.bits_per_band,
                           crop_scales=tuple(self.crop_scales))
 
@@ -163,7 +166,8 @@ def filter_shard(public_path: str, output_dir: str, split: str, shard: int,
 
 def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: str,
                   summaries: Sequence[dict[str, Any]], removed: Sequence[dict[str, Any]],
-                  matches: Sequence[Match], candidates: int, config: HashConfig,
+                  matches: Sequence[Match], candidates: int, rejected_by_verification: int,
+                  config: HashConfig,
                   num_public: int, num_private: int) -> dict[str, Any]:
     """Report first, manifest last (a manifest means complete); refuse a lossy run."""
     public, private = IngestedDataset(public_path), IngestedDataset(private_path)
@@ -176,7 +180,8 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
                       "public_id": r["id"], "public_key": r["key"],
                       "private_split": m.private_split, "private_index": m.private_index,
                       "private_id": priv.id, "private_key": priv.key,
-                      "distance": round(m.distance, 5), "view": view_name(m.view, config)})
+                      "distance": round(m.distance, 5), "fine_distance": m.fine_distance,
+                      "view": view_name(m.view, config)})
     manifest = shards.build_manifest(
         summaries, source=f"dedup:{public.manifest['source']}",
         class_names=public.class_names, image_shape=public.image_shape, rejections=[],
@@ -192,13 +197,16 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         removed_by_split[p["public_split"]] = removed_by_split.get(p["public_split"], 0) + 1
     report = {
         "method": METHOD, "threshold": config.threshold,
+        "verify_threshold": config.verify_threshold,
         "distance": "Euclidean between unit embeddings (0 = same, ~1.4 = unrelated)",
         "hash_config": dataclasses.asdict(config), "num_views": config.num_views,
         "public": {"path": public_path, "content_hash": public.content_hash,
                    "num_examples": num_public},
         "private": {"path": private_path, "content_hash": private.content_hash,
                     "num_examples": num_private},
-        "num_candidate_pairs": candidates, "num_removed": len(pairs), "num_kept": kept,
+        "num_candidate_pairs": candidates,
+        "num_rejected_by_verification": rejected_by_verification,
+        "num_removed": len(pairs), "num_kept": kept,
         "removed_by_split": removed_by_split, "removed": pairs,
     }
     shards.write_json(shards.join(output_dir, REPORT), report)

@@ -64,6 +64,7 @@ class Match:
     private_index: int
     view: int
     distance: float
+    fine_distance: float = -1.0  # verification distance; -1 = not verified yet
 
 
 def partition_of(values: np.ndarray, partitions: int) -> np.ndarray:
@@ -145,6 +146,18 @@ def join_group(public: Iterable[Entries], private: Iterable[Entries], *,
                                      str(priv_split[q]), int(priv.index[q]),
                                      int(priv.view[q]), float(d[i, j])))
     return matches, candidates
+
+
+def verify(match: Match, public: Any, private: Any, config: ih.HashConfig) -> Match | None:
+    """Re-check a match on the images themselves (``IngestedDataset``s); None if it fails."""
+    if config.verify_threshold <= 0:
+        return match
+    (a,) = public.examples(match.public_split, [match.public_index])
+    (b,) = private.examples(match.private_split, [match.private_index])
+    fine = ih.fine_distance(a.image, b.image, match.view, config)
+    if fine > config.verify_threshold:
+        return None
+    return dataclasses.replace(match, fine_distance=round(fine, 5))
 
 
 def closest(matches: Iterable[Match]) -> Match:

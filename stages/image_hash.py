@@ -24,6 +24,11 @@ Method (why this one):
   per band are ``(1 - angle/pi) ** bits``, so near pairs meet in some band almost surely
   and unrelated ones rarely. The Beam graph groups by band value, so no worker ever sees
   all pairs, and only candidates get the exact distance check.
+* **Verification.** LSH + the 53-number distance leave false matches between images
+  with little structure (a small aeroplane on plain sky). Each surviving pair is checked
+  once more at a finer level: 12x12 luma DCT + chroma, minimised over 75 boxes around
+  the matched view (+-2.5% shifts, +-3% scale), so the alignment is refined before the
+  finer, less shift-tolerant comparison. Only matched pairs pay for it.
 * **Flat images.** An image without structure (all terms ~0) has no direction; it
   gets a zero embedding (distance 1 to everything with structure) and a reserved bucket,
   and two flat images are compared by mean gray level instead.
@@ -40,6 +45,7 @@ import numpy as np
 
 THUMB = 32  # thumbnail side the DCT sees
 LUMA = 6  # luma DCT block side (DC dropped)
+FINE_LUMA = 12  # luma block side of the verification features
 CHROMA = 3  # chroma DCT block side per channel (DC kept)
 DIM = LUMA * LUMA - 1 + 2 * CHROMA * CHROMA
 FLAT_ENERGY = 1e-3  # norm (gray levels / 255) below which an image is "flat"
@@ -57,6 +63,7 @@ class HashConfig:
     """Views of private images and LSH banding; ``threshold`` is the duplicate cut."""
 
     threshold: float = 0.25
+    verify_threshold: float = 0.15  # fine distance cut of the verification; 0 = no check
     crop_scales: tuple[float, ...] = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
     bands: int = 8
     bits_per_band: int = 8
@@ -64,6 +71,8 @@ class HashConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+        if not 0.0 <= self.verify_threshold < 2.0:
+            raise ValueError(f"verify threshold must be in [0, 2), got {self.verify_threshold}")
         if any(not 0.3 <= s < 1.0 for s in self.crop_scales):
             raise ValueError(f"crop scales must be in [0.3, 1), got {self.crop_scales}")
         if not 1 <= self.bits_per_band <= 63 or self.bands < 1:
@@ -105,13 +114,13 @@ def _dct_rows(keep: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4096)
-def _projection(n_in: int, start: float, stop: float) -> np.ndarray:
-    """[LUMA, n_in]: crop [start, stop), resample to THUMB, low DCT rows, in one matrix."""
-    return (_dct_rows(LUMA) @ _area_resample(n_in, start, stop) / THUMB).astype(np.float32)
+def _projection(n_in: int, start: float, stop: float, keep: int = LUMA) -> np.ndarray:
+    """[keep, n_in]: crop [start, stop), resample to THUMB, low DCT rows, in one matrix."""
+    return (_dct_rows(keep) @ _area_resample(n_in, start, stop) / THUMB).astype(np.float32)
 
 
 def _features(images: np.ndarray, boxes: Sequence[Box]) -> np.ndarray:
-    """float32 YCbCr [n, H, W, 3] -> raw (unnormalised) features [n, len(boxes), DIM]."""
+    """float32 YCbCr [n, H, W, 3] -> raw (unnormalised) features [n, len(boxes), dim]."""
     n, h, w, _ = images.shape
     py = np.stack([_projection(h, b[1], b[3]) for b in boxes])
     px = np.stack([_projection(w, b[0], b[2]) for b in boxes])
@@ -157,6 +166,63 @@ def embed_views(images: np.ndarray, config: HashConfig) -> tuple[np.ndarray, np.
     vectors, _ = _normalise(raw.reshape(-1, DIM))
     return (vectors.reshape(len(images), len(boxes) * 2, DIM),
             x[..., 0].mean(axis=(1, 2)).astype(np.float32))
+
+
+def refined_boxes(box: Box, height: int, width: int) -> list[Box]:
+    """75 boxes around ``box``: scale x0.97/1/1.03, shifts of -2.5..2.5% per axis."""
+    cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+    hw, hh = (box[2] - box[0]) / 2, (box[3] - box[1]) / 2
+    eps_x, eps_y = 0.0003 * width, 0.0003 * height
+    out = []
+    for s in (0.97, 1.0, 1.03):
+        for fy in (-0.025, -0.0125, 0.0, 0.0125, 0.025):
+            for fx in (-0.025, -0.0125, 0.0, 0.0125, 0.025):
+                left, right = cx + fx * width - hw * s, cx + fx * width + hw * s
+                top, bottom = cy + fy * height - hh * s, cy + fy * height + hh * s
+                if left < -eps_x or top < -eps_y or right > width + eps_x or \
+                        bottom > height + eps_y:
+                    continue
+                out.append((max(left, 0.0), max(top, 0.0), min(right, float(width)),
+                            min(bottom, float(height))))
+    return out
+
+
+def fine_distance(public: np.ndarray, private: np.ndarray, view: int,
+                  config: HashConfig) -> float:
+    """Verification distance of a matched pair: finer features, refined alignment."""
+    x, y = to_ycbcr(public[None]), to_ycbcr(private[None])
+    per_side = config.num_views // 2
+    mirror, index = divmod(view, per_side)
+    if mirror:
+        y = y[:, :, ::-1]
+    h, w = y.shape[1:3]
+    box = view_boxes(h, w, config.crop_scales)[index]
+    boxes = refined_boxes(box, h, w) or [box]
+
+    def fine(raw: np.ndarray) -> np.ndarray:
+        luma = raw[..., :FINE_LUMA * FINE_LUMA]
+        chroma = raw[..., FINE_LUMA * FINE_LUMA:]
+        # same layout as DIM's: luma block without DC, then the chroma blocks
+        return _normalise(np.concatenate([luma[..., 1:], chroma], axis=-1).reshape(
+            -1, FINE_LUMA * FINE_LUMA - 1 + 2 * CHROMA * CHROMA))[0]
+
+    a = fine(_fine_raw(x, [(0.0, 0.0, float(x.shape[2]), float(x.shape[1]))]))
+    b = fine(_fine_raw(y, boxes))
+    if not a.any() or not b.any(axis=1).all():  # flat: the coarse check decides
+        return 0.0
+    return float(np.sqrt(np.maximum(2.0 - 2.0 * (b.astype(np.float64) @ a[0]), 0.0)).min())
+
+
+def _fine_raw(images: np.ndarray, boxes: Sequence[Box]) -> np.ndarray:
+    """[len(boxes), FINE_LUMA**2 + 2 * CHROMA**2] of one image: full luma block + chroma."""
+    n, h, w, _ = images.shape
+    py = np.stack([_projection(h, b[1], b[3], FINE_LUMA) for b in boxes])
+    px = np.stack([_projection(w, b[0], b[2], FINE_LUMA) for b in boxes])
+    rows = np.einsum("vki,nijc->nvkjc", py, images, optimize=True)
+    coeffs = np.einsum("nvkjc,vlj->nvckl", rows, px, optimize=True)[0]
+    luma = coeffs[:, 0].reshape(len(boxes), -1)
+    chroma = coeffs[:, 1:, :CHROMA, :CHROMA].reshape(len(boxes), -1)
+    return np.concatenate([luma, chroma], axis=1)
 
 
 def view_name(view: int, config: HashConfig) -> str:

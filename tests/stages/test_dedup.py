@@ -112,6 +112,8 @@ def test_report_lists_pairs_distances_threshold_and_method(data, result):
         "train/a/planted_exact.png"]["private_id"]  # same pixels, same content id
     for p in report["removed"]:
         assert 0 <= p["distance"] <= report["threshold"] and p["private_split"] == "test"
+        assert 0 <= p["fine_distance"] <= report["verify_threshold"]
+    assert report["num_rejected_by_verification"] >= 0
 
 
 def test_output_is_an_ingested_dataset_without_the_copies(data, result):
@@ -188,3 +190,23 @@ def test_one_dataset_with_disjoint_splits(tmp_path):
     with pytest.raises(DataError, match="split 'valid'"):
         stage.run(stage.DedupConfig(both, both, str(tmp_path / "o2"), public_splits=("train",),
                                     private_splits=("valid",), pipeline_args=FAST))
+
+
+def test_verification_keeps_copies_and_rejects_unrelated_pairs(data):
+    from dpscale.stages.dedup_join import Match, verify
+    from dpscale.stages.image_hash import HashConfig
+
+    public, private, planted, _ = data
+    pub, priv = IngestedDataset(public), IngestedDataset(private)
+    pub_index = {e.key: i for i, e in enumerate(pub.examples("train", range(len(pub))))}
+    priv_index = {e.key: i for i, e in enumerate(priv.examples("test", range(len(priv))))}
+    config = HashConfig()
+    copy = Match("train", pub_index["train/a/planted_jpeg.png"], 0, "test",
+                 priv_index[planted["train/a/planted_jpeg.png"]], 0, 0.01)
+    kept = verify(copy, pub, priv, config)
+    assert kept is not None and 0 <= kept.fine_distance < 0.05
+    wrong = Match("train", pub_index["train/b/other1.png"], 0, "test",
+                  priv_index[planted["train/a/planted_jpeg.png"]], 0, 0.2)
+    assert verify(wrong, pub, priv, config) is None
+    off = HashConfig(verify_threshold=0.0)
+    assert verify(wrong, pub, priv, off) == wrong  # 0 switches the check off
