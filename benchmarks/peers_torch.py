@@ -108,5 +108,20 @@ def build(workload: str, *, num_classes: int = 10, feature_dim: int = 1280) -> t
     raise ValueError(f"unknown workload {workload!r}")
 
 
+def without_weight_standardisation(module: nn.Module) -> nn.Module:
+    """Swap every ``WSConv2d`` for a plain bias-free ``nn.Conv2d`` of the same shape, in place.
+
+    Not the dpscale architecture: it shows what Opacus costs when every layer has a
+    hook-based per-sample gradient (no functorch fallback).
+    """
+    for name, child in module.named_children():
+        if isinstance(child, WSConv2d):
+            out_ch, in_ch, k, _ = child.weight.shape
+            setattr(module, name, nn.Conv2d(in_ch, out_ch, k, stride=child.stride, padding=child.padding, bias=False))
+        else:
+            without_weight_standardisation(child)
+    return module
+
+
 def param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,162 @@
+"""One measurement of a JAX step (dpscale or jax-privacy) in this process; prints one JSON line.
+
+Run by ``benchmarks/peers.py``, e.g.::
+
+    python -m benchmarks.peers_run_jax --framework dpscale --workload cnn-small \
+        --physical 64 --logical 128 --noise-multiplier 1.0
+
+* ``dpscale`` -- the library's own ``DpsgdStep.update`` over the micro-batches of one
+  logical batch (per-example gradients by ``vmap(grad)``, norms, one weighted contraction,
+  noise once, SGD, EMA); for the linear workloads the closed-form clipped sum of
+  ``privacy/linear.py``.
+* ``dpscale-nonprivate`` -- the same ``DpsgdStep`` with ``make_unclipped_sum_fn`` (one
+  batched backward per micro-batch) and noise multiplier 0.
+* ``jax-privacy`` -- jax-privacy's ``clipped_grad`` on the same Flax model and loss,
+  summed over micro-batches, Gaussian noise once, SGD (see ``_jax_privacy_step``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.peers_measure import emit, measure, rss_now_mb
+
+FRAMEWORKS = ("dpscale", "dpscale-nonprivate", "jax-privacy")
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=FRAMEWORKS, required=True)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--physical", type=int, required=True)
+    parser.add_argument("--logical", type=int, required=True)
+    parser.add_argument("--noise-multiplier", type=float, default=1.0)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser.parse_args()
+
+
+def _problem(workload: str, physical: int, micro: int):
+    """(loss_fn(params, model_state, views), params, list of (batch, mask), is_linear)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    key = jax.random.key(0)
+    if workload.startswith("linear"):
+        dim, classes = 1280, 10
+        params = {"kernel": jax.random.normal(key, (dim, classes)) / dim**0.5, "bias": jnp.zeros(classes)}
+
+        def loss_fn(params, model_state, views):
+            del model_state
+            logits = views["features"] @ params["kernel"] + params["bias"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
+
+        batches = [({"features": jax.random.normal(jax.random.fold_in(key, i), (physical, dim)),
+                     "label": jnp.arange(physical) % classes}, jnp.ones(physical)) for i in range(micro)]
+        return loss_fn, params, batches, True
+
+    from dpscale.models.registry import get_model, get_spec
+
+    spec, model = get_spec(workload), get_model(workload)
+    params = jax.jit(model.init)(key, jnp.zeros((1, *spec.input_shape)))["params"]
+
+    def loss_fn(params, model_state, views):  # views: one example's K views (K = 1 here)
+        del model_state
+        logits = model.apply({"params": params}, views["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
+
+    batches = [({"image": jax.random.normal(jax.random.fold_in(key, i), (physical, 1, *spec.input_shape)),
+                 "label": (jnp.arange(physical) % spec.num_classes)[:, None]}, jnp.ones(physical))
+               for i in range(micro)]
+    return loss_fn, params, batches, False
+
+
+def _dpscale_step(args, loss_fn, params, batches, linear: bool):
+    import jax
+
+    from dpscale.privacy.clipping import make_unclipped_sum_fn
+    from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep
+    from dpscale.privacy.linear import softmax_regression_clipped_sum
+
+    private = args.framework == "dpscale"
+    if private:
+        clipped = softmax_regression_clipped_sum(clip_norm=1.0) if linear else None
+    else:
+        clipped = make_unclipped_sum_fn(loss_fn)
+    config = DpsgdConfig(noise_multiplier=args.noise_multiplier if private else 0.0,
+                         expected_batch_size=args.logical, clip_norm=1.0)
+    dp = DpsgdStep(loss_fn, config, noise_seed=0, learning_rate=0.1, clipped_sum_fn=clipped)
+    holder = {"state": dp.init(params)}
+
+    def step() -> None:
+        holder["state"], metrics = dp.update(holder["state"], batches)
+        jax.block_until_ready((holder["state"].params, metrics))
+
+    return step
+
+
+def _jax_privacy_step(args, loss_fn, params, batches, linear: bool):
+    """jax-privacy 2.x: ``clipped_grad`` (vmap of grad, clip, sum) + ``gaussian_privatizer``.
+
+    The per-example loss is dpscale's own ``loss_fn``: image batches carry a view axis of
+    size 1, which ``keep_batch_dim=False`` hands over as the example's views; feature
+    batches get a leading axis of 1 from ``keep_batch_dim=True``. ``rescale_to_unit_norm``
+    makes the sensitivity 1, as in dpscale, so the noise std is the noise multiplier.
+    """
+    import jax
+    import jax_privacy
+    import optax
+    from jax_privacy.noise_addition import gaussian_privatizer
+
+    key = "features" if linear else "image"
+
+    def fun(params, inputs, labels):
+        return loss_fn(params, None, {key: inputs, "label": labels})
+
+    clipped = jax_privacy.clipped_grad(fun, l2_clip_norm=1.0, rescale_to_unit_norm=True,
+                                       batch_argnums=(1, 2), keep_batch_dim=linear)
+    tx = optax.chain(gaussian_privatizer(stddev=args.noise_multiplier, prng_key=0),
+                     optax.sgd(0.1 / args.logical))
+
+    @jax.jit
+    def accumulate(params, total, inputs, labels):
+        return jax.tree.map(jax.numpy.add, total, clipped(params, inputs, labels))
+
+    @jax.jit
+    def apply(params, opt_state, total):
+        updates, opt_state = tx.update(total, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    holder = {"params": params, "opt": tx.init(params)}
+
+    def step() -> None:
+        total = jax.tree.map(jax.numpy.zeros_like, holder["params"])
+        for batch, _ in batches:
+            total = accumulate(holder["params"], total, batch[key], batch["label"])
+        holder["params"], holder["opt"] = apply(holder["params"], holder["opt"], total)
+        jax.block_until_ready(holder["params"])
+
+    return step
+
+
+def main() -> None:
+    args = _args()
+    base = rss_now_mb()
+    import jax
+
+    micro = args.logical // args.physical
+    loss_fn, params, batches, linear = _problem(args.workload, args.physical, micro)
+    build = _jax_privacy_step if args.framework == "jax-privacy" else _dpscale_step
+    step = build(args, loss_fn, params, batches, linear)
+    extra = {"jax": jax.__version__, "devices": jax.device_count()}
+    if args.framework == "jax-privacy":
+        import jax_privacy
+
+        extra["jax_privacy"] = jax_privacy.__version__
+    emit(measure(step, examples=args.logical, warmup=args.warmup, repeats=args.repeats,
+                 rss_base_mb=base, extra=extra))
+
+
+if __name__ == "__main__":
+    main()
