@@ -65,6 +65,9 @@ class _Signatures(beam.DoFn):
 
 def _join(group: tuple[Any, dict[str, list[join.Entries]]], *, threshold: float):
     _, sides = group
+    for side in (join.PUBLIC, join.PRIVATE):  # counted, so a lossy runner cannot pass
+        rows = sum(len(e.index) for e in sides[side])
+        yield beam.pvalue.TaggedOutput("received", (side, rows))
     matches, candidates = join.join_group(sides[join.PUBLIC], sides[join.PRIVATE],
                                           threshold=threshold)
     yield beam.pvalue.TaggedOutput("candidates", candidates)
@@ -123,7 +126,7 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
     joined = ({join.PUBLIC: signatures[join.PUBLIC], join.PRIVATE: signatures[join.PRIVATE]}
               | "GroupBuckets" >> beam.CoGroupByKey()
               | "ExactDistance" >> beam.FlatMap(_join, threshold=settings.hash_config.threshold)
-                                       .with_outputs("candidates", main="pairs"))
+                                       .with_outputs("candidates", "received", main="pairs"))
     verified = (joined.pairs
                 | "BestViewPerPair" >> beam.CombinePerKey(join.closest)
                 | "PairMatches" >> beam.Values()
@@ -141,6 +144,7 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
                                       .with_outputs("removed", main="summaries"))
     candidates = joined.candidates | "CountCandidates" >> beam.CombineGlobally(sum)
     rejected = verified.rejected | "CountRejected" >> beam.CombineGlobally(sum)
+    received = joined.received | "CountReceived" >> beam.CombinePerKey(sum)
     _ = (pipeline
          | "Finish" >> beam.Create([None])
          | "WriteReport" >> beam.Map(
@@ -151,5 +155,6 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
              matches=beam.pvalue.AsList(closest | "Matches" >> beam.Values()),
              candidates=beam.pvalue.AsSingleton(candidates),
              rejected_by_verification=beam.pvalue.AsSingleton(rejected),
+             received=beam.pvalue.AsDict(received),
              config=settings.hash_config, num_public=settings.num_public,
              num_private=settings.num_private))

@@ -167,9 +167,20 @@ def filter_shard(public_path: str, output_dir: str, split: str, shard: int,
 def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: str,
                   summaries: Sequence[dict[str, Any]], removed: Sequence[dict[str, Any]],
                   matches: Sequence[Match], candidates: int, rejected_by_verification: int,
-                  config: HashConfig,
-                  num_public: int, num_private: int) -> dict[str, Any]:
-    """Report first, manifest last (a manifest means complete); refuse a lossy run."""
+                  config: HashConfig, num_public: int, num_private: int,
+                  received: dict[str, int] | None = None) -> dict[str, Any]:
+    """Report first, manifest last (a manifest means complete); refuse a lossy run.
+
+    ``received`` counts the signature rows that reached the bucket join per side: every
+    image gives ``bands`` rows per view, so a runner that lost signatures (and would
+    silently remove nothing) is caught here.
+    """
+    expected = {PUBLIC: num_public * config.bands,
+                PRIVATE: num_private * config.num_views * config.bands}
+    got = {side: (received or {}).get(side, 0) for side in expected}
+    if got != expected:
+        raise RuntimeError(f"dedup: the bucket join received {got} signature rows, expected "
+                           f"{expected}; the runner lost or duplicated data, no manifest written")
     public, private = IngestedDataset(public_path), IngestedDataset(private_path)
     by_public = {(m.public_split, m.public_index): m for m in matches}
     pairs = []

@@ -210,3 +210,18 @@ def test_verification_keeps_copies_and_rejects_unrelated_pairs(data):
     assert verify(wrong, pub, priv, config) is None
     off = HashConfig(verify_threshold=0.0)
     assert verify(wrong, pub, priv, off) == wrong  # 0 switches the check off
+
+
+def test_a_runner_that_lost_signatures_fails_loudly(data, tmp_path):
+    """Lost signatures would remove nothing and look fine: the row count refuses that."""
+    from dpscale.stages.image_hash import HashConfig
+
+    public, private, _, _ = data
+    config = HashConfig()
+    with pytest.raises(RuntimeError, match="lost or duplicated"):
+        stage.write_outputs(None, public_path=public, private_path=private,
+                            output_dir=str(tmp_path), summaries=[], removed=[], matches=[],
+                            candidates=0, rejected_by_verification=0, config=config,
+                            num_public=29, num_private=7,
+                            received={"public": 29 * config.bands, "private": 0})
+    assert not (tmp_path / "manifest.json").exists()
