@@ -261,6 +261,8 @@ def _print_json_line(payload: dict) -> None:
 @click.option("--mode", type=click.Choice(["images", "features"]), default="images", show_default=True,
               help="images: all layers of --model on ingested DATA; features: last layer on a feature cache entry.")
 @click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode).")
+@click.option("--backbone", default=None,
+              help="Fine-tune a pretrained backbone (imported name or directory) instead of --model.")
 @click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon; `inf` = non-private.")
 @click.option("--delta", type=float, default=1e-5, show_default=True, help="Target delta.")
 @click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B.")

@@ -49,7 +49,8 @@ class TrainConfig:
     data: str  # an ingested dataset (images) or a feature-cache entry (features)
     run_dir: str
     mode: Literal["images", "features"] = "images"
-    model: str = "cnn-small"  # images mode: a registry name
+    model: str = "cnn-small"  # images mode: a registry name, trained from scratch
+    backbone: str | None = None  # images mode: fine-tune this pretrained backbone instead
     epsilon: float = 8.0  # math.inf: non-private baseline
     delta: float = 1e-5
     batch_size: int | None = None

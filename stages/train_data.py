@@ -12,7 +12,7 @@ Padded slots (index -1) carry zeros and mask 0; the DP step gives them weight 0.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,33 @@ from dpscale.stages.image_data import InMemorySplit, normalize
 Microbatch = tuple[dict[str, Any], jax.Array]
 
 
+def resize_views(views: jax.Array, resolution: int | None) -> jax.Array:
+    """``[..., H, W, C]`` -> ``[..., R, R, C]`` (bilinear); a no-op when ``resolution`` is None.
+
+    Crops and flips happen at the data's own resolution, then views are resized to
+    the backbone's (bilinear resizing is linear, so it commutes with normalisation).
+    """
+    if resolution is None or views.shape[-3:-1] == (resolution, resolution):
+        return views
+    shape = (*views.shape[:-3], resolution, resolution, views.shape[-1])
+    return jax.image.resize(views, shape, method="bilinear")
+
+
 class ImageFeed:
-    def __init__(self, split: InMemorySplit, *, augmult: int, pad: int, flip: bool, key: jax.Array) -> None:
+    def __init__(
+        self,
+        split: InMemorySplit,
+        *,
+        augmult: int,
+        pad: int,
+        flip: bool,
+        key: jax.Array,
+        normalize_fn: Callable[[np.ndarray], Any] = normalize,
+        resolution: int | None = None,
+    ) -> None:
         self.split = split
         self.augmult, self.pad, self.flip = augmult, pad, flip
+        self.normalize_fn, self.resolution = normalize_fn, resolution
         self._key = key
 
     def microbatches(self, batch: SampledBatch, step: int) -> list[Microbatch]:
@@ -37,8 +60,10 @@ class ImageFeed:
         for m in range(batch.num_microbatches):
             images, labels = self.split.take(batch.indices[m])
             views = augment_views(
-                jax.random.fold_in(step_key, m), normalize(images), views=self.augmult, pad=self.pad, flip=self.flip
+                jax.random.fold_in(step_key, m), self.normalize_fn(images), views=self.augmult, pad=self.pad,
+                flip=self.flip,
             )
+            views = resize_views(views, self.resolution)
             labels = jnp.repeat(jnp.asarray(labels)[:, None], self.augmult, axis=1)
             out.append(({"image": views, "label": labels}, jnp.asarray(batch.mask[m])))
         return out

@@ -5,7 +5,10 @@ that the train loop and the evaluate stage share, so both agree on what a
 forward pass is:
 
 * ``images``: a registry model (GroupNorm/WS, no layer mixes examples; checked by
-  ``models.validation``), trained on all layers with augmentation multiplicity.
+  ``models.validation``) trained from scratch, or a pretrained backbone (``backbone``:
+  an imported name or a backbone directory) fine-tuned with a zero classifier, its
+  BatchNorm statistics frozen, its own preprocessing (resolution, mean/std) applied;
+  all layers, with augmentation multiplicity.
 * ``features``: a softmax classifier ``x @ kernel + bias`` over cached backbone
   features, zero-initialised as in De et al. (2022).
 """
@@ -21,11 +24,11 @@ import numpy as np
 import optax
 
 from dpscale.errors import DataError
-from dpscale.models import registry
+from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
 from dpscale.stages.dataset import IngestedDataset
 from dpscale.stages.image_data import InMemorySplit, normalize
-from dpscale.stages.train_data import FeatureFeed, ImageFeed
+from dpscale.stages.train_data import FeatureFeed, ImageFeed, resize_views
 
 PyTree = Any
 
@@ -47,20 +50,47 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _image_model(config: Any) -> TrainModel:
-    dataset = IngestedDataset(config.data)
-    if config.train_split not in dataset.splits:
-        raise DataError(f"{config.data!r} has no split {config.train_split!r} (has {dataset.splits})")
+def _registry_model(config: Any, dataset: IngestedDataset) -> tuple[Any, Callable[[int], PyTree], PyTree]:
+    """A registry model trained from scratch: (model, init_params(seed), model_state)."""
     image_shape = tuple(dataset.image_shape)
     model = registry.get_model(config.model, num_classes=len(dataset.class_names))
     sample = jnp.zeros((1, *image_shape), jnp.float32)
     abstract = jax.eval_shape(model.init, jax.random.key(0), sample)
     validate_dp_model(model, image_shape, variables=abstract)
-    model_state = {k: v for k, v in abstract.items() if k != "params"}
-    if model_state:
-        raise DataError(f"model {config.model!r} has non-trainable state {sorted(model_state)}; "
-                        "train it from a pretrained backbone instead")
+    if any(k != "params" for k in abstract):
+        raise DataError(f"model {config.model!r} has non-trainable state {sorted(abstract)}; "
+                        "fine-tune it from a pretrained backbone (--backbone) instead")
     init = jax.jit(model.init)  # one compilation instead of hundreds of op-by-op ones
+    return model, lambda seed: init(jax.random.key(seed % 2**32), sample)["params"], {}
+
+
+def _backbone_model(config: Any, dataset: IngestedDataset) -> tuple[Any, Callable[[int], PyTree], PyTree, Any]:
+    """A pretrained backbone with a zero classifier; its frozen statistics are model state."""
+    model, variables, prep = pretrained.load_pretrained(config.backbone, num_classes=len(dataset.class_names))
+    channels = len(prep.mean)
+    if dataset.image_shape[-1] not in (1, channels):
+        raise DataError(f"the data has {dataset.image_shape[-1]} channels, the backbone expects {channels}")
+    validate_dp_model(model, (prep.resolution, prep.resolution, channels), variables=variables)
+    params = variables["params"]
+    return model, lambda seed: params, {k: v for k, v in variables.items() if k != "params"}, prep
+
+
+def _image_model(config: Any) -> TrainModel:
+    dataset = IngestedDataset(config.data)
+    if config.train_split not in dataset.splits:
+        raise DataError(f"{config.data!r} has no split {config.train_split!r} (has {dataset.splits})")
+    if getattr(config, "backbone", None):
+        model, init_params, model_state, prep = _backbone_model(config, dataset)
+        channels = len(prep.mean)
+
+        def normalize_fn(images: np.ndarray) -> np.ndarray:  # grayscale data into an RGB backbone
+            pixels = np.repeat(images, channels, axis=-1) if images.shape[-1] != channels else images
+            return np.asarray(prep.normalize(pixels))
+
+        resolution = prep.resolution
+    else:
+        model, init_params, model_state = _registry_model(config, dataset)
+        normalize_fn, resolution = normalize, None
 
     def loss_fn(params: PyTree, state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
         return _cross_entropy(model.apply({"params": params, **state}, views["image"]), views["label"])
@@ -70,19 +100,20 @@ def _image_model(config: Any) -> TrainModel:
             raise DataError(f"the data has no split {split!r} (has {dataset.splits})")
         data = InMemorySplit.load(dataset, split)
         images, labels = data.take(np.arange(len(data)))
-        return normalize(images), labels
+        return np.asarray(resize_views(jnp.asarray(normalize_fn(images)), resolution)), labels
 
     def make_feed(key: jax.Array) -> ImageFeed:  # reads the training split only when training
         train = InMemorySplit.load(dataset, config.train_split)
-        return ImageFeed(train, augmult=config.augmult, pad=config.augment_pad, flip=config.augment_flip, key=key)
+        return ImageFeed(train, augmult=config.augmult, pad=config.augment_pad, flip=config.augment_flip, key=key,
+                         normalize_fn=normalize_fn, resolution=resolution)
 
     return TrainModel(
         num_examples=dataset.num_examples(config.train_split),
         num_classes=len(dataset.class_names),
         data_hash=dataset.content_hash,
         loss_fn=loss_fn,
-        init_params=lambda seed: init(jax.random.key(seed % 2**32), sample)["params"],
-        model_state={},
+        init_params=init_params,
+        model_state=model_state,
         make_feed=make_feed,
         logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
         eval_inputs=eval_inputs,

@@ -137,3 +137,23 @@ def test_non_private_baseline_needs_no_calibration(digits, tmp_path):
     assert math.isinf(result.epsilon) and result.noise_multiplier == 0.0
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["private"] is False and ledger["epsilon_spent"] == "inf"
+
+
+def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_path):
+    from dpscale.models import pretrained, registry
+    from dpscale.stages.train_model import build_train_model
+
+    model = registry.get_model("cnn-small", num_classes=5)
+    variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 12, 12, 1), np.float32))
+    prep = pretrained.Preprocessing(resolution=12, mean=(127.5,), std=(127.5,))
+    pretrained.save_pretrained(tmp_path / "backbone", variables, model="cnn-small", num_classes=5,
+                               preprocessing=prep)
+    config = _config(digits, tmp_path / "run", backbone=str(tmp_path / "backbone"), steps=2)
+    start = build_train_model(config).init_params(0)
+    np.testing.assert_array_equal(np.asarray(start["backbone"]["conv_0"]["kernel"]),
+                                  np.asarray(variables["params"]["backbone"]["conv_0"]["kernel"]))
+    assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree_util.tree_leaves(start["head"]))
+    assert jax.tree_util.tree_leaves(start["head"])[0].shape[-1] == 10  # digits has 10 classes
+    train.run(config)
+    scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(tmp_path / "run")))
+    assert scores.num_examples == IngestedDataset(digits).num_examples("test")
