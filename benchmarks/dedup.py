@@ -2,14 +2,15 @@
 
     dpscale ingest folder:/work/shared/data/cifar10-jpeg.tar.gz /tmp/cifar10
     python benchmarks/dedup.py planted /tmp/cifar10 /tmp/dedup-bench
-    python benchmarks/dedup.py cifar /tmp/cifar10 /tmp/dedup-cifar
+    python benchmarks/dedup.py cifar /tmp/cifar10 /tmp/dedup-cifar --crop-scales ''
 
 ``planted``: private = 1,000 random CIFAR-10 test images; public = 10,000 random train
 images + four copies of every private image (mirror; crop keeping 80-95% of each side
 at a random position, rescaled back to 32x32 bicubic; JPEG quality 75; all three
 together). Recall per transform = share of the copies removed; false-positive rate = share
 of the 10,000 train images removed (some may be true CIFAR near duplicates of test
-images: they are listed and drawn, not hidden). ``cifar``: all of train vs all of test.
+images: they are listed and drawn, not hidden). ``cifar``: all of train vs all of test
+(``--crop-scales ''``: whole + mirror views only, which fits this 2-core machine).
 Both write a PNG montage of removed pairs to benchmarks/results/.
 """
 
