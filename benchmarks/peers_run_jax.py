@@ -96,6 +96,12 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     return step
 
 
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as handle:
+        fields = dict(line.split(":", 1) for line in handle)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
 def _jax_privacy_step(args, loss_fn, params, batches, linear: bool):
     """jax-privacy 2.x: ``clipped_grad`` (vmap of grad, clip, sum) + ``gaussian_privatizer``.
 
@@ -110,6 +116,13 @@ def _jax_privacy_step(args, loss_fn, params, batches, linear: bool):
     from jax_privacy.noise_addition import gaussian_privatizer
 
     key = "features" if linear else "image"
+    # vmap(grad) holds one gradient per example of the micro-batch; refuse rather than let
+    # the kernel's OOM killer pick a process on a shared machine.
+    need = 4 * args.physical * sum(leaf.size for leaf in jax.tree.leaves(params))
+    if need > 0.7 * _available_bytes():
+        emit({"status": f"skipped: per-example gradients need {need / 2**30:.1f} GiB, "
+                        f"{_available_bytes() / 2**30:.1f} GiB available"})
+        raise SystemExit(0)
 
     def fun(params, inputs, labels):
         return loss_fn(params, None, {key: inputs, "label": labels})
