@@ -1,6 +1,6 @@
 """dpscale vs Opacus vs jax-privacy: the same DP-SGD step, side by side (issue 7; run by hand).
 
-    python -m benchmarks.peers --quick     # a few minutes: CNN + linear 2^16, calibration
+    python -m benchmarks.peers --quick     # a few minutes: CNN + linear 2^14, calibration
     python -m benchmarks.peers             # CNN, WRN-16-4, linear 2^16 and 2^18, calibration
 
 Every (workload, framework) pair runs in its own fresh subprocess, so thread pools,
@@ -28,7 +28,8 @@ NOISE = 1.0
 # workload -> (physical, logical, repeats); quick uses smaller batches and fewer repeats.
 FULL = {"cnn-small": (64, 128, 3), "wrn-16-4": (16, 32, 2),
         "linear-2^16": (2**16, 2**16, 3), "linear-2^18": (2**18, 2**18, 3)}
-QUICK = {"cnn-small": (32, 64, 3), "linear-2^16": (2**16, 2**16, 3)}
+# Quick keeps the linear batch at 2^14: jax-privacy's vmap(grad) needs 3.4 GB and minutes at 2^16.
+QUICK = {"cnn-small": (32, 64, 2), "linear-2^14": (2**14, 2**14, 3)}
 # (label, module, framework arg, private?, uses peers interpreter?)
 RUNNERS = (
     ("dpscale", "peers_run_jax", "dpscale", True, False),
