@@ -84,7 +84,7 @@ def _fmt(value: float | None, spec: str = ",.1f") -> str:
 
 def _speed_table(rows: list[dict]) -> list[str]:
     lines = ["| workload | phys / logical batch | framework | step | ex/s (wall) | CPU ms / ex | peak RSS MB"
-             " | DP / non-private (wall; CPU) | dpscale DP vs this DP (wall; CPU) | load1 |",
+             " | DP / non-private (wall; CPU) | dpscale vs this, same step (wall; CPU) | load1 |",
              "|---|---|---|---|---:|---:|---:|---|---|---:|"]
     index = {(r["workload"], r["label"], r["private"]): r for r in rows}
     for r in rows:
@@ -99,7 +99,7 @@ def _speed_table(rows: list[dict]) -> list[str]:
             vs = (f"{ours['examples_per_s'] / r['examples_per_s']:.2f}x; "
                   f"{r['cpu_ms_per_example'] / ours['cpu_ms_per_example']:.2f}x")
         step = ("DP" if r["private"] else "non-private") + (f" ({r['mode']})" if r.get("mode") else "")
-        cells = ([_fmt(r["examples_per_s"]), _fmt(r["cpu_ms_per_example"], ".3f"), _fmt(r["peak_rss_mb"], ",.0f")]
+        cells = ([_fmt(r["examples_per_s"]), _fmt(r["cpu_ms_per_example"], ".4g"), _fmt(r["peak_rss_mb"], ",.0f")]
                  if ok else [r.get("status", "?"), "", ""])
         lines.append(f"| {r['workload']} | {r['physical']} / {r['logical']} | {r['label']} | {step} | "
                      + " | ".join(cells) + f" | {ratio} | {vs} | {_fmt(r.get('load1'), '.1f')} |")
