@@ -38,6 +38,11 @@ class _DpscaleGroup(click.Group):
         sys.exit(0)
 
 
+def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
+    """Beam warns on import that the optional BigQuery client is missing; we never use it."""
+    return not str(record.msg).startswith("apitools not found")
+
+
 def _quiet_library_logs() -> None:
     """Keep absl/dp-accounting chatter (bisection convergence warnings) off the CLI."""
     try:
@@ -47,10 +52,9 @@ def _quiet_library_logs() -> None:
     except ImportError:  # absl comes with dp-accounting; tolerate its absence
         pass
     logging.getLogger("absl").setLevel(logging.ERROR)
-    # Beam warns on import that the optional BigQuery client is missing; we never use it.
-    logging.getLogger().addFilter(
-        lambda record: not str(record.msg).startswith("apitools not found")
-    )
+    root = logging.getLogger()
+    if _drop_beam_bigquery_warning not in root.filters:
+        root.addFilter(_drop_beam_bigquery_warning)
 
 
 @click.group(cls=_DpscaleGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,6 +68,17 @@ def cli() -> None:
     offline on a small embedded data set.
     """
     _quiet_library_logs()
+
+
+def _show_stage_progress(log: logging.Logger) -> None:
+    """Print a Beam stage's progress lines (one per stage and split) once, with a timestamp."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False  # Beam configures the root logger too: print once
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
 
 
 @cli.command("ingest", context_settings={"ignore_unknown_options": True,
@@ -88,13 +103,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
     """
     from dpscale.stages import ingest as stage
 
-    if not stage.log.handlers:  # progress lines: one per stage and split
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        stage.log.addHandler(handler)
-        stage.log.setLevel(logging.INFO)
-        stage.log.propagate = False  # Beam configures the root logger too: print once
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    _show_stage_progress(stage.log)
     config = stage.IngestConfig(source, output, validation_fraction=validation_fraction,
                                 examples_per_shard=examples_per_shard,
                                 image_encoding=image_encoding, tfds_data_dir=tfds_data_dir,
@@ -140,13 +149,7 @@ def dedup(public: str, private: str, output: str, threshold: float, verify_thres
     """
     from dpscale.stages import dedup as stage
 
-    if not stage.log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        stage.log.addHandler(handler)
-        stage.log.setLevel(logging.INFO)
-        stage.log.propagate = False
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    _show_stage_progress(stage.log)
     try:
         scales = tuple(float(s) for s in crop_scales.split(",") if s.strip())
     except ValueError:
@@ -203,13 +206,7 @@ def featurize_command(data: str, backbone: str, cache_dir: str | None, resolutio
     """
     from dpscale.stages import featurize as stage
 
-    if not stage.log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        stage.log.addHandler(handler)
-        stage.log.setLevel(logging.INFO)
-        stage.log.propagate = False
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    _show_stage_progress(stage.log)
     result = stage.run(stage.FeaturizeConfig(
         data, backbone, cache_dir=cache_dir, resolution=resolution, resize_method=resize_method,
         batch_size=batch_size, chunk_rows=chunk_rows, pipeline_args=tuple(pipeline_args)))

@@ -179,11 +179,3 @@ def _infeasible_message(problem: MonotoneProblem, x: float, e: float) -> str:
         f"target epsilon {problem.target:g} is out of reach: even with {problem.name} = "
         f"{x:g}{bound}, epsilon is {e:.4g}"
     )
-
-
-def _infeasible_message(problem: MonotoneProblem, x: float, e: float) -> str:
-    bound = " (the largest searched)" if problem.name == "noise multiplier" else ""
-    return (
-        f"target epsilon {problem.target:g} is out of reach: even with {problem.name} = "
-        f"{x:g}{bound}, epsilon is {e:.4g}"
-    )

@@ -21,8 +21,6 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from apache_beam.io.filesystems import FileSystems
-
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.stages import shards
 from dpscale.stages.dataset import IngestedDataset
@@ -231,19 +229,6 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
     return manifest
 
 
-def _prepare_output(output_dir: str, overwrite: bool) -> None:
-    existing = [m.path for pattern in ("*.array_record", shards.MANIFEST, shards.REPORT, REPORT)
-                for r in FileSystems.match([shards.join(output_dir, pattern)])
-                for m in r.metadata_list]
-    if existing and not overwrite:
-        raise DataError(f"output {output_dir!r} already holds a dataset or the remains of a "
-                        "failed run (use --overwrite to replace it)")
-    if existing:
-        FileSystems.delete(existing)
-    if shards.is_local(output_dir):
-        os.makedirs(output_dir, exist_ok=True)
-
-
 def run(config: DedupConfig) -> DedupResult:
     """Write ``config.public`` minus near duplicates of ``config.private`` to the output."""
     import apache_beam as beam
@@ -263,7 +248,7 @@ def run(config: DedupConfig) -> DedupResult:
     tasks = (read_tasks(public, PUBLIC, config.examples_per_task, public_splits)
              + read_tasks(private, PRIVATE, max(1, config.examples_per_task // 10),
                           private_splits))
-    _prepare_output(config.output_dir, config.overwrite)
+    shards.prepare_output(config.output_dir, overwrite=config.overwrite, extra_files=(REPORT,))
     options = pipeline_options(config.pipeline_args,
                                estimated_examples=num_public + num_private * 10)
     progress = (LocalProgress(num_public + num_private, label="dedup: signatures", log=log)

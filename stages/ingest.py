@@ -10,13 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
-from apache_beam.io.filesystems import FileSystems
-
-from dpscale.errors import DataError, InvalidConfigError
+from dpscale.errors import InvalidConfigError
 from dpscale.stages import shards
 from dpscale.stages.examples import ENCODINGS
 from dpscale.stages.progress import LocalProgress
@@ -66,20 +63,6 @@ class IngestResult:
         return int(self.manifest["num_rejected"])
 
 
-def _prepare_output(output_dir: str, overwrite: bool) -> None:
-    """Refuse to mix runs in one directory; with ``overwrite`` clear the old outputs."""
-    existing = [m.path for pattern in ("*.array_record", shards.MANIFEST, shards.REPORT)
-                for r in FileSystems.match([shards.join(output_dir, pattern)])
-                for m in r.metadata_list]
-    if existing and not overwrite:
-        raise DataError(f"output {output_dir!r} already holds an ingested dataset or the "
-                        "remains of a failed run (use --overwrite to replace it)")
-    if existing:
-        FileSystems.delete(existing)
-    if shards.is_local(output_dir):
-        os.makedirs(output_dir, exist_ok=True)
-
-
 def run(config: IngestConfig) -> IngestResult:
     """Ingest ``config.source`` into ``config.output_dir``."""
     import apache_beam as beam
@@ -94,7 +77,7 @@ def run(config: IngestConfig) -> IngestResult:
     total = sum(plan.split_sizes.values())
     log.info("ingest %s: %d inputs in splits %s, %d classes, %d read tasks", config.source,
              total, plan.split_sizes, len(plan.class_names), len(plan.tasks))
-    _prepare_output(config.output_dir, config.overwrite)
+    shards.prepare_output(config.output_dir, overwrite=config.overwrite)
     options = graph.pipeline_options(config.pipeline_args, estimated_examples=total)
     progress = (LocalProgress(total, label="ingest: read+decode", log=log)
                 if graph.is_local_runner(options) else None)

@@ -30,6 +30,7 @@ from typing import Any
 
 from apache_beam.io.filesystems import FileSystems
 
+from dpscale.errors import DataError
 from dpscale.stages.examples import (Encoded, Rejection, check_shape, combine_hashes,
                                     element_hash)
 
@@ -125,6 +126,21 @@ def build_manifest(summaries: Sequence[dict[str, Any]], *, source: str,
         "num_rejected": len(rejections),
         "rejected_by_reason": dict(sorted(reasons.items())),
     }
+
+
+def prepare_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> None:
+    """Refuse to mix runs in one directory; with ``overwrite`` clear the old outputs first."""
+    patterns = ("*.array_record", MANIFEST, REPORT, *extra_files)
+    existing = [m.path for pattern in patterns
+                for r in FileSystems.match([join(output_dir, pattern)])
+                for m in r.metadata_list]
+    if existing and not overwrite:
+        raise DataError(f"output {output_dir!r} already holds a dataset or the remains of a "
+                        "failed run (use --overwrite to replace it)")
+    if existing:
+        FileSystems.delete(existing)
+    if is_local(output_dir):
+        os.makedirs(output_dir, exist_ok=True)
 
 
 def write_json(path: str, payload: Any) -> None:

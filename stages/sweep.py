@@ -86,16 +86,15 @@ def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
     metrics_path = os.path.join(run_dir, evaluate.METRICS_FILE)
     if not os.path.exists(metrics_path):
         if os.path.exists(os.path.join(run_dir, run_files.CONFIG)):
-            trained = train.resume(run_dir, show_progress=config.show_progress)
+            train.resume(run_dir, show_progress=config.show_progress)
         else:
-            trained = train.run(train.TrainConfig(
+            train.run(train.TrainConfig(
                 data=config.data, run_dir=run_dir, mode=config.mode, model=config.model,
                 epsilon=point["epsilon"], delta=config.delta, batch_size=config.batch_size,
                 steps=config.steps, clip_norm=config.clip_norm, learning_rate=point["learning_rate"],
                 momentum=point["momentum"], augmult=config.augmult, microbatch_size=config.microbatch_size,
                 ema_decay=config.ema_decay, show_progress=config.show_progress,
             ))
-        del trained
         evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=config.eval_split))
     with open(metrics_path) as f:
         scores = json.load(f)

@@ -22,10 +22,9 @@ import json
 import logging
 import math
 import time
-from typing import Any, Literal
+from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from dpscale.errors import DataError, InvalidConfigError

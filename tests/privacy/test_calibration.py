@@ -215,7 +215,20 @@ def test_bad_inputs_are_user_errors(kwargs):
         calibrate_noise_multiplier(**kwargs)
 
 
-def test_rdp_convergence_warnings_stay_quiet(caplog):
+@pytest.fixture
+def absl_warnings_on():
+    """Other tests (the CLI's) turn absl down to ERROR process-wide; restore WARNING here."""
+    from absl import logging as absl_logging
+
+    previous = (absl_logging.get_verbosity(), logging.getLogger("absl").level)
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    yield
+    absl_logging.set_verbosity(previous[0])
+    logging.getLogger("absl").setLevel(previous[1])
+
+
+def test_rdp_convergence_warnings_stay_quiet(caplog, absl_warnings_on):
     # dp-accounting itself logs "failed to converge" for this (sigma, q) ...
     import dp_accounting
 
