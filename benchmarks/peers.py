@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--workloads", default=None, help="comma-separated subset")
     parser.add_argument("--peers-python", default="/work/venv-peers/bin/python")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed logical steps per row")
     parser.add_argument("--skip-calibration", action="store_true")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -145,7 +146,8 @@ def main() -> None:
             if framework == "opacus" and not workload.startswith("linear"):
                 row["mode"] = "hooks + functorch for WS conv"
             argv = ["--framework", framework, "--workload", workload, "--physical", str(physical),
-                    "--logical", str(logical), "--repeats", str(repeats), "--noise-multiplier", str(NOISE)]
+                    "--logical", str(logical), "--repeats", str(repeats), "--noise-multiplier", str(NOISE),
+                    "--warmup", str(args.warmup)]
             python = args.peers_python if peer else sys.executable
             result = _run(python, module, argv, args.timeout)[0]
             rows.append({**row, **result})
@@ -171,7 +173,8 @@ def _write(args, machine: str, rows: list[dict], calibration: list[dict]) -> Non
     lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({'quick' if args.quick else 'full'})\n",
              f"Command: `{command}`  ", f"Machine: {machine}; load average {load} at the end.  ",
              f"Versions: {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))}; noise multiplier {NOISE}, "
-             "clip norm 1, one fresh subprocess per row, median of the timed logical steps after one warm-up step.\n",
+             "clip norm 1, one fresh subprocess per row, median of the timed logical steps after "
+             f"{args.warmup} warm-up step(s).\n",
              *_speed_table(rows)]
     if calibration:
         lines += ["", "ImageNet-sized calibration (N = 1,281,167, B = 16,384, T = 71,589, delta = 8e-7):", "",
