@@ -7,6 +7,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOpt
 from click.testing import CliRunner
 from PIL import Image
 
+from dpscale.errors import DataError
 from dpscale.cli import cli
 from dpscale.pipelines import dedup as graph
 from dpscale.pipelines.ingest import pipeline_options
@@ -45,7 +46,7 @@ def test_cli_forwards_beam_options_to_the_stage(monkeypatch, tmp_path):
 
     def fake_run(config):
         seen["config"] = config
-        raise stage.DataError("stop here")  # no pipeline, no network
+        raise DataError("stop here")  # no pipeline, no network
 
     monkeypatch.setattr(stage, "run", fake_run)
     result = CliRunner().invoke(cli, [

@@ -5,6 +5,7 @@ from apache_beam.options.pipeline_options import (DirectOptions, GoogleCloudOpti
                                                   StandardOptions, WorkerOptions)
 from click.testing import CliRunner
 
+from dpscale.errors import DataError
 from dpscale.cli import cli
 from dpscale.pipelines import featurize as graph
 from dpscale.stages import featurize as stage
@@ -39,7 +40,7 @@ def test_cli_forwards_beam_options_to_the_stage(monkeypatch, tmp_path):
 
     def fake_run(config):
         seen["config"] = config
-        raise stage.DataError("stop here")  # no pipeline, no network
+        raise DataError("stop here")  # no pipeline, no network
 
     monkeypatch.setattr(stage, "run", fake_run)
     result = CliRunner().invoke(cli, [
