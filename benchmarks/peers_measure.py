@@ -10,6 +10,7 @@ cores. Peak memory is the process's max RSS, which includes the framework runtim
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -60,3 +61,16 @@ def measure(step: Callable[[], None], *, examples: int, warmup: int, repeats: in
 def emit(result: dict) -> None:
     """The one line the parent process parses."""
     print("PEERS-RESULT " + json.dumps(result), flush=True)
+
+
+def parse_runner_args(frameworks: tuple[str, ...]) -> argparse.Namespace:
+    """The command line every per-framework runner subprocess takes (set by ``peers.py``)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=frameworks, required=True)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--physical", type=int, required=True)
+    parser.add_argument("--logical", type=int, required=True)
+    parser.add_argument("--noise-multiplier", type=float, default=1.0)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser.parse_args()

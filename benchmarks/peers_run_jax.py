@@ -17,23 +17,9 @@ Run by ``benchmarks/peers.py``, e.g.::
 
 from __future__ import annotations
 
-import argparse
-
-from benchmarks.peers_measure import emit, measure, rss_now_mb
+from benchmarks.peers_measure import emit, measure, parse_runner_args, rss_now_mb
 
 FRAMEWORKS = ("dpscale", "dpscale-nonprivate", "jax-privacy")
-
-
-def _args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--framework", choices=FRAMEWORKS, required=True)
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--physical", type=int, required=True)
-    parser.add_argument("--logical", type=int, required=True)
-    parser.add_argument("--noise-multiplier", type=float, default=1.0)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    return parser.parse_args()
 
 
 def _problem(workload: str, physical: int, micro: int):
@@ -154,7 +140,7 @@ def _jax_privacy_step(args, loss_fn, params, batches, linear: bool):
 
 
 def main() -> None:
-    args = _args()
+    args = parse_runner_args(FRAMEWORKS)
     base = rss_now_mb()
     import jax
 

@@ -16,25 +16,11 @@ per-sample gradients, then a second, weighted backward): its best mode for linea
 
 from __future__ import annotations
 
-import argparse
-
-from benchmarks.peers_measure import emit, measure, rss_now_mb
-
-
-def _args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--framework", choices=("torch", "opacus", "opacus-ghost", "opacus-plainconv"), required=True)
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--physical", type=int, required=True)
-    parser.add_argument("--logical", type=int, required=True)
-    parser.add_argument("--noise-multiplier", type=float, default=1.0)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    return parser.parse_args()
+from benchmarks.peers_measure import emit, measure, parse_runner_args, rss_now_mb
 
 
 def main() -> None:
-    args = _args()
+    args = parse_runner_args(("torch", "opacus", "opacus-ghost", "opacus-plainconv"))
     base = rss_now_mb()
     import torch
     from torch import nn
