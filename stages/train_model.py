@@ -126,8 +126,6 @@ def _feature_model(config: Any) -> TrainModel:
     store = open_features(config.data)
     if config.train_split not in store.splits:
         raise DataError(f"{config.data!r} has no split {config.train_split!r} (has {store.splits})")
-    features = np.asarray(store.features(config.train_split)[:], np.float32)
-    labels = np.asarray(store.labels(config.train_split), np.int32)
     dim, classes = store.feature_dim, len(store.class_names)
 
     def logits_fn(params: PyTree, state: PyTree, x: jax.Array) -> jax.Array:
@@ -142,13 +140,13 @@ def _feature_model(config: Any) -> TrainModel:
         return np.asarray(store.features(split)[:], np.float32), np.asarray(store.labels(split), np.int32)
 
     return TrainModel(
-        num_examples=len(labels),
+        num_examples=store.num_examples(config.train_split),
         num_classes=classes,
         data_hash=store.content_hash,
         loss_fn=loss_fn,
         init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
         model_state={},
-        make_feed=lambda key: FeatureFeed(features, labels),
+        make_feed=lambda key: FeatureFeed(*eval_inputs(config.train_split)),  # read only when training
         logits_fn=logits_fn,
         eval_inputs=eval_inputs,
     )
