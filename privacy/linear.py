@@ -11,7 +11,10 @@ generic per-example path.
 
 Parameters are a Flax ``Dense`` layer's: ``{"kernel": [d, c], "bias": [c]}``;
 batches are ``{"features": [b, d], "label": [b]}`` (features are cached, so there
-is no augmentation axis).
+is no augmentation axis), optionally with ``"features_sq_norm": [b]``, the rows'
+squared norms. Cached features never change, so the feed computes ``||x_i||^2``
+once per dataset; without it every step makes one more pass over ``X`` (1.3 GB at
+2^18 x 1280), which is what made the DP step ~1.6x the non-private one.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ def softmax_regression_clipped_sum(*, clip_norm: float):
         onehot = jax.nn.one_hot(batch["label"], logits.shape[-1], dtype=logits.dtype)
         residual = jnp.exp(log_probs) - onehot
         losses = -jnp.sum(onehot * log_probs, axis=-1)
-        norms = jnp.sqrt((jnp.sum(x * x, axis=-1) + 1.0) * jnp.sum(residual * residual, axis=-1))
+        sq_norms = batch.get("features_sq_norm")
+        if sq_norms is None:
+            sq_norms = jnp.sum(x * x, axis=-1)
+        norms = jnp.sqrt((sq_norms.astype(jnp.float32) + 1.0) * jnp.sum(residual * residual, axis=-1))
         weights, finite = clip_weights(norms, mask, clip_norm=clip_norm)
         weighted = jnp.where(finite[:, None], residual, 0.0) * weights[:, None]
 

@@ -4,8 +4,9 @@ Two feeds, one interface (``microbatches(batch, step)``):
 
 * ``ImageFeed`` reads images by index, normalises them and makes K augmented
   views per example on device: leaves ``[b, K, H, W, C]`` and labels ``[b, K]``.
-* ``FeatureFeed`` gathers cached backbone features by index: ``[b, d]`` and
-  labels ``[b]`` (no augmentation axis: the features are fixed).
+* ``FeatureFeed`` gathers cached backbone features by index: ``[b, d]``, their
+  squared norms ``[b]`` (computed once, see ``privacy/linear.py``) and labels
+  ``[b]`` (no augmentation axis: the features are fixed).
 
 Padded slots (index -1) carry zeros and mask 0; the DP step gives them weight 0.
 """
@@ -73,21 +74,29 @@ class FeatureFeed:
     def __init__(self, features: np.ndarray, labels: np.ndarray) -> None:
         self.features = np.asarray(features, np.float32)
         self.labels = np.asarray(labels, np.int32)
+        # A non-finite row gives a non-finite norm, which the clipped sum treats as non-finite.
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.sq_norms = np.einsum("ij,ij->i", self.features, self.features)
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Features, squared norms and labels of ``indices``; padded slots (-1) are zeros."""
         real = indices >= 0
         safe = np.where(real, indices, 0)
         feats = self.features[safe]
         feats[~real] = 0.0
-        return feats, np.where(real, self.labels[safe], 0).astype(np.int32)
+        return {
+            "features": feats,
+            "features_sq_norm": np.where(real, self.sq_norms[safe], 0.0).astype(np.float32),
+            "label": np.where(real, self.labels[safe], 0).astype(np.int32),
+        }
 
     def microbatches(self, batch: SampledBatch, step: int) -> list[Microbatch]:
         del step
-        out = []
-        for m in range(batch.num_microbatches):
-            feats, labels = self.take(batch.indices[m])
-            out.append(({"features": jnp.asarray(feats), "label": jnp.asarray(labels)}, jnp.asarray(batch.mask[m])))
-        return out
+        return [
+            ({name: jnp.asarray(value) for name, value in self.take(batch.indices[m]).items()},
+             jnp.asarray(batch.mask[m]))
+            for m in range(batch.num_microbatches)
+        ]

@@ -45,3 +45,24 @@ def test_nonfinite_features_are_zeroed_and_counted():
     reference = fn(params, {}, batch, jnp.ones(12).at[3].set(0.0))
     assert int(result.num_nonfinite) == 1
     np.testing.assert_allclose(result.value["kernel"], reference.value["kernel"], rtol=1e-5, atol=1e-6)
+
+
+def test_precomputed_squared_norms_give_the_same_clipped_sum():
+    params, batch = _problem(2, scale=3.0)
+    mask = jnp.asarray([1.0] * 9 + [0.0] * 3)
+    fn = softmax_regression_clipped_sum(clip_norm=0.5)
+    computed = fn(params, {}, batch, mask)
+    given = fn(params, {}, dict(batch, features_sq_norm=jnp.sum(batch["features"] ** 2, axis=-1)), mask)
+    assert int(given.num_clipped) == int(computed.num_clipped) > 0
+    for key in ("kernel", "bias"):
+        np.testing.assert_allclose(given.value[key], computed.value[key], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(given.sum_of_norms, computed.sum_of_norms, rtol=1e-6)
+
+
+def test_the_given_squared_norms_are_the_ones_used_for_clipping():
+    # Guards the contract: a wrong norm changes the clipping, so feeds must compute it from X.
+    params, batch = _problem(3, scale=3.0)
+    fn = softmax_regression_clipped_sum(clip_norm=1.5)  # above max ||r_i|| = sqrt(2)
+    zero = fn(params, {}, dict(batch, features_sq_norm=jnp.zeros(12)), jnp.ones(12))
+    true = fn(params, {}, batch, jnp.ones(12))
+    assert int(zero.num_clipped) == 0 < int(true.num_clipped)

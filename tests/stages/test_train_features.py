@@ -61,3 +61,22 @@ def test_sweep_writes_tables_and_plot_and_reuses_finished_runs(features, tmp_pat
     stamp = (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns
     assert sweep.run(config) == summary  # everything reused: same numbers
     assert (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns == stamp
+
+
+def test_feature_feed_carries_exact_squared_norms_and_zero_padding():
+    import jax.numpy as jnp
+
+    from dpscale.privacy.sampling import SampledBatch
+    from dpscale.stages.train_data import FeatureFeed
+
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(6, 5)).astype(np.float32)
+    feats[4, 2] = np.inf
+    feed = FeatureFeed(feats, np.arange(6) % 3)
+    indices = np.array([[5, 0, 4, -1]])
+    batch = SampledBatch(indices=indices, mask=(indices >= 0).astype(np.float32))
+    (micro, mask), = feed.microbatches(batch, step=0)
+    np.testing.assert_allclose(micro["features_sq_norm"][:2], np.sum(feats[[5, 0]] ** 2, axis=1), rtol=1e-6)
+    assert not np.isfinite(micro["features_sq_norm"][2])  # reaches the clipped sum as non-finite
+    assert float(micro["features_sq_norm"][3]) == 0.0 and not np.any(micro["features"][3])
+    assert micro["label"].tolist() == [2, 0, 1, 0] and jnp.asarray(mask).tolist() == [1, 1, 1, 0]
