@@ -92,9 +92,12 @@ def _show_stage_progress(log: logging.Logger) -> None:
               show_default=True, help="How pixels are stored in each record.")
 @click.option("--tfds-data-dir", default=None, help="TFDS data_dir for tfds: sources.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing ingested dataset.")
+@click.option("--classes", default="",
+              help="Keep only these comma-separated class names (relabelled 0..k-1 in the "
+                   "source's order), e.g. 0,1,2,3,4 of digits as public data.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def ingest(source: str, output: str, validation_fraction: float, examples_per_shard: int,
-           image_encoding: str, tfds_data_dir: str | None, overwrite: bool,
+           image_encoding: str, tfds_data_dir: str | None, overwrite: bool, classes: str,
            pipeline_args: tuple[str, ...]) -> None:
     """Read SOURCE (tfds:NAME[:SPLIT], folder:PATH, idx:DIR, digits) into OUTPUT.
 
@@ -107,10 +110,16 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
     config = stage.IngestConfig(source, output, validation_fraction=validation_fraction,
                                 examples_per_shard=examples_per_shard,
                                 image_encoding=image_encoding, tfds_data_dir=tfds_data_dir,
-                                overwrite=overwrite, pipeline_args=tuple(pipeline_args))
+                                overwrite=overwrite, pipeline_args=tuple(pipeline_args),
+                                classes=tuple(c.strip() for c in classes.split(",") if c.strip()))
     result = stage.run(config)
     for split, count in result.num_examples.items():
         click.echo(f"{split}: {count} examples")
+    if "class_filter" in result.manifest:
+        kept = result.manifest["class_names"]
+        click.echo(f"classes: kept {len(kept)} of {len(result.manifest['class_filter']['source_class_names'])} "
+                   f"({', '.join(kept)}); {result.manifest['class_filter']['num_excluded']} inputs of "
+                   "other classes left out")
     click.echo(f"rejected: {result.num_rejected} (see report.json)")
     click.echo(f"content hash: {result.manifest['content_hash']}")
     click.echo(f"wrote {result.output_dir} in {result.seconds:.1f} s")

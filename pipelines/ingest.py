@@ -64,6 +64,8 @@ class GraphSettings:
     encoding: str
     num_inputs: int  # planned; the manifest is refused unless all are accounted for
     progress_dir: str | None = None  # local runs: where finished tasks are marked
+    class_names: tuple[str, ...] | None = None  # a class filter's kept classes (None: all)
+    label_map: tuple[int, ...] | None = None  # source label -> kept label, -1 = left out
 
 
 class _ProcessTask(beam.DoFn):
@@ -79,10 +81,13 @@ class _ProcessTask(beam.DoFn):
         out = ex.process_task(task, self.class_names,
                               validation_fraction=self.settings.validation_fraction,
                               shards_per_split=self.settings.shards_per_split,
-                              encoding=self.settings.encoding)
+                              encoding=self.settings.encoding, label_map=self.settings.label_map)
         self.rejected.inc(len(out.rejections))
         self.examples.inc(sum(out.shape_counts.values()))
-        mark(self.settings.progress_dir, len(out.rejections) + sum(out.shape_counts.values()))
+        mark(self.settings.progress_dir,
+             len(out.rejections) + sum(out.shape_counts.values()) + out.num_excluded)
+        if out.num_excluded:
+            yield beam.pvalue.TaggedOutput("excluded", out.num_excluded)
         for rejection in out.rejections:
             yield beam.pvalue.TaggedOutput("rejected", rejection.as_dict())
         for shape_count in out.shape_counts.items():
@@ -107,12 +112,14 @@ def build(pipeline: beam.Pipeline, plan: SourcePlan, settings: GraphSettings) ->
     Work moves in per-task batches (a few hundred elements for CIFAR-10, not 60,000):
     Beam's per-element overhead in Python outweighed the decoding itself.
     """
-    classes = plan.class_names
+    classes = settings.class_names if settings.class_names is not None else plan.class_names
     processed = (pipeline
                  | "Tasks" >> beam.Create(list(plan.tasks))
                  | "SpreadTasks" >> beam.Reshuffle()
-                 | "ReadDecodeEncode" >> beam.ParDo(_ProcessTask(classes, settings))
-                                             .with_outputs("rejected", "shapes", main="batches"))
+                 | "ReadDecodeEncode" >> beam.ParDo(_ProcessTask(plan.class_names, settings))
+                                             .with_outputs("rejected", "shapes", "excluded",
+                                                           main="batches"))
+    excluded = processed.excluded | "CountExcluded" >> beam.CombineGlobally(sum)
     shape = (processed.shapes
              | "SumShapes" >> beam.CombinePerKey(sum)
              | "ShapeList" >> beam.combiners.ToList()
@@ -135,7 +142,8 @@ def build(pipeline: beam.Pipeline, plan: SourcePlan, settings: GraphSettings) ->
              image_shape=beam.pvalue.AsSingleton(shape),
              source=plan.spec.text, class_names=classes,
              validation_fraction=settings.validation_fraction, encoding=settings.encoding,
-             num_inputs=settings.num_inputs))
+             num_inputs=settings.num_inputs, num_excluded=beam.pvalue.AsSingleton(excluded),
+             source_class_names=plan.class_names if settings.label_map is not None else None))
 
 
 def shards_per_split(split_sizes: dict[str, int], *, validation_fraction: float,

@@ -75,6 +75,7 @@ class TaskOutput:
     batches: dict[tuple[str, int], list[Encoded]]  # (split, shard) -> encoded examples
     shape_counts: dict[tuple[int, ...], int]
     rejections: list[Rejection]
+    num_excluded: int = 0  # items of classes left out by a class filter (not rejections)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,12 +216,23 @@ def encode(example: Example, *, encoding: str = "raw") -> Encoded:
 
 
 def process_task(task: ReadTask, class_names: Sequence[str], *, validation_fraction: float,
-                 shards_per_split: dict[str, int], encoding: str) -> TaskOutput:
-    """Read, decode, split, encode and shard-key every item of one read task."""
+                 shards_per_split: dict[str, int], encoding: str,
+                 label_map: Sequence[int] | None = None) -> TaskOutput:
+    """Read, decode, split, encode and shard-key every item of one read task.
+
+    ``label_map`` (a class filter) maps each source label to its new label, or to -1 to
+    leave the item out; left-out items are counted, not decoded and not reported.
+    """
     batches: dict[tuple[str, int], list[Encoded]] = {}
     shapes: Counter[tuple[int, ...]] = Counter()
     rejections = []
+    excluded = 0
     for item in read_task(task, class_names):
+        if label_map is not None and item.label != UNKNOWN_LABEL:
+            if label_map[item.label] < 0:
+                excluded += 1
+                continue
+            item = dataclasses.replace(item, label=label_map[item.label])
         result = to_example(item)
         if isinstance(result, Rejection):
             rejections.append(result)
@@ -229,7 +241,7 @@ def process_task(task: ReadTask, class_names: Sequence[str], *, validation_fract
         shapes[encoded.shape] += 1
         shard = shard_index(encoded, shards_per_split.get(encoded.split, 1))
         batches.setdefault((encoded.split, shard), []).append(encoded)
-    return TaskOutput(batches, dict(shapes), rejections)
+    return TaskOutput(batches, dict(shapes), rejections, excluded)
 
 
 def decode_record(record: bytes, *, split: str = "") -> Example:

@@ -3,6 +3,10 @@
 ``run(config)`` plans the source on this machine (so a missing path fails at once with a
 one-line ``DataError``), runs the Beam graph of ``pipelines.ingest`` on the configured
 runner and reads back the manifest the pipeline wrote.
+
+``classes`` keeps only some classes of the source (e.g. digits 0-4 as public data and
+5-9 as private data): the kept classes are relabelled 0..k-1 in the source's order, the
+manifest's ``class_names`` are the kept ones and ``class_filter`` records the source's.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dpscale.errors import InvalidConfigError
 from dpscale.stages import shards
 from dpscale.stages.examples import ENCODINGS
 from dpscale.stages.progress import LocalProgress
-from dpscale.stages.sources import parse_source, plan_source
+from dpscale.stages.sources import parse_source, plan_source, select_classes
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +38,11 @@ class IngestConfig:
     tfds_data_dir: str | None = None
     overwrite: bool = False
     pipeline_args: tuple[str, ...] = ()
+    classes: tuple[str, ...] = ()  # keep only these class names (relabelled 0..k-1); () = all
 
     def __post_init__(self) -> None:
+        if len(set(self.classes)) != len(self.classes) or not all(self.classes):
+            raise InvalidConfigError(f"classes must be distinct non-empty names, got {self.classes}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise InvalidConfigError(
                 f"validation fraction must be in [0, 1), got {self.validation_fraction}")
@@ -74,9 +81,12 @@ def run(config: IngestConfig) -> IngestResult:
     if config.validation_fraction > 0 and "validation" in plan.split_sizes:
         raise InvalidConfigError("the source already has a validation split; "
                                  "drop --validation-fraction")
+    kept, label_map = (select_classes(plan.class_names, config.classes) if config.classes
+                       else (None, None))
     total = sum(plan.split_sizes.values())
-    log.info("ingest %s: %d inputs in splits %s, %d classes, %d read tasks", config.source,
-             total, plan.split_sizes, len(plan.class_names), len(plan.tasks))
+    log.info("ingest %s: %d inputs in splits %s, %d classes%s, %d read tasks", config.source,
+             total, plan.split_sizes, len(plan.class_names),
+             f" (keeping {len(kept)})" if kept else "", len(plan.tasks))
     shards.prepare_output(config.output_dir, overwrite=config.overwrite)
     options = graph.pipeline_options(config.pipeline_args, estimated_examples=total)
     progress = (LocalProgress(total, label="ingest: read+decode", log=log)
@@ -87,7 +97,8 @@ def run(config: IngestConfig) -> IngestResult:
             plan.split_sizes, validation_fraction=config.validation_fraction,
             examples_per_shard=config.examples_per_shard),
         encoding=config.image_encoding, num_inputs=total,
-        progress_dir=progress.directory if progress else None)
+        progress_dir=progress.directory if progress else None,
+        class_names=kept, label_map=label_map)
     with progress or contextlib.nullcontext(), beam.Pipeline(options=options) as pipeline:
         graph.build(pipeline, plan, settings)
     manifest = shards.read_json(shards.join(config.output_dir, shards.MANIFEST))

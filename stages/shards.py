@@ -10,7 +10,8 @@ An ingested dataset directory holds::
     manifest.json   format/format_version, source, record_encoding, image_shape,
                     class_names, num_classes, content_hash (+ method), validation_fraction,
                     splits.<name>.{num_examples, class_counts, content_hash, shards[]},
-                    num_inputs, num_rejected, rejected_by_reason
+                    num_inputs, num_rejected, rejected_by_reason; with a class filter also
+                    class_filter.{source_class_names, num_excluded}
     report.json     every input that did not become an example: split, key, reason, detail
 
 Outputs go through Beam's ``FileSystems`` so an output directory may be a local path or
@@ -157,10 +158,12 @@ def read_json(path: str) -> Any:
 def write_outputs(_: Any, *, output_dir: str, summaries: Sequence[dict[str, Any]],
                   rejections: Sequence[dict[str, str]], image_shape: Sequence[int] | None,
                   source: str, class_names: Sequence[str], validation_fraction: float,
-                  encoding: str, num_inputs: int) -> dict[str, Any]:
+                  encoding: str, num_inputs: int, num_excluded: int = 0,
+                  source_class_names: Sequence[str] | None = None) -> dict[str, Any]:
     """Write report.json, then manifest.json last: a manifest means a complete dataset.
 
-    Every planned input must be either an example or a rejection; if the runner lost
+    Every planned input must be an example, a rejection or (with a class filter, whose
+    source classes are ``source_class_names``) left out by the filter; if the runner lost
     some, no manifest is written and the run fails instead of passing for complete.
     """
     ordered = sorted(rejections, key=lambda r: (r["split"], r["key"], r["reason"]))
@@ -168,10 +171,14 @@ def write_outputs(_: Any, *, output_dir: str, summaries: Sequence[dict[str, Any]
     manifest = build_manifest(summaries, source=source, class_names=class_names,
                               image_shape=image_shape, rejections=ordered,
                               validation_fraction=validation_fraction, encoding=encoding)
-    accounted = len(ordered) + sum(e["num_examples"] for e in manifest["splits"].values())
+    accounted = (len(ordered) + num_excluded
+                 + sum(e["num_examples"] for e in manifest["splits"].values()))
     if accounted != num_inputs:
         raise RuntimeError(f"ingest accounted for {accounted} of {num_inputs} inputs; "
                            "the runner lost or duplicated data, no manifest written")
     manifest["num_inputs"] = num_inputs
+    if source_class_names is not None:
+        manifest["class_filter"] = {"source_class_names": list(source_class_names),
+                                    "num_excluded": num_excluded}
     write_json(join(output_dir, MANIFEST), manifest)
     return manifest

@@ -113,6 +113,24 @@ def plan_source(spec: SourceSpec, *, chunk_size: int = 2048,
     return array_sources.plan_digits(spec)
 
 
+def select_classes(class_names: Sequence[str],
+                   wanted: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A class filter: ``(kept names, label map)`` for keeping only the ``wanted`` classes.
+
+    Kept classes stay in the source's order (so ``3,4`` and ``4,3`` give the same data)
+    and are relabelled ``0..k-1``; ``label_map[source label]`` is the new label, or -1
+    for a class that is left out.
+    """
+    unknown = [name for name in wanted if name not in class_names]
+    if unknown:
+        raise DataError(f"class(es) {', '.join(map(repr, unknown))} not in the source; "
+                        f"it has {', '.join(class_names)}")
+    keep = set(wanted)
+    kept = tuple(name for name in class_names if name in keep)
+    new = {name: i for i, name in enumerate(kept)}
+    return kept, tuple(new.get(name, -1) for name in class_names)
+
+
 def read_task(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
     """Yield the raw items of one task (runs on a Beam worker)."""
     from dpscale.stages import array_sources
