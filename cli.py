@@ -191,6 +191,32 @@ def import_weights(name: str, output: str | None, force: bool) -> None:
     click.echo(f"{name}: {status}: {result.directory} (weights sha256 {result.metadata.weights_sha256[:16]}...)")
 
 
+@cli.command("export-backbone")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--ema/--last", "ema", default=True, show_default=True,
+              help="Export the EMA parameters (default) or the last iterate.")
+@click.option("--force", is_flag=True, help="Replace a backbone already in OUT_DIR.")
+def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) -> None:
+    """Write the finished image run RUN_DIR as a backbone directory OUT_DIR.
+
+    OUT_DIR works with `featurize --backbone` and `train --backbone`; it holds the
+    parameters and the preprocessing the run trained with. Exporting a DP run is
+    post-processing (no extra privacy cost); a non-private run's backbone carries NO
+    guarantee for the data it was trained on, so export those only from public data.
+    """
+    from dpscale.stages import export_backbone as stage
+
+    result = stage.run(stage.ExportBackboneConfig(run_dir, out_dir, parameters="ema" if ema else "last",
+                                                  force=force))
+    if not result.private:
+        click.echo("dpscale: warning: non-private run: this backbone carries no privacy guarantee "
+                   "for the data it was trained on", err=True)
+    meta = result.metadata
+    click.echo(f"{meta.model} ({result.parameters} parameters, {meta.preprocessing.resolution} px, "
+               f"weights sha256 {meta.weights_sha256[:16]}...) -> {result.output_dir}")
+
+
 @cli.command("featurize", context_settings={"ignore_unknown_options": True,
                                             "allow_extra_args": True})
 @click.argument("data", type=click.Path(file_okay=False))
@@ -368,21 +394,34 @@ def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, n
 @click.option("--data", default="digits", show_default=True,
               help="Any ingest source: digits (bundled, offline), idx:DIR, folder:PATH, tfds:NAME.")
 @click.option("--work-dir", default="dpscale-quickstart", show_default=True,
-              help="Where the ingested data and the run directory go.")
-@click.option("--epsilon", type=float, default=8.0, show_default=True)
+              help="Where the ingested data, backbone, feature cache and run directories go.")
+@click.option("--public-classes", default="",
+              help="Comma-separated class names used as public data (default: the first half).")
+@click.option("--no-dedup", is_flag=True, help="Skip removing public near duplicates of private images.")
+@click.option("--model", default="cnn-small", show_default=True, help="Architecture pre-trained on the public classes.")
+@click.option("--pretrain-steps", type=int, default=200, show_default=True)
+@click.option("--pretrain-batch-size", type=int, default=128, show_default=True)
+@click.option("--pretrain-learning-rate", type=float, default=0.1, show_default=True)
+@click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon of the private training.")
 @click.option("--delta", type=float, default=1e-5, show_default=True)
-@click.option("--batch-size", type=int, default=256, show_default=True)
-@click.option("--steps", type=int, default=100, show_default=True)
-@click.option("--model", default="cnn-small", show_default=True)
+@click.option("--batch-size", type=int, default=512, show_default=True, help="Expected batch size of the DP last-layer training.")
+@click.option("--steps", type=int, default=1000, show_default=True, help="Steps of the DP last-layer training.")
+@click.option("--learning-rate", type=float, default=4.0, show_default=True, help="Of the DP last-layer training.")
 @click.option("--seed", type=int, default=None, help="Fix the secret seed (debugging only).")
-def quickstart_command(**options) -> None:
-    """Ingest -> calibrate -> train (DP-SGD) -> evaluate on a small offline data set.
+def quickstart_command(public_classes: str, no_dedup: bool, **options) -> None:
+    """Public pre-training, then DP fine-tuning: the paper's path on a small offline data set.
 
-    Ends with one JSON line holding epsilon, delta and test_accuracy (EMA parameters).
+    ingest (public and private classes) -> dedup -> non-private pre-training on the
+    public classes -> export-backbone -> featurize the private images -> DP-SGD on the
+    last layer (noise calibrated to --epsilon/--delta) -> evaluate. Ends with one JSON
+    line holding epsilon, delta and test_accuracy (EMA parameters, private test split).
     """
     from dpscale.stages import quickstart
 
-    _print_json_line(quickstart.run(quickstart.QuickstartConfig(**options)))
+    _show_stage_progress(quickstart.log)
+    classes = tuple(c.strip() for c in public_classes.split(",") if c.strip())
+    _print_json_line(quickstart.run(quickstart.QuickstartConfig(public_classes=classes, dedup=not no_dedup,
+                                                                **options)))
 
 
 @cli.command("audit")

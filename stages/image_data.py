@@ -58,6 +58,12 @@ class InMemorySplit:
         return images, labels
 
 
+#: ``normalize`` as a per-channel (x - mean) / std in pixel units: the preprocessing an
+#: exported backbone (``stages.export_backbone``) records for a model trained here.
+PIXEL_MEAN = 127.5
+PIXEL_STD = 127.5
+
+
 def normalize(images: np.ndarray) -> np.ndarray:
-    """uint8 ``[0, 255]`` -> float32 ``[-1, 1]``."""
-    return images.astype(np.float32) * (2.0 / 255.0) - 1.0
+    """uint8 ``[0, 255]`` -> float32 ``[-1, 1]``: ``(x - PIXEL_MEAN) / PIXEL_STD``."""
+    return (images.astype(np.float32) - np.float32(PIXEL_MEAN)) / np.float32(PIXEL_STD)

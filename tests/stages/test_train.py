@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -72,17 +71,6 @@ def test_shuffled_sampling_warns_and_is_flagged_in_the_ledger(digits, tmp_path):
         train.run(_config(digits, tmp_path / "run", steps=1, sampling="shuffle"))
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["sampling"] == "shuffle" and ledger["exact_accounting"] is False
-
-
-def test_quickstart_learns_and_prints_one_json_line(tmp_path):
-    result = CliRunner().invoke(
-        cli, ["quickstart", "--work-dir", str(tmp_path), "--steps", "40", "--seed", "1"]
-    )
-    assert result.exit_code == 0, result.output
-    last = json.loads(result.stdout.strip().splitlines()[-1])
-    assert 0 < last["epsilon"] <= 8.0 and last["delta"] == 1e-5
-    assert last["test_accuracy"] > 0.5  # chance is 0.1
-    assert os.path.isfile(os.path.join(last["run_dir"], "metrics.json"))
 
 
 def test_train_cli_reports_missing_data_in_one_line(tmp_path):

@@ -1,0 +1,121 @@
+"""The export-backbone stage: a finished image training run -> a backbone directory.
+
+``run(config)`` writes the run's EMA (or last) parameters with the preprocessing the
+run trained with, as a backbone that ``featurize --backbone DIR`` and ``train
+--backbone DIR`` accept (``models.pretrained``). This is how the paper's path is
+walked without downloaded weights: train on public data, export, featurize the
+private data with the export, train the last layer with DP.
+
+Privacy: the exported weights are a function of the run's output only, so exporting a
+DP run is post-processing and costs no privacy; the backbone inherits the run's
+(epsilon, delta) for the data it was trained on. A non-private run (``epsilon=inf``)
+carries NO guarantee for its training data: export only runs on data that is public
+(or that you may disclose); the result says which it was, and the metadata's
+``source`` records it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from dpscale.errors import DataError, InvalidConfigError
+from dpscale.models import pretrained
+from dpscale.stages import run_files
+from dpscale.stages.dataset import IngestedDataset
+from dpscale.stages.image_data import PIXEL_MEAN, PIXEL_STD
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportBackboneConfig:
+    run_dir: str
+    output_dir: str
+    parameters: Literal["ema", "last"] = "ema"
+    force: bool = False  # replace a backbone already in output_dir
+
+    def __post_init__(self) -> None:
+        if self.parameters not in ("ema", "last"):
+            raise InvalidConfigError(f"parameters must be 'ema' or 'last', got {self.parameters!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportBackboneResult:
+    output_dir: str
+    metadata: pretrained.BackboneMetadata
+    parameters: str
+    private: bool  # False: the weights carry no privacy guarantee for the run's data
+    epsilon: float  # the run's epsilon spent (inf if non-private)
+    delta: float
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read {path!r}: {exc}") from None
+
+
+def _model_and_preprocessing(config: dict[str, Any]) -> tuple[str, int, pretrained.Preprocessing]:
+    """The model name, its number of classes and the preprocessing the run trained with."""
+    dataset = IngestedDataset(config["data"])
+    num_classes = dataset.num_classes
+    if config.get("backbone"):  # a fine-tuned backbone keeps the backbone's own preprocessing
+        meta = pretrained.read_metadata(pretrained.resolve_backbone(config["backbone"]))
+        return meta.model, num_classes, meta.preprocessing
+    height, width, channels = dataset.image_shape
+    if height != width or channels not in (1, 3):
+        raise DataError(f"the run trained on {height}x{width}x{channels} images; a backbone "
+                        "needs square images with 1 or 3 channels")
+    # stages.image_data.normalize is (x - PIXEL_MEAN) / PIXEL_STD, at the data's own size
+    prep = pretrained.Preprocessing(resolution=height, mean=(PIXEL_MEAN,) * channels,
+                                    std=(PIXEL_STD,) * channels)
+    return config["model"], num_classes, prep
+
+
+def _check_fits(name: str, num_classes: int, prep: pretrained.Preprocessing, variables: Any) -> None:
+    model = pretrained.build_model(name, num_classes=num_classes)
+    shape = (1, prep.resolution, prep.resolution, len(prep.mean))
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct(shape, jnp.float32))
+    expected = jax.tree.map(lambda a: tuple(a.shape), abstract)
+    found = jax.tree.map(lambda a: tuple(a.shape), variables)
+    if expected != found:
+        raise DataError(f"the run's parameters do not fit model {name!r} with {num_classes} classes")
+
+
+def run(config: ExportBackboneConfig) -> ExportBackboneResult:
+    """Export the parameters of the finished image run ``config.run_dir`` as a backbone."""
+    files = run_files.RunFiles.existing(config.run_dir)
+    train_config = _read_json(files.path(run_files.CONFIG))["config"]
+    if train_config.get("mode") == "features":
+        raise DataError(f"{config.run_dir!r} is a features-mode run: it holds only a classifier "
+                        "over cached features, not an image backbone")
+    ledger = _read_json(files.path(run_files.LEDGER))
+    if ledger.get("steps_done") != ledger.get("planned_steps") or not os.path.isdir(
+            files.path(run_files.PARAMS)):
+        raise DataError(f"{config.run_dir!r} is not finished ({ledger.get('steps_done')} of "
+                        f"{ledger.get('planned_steps')} steps); finish it with "
+                        f"`dpscale train --resume {config.run_dir}` first")
+    name, num_classes, prep = _model_and_preprocessing(train_config)
+    trained = files.load_params()
+    params = trained["ema_params" if config.parameters == "ema" else "params"]
+    variables = {"params": params, **(trained.get("model_state") or {})}
+    _check_fits(name, num_classes, prep, variables)
+    private = bool(ledger.get("private"))
+    epsilon = float(ledger["epsilon_spent"]) if private else math.inf
+    delta = float(ledger["delta"])
+    guarantee = (f"({epsilon:.4g}, {delta:g})-DP for its training data" if private
+                 else "NON-PRIVATE: no guarantee for its training data")
+    source = (f"dpscale run {files.run_dir}: {config.parameters} parameters after "
+              f"{ledger['steps_done']} steps on data {ledger.get('data_content_hash', '')[:16]}; "
+              f"{guarantee}")
+    metadata = pretrained.save_pretrained(config.output_dir, variables, model=name,
+                                          num_classes=num_classes, preprocessing=prep,
+                                          source=source, force=config.force)
+    return ExportBackboneResult(config.output_dir, metadata, config.parameters, private, epsilon, delta)

@@ -1,0 +1,79 @@
+"""The quickstart: public pre-training -> export -> featurize -> DP last layer, on tiny settings."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+from click.testing import CliRunner
+from PIL import Image
+
+from dpscale.cli import cli
+from dpscale.models import pretrained
+from dpscale.stages import quickstart
+
+
+def _quickstart(args):
+    result = CliRunner().invoke(cli, ["quickstart", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])  # the last line is the JSON result
+
+
+def test_digits_end_to_end_then_a_rerun_reuses_the_backbone_and_features(tmp_path):
+    args = ["--work-dir", str(tmp_path), "--no-dedup", "--pretrain-steps", "30", "--batch-size", "256",
+            "--steps", "100", "--seed", "1"]
+    first = _quickstart(args)
+    assert 0 < first["epsilon"] <= 8.0 and first["delta"] == 1e-5
+    assert first["public_classes"] == ["0", "1", "2", "3", "4"]
+    assert first["private_classes"] == ["5", "6", "7", "8", "9"]
+    assert first["public_test_accuracy"] > 0.6  # chance is 0.2
+    assert first["test_accuracy"] > 0.5 and first["test_examples"] == 189  # private test split
+    assert first["public_removed_by_dedup"] is None and not first["pretrain_reused"]
+    assert pretrained.is_complete(first["backbone"])
+    assert os.path.isfile(os.path.join(first["run_dir"], "metrics.json"))
+    ledger = json.loads(open(os.path.join(first["run_dir"], "ledger.json")).read())
+    assert ledger["private"] and ledger["epsilon_spent"] == first["epsilon"]
+
+    again = _quickstart(args)
+    assert again["pretrain_reused"] and again["backbone"] == first["backbone"]
+    assert again["features"] == first["features"] and again["run_dir"] != first["run_dir"]
+    assert again["test_accuracy"] == first["test_accuracy"]  # same seed, same features
+
+
+def _folder_source(root):
+    """train/{a,b,c,d}: 12 random 8x8 images each, brightness by class; one 'a' image copies a 'c' one."""
+    rng = np.random.default_rng(0)
+    images = {}
+    for k, cls in enumerate("abcd"):
+        (root / "train" / cls).mkdir(parents=True)
+        for i in range(12):
+            image = np.clip(rng.integers(0, 120, (8, 8)) + 40 * k, 0, 255).astype(np.uint8)
+            Image.fromarray(image).save(root / "train" / cls / f"{i}.png")
+            images[cls, i] = image
+    Image.fromarray(images["c", 0]).save(root / "train" / "a" / "copy-of-c0.png")
+    return f"folder:{root}"
+
+
+def test_folder_source_without_test_split_dedups_public_against_private(tmp_path):
+    source = _folder_source(tmp_path / "src")
+    out = _quickstart(["--data", source, "--work-dir", str(tmp_path / "work"), "--pretrain-steps", "5",
+                       "--pretrain-batch-size", "8", "--batch-size", "8", "--steps", "5", "--seed", "0"])
+    assert out["public_classes"] == ["a", "b"] and out["private_classes"] == ["c", "d"]
+    assert out["public_removed_by_dedup"] >= 1  # the planted copy of a private image
+    assert out["test_split"] == "validation" and out["test_examples"] > 0
+    assert 0 < out["epsilon"] <= 8.0
+
+
+def test_bad_class_splits_and_infinite_epsilon_are_one_line_errors(tmp_path):
+    for args in (["--public-classes", "0"], ["--public-classes", "0,1,x"], ["--epsilon", "inf"]):
+        result = CliRunner().invoke(cli, ["quickstart", "--work-dir", str(tmp_path), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_cli_defaults_are_the_config_defaults():
+    defaults = {f.name: f.default for f in dataclasses.fields(quickstart.QuickstartConfig)}
+    command = cli.commands["quickstart"]
+    for param in command.params:
+        if param.name in defaults and param.name != "public_classes":
+            assert param.default == defaults[param.name], param.name
