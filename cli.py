@@ -318,15 +318,29 @@ def _print_json_line(payload: dict) -> None:
 @click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run).")
 @click.option("--seed", type=int, default=None,
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
-@click.option("--devices", type=int, default=None, help="Data-parallel devices (default: all local).")
-def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, **options) -> None:
+@click.option("--devices", type=int, default=None,
+              help="Data-parallel devices (default: all local; all global ones in a multi-host run).")
+@click.option("--coordinator-address", default=None, metavar="HOST:PORT",
+              help="Multi-host: process 0's address; give it with --num-processes and --process-id, "
+                   "the same on every host (see README, Multi-host).")
+@click.option("--num-processes", type=int, default=None, help="Multi-host: number of processes (hosts).")
+@click.option("--process-id", type=int, default=None, help="Multi-host: this process's index, 0 to N-1.")
+@click.option("--distributed", "auto_distributed", is_flag=True,
+              help="Multi-host with the cluster detected by JAX (Cloud TPU pods, Slurm, Open MPI).")
+def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, coordinator_address: str | None,
+                  num_processes: int | None, process_id: int | None, auto_distributed: bool, **options) -> None:
     """Train on DATA with DP-SGD; write the run to RUN_DIR.
 
     Give the privacy target (--epsilon, --delta) and two of --batch-size, --steps,
     --noise-multiplier; the third is calibrated before the first step. A run that
     cannot meet the target does not start. Prints one JSON line with the achieved
     epsilon and the hyper-parameters. Killed runs continue with --resume RUN_DIR.
+    Multi-host: run the same command on every host, adding the multi-host flags.
     """
+    from dpscale import distributed
+
+    # Before anything touches a JAX backend (importing the train stage does not).
+    distributed.initialize(coordinator_address, num_processes, process_id, auto=auto_distributed)
     from dpscale.stages import train
 
     if resume_dir is not None:

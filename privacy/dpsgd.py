@@ -14,7 +14,9 @@ of the parameters is updated on real optimiser updates only.
 Data parallelism: with a ``Mesh``, micro-batches are sharded over its ``data``
 axis and parameters replicated; XLA all-reduces the clipped sum, so every device
 holds the same sum, draws the same noise from the same key, and the update does
-not depend on the number of devices.
+not depend on the number of devices. The mesh may span several processes
+(``dpscale.distributed``): the key and the state are then replicated on every
+device of every process, and the micro-batches are global arrays.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dpscale.distributed import put_replicated
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.clipping import ClippedSum, LossFn, make_clipped_sum_fn
 from dpscale.privacy.ema import ema_update
@@ -119,7 +122,8 @@ class DpsgdStep:
         self.config = config
         self.optimizer = optimizer if optimizer is not None else optax.sgd(learning_rate)
         self.mesh = mesh
-        self._noise_base_key = key_from_seed(noise_seed)
+        # Replicated like the state: with several processes every device holds the same key.
+        self._noise_base_key = self.replicate(key_from_seed(noise_seed))
         self._clipped_sum = clipped_sum_fn or make_clipped_sum_fn(loss_fn, clip_norm=config.clip_norm)
         self._sensitivity = getattr(self._clipped_sum, "sensitivity", None)
         if self._sensitivity is None:
@@ -147,7 +151,7 @@ class DpsgdStep:
     def replicate(self, tree: PyTree) -> PyTree:
         """Place ``tree`` on the devices the way ``init`` does (e.g. after a restore)."""
         sharding = self._sharding(PartitionSpec())
-        return tree if sharding is None else jax.device_put(tree, sharding)
+        return tree if sharding is None else put_replicated(tree, sharding)
 
     def init(self, params: PyTree, model_state: PyTree | None = None) -> TrainState:
         """A fresh state; ``params`` are copied, since ``apply`` donates the state's buffers."""

@@ -18,6 +18,7 @@ import math
 import os
 from typing import Any, Iterator
 
+import jax
 import orbax.checkpoint as ocp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -120,10 +121,18 @@ class RunFiles:
             checkpointer.save(self.path(PARAMS), trees, force=True)
 
     def load_params(self) -> dict[str, Any]:
+        """The saved trees, on this process's first device.
+
+        Orbax would otherwise restore onto the devices the run saved from, which do
+        not exist when evaluating a multi-device or multi-host run elsewhere.
+        """
         if not os.path.isdir(self.path(PARAMS)):
             raise DataError(f"{self.run_dir!r} has no saved parameters ({PARAMS}/)")
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore(self.path(PARAMS))
+            saved = checkpointer.metadata(self.path(PARAMS)).item_metadata.tree
+            target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
+            return checkpointer.restore(self.path(PARAMS), target)
 
 
 class _Bar:

@@ -21,16 +21,18 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from typing import Literal
 
 import jax
 import optax
 
+from dpscale import distributed
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.privacy import accounting
 from dpscale.privacy.clipping import make_unclipped_sum_fn
-from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep, TrainState, data_mesh
+from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep, TrainState
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.sampling import PoissonSampler, ShuffledSampler
 from dpscale.privacy.seeds import resolve_seed
@@ -68,7 +70,7 @@ class TrainConfig:
     ema_decay: float = 0.999
     seed: int | None = None
     train_split: str = "train"
-    devices: int | None = None  # data-parallel devices; None = all local devices
+    devices: int | None = None  # data-parallel devices; None = all local (all global with several processes)
     checkpoint_every: int | None = None  # steps; None = about 20 checkpoints per run
     show_progress: bool = True
 
@@ -135,17 +137,21 @@ def _plan(config: TrainConfig, num_examples: int) -> Plan:
 
 
 class _Run:
-    """Everything built from (config, plan, seed): identical for a fresh run and a resume."""
+    """Everything built from (config, plan, seed): identical for a fresh run and a resume.
+
+    With several processes (``distributed``) every process builds the same run over
+    the global mesh; only process 0 writes the ledger, metrics and progress.
+    """
 
     def __init__(self, config: TrainConfig, plan: Plan, seed: int, model: TrainModel) -> None:
         self.config, self.plan, self.seed, self.model = config, plan, seed, model
-        available = jax.local_devices()
-        count = len(available) if config.devices is None else config.devices
-        if not 1 <= count <= len(available):
-            raise InvalidConfigError(f"devices must be in [1, {len(available)}], got {config.devices}")
+        self.primary = distributed.is_primary()
+        mesh = distributed.training_mesh(config.devices)
+        count = mesh.devices.size
         if config.microbatch_size % count:
+            processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
             raise InvalidConfigError(
-                f"microbatch_size {config.microbatch_size} must be divisible by the {count} devices"
+                f"microbatch_size {config.microbatch_size} must be divisible by the {count} devices{processes}"
             )
         if config.sampling == "poisson":
             self.sampler = PoissonSampler(num_examples=plan.num_examples, expected_batch_size=plan.batch_size,
@@ -169,7 +175,7 @@ class _Run:
                         clip_norm=config.clip_norm, ema_decay=config.ema_decay),
             noise_seed=seed,
             optimizer=optimizer,
-            mesh=data_mesh(available[:count]),
+            mesh=mesh,
             clipped_sum_fn=clipped_sum_fn,
         )
         self.spec = None
@@ -182,7 +188,7 @@ class _Run:
                                                  sampling_rate=self.spec.sampling_rate,
                                                  delta=config.delta, accountant=config.accountant)
         augment_key = jax.random.fold_in(jax.random.key(_AUGMENT_STREAM), seed % 2**31)
-        self.feed = model.make_feed(augment_key)
+        self.feed = model.make_feed(augment_key, distributed.BatchPlacement(mesh))
         every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
         self.files = run_files.RunFiles(config.run_dir)
         self.checkpoints = checkpointing.Checkpoints(config.run_dir, every=every)
@@ -191,6 +197,8 @@ class _Run:
         return math.inf if self.curve is None else self.curve(steps)
 
     def write_ledger(self, steps_done: int) -> None:
+        if not self.primary:
+            return
         self.files.write_ledger(
             accounting_spec=self.spec, delta=self.config.delta,
             accountant=self.config.accountant if self.config.private else "none",
@@ -203,7 +211,8 @@ class _Run:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
         log_every = max(1, math.ceil(total / 20))
-        with run_files.progress(total=total, completed=start, enabled=self.config.show_progress) as bar:
+        show = self.config.show_progress and self.primary
+        with run_files.progress(total=total, completed=start, enabled=show) as bar:
             for step in range(start, total):
                 batch = self.sampler.sample(step)
                 state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
@@ -211,9 +220,10 @@ class _Run:
                 metrics = {k: float(v) for k, v in step_metrics.items()} | {"step": done}
                 if done == total or done % log_every == 0:
                     metrics["epsilon_spent"] = self.epsilon_at(done)
-                self.files.append_metrics(metrics)
+                if self.primary:
+                    self.files.append_metrics(metrics)
                 if self.checkpoints.should_save(done, total):
-                    self.checkpoints.save(done, state)
+                    self.checkpoints.save(done, state)  # every process: orbax coordinates them
                     self.write_ledger(done)
                 bar.advance(epsilon=metrics.get("epsilon_spent"), loss=metrics["loss"])
         return state, metrics, time.perf_counter() - started
@@ -228,13 +238,18 @@ class _Run:
 
 
 def run(config: TrainConfig) -> TrainResult:
+    """A fresh run; with several processes, call it on every one with the same config."""
     model = build_train_model(config)
     plan = _plan(config, model.num_examples)
-    files = run_files.RunFiles.create(config.run_dir)
-    seed = resolve_seed(config.seed)
-    checkpointing.write_seed(files.run_dir, seed)
-    config = dataclasses.replace(config, run_dir=files.run_dir)
-    files.write_config({"config": dataclasses.asdict(config), "resolved": dataclasses.asdict(plan)})
+    seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
+    config = dataclasses.replace(config, run_dir=os.path.abspath(config.run_dir))
+
+    def create_files() -> None:  # process 0 only
+        files = run_files.RunFiles.create(config.run_dir)
+        checkpointing.write_seed(files.run_dir, seed)
+        files.write_config({"config": dataclasses.asdict(config), "resolved": dataclasses.asdict(plan)})
+
+    distributed.run_on_primary(create_files)
     current = _Run(config, plan, seed, model)
     state = current.step.init(model.init_params(seed), model.model_state)
     current.write_ledger(0)
@@ -256,11 +271,13 @@ def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
     if model.num_examples != plan.num_examples:
         raise DataError(f"the data at {config.data!r} changed since the run started "
                         f"({model.num_examples} examples, planned for {plan.num_examples})")
-    current = _Run(config, plan, checkpointing.read_seed(files.run_dir), model)
+    seed = distributed.run_on_primary(lambda: checkpointing.read_seed(files.run_dir))
+    current = _Run(config, plan, distributed.agree_on_seed(0 if seed is None else seed), model)
     fresh = current.step.init(model.init_params(current.seed), model.model_state)
     start = current.checkpoints.latest_step() or 0
     state = current.step.replicate(current.checkpoints.restore(start, fresh)) if start else fresh
-    files.truncate_metrics(after_step=start)
+    if current.primary:
+        files.truncate_metrics(after_step=start)
     _log.info("resuming %s at step %d of %d", run_dir, start, plan.steps)
     state, metrics, seconds = current.loop(state, start)
     return current.finish(state, metrics, seconds)

@@ -9,6 +9,12 @@ Two feeds, one interface (``microbatches(batch, step)``):
   ``[b]`` (no augmentation axis: the features are fixed).
 
 Padded slots (index -1) carry zeros and mask 0; the DP step gives them weight 0.
+
+Both read only the rows their ``BatchPlacement`` says this process's devices hold
+and assemble them into global, data-sharded arrays: with several processes
+(multi-host) each one reads a slice of every micro-batch. Augmentation runs on the
+global array with the shared key (threefry is partitionable), so every view is the
+one a single process would make.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from dpscale.distributed import BatchPlacement
 from dpscale.privacy.sampling import SampledBatch
 from dpscale.stages.augment import augment_views
 from dpscale.stages.image_data import InMemorySplit, normalize
@@ -49,29 +55,35 @@ class ImageFeed:
         key: jax.Array,
         normalize_fn: Callable[[np.ndarray], Any] = normalize,
         resolution: int | None = None,
+        placement: BatchPlacement | None = None,
     ) -> None:
         self.split = split
         self.augmult, self.pad, self.flip = augmult, pad, flip
         self.normalize_fn, self.resolution = normalize_fn, resolution
-        self._key = key
+        self.placement = placement or BatchPlacement(None)
+        self._key = self.placement.replicate(key)
 
     def microbatches(self, batch: SampledBatch, step: int) -> list[Microbatch]:
         step_key = jax.random.fold_in(self._key, step)
+        size = batch.indices.shape[1]
+        rows = self.placement.rows(size)
         out = []
         for m in range(batch.num_microbatches):
-            images, labels = self.split.take(batch.indices[m])
+            images, labels = self.split.take(batch.indices[m][rows])
+            labels = np.repeat(labels[:, None], self.augmult, axis=1)
+            images, labels, mask = self.placement.put(
+                (np.asarray(self.normalize_fn(images)), labels, batch.mask[m][rows]), size)
             views = augment_views(
-                jax.random.fold_in(step_key, m), self.normalize_fn(images), views=self.augmult, pad=self.pad,
-                flip=self.flip,
+                jax.random.fold_in(step_key, m), images, views=self.augmult, pad=self.pad, flip=self.flip,
             )
             views = resize_views(views, self.resolution)
-            labels = jnp.repeat(jnp.asarray(labels)[:, None], self.augmult, axis=1)
-            out.append(({"image": views, "label": labels}, jnp.asarray(batch.mask[m])))
+            out.append(({"image": views, "label": labels}, mask))
         return out
 
 
 class FeatureFeed:
-    def __init__(self, features: np.ndarray, labels: np.ndarray) -> None:
+    def __init__(self, features: np.ndarray, labels: np.ndarray, placement: BatchPlacement | None = None) -> None:
+        self.placement = placement or BatchPlacement(None)
         self.features = np.asarray(features, np.float32)
         self.labels = np.asarray(labels, np.int32)
         # A non-finite row gives a non-finite norm, which the clipped sum treats as non-finite.
@@ -95,8 +107,7 @@ class FeatureFeed:
 
     def microbatches(self, batch: SampledBatch, step: int) -> list[Microbatch]:
         del step
-        return [
-            ({name: jnp.asarray(value) for name, value in self.take(batch.indices[m]).items()},
-             jnp.asarray(batch.mask[m]))
-            for m in range(batch.num_microbatches)
-        ]
+        size = batch.indices.shape[1]
+        rows = self.placement.rows(size)
+        return [self.placement.put((self.take(batch.indices[m][rows]), batch.mask[m][rows]), size)
+                for m in range(batch.num_microbatches)]

@@ -41,7 +41,7 @@ class TrainModel:
     loss_fn: Callable[[PyTree, PyTree, PyTree], jax.Array]
     init_params: Callable[[int], PyTree]
     model_state: PyTree
-    make_feed: Callable[[jax.Array], Any]
+    make_feed: Callable[[jax.Array, Any], Any]  # (augmentation key, BatchPlacement)
     logits_fn: Callable[[PyTree, PyTree, np.ndarray], jax.Array]  # (params, model_state, inputs)
     eval_inputs: Callable[[str], tuple[np.ndarray, np.ndarray]]  # split -> (inputs, labels)
 
@@ -102,10 +102,10 @@ def _image_model(config: Any) -> TrainModel:
         images, labels = data.take(np.arange(len(data)))
         return np.asarray(resize_views(jnp.asarray(normalize_fn(images)), resolution)), labels
 
-    def make_feed(key: jax.Array) -> ImageFeed:  # reads the training split only when training
+    def make_feed(key: jax.Array, placement: Any = None) -> ImageFeed:  # reads the training split when training
         train = InMemorySplit.load(dataset, config.train_split)
         return ImageFeed(train, augmult=config.augmult, pad=config.augment_pad, flip=config.augment_flip, key=key,
-                         normalize_fn=normalize_fn, resolution=resolution)
+                         normalize_fn=normalize_fn, resolution=resolution, placement=placement)
 
     return TrainModel(
         num_examples=dataset.num_examples(config.train_split),
@@ -146,7 +146,8 @@ def _feature_model(config: Any) -> TrainModel:
         loss_fn=loss_fn,
         init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
         model_state={},
-        make_feed=lambda key: FeatureFeed(*eval_inputs(config.train_split)),  # read only when training
+        # The features are read only when a feed is made (training), not for evaluation.
+        make_feed=lambda key, placement=None: FeatureFeed(*eval_inputs(config.train_split), placement),
         logits_fn=logits_fn,
         eval_inputs=eval_inputs,
     )

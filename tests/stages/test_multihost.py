@@ -1,0 +1,193 @@
+"""Multi-host training (``dpscale.distributed``): flag checks, batch placement, and a real
+two-process run on localhost CPU that must equal the single-process run.
+
+The two-process test launches two ``dpscale train`` processes that meet through
+``jax.distributed`` (gloo CPU collectives) with 2 CPU devices each, i.e. the same
+4 global devices as this test process.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from jax.sharding import PartitionSpec
+
+from dpscale import distributed
+from dpscale.cache.feature_store import EntryLayout, FeatureStore, SplitLayout
+from dpscale.cache.keys import FeatureKey
+from dpscale.cli import cli
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.sampling import pad_into_microbatches
+from dpscale.stages import run_files, train
+from dpscale.stages.train_data import FeatureFeed
+
+
+@pytest.mark.parametrize("args, match", [
+    (("127.0.0.1:1234", None, None), "needs all of"),
+    ((None, 2, 0), "needs all of"),
+    (("no-port", 2, 0), "HOST:PORT"),
+    (("127.0.0.1:1234", 0, 0), "num-processes"),
+    (("127.0.0.1:1234", 2, 2), r"process-id must be in \[0, 2\)"),
+])
+def test_initialize_rejects_incomplete_or_bad_flags(args, match):
+    with pytest.raises(InvalidConfigError, match=match):
+        distributed.initialize(*args)
+
+
+def test_initialize_without_flags_is_a_single_process_run():
+    assert distributed.initialize() is False
+    with pytest.raises(InvalidConfigError, match="takes none of"):
+        distributed.initialize("127.0.0.1:1234", 2, 0, auto=True)
+
+
+def test_train_cli_reports_incomplete_multihost_flags_in_one_line(tmp_path):
+    result = CliRunner().invoke(cli, ["train", str(tmp_path / "d"), str(tmp_path / "r"), "--num-processes", "2"])
+    assert result.exit_code == 2
+    assert "needs all of --coordinator-address" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_single_process_helpers_do_not_communicate():
+    seed = 2**62 + 12345  # more than 32 bits survive
+    assert distributed.agree_on_seed(seed) == seed
+    assert distributed.run_on_primary(lambda: "done") == "done"
+    assert distributed.is_primary()
+
+
+def test_placement_shards_the_rows_over_the_mesh_and_checks_divisibility():
+    mesh = distributed.training_mesh()
+    placement = distributed.BatchPlacement(mesh)
+    assert placement.num_devices == 4
+    np.testing.assert_array_equal(placement.rows(8), np.arange(8))  # one process holds every row
+    local = {"x": np.arange(16.0).reshape(8, 2), "y": np.arange(8, dtype=np.int32)}
+    placed = placement.put(local, 8)
+    assert placed["x"].sharding.spec == PartitionSpec("data")
+    assert [s.data.shape for s in placed["x"].addressable_shards] == [(2, 2)] * 4
+    np.testing.assert_array_equal(np.asarray(placed["x"]), local["x"])
+    np.testing.assert_array_equal(np.asarray(placed["y"]), local["y"])
+    with pytest.raises(InvalidConfigError, match="not divisible by the 4 devices"):
+        placement.rows(6)
+
+
+def test_local_rows_follow_the_mesh_order():
+    """A mesh whose devices are permuted still gives each device a contiguous block of rows."""
+    devices = jax.devices()[::-1]
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("data",)), PartitionSpec("data"))
+    np.testing.assert_array_equal(distributed.local_rows(sharding, 12), np.arange(12))
+    by_device = sharding.addressable_devices_indices_map((12,))
+    assert by_device[devices[0]][0].indices(12)[:2] == (0, 3)
+
+
+def test_feature_feed_places_padded_microbatches_like_the_plain_feed():
+    feats = np.arange(24.0, dtype=np.float32).reshape(6, 4)
+    batch = pad_into_microbatches(np.array([0, 2, 5]), 4)
+    plain = FeatureFeed(feats, np.arange(6) % 3).microbatches(batch, step=0)
+    placed = FeatureFeed(feats, np.arange(6) % 3,
+                         distributed.BatchPlacement(distributed.training_mesh())).microbatches(batch, step=0)
+    for (a, mask_a), (b, mask_b) in zip(plain, placed):
+        np.testing.assert_array_equal(np.asarray(mask_a), np.asarray(mask_b))
+        for name in a:
+            np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+
+
+# -- a real two-process run ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """A 3-class problem in 16 dimensions as a real feature-cache entry."""
+    rng = np.random.default_rng(1)
+    centers = rng.normal(size=(3, 16)) * 3
+    sizes = {"train": 400, "test": 60}
+    key = FeatureKey(data_content_hash="e" * 64, weights_sha256="w" * 64, model="synthetic",
+                     resolution=8, mean=(0.0,), std=(1.0,))
+    layout = EntryLayout(key=key, feature_dim=16, class_names=("a", "b", "c"),
+                         splits={s: SplitLayout(num_examples=n, chunk_rows=512) for s, n in sizes.items()})
+    store = FeatureStore.create(str(tmp_path_factory.mktemp("cache")), layout)
+    for split, n in sizes.items():
+        labels = rng.integers(0, 3, size=n)
+        store.write_chunk(split, 0, centers[labels] + rng.normal(size=(n, 16)), labels,
+                          [i.to_bytes(32, "little") for i in range(n)])
+    store.finalize()
+    return store.path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.Path) -> list[str]:
+    """Run ``dpscale`` once per process (2 CPU devices each); kill all of them on failure.
+
+    Output goes to files, not pipes: a process blocked on a full pipe would stall
+    the others in their next collective.
+    """
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    address = f"127.0.0.1:{_free_port()}"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(num_processes):
+        with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dpscale", *args, "--coordinator-address", address,
+                 "--num-processes", str(num_processes), "--process-id", str(i)],
+                env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [f"process {i} exited with {p.returncode}:\n{(logs / f'{i}.err').read_text()[-2000:]}"
+              for i, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
+    return [(logs / f"{i}.out").read_text() for i in range(num_processes)]
+
+
+@pytest.mark.multihost
+def test_two_processes_train_exactly_like_one(features, tmp_path):
+    """Two processes (OS-entropy seed, broadcast) == one process with that seed."""
+    run_dir = tmp_path / "two"
+    steps = 3
+    # About 40 s on a lightly loaded 2-core machine; the timeout leaves room for a heavily loaded one.
+    outputs = _launch(["train", features, str(run_dir), "--mode", "features", "--epsilon", "2",
+                       "--batch-size", "64", "--steps", str(steps), "--microbatch-size", "16",
+                       "--learning-rate", "4", "--checkpoint-every", "100"],
+                      num_processes=2, timeout=400, logs=tmp_path / "logs")
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert results[0] == results[1] | {"train_seconds": results[0]["train_seconds"]}
+
+    # Only process 0 wrote the run's files: one metrics line per step, a private seed file.
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert stat.S_IMODE((run_dir / "seed.json").stat().st_mode) == 0o600
+    assert json.loads((run_dir / "ledger.json").read_text())["steps_done"] == steps
+
+    seed = json.loads((run_dir / "seed.json").read_text())["seed"]
+    reference = train.run(train.TrainConfig(
+        data=features, run_dir=str(tmp_path / "one"), mode="features", epsilon=2.0, batch_size=64,
+        steps=steps, microbatch_size=16, learning_rate=4.0, checkpoint_every=100, seed=seed, show_progress=False))
+    assert reference.epsilon == results[0]["epsilon"]
+    assert [json.loads(line)["batch_size"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()] \
+        == [m["batch_size"] for m in lines]  # the same Poisson batches
+    got = run_files.RunFiles(str(run_dir)).load_params()
+    want = run_files.RunFiles(str(tmp_path / "one")).load_params()
+    for key in ("params", "ema_params"):
+        for a, b in zip(jax.tree_util.tree_leaves(got[key]), jax.tree_util.tree_leaves(want[key])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
