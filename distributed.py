@@ -20,6 +20,7 @@ single-host behaviour, bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, TypeVar
 
 import jax
@@ -115,6 +116,25 @@ def agree_on_seed(seed: int) -> int:
     words = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)  # JAX's default is 32-bit
     high, low = (int(w) for w in np.asarray(multihost_utils.broadcast_one_to_all(words)))
     return (high << 32) | low
+
+
+def check_same_everywhere(text: str, what: str) -> None:
+    """Raise on every process if ``text`` is not the same on all of them.
+
+    A host started with other flags or other data would compute a different
+    update (another noise multiplier, other examples) while the others wait for
+    it in the same collectives: refuse before the first step instead.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint32)
+    gathered = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 8]
+    differ = [i for i, row in enumerate(gathered) if not np.array_equal(row, gathered[0])]
+    if differ:
+        raise InvalidConfigError(f"{what} differs between process 0 and process(es) {differ}: "
+                                 "every host must run the same command on the same data")
 
 
 def training_mesh(devices: int | None = None) -> Mesh:

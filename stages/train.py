@@ -237,12 +237,22 @@ class _Run:
                            final_metrics=metrics)
 
 
+def _check_processes_agree(config: TrainConfig, plan: Plan, model: TrainModel) -> None:
+    """With several processes: the same configuration, plan and data everywhere (else refuse)."""
+    same = dataclasses.asdict(config) | {"show_progress": None, "seed": None}  # the seed is broadcast
+    distributed.check_same_everywhere(
+        json.dumps({"config": same, "plan": dataclasses.asdict(plan), "data": model.data_hash},
+                   sort_keys=True, default=str),
+        "the training configuration or data")
+
+
 def run(config: TrainConfig) -> TrainResult:
     """A fresh run; with several processes, call it on every one with the same config."""
     model = build_train_model(config)
     plan = _plan(config, model.num_examples)
-    seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
     config = dataclasses.replace(config, run_dir=os.path.abspath(config.run_dir))
+    _check_processes_agree(config, plan, model)
+    seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
 
     def create_files() -> None:  # process 0 only
         files = run_files.RunFiles.create(config.run_dir)
@@ -271,6 +281,7 @@ def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
     if model.num_examples != plan.num_examples:
         raise DataError(f"the data at {config.data!r} changed since the run started "
                         f"({model.num_examples} examples, planned for {plan.num_examples})")
+    _check_processes_agree(config, plan, model)
     seed = distributed.run_on_primary(lambda: checkpointing.read_seed(files.run_dir))
     current = _Run(config, plan, distributed.agree_on_seed(0 if seed is None else seed), model)
     fresh = current.step.init(model.init_params(current.seed), model.model_state)

@@ -127,8 +127,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.Path) -> list[str]:
-    """Run ``dpscale`` once per process (2 CPU devices each); kill all of them on failure.
+def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.Path,
+            module: str | None = "dpscale") -> list[str]:
+    """Run ``python -m module args`` once per process (2 CPU devices each); kill all on failure.
+
+    The distributed flags follow ``args``: ``dpscale``'s options, or for a script
+    (``module=None``) its two positional arguments (address, process id).
 
     Output goes to files, not pipes: a process blocked on a full pipe would stall
     the others in their next collective.
@@ -139,10 +143,10 @@ def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.P
     procs = []
     for i in range(num_processes):
         with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dpscale", *args, "--coordinator-address", address,
-                 "--num-processes", str(num_processes), "--process-id", str(i)],
-                env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+            flags = ([address, str(i)] if module is None else
+                     ["--coordinator-address", address, "--num-processes", str(num_processes), "--process-id", str(i)])
+            command = [sys.executable, *(["-m", module] if module else []), *args, *flags]
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -158,6 +162,43 @@ def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.P
               for i, p in enumerate(procs) if p.returncode != 0]
     assert not failed, "\n".join(failed)
     return [(logs / f"{i}.out").read_text() for i in range(num_processes)]
+
+
+_AGREEMENT_WORKER = """
+import sys
+from dpscale import distributed
+from dpscale.errors import DpscaleError, InvalidConfigError
+
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+me = int(sys.argv[2])
+print("seed", distributed.agree_on_seed(2**62 + 7 if me == 0 else 5))
+print("setup", distributed.run_on_primary(lambda: "made"))
+try:
+    distributed.run_on_primary(lambda: 1 / 0)
+except ZeroDivisionError:
+    print("failed on", me)
+except DpscaleError:
+    print("told", me)
+distributed.check_same_everywhere("same", "the text")
+try:
+    distributed.check_same_everywhere(f"process {me}", "the text")
+except InvalidConfigError as exc:
+    print("refused", exc)
+"""
+
+
+@pytest.mark.multihost
+def test_processes_agree_on_process_0s_seed_and_setup_and_refuse_other_configs(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_AGREEMENT_WORKER)
+    out = _launch([str(script)], num_processes=2, timeout=200, logs=tmp_path / "logs", module=None)
+    for me, text in enumerate(out):
+        lines = text.splitlines()
+        assert f"seed {2**62 + 7}" in lines  # all 64 bits of process 0's seed
+        assert f"setup {'made' if me == 0 else None}" in lines
+        assert ("failed on 0" if me == 0 else "told 1") in lines
+        assert any(line.startswith("refused the text differs between process 0 and process(es) [1]")
+                   for line in lines)
 
 
 @pytest.mark.multihost
