@@ -415,12 +415,12 @@ def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, n
 @click.option("--model", default="cnn-small", show_default=True, help="Architecture pre-trained on the public classes.")
 @click.option("--pretrain-steps", type=int, default=200, show_default=True)
 @click.option("--pretrain-batch-size", type=int, default=128, show_default=True)
-@click.option("--pretrain-learning-rate", type=float, default=0.1, show_default=True)
+@click.option("--pretrain-learning-rate", type=float, default=0.03, show_default=True)
 @click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon of the private training.")
 @click.option("--delta", type=float, default=1e-5, show_default=True)
 @click.option("--batch-size", type=int, default=512, show_default=True, help="Expected batch size of the DP last-layer training.")
 @click.option("--steps", type=int, default=1000, show_default=True, help="Steps of the DP last-layer training.")
-@click.option("--learning-rate", type=float, default=4.0, show_default=True, help="Of the DP last-layer training.")
+@click.option("--learning-rate", type=float, default=1.0, show_default=True, help="Of the DP last-layer training.")
 @click.option("--seed", type=int, default=None, help="Fix the secret seed (debugging only).")
 def quickstart_command(public_classes: str, no_dedup: bool, **options) -> None:
     """Public pre-training, then DP fine-tuning: the paper's path on a small offline data set.

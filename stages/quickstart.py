@@ -55,7 +55,7 @@ class QuickstartConfig:
     # non-private pre-training on the public classes
     pretrain_batch_size: int = 128
     pretrain_steps: int = 200
-    pretrain_learning_rate: float = 0.1
+    pretrain_learning_rate: float = 0.03
     pretrain_momentum: float = 0.9
     augmult: int = 1
     augment_flip: bool = False  # digits and other glyphs are not mirror-symmetric
@@ -65,7 +65,7 @@ class QuickstartConfig:
     delta: float = 1e-5
     batch_size: int = 512
     steps: int = 1000
-    learning_rate: float = 4.0
+    learning_rate: float = 1.0
     seed: int | None = None
     show_progress: bool = True
 
