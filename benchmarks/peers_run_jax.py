@@ -9,6 +9,9 @@ Run by ``benchmarks/peers.py``, e.g.::
   logical batch (per-example gradients by ``vmap(grad)``, norms, one weighted contraction,
   noise once, SGD, EMA); for the linear workloads the closed-form clipped sum of
   ``privacy/linear.py``.
+* ``dpscale-bk`` -- the same step with the book-keeping clipped sum of
+  ``privacy/bookkeeping.py`` (one batched forward and backward, per-example gradients from
+  each layer's input and output gradient); image workloads only.
 * ``dpscale-nonprivate`` -- the same ``DpsgdStep`` with ``make_unclipped_sum_fn`` (one
   batched backward per micro-batch) and noise multiplier 0.
 * ``jax-privacy`` -- jax-privacy's ``clipped_grad`` on the same Flax model and loss,
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from benchmarks.peers_measure import emit, measure, parse_runner_args, rss_now_mb
 
-FRAMEWORKS = ("dpscale", "dpscale-nonprivate", "jax-privacy")
+FRAMEWORKS = ("dpscale", "dpscale-bk", "dpscale-nonprivate", "jax-privacy")
 
 
 def _problem(workload: str, physical: int, micro: int):
@@ -61,17 +64,22 @@ def _problem(workload: str, physical: int, micro: int):
 def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     import jax
 
+    from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
     from dpscale.privacy.clipping import make_unclipped_sum_fn
     from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep
     from dpscale.privacy.linear import softmax_regression_clipped_sum
 
-    private = args.framework == "dpscale"
+    private = args.framework in ("dpscale", "dpscale-bk")
     if private and linear:
         # As FeatureFeed does: cached features are fixed, so ||x_i||^2 is computed once per
         # dataset (here, before timing), not on every step.
         batches = [({**batch, "features_sq_norm": jax.numpy.sum(batch["features"] ** 2, axis=-1)}, mask)
                    for batch, mask in batches]
-    if private:
+    if args.framework == "dpscale-bk":
+        if linear:
+            raise SystemExit("dpscale-bk is for image workloads (the linear ones have a closed form)")
+        clipped = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]))
+    elif private:
         clipped = softmax_regression_clipped_sum(clip_norm=1.0) if linear else None
     else:
         clipped = make_unclipped_sum_fn(loss_fn)

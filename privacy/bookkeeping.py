@@ -1,0 +1,323 @@
+"""The clipped sum of ``clipping.py`` without ``vmap(grad)``: book-keeping per-example gradients.
+
+Why: ``vmap(value_and_grad)`` turns every convolution's kernel gradient into a grouped
+convolution with one group per example, which XLA runs several times slower than the
+batch gradient (DESIGN.md section 5; 4.1x the non-private step on cnn-small). Book-keeping
+(Bu et al. 2023, "Differentially private optimization on large model at small cost";
+per-layer rules as in Goodfellow 2015 and Rochette et al. 2019) instead runs ONE forward
+and ONE backward over the batch, records every layer's input ``x`` and the gradient ``g``
+of the summed loss w.r.t. its output, and forms each example's parameter gradient from
+``(x_i, g_i)`` with batched contractions: ``dK_i = patches(x_i)^T g_i`` for a convolution.
+
+Surgery-free: ``flax.linen.intercept_methods`` sees every module call inside the user's
+``loss_fn`` (same contract as ``make_clipped_sum_fn``); for a supported layer it records
+the input and returns ``output + delta``, and ``d loss / d delta`` is ``g``. The forward
+is ``vmap(loss_fn)`` over examples, exactly as the reference, so each example still sees
+its K views as one batch and the 1/K of the view average is inside ``g``: the gradient is
+averaged over views before clipping, as before.
+
+What makes it safe (a missed gradient would be a privacy leak, not just an error): the
+structure of ``loss_fn`` is checked on every trace, and any model it cannot prove covered
+raises ``UnsupportedModelError`` (the trainer then uses ``make_clipped_sum_fn``):
+
+* every parameter leaf belongs to a supported layer call (``WSConv``, ``GroupNorm``,
+  ``nn.Dense``, exact types) and *is* the array that layer reads (object identity);
+* the loss depends on the parameters through those calls only: with the layers fed
+  separate copies of their parameters, no path in the jaxpr leads from the parameters to
+  the loss (a conservative data-flow check, e.g. a weight penalty in the loss fails it).
+
+Norms, clip weights, the NaN guard and counts are ``clipping.clipped_sum_from_gradients``,
+unchanged, so the result has the same meaning and sensitivity 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.extend import core as jex_core
+
+from dpscale.errors import InvalidConfigError
+from dpscale.models.layers import GroupNorm, WSConv, _pair, standardize_kernel
+from dpscale.privacy.clipping import ClippedSum, LossFn, clipped_sum_from_gradients
+
+PyTree = Any
+Path = tuple[str, ...]
+
+
+class UnsupportedModelError(InvalidConfigError):
+    """The model has a parameter or a use of one that no book-keeping rule covers."""
+
+
+# -- per-layer rules: (unbound module, its params, x [b, K, ...], g [b, K, ...]) -> {name: [b, ...]}
+
+
+def _layer_vjp_rule(module: nn.Module, params: PyTree, x: jax.Array, g: jax.Array) -> dict[str, jax.Array]:
+    """Per-example VJP of the layer itself w.r.t. its parameters (exact by construction).
+
+    Cheap for dense layers and normalisations: under ``vmap`` their parameter gradient is a
+    batched contraction or reduction, unlike a convolution's.
+    """
+
+    def one(xi: jax.Array, gi: jax.Array) -> PyTree:
+        _, vjp = jax.vjp(lambda p: module.apply({"params": p}, xi), params)
+        return vjp(gi)[0]
+
+    return dict(jax.vmap(one)(x, g))
+
+
+def _shifted_windows(x: jax.Array, window: tuple[int, int], strides: tuple[int, int], padding: Any) -> jax.Array:
+    """``[n, H', W', kh, kw, C]``: the input under each kernel tap, by padding and strided slices.
+
+    Pure data movement; ``lax.conv_general_dilated_patches`` builds the same windows with a
+    one-hot convolution that costs ``(kh*kw*C)^2`` multiply-adds per output pixel.
+    """
+    (kh, kw), (sh, sw) = window, strides
+    if isinstance(padding, str):
+        padding = jax.lax.padtype_to_pads(x.shape[1:3], window, strides, padding)
+    (top, bottom), (left, right) = padding
+    x = jnp.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
+    out_h, out_w = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+    rows = []
+    for i in range(kh):
+        cols = [x[:, i:i + (out_h - 1) * sh + 1:sh, j:j + (out_w - 1) * sw + 1:sw, :] for j in range(kw)]
+        rows.append(jnp.stack(cols, axis=3))
+    return jnp.stack(rows, axis=3)
+
+
+def _wsconv_rule(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array) -> dict[str, jax.Array]:
+    """``dW_i = windows(x_i)^T g_i`` summed over positions and views, then back through WS."""
+    kernel = params["kernel"]
+    kh, kw, cin, cout = kernel.shape
+    b = x.shape[0]
+    windows = _shifted_windows(x.reshape((-1,) + x.shape[2:]), (kh, kw), _pair(module.strides), module.padding)
+    windows = windows.reshape(b, -1, kh, kw, cin)
+    flat_g = g.reshape(b, -1, cout)
+    d_weight = jnp.einsum("bpijc,bpo->bijco", windows, flat_g, precision=jax.lax.Precision.HIGHEST)
+    _, standardize_vjp = jax.vjp(
+        lambda k: standardize_kernel(k, eps=module.eps).astype(x.dtype), kernel)
+    grads = {"kernel": jax.vmap(lambda d: standardize_vjp(d)[0])(d_weight)}
+    if module.use_bias:
+        grads["bias"] = jnp.sum(flat_g, axis=1)
+    return grads
+
+
+def _wsconv_problem(module: WSConv, x: jax.Array) -> str | None:
+    if module.feature_group_count != 1:
+        return "grouped WSConv"
+    if x.ndim != 4:
+        return f"WSConv on a {x.ndim}-d input (expected NHWC)"
+    return None
+
+
+def _groupnorm_problem(module: nn.GroupNorm, x: jax.Array) -> str | None:
+    return "GroupNorm with axis_name (cross-device statistics)" if module.axis_name is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    param_names: frozenset[str]
+    grads: Callable[[Any, PyTree, jax.Array, jax.Array], dict[str, jax.Array]]
+    problem: Callable[[Any, jax.Array], str | None] = lambda module, x: None
+
+
+# Exact types only: a subclass may use its parameters differently.
+_RULES: dict[type, _Rule] = {
+    WSConv: _Rule(frozenset({"kernel", "bias"}), _wsconv_rule, _wsconv_problem),
+    nn.Dense: _Rule(frozenset({"kernel", "bias"}), _layer_vjp_rule),
+    nn.GroupNorm: _Rule(frozenset({"scale", "bias"}), _layer_vjp_rule, _groupnorm_problem),
+    GroupNorm: _Rule(frozenset({"scale", "bias"}), _layer_vjp_rule, _groupnorm_problem),
+}
+
+
+def _is_layer_call(context: Any) -> bool:
+    return context.method_name == "__call__" and type(context.module) in _RULES
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    path: Path
+    module: nn.Module  # unbound clone with the same attributes
+    out: jax.ShapeDtypeStruct  # one example's output ([K, ...])
+
+
+def _key_path(path: tuple[Any, ...]) -> Path:
+    keys = []
+    for entry in path:
+        if not isinstance(entry, jax.tree_util.DictKey) or not isinstance(entry.key, str):
+            raise UnsupportedModelError(f"book-keeping needs params as nested dicts, got key {entry!r}")
+        keys.append(entry.key)
+    return tuple(keys)
+
+
+def _param_leaves(params: PyTree) -> dict[Path, Any]:
+    return {_key_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def _abstract(tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _output_depends_on(jaxpr: jex_core.Jaxpr, tainted_inputs: list[bool]) -> bool:
+    """Whether any output can depend on a tainted input (over-approximated: safe to refuse)."""
+    tainted = {v for v, flag in zip(jaxpr.invars, tainted_inputs) if flag}
+
+    def hit(atom: Any) -> bool:
+        return isinstance(atom, jex_core.Var) and atom in tainted
+
+    for eqn in jaxpr.eqns:
+        if any(hit(v) for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return any(hit(v) for v in jaxpr.outvars)
+
+
+def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyTree) -> tuple[_Call, ...]:
+    """The supported layer calls of ``loss_fn`` on one example's views, or UnsupportedModelError.
+
+    Arguments may be arrays, tracers or ``ShapeDtypeStruct``; only shapes are used.
+    """
+    params, model_state, views = _abstract(params), _abstract(model_state), _abstract(views)
+    leaves = _param_leaves(params)
+    calls: list[_Call] = []
+    problems: list[str] = []
+
+    def record(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+        if not _is_layer_call(context):
+            return next_fun(*args, **kwargs)
+        module, path = context.module, tuple(context.module.path)
+        rule = _RULES[type(module)]
+        own = module.variables.get("params", {})
+        if set(module.variables) - {"params"} or kwargs or len(args) != 1:
+            problems.append(f"{'/'.join(path)}: a {type(module).__name__} call with extra variables or arguments")
+        elif set(own) - rule.param_names:
+            problems.append(f"{'/'.join(path)}: parameters {sorted(set(own) - rule.param_names)} have no rule")
+        elif any(own[name] is not traced_leaves.get(path + (name,)) for name in own):
+            problems.append(f"{'/'.join(path)}: its parameters are not the leaves passed to loss_fn")
+        elif jnp.result_type(args[0]) != jnp.float32 or any(own[n].dtype != jnp.float32 for n in own):
+            problems.append(f"{'/'.join(path)}: not float32")
+        elif (reason := rule.problem(module, args[0])) is not None:
+            problems.append(f"{'/'.join(path)}: {reason}")
+        out = next_fun(*args, **kwargs)
+        calls.append(_Call(path, module.clone(parent=None), jax.ShapeDtypeStruct(out.shape, out.dtype)))
+        return out
+
+    traced_leaves: dict[Path, Any] = {}
+
+    def recording_loss(p: PyTree, s: PyTree, v: PyTree) -> jax.Array:
+        traced_leaves.update(_param_leaves(p))
+        with nn.intercept_methods(record):
+            return loss_fn(p, s, v)
+
+    out = jax.eval_shape(recording_loss, params, model_state, views)
+    if out.shape != ():
+        raise UnsupportedModelError(f"loss_fn must return a scalar, got shape {out.shape}")
+    if problems:
+        raise UnsupportedModelError("book-keeping cannot cover " + "; ".join(problems))
+    covered = {c.path + (name,) for c in calls for name in _param_leaves_of_call(c, leaves)}
+    missing = sorted("/".join(p) for p in set(leaves) - covered)
+    if missing:
+        raise UnsupportedModelError(f"book-keeping has no rule for parameters {missing[:5]}"
+                                    + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+    # Feed every layer call a separate copy of its parameters: the loss must then not
+    # depend on the parameters given to loss_fn at all.
+    copies = [{name: leaves[c.path + (name,)] for name in _param_leaves_of_call(c, leaves)} for c in calls]
+
+    def substituted_loss(p: PyTree, layer_params: list[PyTree], s: PyTree, v: PyTree) -> jax.Array:
+        counter = iter(range(len(calls)))
+        inside = []  # non-empty while a copy runs: its own call is not substituted again
+
+        def substitute(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+            if inside or not _is_layer_call(context):
+                return next_fun(*args, **kwargs)
+            index = next(counter)
+            inside.append(index)
+            try:
+                return calls[index].module.apply({"params": layer_params[index]}, *args)
+            finally:
+                inside.pop()
+
+        with nn.intercept_methods(substitute):
+            return loss_fn(p, s, v)
+
+    closed = jax.make_jaxpr(substituted_loss)(params, copies, model_state, views)
+    flags = [True] * len(leaves) + [False] * (len(closed.jaxpr.invars) - len(leaves))
+    if _output_depends_on(closed.jaxpr, flags):
+        raise UnsupportedModelError(
+            "the loss uses parameters outside the supported layer calls (e.g. a penalty on the weights)")
+    return tuple(calls)
+
+
+def _param_leaves_of_call(call: _Call, leaves: dict[Path, Any]) -> list[str]:
+    return [path[-1] for path in leaves if path[:-1] == call.path]
+
+
+def per_example_gradients_bk(
+    loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree
+) -> tuple[jax.Array, PyTree]:
+    """Like ``clipping.per_example_gradients`` (losses ``[b]``, leaves ``[b, *shape]``), by book-keeping."""
+    one_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+    calls = plan_layers(loss_fn, params, model_state, one_example)
+    size = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    deltas = [jnp.zeros((size,) + c.out.shape, c.out.dtype) for c in calls]
+
+    def one(example_deltas: list[jax.Array], views: PyTree) -> tuple[jax.Array, list[jax.Array]]:
+        inputs: list[jax.Array] = []
+
+        def perturb(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+            if not _is_layer_call(context):
+                return next_fun(*args, **kwargs)
+            index = len(inputs)
+            if index >= len(calls) or tuple(context.module.path) != calls[index].path:
+                raise UnsupportedModelError("the model's layer calls changed between traces")
+            inputs.append(args[0])
+            return next_fun(*args, **kwargs) + example_deltas[index]
+
+        with nn.intercept_methods(perturb):
+            loss = loss_fn(params, model_state, views)
+        if len(inputs) != len(calls):
+            raise UnsupportedModelError("the model's layer calls changed between traces")
+        return loss, inputs
+
+    def summed(ds: list[jax.Array]) -> tuple[jax.Array, tuple[jax.Array, list[jax.Array]]]:
+        losses, inputs = jax.vmap(one)(ds, batch)
+        return jnp.sum(losses), (losses, inputs)
+
+    (_, (losses, inputs)), out_grads = jax.value_and_grad(summed, has_aux=True)(deltas)
+
+    leaves = _param_leaves(params)
+    grads: dict[Path, jax.Array] = {}
+    for call, x, g in zip(calls, inputs, out_grads):
+        own = {name: leaves[call.path + (name,)] for name in _param_leaves_of_call(call, leaves)}
+        for name, grad in _RULES[type(call.module)].grads(call.module, own, x, g).items():
+            key = call.path + (name,)
+            grads[key] = grad if key not in grads else grads[key] + grad  # a layer called twice
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return losses, jax.tree_util.tree_unflatten(treedef, [grads[_key_path(p)] for p, _ in flat])
+
+
+def make_bookkeeping_clipped_sum_fn(
+    loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None
+) -> Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]:
+    """Drop-in for ``make_clipped_sum_fn`` on supported models.
+
+    ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
+    ``[b, K, ...]``) checks support now, raising ``UnsupportedModelError``; without it the
+    check runs on the first trace.
+    """
+    if not clip_norm > 0:
+        raise InvalidConfigError(f"clip_norm must be positive, got {clip_norm}")
+    if example is not None:
+        params, model_state, batch = example
+        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+        plan_layers(loss_fn, params, model_state, one)
+
+    def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+        losses, grads = per_example_gradients_bk(loss_fn, params, model_state, batch)
+        return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
+
+    clipped_sum.sensitivity = 1.0  # declared up front, as make_clipped_sum_fn does
+    return clipped_sum
