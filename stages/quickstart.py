@@ -148,6 +148,7 @@ def _pretrained_backbone(config: QuickstartConfig, public: str, runs: str) -> tu
         learning_rate=config.pretrain_learning_rate, momentum=config.pretrain_momentum,
         augmult=config.augmult, augment_pad=1 if dataset.image_shape[0] <= 16 else 4,
         augment_flip=config.augment_flip, microbatch_size=config.microbatch_size, seed=config.seed,
+        checkpoint_every=config.pretrain_steps,  # minutes-long runs: a checkpoint at the end only
         show_progress=config.show_progress))
     split = "test" if "test" in dataset.splits else "validation"
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split))
@@ -200,7 +201,7 @@ def run(config: QuickstartConfig) -> dict[str, Any]:
         data=features.path, run_dir=run_dir, mode="features", epsilon=config.epsilon, delta=config.delta,
         batch_size=config.batch_size, steps=config.steps, learning_rate=config.learning_rate,
         microbatch_size=64 * math.ceil(1.25 * config.batch_size / 64),  # one micro-batch per step, as a rule
-        seed=config.seed, show_progress=config.show_progress))
+        checkpoint_every=config.steps, seed=config.seed, show_progress=config.show_progress))
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=held_out))
     lap("private training", now)
     return {

@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     data = str(root / "digits")
     ingest.run(ingest.IngestConfig("digits", data, classes=("0", "1", "2"), pipeline_args=IN_MEMORY))
-    common = dict(data=data, batch_size=64, steps=4, microbatch_size=32, augment_pad=1, seed=0,
+    common = dict(data=data, batch_size=64, steps=4, microbatch_size=32, augment_pad=1, seed=0, checkpoint_every=4,
                   show_progress=False)
     dp = train.run(train.TrainConfig(run_dir=str(root / "dp"), epsilon=4.0, **common))
     public = train.run(train.TrainConfig(run_dir=str(root / "public"), epsilon=math.inf, momentum=0.9,
