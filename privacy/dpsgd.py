@@ -131,7 +131,7 @@ class DpsgdStep:
         replicated = self._sharding(PartitionSpec())
         batch_sharded = self._sharding(PartitionSpec(DATA_AXIS))
         self._accumulate = jax.jit(
-            self.accumulate_pure,
+            self.accumulate_pure if mesh is None else self._accumulate_sharded,
             donate_argnums=(1,),
             in_shardings=(
                 None if mesh is None else (replicated, replicated, batch_sharded, batch_sharded, replicated)
@@ -204,6 +204,28 @@ class DpsgdStep:
     ) -> ClippedSum:
         """``total`` plus the clipped sum of one micro-batch."""
         return total.plus(self._clipped_sum(params, model_state, batch, mask))
+
+    def _accumulate_sharded(
+        self, params: PyTree, total: ClippedSum, batch: PyTree, mask: jax.Array, model_state: PyTree
+    ) -> ClippedSum:
+        """``accumulate_pure`` over a mesh: each device clips its own examples, then one ``psum``.
+
+        Left to the SPMD partitioner, per-example gradients of convolutions get resharded
+        with all-to-alls (the batch is folded into a feature axis), which moves per-example
+        tensors between devices and, on XLA:CPU, aborted long runs with a collective
+        rendezvous timeout. Under ``shard_map`` only the parameter-sized sums cross devices.
+        """
+
+        def local(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+            return jax.lax.psum(self._clipped_sum(params, model_state, batch, mask), DATA_AXIS)
+
+        # check_vma=False: with it, differentiating w.r.t. the replicated parameters inside
+        # would psum every per-example gradient over devices (mixing examples) before clipping.
+        clipped = jax.shard_map(
+            local, mesh=self.mesh, out_specs=PartitionSpec(), check_vma=False,
+            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS), PartitionSpec(DATA_AXIS)),
+        )(params, model_state, batch, mask)
+        return total.plus(clipped)
 
     def _privatize_impl(self, total: ClippedSum, step: jax.Array, base_key: jax.Array) -> PyTree:
         if self.config.noise_multiplier == 0:  # no noise: a non-private baseline
