@@ -168,7 +168,8 @@ class _Run:
         elif config.mode == "features":
             clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=config.clip_norm)
         else:
-            clipped_sum_fn = None  # per-example gradients through the whole model
+            # Per-example gradients through the whole model: book-keeping where it covers the model.
+            clipped_sum_fn = model.fast_clipped_sum(config.clip_norm) if model.fast_clipped_sum else None
         self.step = DpsgdStep(
             model.loss_fn,
             DpsgdConfig(noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.batch_size,

@@ -16,6 +16,7 @@ forward pass is:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable
 
 import jax
@@ -26,11 +27,13 @@ import optax
 from dpscale.errors import DataError
 from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
+from dpscale.privacy.bookkeeping import UnsupportedModelError, make_bookkeeping_clipped_sum_fn
 from dpscale.stages.dataset import IngestedDataset
 from dpscale.stages.image_data import InMemorySplit, normalize
 from dpscale.stages.train_data import FeatureFeed, ImageFeed, resize_views
 
 PyTree = Any
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -44,6 +47,8 @@ class TrainModel:
     make_feed: Callable[[jax.Array, Any], Any]  # (augmentation key, BatchPlacement)
     logits_fn: Callable[[PyTree, PyTree, np.ndarray], jax.Array]  # (params, model_state, inputs)
     eval_inputs: Callable[[str], tuple[np.ndarray, np.ndarray]]  # split -> (inputs, labels)
+    # clip_norm -> a faster clipped sum for this model, or None for the vmap(grad) default.
+    fast_clipped_sum: Callable[[float], Any] | None = None
 
 
 def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -88,9 +93,11 @@ def _image_model(config: Any) -> TrainModel:
             return np.asarray(prep.normalize(pixels))
 
         resolution = prep.resolution
+        input_shape = (resolution, resolution, channels)
     else:
         model, init_params, model_state = _registry_model(config, dataset)
         normalize_fn, resolution = normalize, None
+        input_shape = tuple(dataset.image_shape)
 
     def loss_fn(params: PyTree, state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
         return _cross_entropy(model.apply({"params": params, **state}, views["image"]), views["label"])
@@ -107,6 +114,19 @@ def _image_model(config: Any) -> TrainModel:
         return ImageFeed(train, augmult=config.augmult, pad=config.augment_pad, flip=config.augment_flip, key=key,
                          normalize_fn=normalize_fn, resolution=resolution, placement=placement)
 
+    def fast_clipped_sum(clip_norm: float) -> Any:
+        """Book-keeping per-example gradients when every parameter has a rule, else None."""
+        batch = {"image": jax.ShapeDtypeStruct((1, config.augmult, *input_shape), jnp.float32),
+                 "label": jax.ShapeDtypeStruct((1, config.augmult), jnp.int32)}
+        example = (jax.eval_shape(lambda: init_params(0)), model_state, batch)
+        try:
+            fn = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example)
+        except UnsupportedModelError as error:
+            _log.info("per-example gradients: vmap(grad) (%s)", error)
+            return None
+        _log.info("per-example gradients: book-keeping (one batched backward)")
+        return fn
+
     return TrainModel(
         num_examples=dataset.num_examples(config.train_split),
         num_classes=len(dataset.class_names),
@@ -117,6 +137,7 @@ def _image_model(config: Any) -> TrainModel:
         make_feed=make_feed,
         logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
         eval_inputs=eval_inputs,
+        fast_clipped_sum=fast_clipped_sum,
     )
 
 

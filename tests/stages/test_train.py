@@ -1,5 +1,6 @@
 """The train and evaluate stages end to end on the bundled digits data."""
 
+import dataclasses
 import json
 import math
 import signal
@@ -145,3 +146,21 @@ def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_pat
     train.run(config)
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(tmp_path / "run")))
     assert scores.num_examples == IngestedDataset(digits).num_examples("test")
+
+
+def test_book_keeping_path_is_used_and_trains_like_the_vmap_path(digits, tmp_path, monkeypatch, caplog):
+    from dpscale.stages import train_model
+
+    with caplog.at_level("INFO", logger="dpscale.stages.train_model"):
+        train.run(_config(digits, tmp_path / "bk", steps=2))
+    assert "per-example gradients: book-keeping" in caplog.text
+
+    def without_fast_path(config):
+        return dataclasses.replace(train_model.build_train_model(config), fast_clipped_sum=None)
+
+    monkeypatch.setattr(train, "build_train_model", without_fast_path)
+    train.run(_config(digits, tmp_path / "vmap", steps=2))
+    got = run_files.RunFiles(str(tmp_path / "bk")).load_params()
+    want = run_files.RunFiles(str(tmp_path / "vmap")).load_params()
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
