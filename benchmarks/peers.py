@@ -34,6 +34,7 @@ QUICK = {"cnn-small": (32, 64, 2), "linear-2^14": (2**14, 2**14, 3)}
 RUNNERS = (
     ("dpscale", "peers_run_jax", "dpscale", True, False),
     ("dpscale", "peers_run_jax", "dpscale-nonprivate", False, False),
+    ("dpscale, vmap(grad) path", "peers_run_jax", "dpscale-vmap", True, False),
     ("opacus", "peers_run_torch", "opacus", True, True),
     ("opacus", "peers_run_torch", "torch", False, True),
     ("jax-privacy", "peers_run_jax", "jax-privacy", True, True),
@@ -141,6 +142,8 @@ def main() -> None:
                 continue
             if framework == "opacus" and workload.startswith("linear"):
                 framework, row["mode"] = "opacus-ghost", "ghost clipping"
+            if framework == "dpscale-vmap" and workload.startswith("linear"):
+                continue  # the linear workloads have their closed form only
             if framework == "opacus-plainconv" and workload != "cnn-small":
                 continue  # only on the CNN: the WRN run would double Opacus's long share
             if framework == "opacus" and not workload.startswith("linear"):

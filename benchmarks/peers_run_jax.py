@@ -5,13 +5,13 @@ Run by ``benchmarks/peers.py``, e.g.::
     python -m benchmarks.peers_run_jax --framework dpscale --workload cnn-small \
         --physical 64 --logical 128 --noise-multiplier 1.0
 
-* ``dpscale`` -- the library's own ``DpsgdStep.update`` over the micro-batches of one
-  logical batch (per-example gradients by ``vmap(grad)``, norms, one weighted contraction,
-  noise once, SGD, EMA); for the linear workloads the closed-form clipped sum of
-  ``privacy/linear.py``.
-* ``dpscale-bk`` -- the same step with the book-keeping clipped sum of
-  ``privacy/bookkeeping.py`` (one batched forward and backward, per-example gradients from
-  each layer's input and output gradient); image workloads only.
+* ``dpscale`` -- what ``dpscale train`` runs: ``DpsgdStep.update`` over the micro-batches
+  of one logical batch with the book-keeping clipped sum of ``privacy/bookkeeping.py`` on
+  the conv models (one batched forward and backward, per-example gradients from each
+  layer's input and output gradient), the closed form of ``privacy/linear.py`` on the
+  linear ones; norms, one weighted contraction, noise once, SGD, EMA.
+* ``dpscale-vmap`` -- the same step with the generic ``vmap(grad)`` clipped sum (what
+  training falls back to for models book-keeping does not cover); image workloads only.
 * ``dpscale-nonprivate`` -- the same ``DpsgdStep`` with ``make_unclipped_sum_fn`` (one
   batched backward per micro-batch) and noise multiplier 0.
 * ``jax-privacy`` -- jax-privacy's ``clipped_grad`` on the same Flax model and loss,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from benchmarks.peers_measure import emit, measure, parse_runner_args, rss_now_mb
 
-FRAMEWORKS = ("dpscale", "dpscale-bk", "dpscale-nonprivate", "jax-privacy")
+FRAMEWORKS = ("dpscale", "dpscale-vmap", "dpscale-nonprivate", "jax-privacy")
 
 
 def _problem(workload: str, physical: int, micro: int):
@@ -69,18 +69,20 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep
     from dpscale.privacy.linear import softmax_regression_clipped_sum
 
-    private = args.framework in ("dpscale", "dpscale-bk")
+    private = args.framework in ("dpscale", "dpscale-vmap")
     if private and linear:
         # As FeatureFeed does: cached features are fixed, so ||x_i||^2 is computed once per
         # dataset (here, before timing), not on every step.
         batches = [({**batch, "features_sq_norm": jax.numpy.sum(batch["features"] ** 2, axis=-1)}, mask)
                    for batch, mask in batches]
-    if args.framework == "dpscale-bk":
+    if args.framework == "dpscale-vmap":
         if linear:
-            raise SystemExit("dpscale-bk is for image workloads (the linear ones have a closed form)")
-        clipped = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]))
+            raise SystemExit("dpscale-vmap is for image workloads (the linear ones have a closed form)")
+        clipped = None  # DpsgdStep's default: make_clipped_sum_fn, vmap(grad)
+    elif private and linear:
+        clipped = softmax_regression_clipped_sum(clip_norm=1.0)
     elif private:
-        clipped = softmax_regression_clipped_sum(clip_norm=1.0) if linear else None
+        clipped = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]))
     else:
         clipped = make_unclipped_sum_fn(loss_fn)
     config = DpsgdConfig(noise_multiplier=args.noise_multiplier if private else 0.0,
