@@ -22,8 +22,6 @@ from click.testing import CliRunner
 from jax.sharding import PartitionSpec
 
 from dpscale import distributed
-from dpscale.cache.feature_store import EntryLayout, FeatureStore, SplitLayout
-from dpscale.cache.keys import FeatureKey
 from dpscale.cli import cli
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.sampling import pad_into_microbatches
@@ -103,22 +101,10 @@ def test_feature_feed_places_padded_microbatches_like_the_plain_feed():
 
 
 @pytest.fixture(scope="module")
-def features(tmp_path_factory):
+def features(tmp_path_factory, synthetic_feature_cache):
     """A 3-class problem in 16 dimensions as a real feature-cache entry."""
-    rng = np.random.default_rng(1)
-    centers = rng.normal(size=(3, 16)) * 3
-    sizes = {"train": 400, "test": 60}
-    key = FeatureKey(data_content_hash="e" * 64, weights_sha256="w" * 64, model="synthetic",
-                     resolution=8, mean=(0.0,), std=(1.0,))
-    layout = EntryLayout(key=key, feature_dim=16, class_names=("a", "b", "c"),
-                         splits={s: SplitLayout(num_examples=n, chunk_rows=512) for s, n in sizes.items()})
-    store = FeatureStore.create(str(tmp_path_factory.mktemp("cache")), layout)
-    for split, n in sizes.items():
-        labels = rng.integers(0, 3, size=n)
-        store.write_chunk(split, 0, centers[labels] + rng.normal(size=(n, 16)), labels,
-                          [i.to_bytes(32, "little") for i in range(n)])
-    store.finalize()
-    return store.path
+    return synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=1, sizes={"train": 400, "test": 60},
+                                   chunk_rows=512, data_hash_char="e")
 
 
 def _free_port() -> int:

@@ -6,32 +6,14 @@ import math
 import numpy as np
 import pytest
 
-from dpscale.cache.feature_store import EntryLayout, FeatureStore, SplitLayout
-from dpscale.cache.keys import FeatureKey
 from dpscale.stages import evaluate, sweep, train
 
 
 @pytest.fixture(scope="module")
-def features(tmp_path_factory):
+def features(tmp_path_factory, synthetic_feature_cache):
     """A separable 3-class problem in 16 dimensions, stored as a real cache entry."""
-    rng = np.random.default_rng(0)
-    centers = rng.normal(size=(3, 16)) * 3
-    sizes = {"train": 600, "test": 150}
-    key = FeatureKey(data_content_hash="d" * 64, weights_sha256="w" * 64, model="synthetic",
-                     resolution=8, mean=(0.0,), std=(1.0,))
-    layout = EntryLayout(key=key, feature_dim=16, class_names=("a", "b", "c"),
-                         splits={s: SplitLayout(num_examples=n, chunk_rows=256) for s, n in sizes.items()})
-    store = FeatureStore.create(str(tmp_path_factory.mktemp("cache")), layout)
-    for split, n in sizes.items():
-        labels = rng.integers(0, 3, size=n)
-        feats = centers[labels] + rng.normal(size=(n, 16))
-        rows = layout.splits[split]
-        for chunk in range(rows.num_chunks):
-            start, stop = rows.rows(chunk)
-            ids = [bytes([i % 256]) * 32 for i in range(start, stop)]
-            store.write_chunk(split, chunk, feats[start:stop], labels[start:stop], ids)
-    store.finalize()
-    return store.path
+    return synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=0, sizes={"train": 600, "test": 150},
+                                   chunk_rows=256, data_hash_char="d")
 
 
 def test_last_layer_dp_training_learns_and_spends_at_most_the_target(features, tmp_path):
