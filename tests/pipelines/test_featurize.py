@@ -3,10 +3,7 @@
 import apache_beam as beam
 from apache_beam.options.pipeline_options import (DirectOptions, GoogleCloudOptions,
                                                   StandardOptions, WorkerOptions)
-from click.testing import CliRunner
 
-from dpscale.errors import DataError
-from dpscale.cli import cli
 from dpscale.pipelines import featurize as graph
 from dpscale.stages import featurize as stage
 
@@ -35,20 +32,10 @@ def test_local_default_uses_both_cores_unless_there_is_little_work():
     assert mine.view_as(DirectOptions).direct_num_workers == 1
 
 
-def test_cli_forwards_beam_options_to_the_stage(monkeypatch, tmp_path):
-    seen = {}
-
-    def fake_run(config):
-        seen["config"] = config
-        raise DataError("stop here")  # no pipeline, no network
-
-    monkeypatch.setattr(stage, "run", fake_run)
-    result = CliRunner().invoke(cli, [
+def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
+    config = config_from_cli(stage, [
         "featurize", str(tmp_path), "--backbone", "efficientnet-lite0", "--resolution", "128",
         "--runner", "DataflowRunner", "--project", "p", "--", "--temp_location", "gs://b/t"])
-    assert result.exit_code == 2
-    assert result.output == "dpscale: error: stop here\n"
-    config = seen["config"]
     assert (config.resolution, config.backbone, config.chunk_rows) == (128, "efficientnet-lite0", 1024)
     options = graph.pipeline_options(config.pipeline_args, num_chunks=10)
     assert options.view_as(StandardOptions).runner == "DataflowRunner"
