@@ -12,8 +12,8 @@ through any optax optimiser (plain SGD by default, no weight decay), and the EMA
 of the parameters is updated on real optimiser updates only.
 
 Data parallelism: with a ``Mesh``, micro-batches are sharded over its ``data``
-axis and parameters replicated; XLA all-reduces the clipped sum, so every device
-holds the same sum, draws the same noise from the same key, and the update does
+axis and parameters replicated; each device clips its own examples (``shard_map``)
+and the clipped sums are all-reduced, so every device holds the same sum, draws the same noise from the same key, and the update does
 not depend on the number of devices. The mesh may span several processes
 (``dpscale.distributed``): the key and the state are then replicated on every
 device of every process, and the micro-batches are global arrays.
