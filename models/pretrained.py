@@ -195,14 +195,56 @@ def read_metadata(directory: str | os.PathLike[str]) -> BackboneMetadata:
 
 
 def resolve_backbone(path_or_name: str | os.PathLike[str]) -> epath.Path:
-    """A known model name means its default import directory; anything else is a path or URL."""
+    """A known model name means its default import directory; anything else is a path or URL.
+
+    The name of a parameter-free backbone (``ModelSpec.parameter_free_backbone``, e.g.
+    ``scatternet-linear``) is built into its default directory on first use: there are no
+    weights to import, and the directory gives it the metadata and sha256 that key the cache.
+    """
     text = os.fspath(path_or_name)
-    if text in efficientnet_lite.VARIANTS and not epath.Path(text).exists():
+    if epath.Path(text).exists():
+        return epath.Path(text)
+    if text in efficientnet_lite.VARIANTS:
         directory = default_weights_dir(text)
         if not is_complete(directory):
             raise DataError(f"no imported weights for {text} in {directory}; run: dpscale import-weights {text}")
         return epath.Path(directory)
+    spec = _parameter_free_spec(text)
+    if spec is not None:
+        directory = default_weights_dir(spec.name)
+        if not is_complete(directory):
+            _write_parameter_free_backbone(spec, directory)
+        return epath.Path(directory)
     return epath.Path(text)
+
+
+def _parameter_free_spec(name: str) -> Any:
+    from dpscale.models import registry
+
+    try:
+        spec = registry.get_spec(name)
+    except InvalidConfigError:
+        return None
+    return spec if spec.parameter_free_backbone else None
+
+
+def _write_parameter_free_backbone(spec: Any, directory: pathlib.Path) -> None:
+    """Save the model's deterministic initial variables (seed 0) with [-1, 1] pixel scaling.
+
+    The scaling is the one image-mode training uses (``stages.image_data.normalize``:
+    ``(x - 127.5) / 127.5``), so cached features equal what the same model computes on
+    images in ``train --mode images``. Only the (unused) classifier has parameters.
+    """
+    model = build_model(spec.name, num_classes=spec.num_classes)
+    images = jnp.zeros((1, *spec.input_shape), jnp.float32)
+    if jax.tree.leaves(model.init(jax.random.key(0), images, method="features")):
+        raise InvalidConfigError(f"{spec.name} is marked parameter-free but its features have parameters")
+    variables = model.init(jax.random.key(0), images)
+    channels = spec.input_shape[2]
+    prep = Preprocessing(resolution=spec.input_shape[0], mean=(127.5,) * channels, std=(127.5,) * channels)
+    save_pretrained(directory, variables, model=spec.name, num_classes=spec.num_classes, preprocessing=prep,
+                    source=f"{spec.name}: a fixed transform, built by dpscale (no trained weights)",
+                    force=True)
 
 
 def load_pretrained(

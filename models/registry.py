@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models import cnn, nf_resnet, nfnet, wrn
+from dpscale.models import cnn, nf_resnet, nfnet, scattering, wrn
 
 #: Modules that register more specs when imported (kept lazy: they may be heavy or absent).
 _PROVIDER_MODULES: tuple[str, ...] = ("dpscale.models.efficientnet_lite",)
@@ -49,6 +49,9 @@ class ModelSpec:
     pretrained: bool = False
     head_param_key: str = "head"
     description: str = ""
+    #: True if ``features`` has no parameters (a fixed transform): ``featurize --backbone NAME``
+    #: then needs no weights (``models.pretrained`` builds the backbone directory itself).
+    parameter_free_backbone: bool = False
 
     def __post_init__(self) -> None:
         if len(self.input_shape) != 3:
@@ -106,6 +109,24 @@ def _register_builtins() -> None:
         input_shape=(28, 28, 1),
         feature_dim=cnn.DEFAULT_CHANNELS[-1],
         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
+    ))
+    scatter_maps = scattering.num_channels(2, 8)  # J=2, L=8: 81 maps of 7x7 per grey channel
+    register(ModelSpec(
+        name="scatternet-linear",
+        build=scattering.scatter_linear,
+        num_classes=10,
+        input_shape=(28, 28, 1),
+        feature_dim=scatter_maps * 7 * 7,
+        description="Softmax regression on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
+        parameter_free_backbone=True,
+    ))
+    register(ModelSpec(
+        name="scatternet-cnn",
+        build=scattering.scatter_cnn,
+        num_classes=10,
+        input_shape=(28, 28, 1),
+        feature_dim=64,
+        description="GroupNorm + WS CNN on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
     ))
 
 
