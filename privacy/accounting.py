@@ -8,6 +8,11 @@ adaptive composition. Neighbouring data sets differ by adding or removing one ex
 
 :func:`dp_event` is the single source of truth for that event: the training loop's
 privacy ledger records exactly what :func:`epsilon` and the calibration account for.
+
+A run may also make one-off *releases* before training, each a Gaussian mechanism of
+sensitivity 1 over the whole data set (no subsampling), e.g. the DP mean of unit-norm
+features used to centre them (``stages.feature_normalization``). They are part of the
+spec, so they are composed into every epsilon reported and calibrated for.
 """
 
 from __future__ import annotations
@@ -53,8 +58,11 @@ class DpsgdPrivacySpec:
     sampling_rate: float
     steps: int
     sampling: SamplingScheme = "poisson"
+    # Noise multipliers of one-off Gaussian releases (sensitivity 1, full data) before training.
+    releases: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        check_releases(self.releases)
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
             raise InvalidConfigError(
                 f"noise multiplier must be a positive number, got {self.noise_multiplier}"
@@ -80,6 +88,7 @@ class DpsgdPrivacySpec:
         num_examples: int,
         steps: int,
         sampling: SamplingScheme = "poisson",
+        releases: tuple[float, ...] = (),
     ) -> DpsgdPrivacySpec:
         """Spec with ``q = batch_size / num_examples`` (batch size = *expected* size)."""
         check_batch_size(batch_size=batch_size, num_examples=num_examples)
@@ -88,6 +97,7 @@ class DpsgdPrivacySpec:
             sampling_rate=batch_size / num_examples,
             steps=steps,
             sampling=sampling,
+            releases=tuple(releases),
         )
 
     @property
@@ -109,6 +119,13 @@ def check_batch_size(*, batch_size: int, num_examples: int) -> None:
             f"batch size {batch_size} exceeds the number of examples {num_examples} "
             f"(sampling rate q = {batch_size / num_examples:.4g} > 1)"
         )
+
+
+def check_releases(releases: tuple[float, ...]) -> None:
+    """Raise :class:`InvalidConfigError` unless every release noise multiplier is positive and finite."""
+    for sigma in releases:
+        if isinstance(sigma, bool) or not (math.isfinite(sigma) and sigma > 0):
+            raise InvalidConfigError(f"release noise multipliers must be positive numbers, got {releases}")
 
 
 def check_delta(delta: float) -> None:
@@ -137,9 +154,14 @@ def dp_event(spec: DpsgdPrivacySpec, *, steps: int | None = None) -> dp_accounti
     :class:`DpsgdPrivacySpec`); check ``spec.exact`` before trusting it.
     """
     count = spec.steps if steps is None else steps
-    return dp_accounting.SelfComposedDpEvent(
+    training = dp_accounting.SelfComposedDpEvent(
         step_event(noise_multiplier=spec.noise_multiplier, sampling_rate=spec.sampling_rate),
         count,
+    )
+    if not spec.releases:
+        return training
+    return dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(sigma) for sigma in spec.releases] + [training]
     )
 
 
@@ -188,7 +210,7 @@ def epsilon(spec: DpsgdPrivacySpec, delta: float, accountant: Accountant = "pld"
 
 
 class EpsilonCurve:
-    """Epsilon after ``t`` steps of one (sigma, q) for many ``t``, without redoing work.
+    """Epsilon after ``t`` steps of one (sigma, q) (after any releases) for many ``t``, without redoing work.
 
     The per-step ledger needs epsilon at every logged step. Re-running an accountant
     from scratch each time repeats the expensive part, which does not depend on
@@ -206,25 +228,32 @@ class EpsilonCurve:
         delta: float,
         accountant: Accountant = "pld",
         pld_discretization: float = PLD_DISCRETIZATION,
+        releases: tuple[float, ...] = (),
     ) -> None:
-        DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1)
+        DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1,
+                         releases=tuple(releases))
         check_delta(delta)
         check_accountant(accountant)
         self.noise_multiplier = noise_multiplier
         self.sampling_rate = sampling_rate
         self.delta = delta
         self.accountant = accountant
+        self.releases = tuple(releases)
         self._pld_discretization = pld_discretization
         self._cache: dict[int, float] = {}
         event = step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate)
         if accountant == "rdp":
             one_step = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
+            released = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
             with quiet_rdp_warnings():
                 one_step.compose(event)
+                for sigma in self.releases:
+                    released.compose(dp_accounting.GaussianDpEvent(sigma))
             # dp-accounting has no public accessor for the per-order RDP vector; reading
             # it once saves recomputing the per-order series (~30 ms) at every t.
             self._orders = np.asarray(one_step._orders)  # noqa: SLF001 - read-only use
             self._rdp_one_step = np.asarray(one_step._rdp)  # noqa: SLF001
+            self._rdp_releases = np.asarray(released._rdp)  # noqa: SLF001 (same default orders)
         else:
             # Same construction as dp-accounting's PLDAccountant, so values match it.
             self._pld_one_step = privacy_loss_distribution.from_gaussian_mechanism(
@@ -233,9 +262,20 @@ class EpsilonCurve:
                 value_discretization_interval=pld_discretization,
                 neighboring_relation=NEIGHBORING_RELATION,
             )
+            self._pld_releases = privacy_loss_distribution.identity(
+                value_discretization_interval=pld_discretization
+            )
+            for sigma in self.releases:
+                self._pld_releases = self._pld_releases.compose(
+                    privacy_loss_distribution.from_gaussian_mechanism(
+                        standard_deviation=sigma,
+                        value_discretization_interval=pld_discretization,
+                        neighboring_relation=NEIGHBORING_RELATION,
+                    )
+                )
 
     def __call__(self, steps: int) -> float:
-        """Epsilon after ``steps`` steps (0 steps spend nothing)."""
+        """Epsilon after ``steps`` steps (0 steps spend only the releases, if any)."""
         if steps < 0:
             raise InvalidConfigError(f"steps must be >= 0, got {steps}")
         if steps not in self._cache:
@@ -244,13 +284,12 @@ class EpsilonCurve:
         return self._cache[steps]
 
     def _compute(self, steps: int) -> float:
-        if steps == 0:
+        if steps == 0 and not self.releases:
             return 0.0
         if self.accountant == "rdp":
-            rdp = steps * self._rdp_one_step
+            rdp = steps * self._rdp_one_step + self._rdp_releases
             return float(dp_accounting.rdp.compute_epsilon(self._orders, rdp, self.delta)[0])
-        identity = privacy_loss_distribution.identity(
-            value_discretization_interval=self._pld_discretization
-        )
-        composed = identity.compose(self._pld_one_step.self_compose(steps))
+        composed = self._pld_releases
+        if steps:
+            composed = composed.compose(self._pld_one_step.self_compose(steps))
         return float(composed.get_epsilon_for_delta(self.delta))

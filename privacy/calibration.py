@@ -20,6 +20,10 @@ and start the PLD search (:mod:`dpscale.privacy.bracket_search`) at the RDP answ
 and its local slope; that usually needs 4-6 PLD probes. Each probe costs one PLD
 composition (single-step distributions are cached per (sigma, q)). The reported
 epsilon is recomputed with dp-accounting's standard accountant.
+
+``releases`` (noise multipliers of one-off Gaussian releases before training, see
+``accounting.DpsgdPrivacySpec``) are composed into every probe, so the calibrated
+training gets what remains of the budget after them.
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ class Calibrated:
 class _EpsilonCache:
     """Epsilon of (sigma, q, steps), reusing one EpsilonCurve per (sigma, q)."""
 
-    def __init__(self, *, delta: float, accountant: Accountant) -> None:
+    def __init__(self, *, delta: float, accountant: Accountant, releases: tuple[float, ...] = ()) -> None:
         self.delta = delta
         self.accountant = accountant
+        self.releases = tuple(releases)
         self._curves: dict[tuple[float, float], EpsilonCurve] = {}
         self.probes = 0
 
@@ -79,6 +84,7 @@ class _EpsilonCache:
                 sampling_rate=key[1],
                 delta=self.delta,
                 accountant=self.accountant,
+                releases=self.releases,
             )
             self._curves[key] = curve
         self.probes += 1
@@ -99,12 +105,13 @@ def _two_stage(
     start: float,
     slope: float,
     rtol: float = DEFAULT_RTOL,
+    releases: tuple[float, ...] = (),
 ) -> tuple[float, int]:
     """Solve with RDP; for PLD, solve again starting from the RDP answer and slope."""
     probes = 0
     with quiet_rdp_warnings():
         for acc in ("rdp", "pld") if accountant == "pld" else ("rdp",):
-            cache = _EpsilonCache(delta=delta, accountant=acc)
+            cache = _EpsilonCache(delta=delta, accountant=acc, releases=releases)
             problem = MonotoneProblem(
                 name=name,
                 eps_at=lambda x, c=cache: eps_of(c, x),
@@ -166,10 +173,11 @@ def calibrate_noise_multiplier(
     steps: int,
     accountant: Accountant = "pld",
     rtol: float = DEFAULT_RTOL,
+    releases: tuple[float, ...] = (),
 ) -> Calibrated:
     """Smallest sigma (within relative ``rtol``) with epsilon <= target."""
     _check_target(target_epsilon, delta, accountant)
-    DpsgdPrivacySpec(noise_multiplier=1.0, sampling_rate=sampling_rate, steps=steps)
+    DpsgdPrivacySpec(noise_multiplier=1.0, sampling_rate=sampling_rate, steps=steps, releases=releases)
     sigma, probes = _two_stage(
         "noise multiplier",
         lambda c, s: c(noise_multiplier=s, sampling_rate=sampling_rate, steps=steps),
@@ -183,11 +191,12 @@ def calibrate_noise_multiplier(
         start=1.0,
         slope=-1.0,
         rtol=rtol,
+        releases=releases,
     )
     return _finish(
         sigma,
         spec=lambda s: DpsgdPrivacySpec(
-            noise_multiplier=s, sampling_rate=sampling_rate, steps=steps
+            noise_multiplier=s, sampling_rate=sampling_rate, steps=steps, releases=releases
         ),
         target=target_epsilon,
         delta=delta,
@@ -204,10 +213,11 @@ def calibrate_steps(
     noise_multiplier: float,
     sampling_rate: float,
     accountant: Accountant = "pld",
+    releases: tuple[float, ...] = (),
 ) -> Calibrated:
     """Largest number of steps with epsilon <= target."""
     _check_target(target_epsilon, delta, accountant)
-    DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1)
+    DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1, releases=releases)
     steps, probes = _two_stage(
         "steps",
         lambda c, t: c(
@@ -222,11 +232,12 @@ def calibrate_steps(
         upper=MAX_STEPS,
         start=1000.0,
         slope=0.5,
+        releases=releases,
     )
     return _finish(
         int(steps),
         spec=lambda t: DpsgdPrivacySpec(
-            noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=int(t)
+            noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=int(t), releases=releases
         ),
         target=target_epsilon,
         delta=delta,
@@ -244,11 +255,12 @@ def calibrate_batch_size(
     steps: int,
     num_examples: int,
     accountant: Accountant = "pld",
+    releases: tuple[float, ...] = (),
 ) -> Calibrated:
     """Largest (expected) batch size with epsilon <= target, at most ``num_examples``."""
     _check_target(target_epsilon, delta, accountant)
     check_batch_size(batch_size=1, num_examples=num_examples)
-    DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=1.0, steps=steps)
+    DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=1.0, steps=steps, releases=releases)
     batch_size, probes = _two_stage(
         "batch size",
         lambda c, b: c(
@@ -263,6 +275,7 @@ def calibrate_batch_size(
         upper=num_examples,
         start=max(1.0, num_examples / 100),
         slope=1.0,
+        releases=releases,
     )
     return _finish(
         int(batch_size),
@@ -271,6 +284,7 @@ def calibrate_batch_size(
             batch_size=int(b),
             num_examples=num_examples,
             steps=steps,
+            releases=releases,
         ),
         target=target_epsilon,
         delta=delta,

@@ -131,9 +131,12 @@ class CalibrateConfig:
     noise_multiplier: float | None = None
     accountant: Accountant = "pld"
     rtol: float = calibration.DEFAULT_RTOL  # relative tolerance on the noise multiplier
+    # One-off Gaussian releases before training (accounting.DpsgdPrivacySpec): composed in.
+    releases: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _positive("epsilon", self.epsilon)
+        accounting.check_releases(self.releases)
         _common_checks(delta=self.delta, num_examples=self.num_examples, accountant=self.accountant)
         _positive("noise multiplier", self.noise_multiplier)
         _positive("steps", self.steps, integer=True)
@@ -179,7 +182,8 @@ def run_calibrate(config: CalibrateConfig) -> CalibrateResult:
     started = time.perf_counter()
     n = int(config.num_examples)
     sigma, steps, batch = config.noise_multiplier, config.steps, config.batch_size
-    target = dict(target_epsilon=config.epsilon, delta=config.delta, accountant=config.accountant)
+    target = dict(target_epsilon=config.epsilon, delta=config.delta, accountant=config.accountant,
+                  releases=tuple(config.releases))
     if config.solve_for == "noise_multiplier":
         found = calibration.calibrate_noise_multiplier(
             sampling_rate=batch / n, steps=int(steps), rtol=config.rtol, **target

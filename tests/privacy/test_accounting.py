@@ -133,3 +133,23 @@ def test_batch_larger_than_data_set_is_rejected():
 def test_delta_must_be_in_open_unit_interval(delta):
     with pytest.raises(InvalidConfigError):
         epsilon(DpsgdPrivacySpec(1.0, 0.1, 10), delta)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_releases_are_composed_into_epsilon_and_the_curve(accountant):
+    base = DpsgdPrivacySpec(noise_multiplier=2.0, sampling_rate=0.1, steps=50)
+    spec = DpsgdPrivacySpec(noise_multiplier=2.0, sampling_rate=0.1, steps=50, releases=(5.0,))
+    assert isinstance(dp_event(spec), dp_accounting.ComposedDpEvent)
+    with_release = epsilon(spec, 1e-5, accountant)
+    assert with_release > epsilon(base, 1e-5, accountant) + 1e-3  # the release costs something
+    curve = EpsilonCurve(noise_multiplier=2.0, sampling_rate=0.1, delta=1e-5, accountant=accountant, releases=(5.0,))
+    assert curve(50) == pytest.approx(with_release, rel=1e-9)
+    # Before the first step the ledger already shows the release alone.
+    alone = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    assert curve(0) == pytest.approx(alone.compose(dp_accounting.GaussianDpEvent(5.0)).get_epsilon(1e-5), rel=1e-3)
+
+
+@pytest.mark.parametrize("releases", [(0.0,), (-1.0,), (float("inf"),)])
+def test_invalid_releases_are_user_errors(releases):
+    with pytest.raises(InvalidConfigError, match="release"):
+        DpsgdPrivacySpec(noise_multiplier=1.0, sampling_rate=0.1, steps=10, releases=releases)

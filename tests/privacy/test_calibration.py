@@ -259,3 +259,16 @@ def test_imagenet_sized_pld_calibration_takes_seconds(target):
     elapsed = time.perf_counter() - start
     assert elapsed < 10.0, f"calibration took {elapsed:.1f} s"
     assert target * 0.99 < result.epsilon <= target
+
+
+def test_calibration_with_a_release_meets_the_target_and_leaves_training_less_budget():
+    settings = dict(target_epsilon=1.0, delta=1e-5, sampling_rate=0.2, steps=200)
+    alone = calibrate_noise_multiplier(**settings)
+    found = calibrate_noise_multiplier(**settings, releases=(20.0,))
+    assert found.value > alone.value  # the release took part of the budget: more noise for training
+    spec = DpsgdPrivacySpec(found.value, 0.2, 200, releases=(20.0,))
+    assert epsilon(spec, 1e-5) == found.epsilon <= 1.0
+    # Tight: a little less noise would overshoot once the release is counted.
+    assert epsilon(DpsgdPrivacySpec(found.value * (1 - 2 * DEFAULT_RTOL), 0.2, 200, releases=(20.0,)), 1e-5) > 1.0
+    # ... while training alone at that sigma stays below the target (the release is not free).
+    assert epsilon(DpsgdPrivacySpec(found.value, 0.2, 200), 1e-5) < found.epsilon
