@@ -315,6 +315,15 @@ def _print_json_line(payload: dict) -> None:
 @click.option("--microbatch-size", type=int, default=64, show_default=True,
               help="Physical batch; the logical batch is accumulated over micro-batches.")
 @click.option("--ema-decay", type=float, default=0.999, show_default=True)
+@click.option("--holdout", type=int, default=0, show_default=True,
+              help="features mode: do not train on the last N training rows; score them with "
+                   "`dpscale evaluate RUN_DIR --split holdout`.")
+@click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
+              show_default=True,
+              help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
+                   "unit again (the mean's cost is in epsilon).")
+@click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True,
+              help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1).")
 @click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run).")
 @click.option("--seed", type=int, default=None,
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
@@ -388,8 +397,16 @@ def _floats(text: str) -> tuple[float, ...]:
 @click.option("--steps", type=int, default=200, show_default=True)
 @click.option("--microbatch-size", type=int, default=4096, show_default=True)
 @click.option("--augmult", type=int, default=1, show_default=True)
+@click.option("--clip-norm", type=float, default=1.0, show_default=True)
+@click.option("--ema-decay", type=float, default=0.999, show_default=True)
 @click.option("--no-baseline", is_flag=True, help="Skip the non-private baseline runs.")
 @click.option("--baseline-learning-rate", type=float, default=0.5, show_default=True)
+@click.option("--baseline-momentum", type=float, default=0.9, show_default=True)
+@click.option("--holdout", type=int, default=0, show_default=True,
+              help="features mode: train without the last N training rows and score on them (not on test).")
+@click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
+              show_default=True, help="features mode: see `dpscale train --help`.")
+@click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True)
 def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, no_baseline: bool, **options) -> None:
     """Train a grid over epsilon x learning rate (x repeats) on the same DATA; write tables and a plot.
 

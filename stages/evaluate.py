@@ -58,9 +58,9 @@ def run(config: EvaluateConfig) -> EvaluateResult:
         saved = json.load(f)["config"]
     train_config = TrainConfig(**(saved | ({"data": config.data} if config.data else {})))
     model = build_train_model(train_config)
-    inputs, labels = model.eval_inputs(config.split)
     trained = files.load_params()
     state = trained.get("model_state", {})
+    inputs, labels = model.eval_inputs(config.split, state)  # transformed as in training (e.g. the saved mean)
     forward = jax.jit(model.logits_fn)
 
     def logits_of(params: Any) -> np.ndarray:

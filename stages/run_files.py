@@ -108,6 +108,8 @@ class RunFiles:
                 "exact_accounting": spec is not None and spec.exact,
                 "sampling_rate": None if spec is None else spec.sampling_rate,
                 "noise_multiplier": 0.0 if spec is None else spec.noise_multiplier,
+                # One-off Gaussian releases (sensitivity 1) composed into epsilon_spent, e.g. a DP feature mean.
+                "releases": [] if spec is None else list(spec.releases),
                 "planned_steps": planned_steps,
                 "steps_done": steps_done,
                 "delta": delta,

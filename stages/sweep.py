@@ -8,6 +8,10 @@ spread over repeats per grid point) and ``accuracy_vs_epsilon.png``.
 
 A run directory that already holds ``metrics.json`` is reused, so an interrupted
 sweep continues where it stopped instead of redoing (or re-spending) finished runs.
+
+With ``holdout`` N (features mode) every run trains on all but the last N training
+rows and is scored on those rows (split ``holdout``), so hyper-parameters can be
+chosen without touching the test split.
 """
 
 from __future__ import annotations
@@ -49,9 +53,14 @@ class SweepConfig:
     baseline_learning_rate: float = 0.5
     baseline_momentum: float = 0.9
     eval_split: str = "test"
+    holdout: int = 0  # features mode: train without the last N training rows and score on them
+    feature_normalization: str = "none"
+    feature_mean_noise_multiplier: float = 20.0
     show_progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.holdout and self.eval_split != "holdout":
+            object.__setattr__(self, "eval_split", "holdout")
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
             raise InvalidConfigError(f"epsilons must be positive, got {self.epsilons}")
         if not self.learning_rates or any(not lr > 0 for lr in self.learning_rates):
@@ -93,7 +102,9 @@ def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
                 epsilon=point["epsilon"], delta=config.delta, batch_size=config.batch_size,
                 steps=config.steps, clip_norm=config.clip_norm, learning_rate=point["learning_rate"],
                 momentum=point["momentum"], augmult=config.augmult, microbatch_size=config.microbatch_size,
-                ema_decay=config.ema_decay, show_progress=config.show_progress,
+                ema_decay=config.ema_decay, show_progress=config.show_progress, holdout=config.holdout,
+                feature_normalization=config.feature_normalization,
+                feature_mean_noise_multiplier=config.feature_mean_noise_multiplier,
             ))
         evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=config.eval_split))
     with open(metrics_path) as f:

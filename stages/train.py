@@ -11,8 +11,10 @@ noise and batches of every step are those of the original plan (see
 Modes: ``images`` trains every layer of a registry model with augmentation
 multiplicity; ``features`` trains a zero-initialised softmax classifier on cached
 backbone features with closed-form per-example norms (batches up to 2^18 and
-more through accumulation). ``epsilon=inf`` is the non-private baseline: no
-clipping, no noise, momentum and weight decay allowed.
+more through accumulation), optionally normalised (``feature_normalization``;
+``center-l2`` releases a DP mean whose cost the plan composes with training's) and
+with ``holdout`` rows kept for validation. ``epsilon=inf`` is the non-private
+baseline: no clipping, no noise, momentum and weight decay allowed.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class TrainConfig:
     ema_decay: float = 0.999
     seed: int | None = None
     train_split: str = "train"
+    holdout: int = 0  # features mode: the last N training rows are not trained on (evaluate split "holdout")
+    feature_normalization: str = "none"  # features mode: "none", "l2" or "center-l2"
+    feature_mean_noise_multiplier: float = 20.0  # center-l2 under DP: Gaussian noise on the sum of unit rows
     devices: int | None = None  # data-parallel devices; None = all local (all global with several processes)
     checkpoint_every: int | None = None  # steps; None = about 20 checkpoints per run
     show_progress: bool = True
@@ -87,6 +92,8 @@ class TrainConfig:
             raise InvalidConfigError(f"epsilon must be positive (inf for non-private), got {self.epsilon}")
         if self.private and (self.momentum or self.weight_decay):
             _log.warning("momentum/weight decay under DP: allowed (post-processing), but not the recipe's")
+        if self.mode != "features" and self.feature_normalization != "none":
+            raise InvalidConfigError("feature normalization applies to features mode only")
         if not self.private and (self.batch_size is None or self.steps is None):
             raise InvalidConfigError("a non-private run (epsilon=inf) needs --batch-size and --steps")
 
@@ -102,8 +109,12 @@ class Plan:
     noise_multiplier: float
     steps: int
     batch_size: int
-    epsilon: float  # planned epsilon after all steps (inf when non-private)
+    epsilon: float  # planned epsilon after all steps and releases (inf when non-private)
     num_examples: int
+    releases: tuple[float, ...] = ()  # one-off Gaussian releases before training (e.g. a DP feature mean)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "releases", tuple(self.releases))  # a list when read back from JSON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +129,7 @@ class TrainResult:
     final_metrics: dict[str, float]
 
 
-def _plan(config: TrainConfig, num_examples: int) -> Plan:
+def _plan(config: TrainConfig, num_examples: int, releases: tuple[float, ...] = ()) -> Plan:
     if not config.private:
         accounting.check_batch_size(batch_size=config.batch_size, num_examples=num_examples)
         return Plan(0.0, int(config.steps), int(config.batch_size), math.inf, num_examples)
@@ -131,9 +142,10 @@ def _plan(config: TrainConfig, num_examples: int) -> Plan:
             steps=config.steps,
             noise_multiplier=config.noise_multiplier,
             accountant=config.accountant,
+            releases=releases,
         )
     )
-    return Plan(budget.noise_multiplier, budget.steps, budget.batch_size, budget.epsilon, num_examples)
+    return Plan(budget.noise_multiplier, budget.steps, budget.batch_size, budget.epsilon, num_examples, releases)
 
 
 class _Run:
@@ -145,6 +157,9 @@ class _Run:
 
     def __init__(self, config: TrainConfig, plan: Plan, seed: int, model: TrainModel) -> None:
         self.config, self.plan, self.seed, self.model = config, plan, seed, model
+        if tuple(model.releases) != plan.releases:
+            raise DataError(f"the run's releases {plan.releases} differ from the model's {model.releases}")
+        self.model_state = model.state_for(seed)  # a DP feature mean is derived from the secret seed
         self.primary = distributed.is_primary()
         mesh = distributed.training_mesh(config.devices)
         count = mesh.devices.size
@@ -184,12 +199,14 @@ class _Run:
         if config.private:
             self.spec = accounting.DpsgdPrivacySpec.from_batch_size(
                 noise_multiplier=plan.noise_multiplier, batch_size=plan.batch_size,
-                num_examples=plan.num_examples, steps=plan.steps, sampling=config.sampling)
+                num_examples=plan.num_examples, steps=plan.steps, sampling=config.sampling,
+                releases=plan.releases)
             self.curve = accounting.EpsilonCurve(noise_multiplier=plan.noise_multiplier,
                                                  sampling_rate=self.spec.sampling_rate,
-                                                 delta=config.delta, accountant=config.accountant)
+                                                 delta=config.delta, accountant=config.accountant,
+                                                 releases=plan.releases)
         augment_key = jax.random.fold_in(jax.random.key(_AUGMENT_STREAM), seed % 2**31)
-        self.feed = model.make_feed(augment_key, distributed.BatchPlacement(mesh))
+        self.feed = model.make_feed(augment_key, distributed.BatchPlacement(mesh), self.model_state)
         every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
         self.files = run_files.RunFiles(config.run_dir)
         self.checkpoints = checkpointing.Checkpoints(config.run_dir, every=every)
@@ -250,7 +267,7 @@ def _check_processes_agree(config: TrainConfig, plan: Plan, model: TrainModel) -
 def run(config: TrainConfig) -> TrainResult:
     """A fresh run; with several processes, call it on every one with the same config."""
     model = build_train_model(config)
-    plan = _plan(config, model.num_examples)
+    plan = _plan(config, model.num_examples, tuple(model.releases))
     config = dataclasses.replace(config, run_dir=os.path.abspath(config.run_dir))
     _check_processes_agree(config, plan, model)
     seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
@@ -262,7 +279,7 @@ def run(config: TrainConfig) -> TrainResult:
 
     distributed.run_on_primary(create_files)
     current = _Run(config, plan, seed, model)
-    state = current.step.init(model.init_params(seed), model.model_state)
+    state = current.step.init(model.init_params(seed), current.model_state)
     current.write_ledger(0)
     state, metrics, seconds = current.loop(state, 0)
     return current.finish(state, metrics, seconds)
@@ -285,7 +302,7 @@ def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
     _check_processes_agree(config, plan, model)
     seed = distributed.run_on_primary(lambda: checkpointing.read_seed(files.run_dir))
     current = _Run(config, plan, distributed.agree_on_seed(0 if seed is None else seed), model)
-    fresh = current.step.init(model.init_params(current.seed), model.model_state)
+    fresh = current.step.init(model.init_params(current.seed), current.model_state)
     start = current.checkpoints.latest_step() or 0
     state = current.step.replicate(current.checkpoints.restore(start, fresh)) if start else fresh
     if current.primary:

@@ -10,7 +10,10 @@ forward pass is:
   BatchNorm statistics frozen, its own preprocessing (resolution, mean/std) applied;
   all layers, with augmentation multiplicity.
 * ``features``: a softmax classifier ``x @ kernel + bias`` over cached backbone
-  features, zero-initialised as in De et al. (2022).
+  features, zero-initialised as in De et al. (2022), optionally normalised
+  (``stages.feature_normalization``) and with the last ``holdout`` training rows
+  kept out of training as split ``"holdout"`` (for choosing hyper-parameters
+  without the test split).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpscale.errors import DataError
+from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
 from dpscale.privacy.bookkeeping import UnsupportedModelError, make_bookkeeping_clipped_sum_fn
+from dpscale.stages import feature_normalization
 from dpscale.stages.dataset import IngestedDataset
 from dpscale.stages.image_data import InMemorySplit, normalize
 from dpscale.stages.train_data import FeatureFeed, ImageFeed, resize_views
@@ -44,11 +48,18 @@ class TrainModel:
     loss_fn: Callable[[PyTree, PyTree, PyTree], jax.Array]
     init_params: Callable[[int], PyTree]
     model_state: PyTree
-    make_feed: Callable[[jax.Array, Any], Any]  # (augmentation key, BatchPlacement)
+    make_feed: Callable[..., Any]  # (augmentation key, BatchPlacement, model_state)
     logits_fn: Callable[[PyTree, PyTree, np.ndarray], jax.Array]  # (params, model_state, inputs)
-    eval_inputs: Callable[[str], tuple[np.ndarray, np.ndarray]]  # split -> (inputs, labels)
+    eval_inputs: Callable[..., tuple[np.ndarray, np.ndarray]]  # (split, model_state) -> (inputs, labels)
     # clip_norm -> a faster clipped sum for this model, or None for the vmap(grad) default.
     fast_clipped_sum: Callable[[float], Any] | None = None
+    # seed -> model_state computed from the training data with DP (e.g. a feature mean);
+    # None: the state is ``model_state``. The privacy cost is in the run's releases.
+    private_state: Callable[[int], PyTree] | None = None
+    releases: tuple[float, ...] = ()  # noise multipliers of those releases, for the accountant
+
+    def state_for(self, seed: int) -> PyTree:
+        return self.model_state if self.private_state is None else self.private_state(seed)
 
 
 def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -102,14 +113,17 @@ def _image_model(config: Any) -> TrainModel:
     def loss_fn(params: PyTree, state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
         return _cross_entropy(model.apply({"params": params, **state}, views["image"]), views["label"])
 
-    def eval_inputs(split: str) -> tuple[np.ndarray, np.ndarray]:
+    if getattr(config, "holdout", 0):
+        raise InvalidConfigError("--holdout is only supported in features mode")
+
+    def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
         if split not in dataset.splits:
             raise DataError(f"the data has no split {split!r} (has {dataset.splits})")
         data = InMemorySplit.load(dataset, split)
         images, labels = data.take(np.arange(len(data)))
         return np.asarray(resize_views(jnp.asarray(normalize_fn(images)), resolution)), labels
 
-    def make_feed(key: jax.Array, placement: Any = None) -> ImageFeed:  # reads the training split when training
+    def make_feed(key: jax.Array, placement: Any = None, state: PyTree = None) -> ImageFeed:  # reads the training split
         train = InMemorySplit.load(dataset, config.train_split)
         return ImageFeed(train, augmult=config.augmult, pad=config.augment_pad, flip=config.augment_flip, key=key,
                          normalize_fn=normalize_fn, resolution=resolution, placement=placement)
@@ -141,6 +155,9 @@ def _image_model(config: Any) -> TrainModel:
     )
 
 
+HOLDOUT_SPLIT = "holdout"
+
+
 def _feature_model(config: Any) -> TrainModel:
     from dpscale.cache.feature_store import open_features
 
@@ -148,6 +165,14 @@ def _feature_model(config: Any) -> TrainModel:
     if config.train_split not in store.splits:
         raise DataError(f"{config.data!r} has no split {config.train_split!r} (has {store.splits})")
     dim, classes = store.feature_dim, len(store.class_names)
+    total = store.num_examples(config.train_split)
+    holdout = int(getattr(config, "holdout", 0))
+    if not 0 <= holdout < total:
+        raise InvalidConfigError(f"holdout must be in [0, {total}) (the training split's size), got {holdout}")
+    kind = getattr(config, "feature_normalization", "none")
+    sigma_mean = getattr(config, "feature_mean_noise_multiplier", 20.0)
+    feature_normalization.check(kind, sigma_mean)
+    private = getattr(config, "private", True)
 
     def logits_fn(params: PyTree, state: PyTree, x: jax.Array) -> jax.Array:
         return x @ params["kernel"] + params["bias"]
@@ -155,22 +180,43 @@ def _feature_model(config: Any) -> TrainModel:
     def loss_fn(params: PyTree, state: PyTree, example: dict[str, jax.Array]) -> jax.Array:
         return _cross_entropy(logits_fn(params, state, example["features"]), example["label"])
 
-    def eval_inputs(split: str) -> tuple[np.ndarray, np.ndarray]:
-        if split not in store.splits:
-            raise DataError(f"the feature cache has no split {split!r} (has {store.splits})")
-        return np.asarray(store.features(split)[:], np.float32), np.asarray(store.labels(split), np.int32)
+    def raw(split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of a split as stored; the training split without, ``holdout`` only its last rows."""
+        source = config.train_split if split == HOLDOUT_SPLIT and holdout else split
+        if source not in store.splits:
+            raise DataError(f"the feature cache has no split {split!r} (has {store.splits}"
+                            + (f" and {HOLDOUT_SPLIT!r})" if holdout else ")"))
+        rows = slice(None)
+        if source == config.train_split and holdout:
+            rows = slice(total - holdout, None) if split == HOLDOUT_SPLIT else slice(0, total - holdout)
+        return np.asarray(store.features(source)[rows], np.float32), np.asarray(store.labels(source)[rows], np.int32)
+
+    def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``split`` under the run's normalisation (``state`` holds a released mean)."""
+        x, y = raw(split)
+        mean = None if not state else state.get(feature_normalization.MEAN_KEY)
+        return feature_normalization.apply(x, kind, mean), y
+
+    def mean_state(seed: int) -> PyTree:
+        """The mean of the unit training rows: released with DP (exact for a non-private run)."""
+        x, _ = raw(config.train_split)
+        noise = sigma_mean if private else None
+        return {feature_normalization.MEAN_KEY: feature_normalization.feature_mean(x, noise_multiplier=noise, seed=seed)}
 
     return TrainModel(
-        num_examples=store.num_examples(config.train_split),
+        num_examples=total - holdout,
         num_classes=classes,
         data_hash=store.content_hash,
         loss_fn=loss_fn,
         init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
         model_state={},
         # The features are read only when a feed is made (training), not for evaluation.
-        make_feed=lambda key, placement=None: FeatureFeed(*eval_inputs(config.train_split), placement),
+        make_feed=lambda key, placement=None, state=None: FeatureFeed(*eval_inputs(config.train_split, state),
+                                                                      placement),
         logits_fn=logits_fn,
         eval_inputs=eval_inputs,
+        private_state=mean_state if feature_normalization.needs_mean(kind) else None,
+        releases=feature_normalization.releases(kind, sigma_mean, private=private),
     )
 
 
