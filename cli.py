@@ -324,6 +324,8 @@ def _print_json_line(payload: dict) -> None:
                    "unit again (the mean's cost is in epsilon).")
 @click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True,
               help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1).")
+@click.option("--feature-scale", type=float, default=1.0, show_default=True,
+              help="l2 / center-l2: norm of the normalised rows (sets the bias's step relative to the kernel's).")
 @click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run).")
 @click.option("--seed", type=int, default=None,
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
@@ -407,6 +409,7 @@ def _floats(text: str) -> tuple[float, ...]:
 @click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
               show_default=True, help="features mode: see `dpscale train --help`.")
 @click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True)
+@click.option("--feature-scale", type=float, default=1.0, show_default=True)
 def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, no_baseline: bool, **options) -> None:
     """Train a grid over epsilon x learning rate (x repeats) on the same DATA; write tables and a plot.
 

@@ -3,18 +3,23 @@
 Backbone features are post-ReLU averages: all entries >= 0, norms 15-49 on CIFAR-10
 with EfficientNet-Lite0, sharing a large common component. Two transforms:
 
-* ``l2``: each row scaled to unit norm. It uses only the row itself, so it is
+* ``l2``: each row scaled to norm ``scale`` (default 1). It uses only the row itself, so it is
   privacy-free and applied identically to training and evaluation inputs.
 * ``center-l2``: rows to unit norm, minus the mean of the unit rows, to unit norm
   again. The mean of the *private* training rows is not free: it is released with the
   Gaussian mechanism (the sum of unit rows has sensitivity 1 under add/remove-one;
   non-finite rows count as zero), noise ``sigma_mean`` times that, divided by the
-  public N. That release is one entry of the run's ``releases``, so the accountant's
+  public N; the centred rows are scaled to norm ``scale``. That release is one entry of the run's ``releases``, so the accountant's
   epsilon covers it and calibration gives training what remains. A non-private run
   uses the exact mean.
 
 The mean is model state: it is saved with the parameters, and evaluation transforms
 test rows with the saved mean, so training and evaluation always agree.
+
+Why ``scale``: with all gradients clipped, scaling the rows by r changes the kernel's
+step like the learning rate does, but the bias's step relative to it by 1/r^2; on
+CIFAR-10 Lite0 features rows of norm 32 (the raw rows' typical norm) trained ~1 point
+better at epsilon 1 than unit rows at any learning rate we tried.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ MEAN_KEY = "feature_mean"
 _MEAN_STREAM = 0x3EA7  # folded into the secret seed: the mean's noise is independent of DP-SGD's
 
 
-def check(kind: str, mean_noise_multiplier: float) -> None:
+def check(kind: str, mean_noise_multiplier: float, scale: float = 1.0) -> None:
+    if not (np.isfinite(scale) and scale > 0):
+        raise InvalidConfigError(f"the feature scale must be positive, got {scale}")
     if kind not in NORMALIZATIONS:
         raise InvalidConfigError(f"feature normalization must be one of {NORMALIZATIONS}, got {kind!r}")
     if not (np.isfinite(mean_noise_multiplier) and mean_noise_multiplier > 0):
@@ -70,13 +77,14 @@ def feature_mean(x: np.ndarray, *, noise_multiplier: float | None, seed: int) ->
     return np.asarray(total / x.shape[0], np.float32)
 
 
-def apply(x: np.ndarray | jax.Array, kind: str, mean: np.ndarray | jax.Array | None = None) -> np.ndarray:
-    """The transformed rows (float32); ``center-l2`` needs the (released) ``mean``."""
+def apply(x: np.ndarray | jax.Array, kind: str, mean: np.ndarray | jax.Array | None = None,
+          scale: float = 1.0) -> np.ndarray:
+    """The transformed rows (float32, norm ``scale``); ``center-l2`` needs the (released) ``mean``."""
     if kind == "none":
         return np.asarray(x, np.float32)
     unit = _unit_rows(jnp.asarray(x, jnp.float32))
-    if kind == "l2":
-        return np.asarray(unit)
-    if mean is None:
-        raise InvalidConfigError(f"feature normalization {kind!r} needs the feature mean")
-    return np.asarray(_unit_rows(unit - jnp.asarray(mean, jnp.float32)))
+    if kind == "center-l2":
+        if mean is None:
+            raise InvalidConfigError(f"feature normalization {kind!r} needs the feature mean")
+        unit = _unit_rows(unit - jnp.asarray(mean, jnp.float32))
+    return np.asarray(unit * jnp.float32(scale))

@@ -56,6 +56,7 @@ class SweepConfig:
     holdout: int = 0  # features mode: train without the last N training rows and score on them
     feature_normalization: str = "none"
     feature_mean_noise_multiplier: float = 20.0
+    feature_scale: float = 1.0
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -105,6 +106,7 @@ def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
                 ema_decay=config.ema_decay, show_progress=config.show_progress, holdout=config.holdout,
                 feature_normalization=config.feature_normalization,
                 feature_mean_noise_multiplier=config.feature_mean_noise_multiplier,
+                feature_scale=config.feature_scale,
             ))
         evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=config.eval_split))
     with open(metrics_path) as f:

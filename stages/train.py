@@ -75,6 +75,7 @@ class TrainConfig:
     holdout: int = 0  # features mode: the last N training rows are not trained on (evaluate split "holdout")
     feature_normalization: str = "none"  # features mode: "none", "l2" or "center-l2"
     feature_mean_noise_multiplier: float = 20.0  # center-l2 under DP: Gaussian noise on the sum of unit rows
+    feature_scale: float = 1.0  # l2 / center-l2: the norm of the normalised rows
     devices: int | None = None  # data-parallel devices; None = all local (all global with several processes)
     checkpoint_every: int | None = None  # steps; None = about 20 checkpoints per run
     show_progress: bool = True

@@ -171,7 +171,8 @@ def _feature_model(config: Any) -> TrainModel:
         raise InvalidConfigError(f"holdout must be in [0, {total}) (the training split's size), got {holdout}")
     kind = getattr(config, "feature_normalization", "none")
     sigma_mean = getattr(config, "feature_mean_noise_multiplier", 20.0)
-    feature_normalization.check(kind, sigma_mean)
+    scale = float(getattr(config, "feature_scale", 1.0))
+    feature_normalization.check(kind, sigma_mean, scale)
     private = getattr(config, "private", True)
 
     def logits_fn(params: PyTree, state: PyTree, x: jax.Array) -> jax.Array:
@@ -195,7 +196,7 @@ def _feature_model(config: Any) -> TrainModel:
         """Rows of ``split`` under the run's normalisation (``state`` holds a released mean)."""
         x, y = raw(split)
         mean = None if not state else state.get(feature_normalization.MEAN_KEY)
-        return feature_normalization.apply(x, kind, mean), y
+        return feature_normalization.apply(x, kind, mean, scale), y
 
     def mean_state(seed: int) -> PyTree:
         """The mean of the unit training rows: released with DP (exact for a non-private run)."""

@@ -34,6 +34,8 @@ def test_l2_and_center_l2_give_unit_rows_and_center_l2_removes_the_mean():
     assert np.linalg.norm(centred.mean(axis=0)) < 0.2 < 0.9 < np.linalg.norm(l2.mean(axis=0))
     with pytest.raises(InvalidConfigError, match="needs the feature mean"):
         feature_normalization.apply(x, "center-l2")
+    np.testing.assert_allclose(np.linalg.norm(feature_normalization.apply(x[:5], "center-l2", mean, 32.0), axis=1),
+                               32.0, rtol=1e-5)
 
 
 def test_dp_mean_is_seeded_gaussian_noise_of_the_right_scale_and_ignores_nonfinite_rows():
@@ -54,7 +56,7 @@ def test_center_l2_run_spends_at_most_the_target_including_the_mean_and_evaluate
     result = train.run(train.TrainConfig(
         data=features, run_dir=str(run_dir), mode="features", epsilon=2.0, batch_size=128, steps=30,
         learning_rate=4.0, microbatch_size=64, seed=3, show_progress=False, holdout=100,
-        feature_normalization="center-l2", feature_mean_noise_multiplier=5.0))
+        feature_normalization="center-l2", feature_mean_noise_multiplier=5.0, feature_scale=3.0))
     ledger = json.loads((run_dir / run_files.LEDGER).read_text())
     assert ledger["releases"] == [5.0] and ledger["epsilon_spent"] == result.epsilon <= 2.0
     training_alone = accounting.epsilon(accounting.DpsgdPrivacySpec.from_batch_size(
@@ -70,7 +72,7 @@ def test_center_l2_run_spends_at_most_the_target_including_the_mean_and_evaluate
     with pytest.raises(InvalidConfigError, match="needs the feature mean"):  # never silently uncentred
         model.eval_inputs("test", None)
     x, y = model.eval_inputs("test", trained["model_state"])
-    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 3.0, rtol=1e-5)
     ema = trained["ema_params"]
     logits = x @ np.asarray(ema["kernel"]) + np.asarray(ema["bias"])
     assert scores.ema_top1 == pytest.approx(np.mean(logits.argmax(1) == y)) and scores.ema_top1 > 0.8
@@ -113,6 +115,7 @@ def test_sweep_with_holdout_scores_the_held_out_rows(features, tmp_path):
     (dict(holdout=-1), "holdout must be in"),
     (dict(feature_normalization="pca"), "feature normalization must be one of"),
     (dict(feature_normalization="center-l2", feature_mean_noise_multiplier=0.0), "noise multiplier must be positive"),
+    (dict(feature_normalization="l2", feature_scale=-1.0), "feature scale must be positive"),
 ])
 def test_bad_holdout_or_normalization_is_a_user_error(features, tmp_path, kwargs, match):
     with pytest.raises(InvalidConfigError, match=match):
