@@ -72,8 +72,10 @@ def feature_mean(x: np.ndarray, *, noise_multiplier: float | None, seed: int) ->
     finite = jnp.all(jnp.isfinite(unit), axis=-1, keepdims=True)
     total = jnp.sum(jnp.where(finite, unit, 0.0), axis=0)
     if noise_multiplier is not None:
-        key = jax.random.fold_in(jax.random.key(_MEAN_STREAM), seed % 2**31)
-        total = total + noise_multiplier * jax.random.normal(key, total.shape, total.dtype)
+        # All 63 bits of the secret seed, on a stream of its own (like privacy.sampling's):
+        # truncating the seed would let an adversary enumerate the noise.
+        rng = np.random.default_rng([seed, _MEAN_STREAM])
+        total = total + jnp.asarray(noise_multiplier * rng.standard_normal(total.shape), total.dtype)
     return np.asarray(total / x.shape[0], np.float32)
 
 

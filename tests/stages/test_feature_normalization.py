@@ -47,6 +47,8 @@ def test_dp_mean_is_seeded_gaussian_noise_of_the_right_scale_and_ignores_nonfini
     a = feature_normalization.feature_mean(x, noise_multiplier=50.0, seed=7)
     assert np.array_equal(a, feature_normalization.feature_mean(x, noise_multiplier=50.0, seed=7))
     assert not np.array_equal(a, feature_normalization.feature_mean(x, noise_multiplier=50.0, seed=8))
+    # every bit of the 63-bit secret seed matters (no truncation to 31 or 32 bits)
+    assert not np.array_equal(a, feature_normalization.feature_mean(x, noise_multiplier=50.0, seed=7 + 2**40))
     assert np.std(a - exact) == pytest.approx(50.0 / 1000, rel=0.15)  # sigma * sensitivity 1 / N
 
 
