@@ -162,3 +162,18 @@ def test_cli_prints_the_entry_and_errors_are_one_line(env, done):
     bad = CliRunner().invoke(cli, ["featurize", str(cache / "nowhere"), "--backbone", env["backbone"]])
     assert bad.exit_code == 2
     assert bad.output.count("\n") == 1 and bad.output.startswith("dpscale: error: ")
+
+
+def test_a_parameter_free_backbone_featurizes_by_name_without_weights(env, tmp_path, monkeypatch):
+    """``--backbone scatternet-linear``: the backbone directory is built on first use, the digits
+    are resized to its 28 px, and the cached rows equal the model applied to the same input."""
+    monkeypatch.setenv("DPSCALE_WEIGHTS_DIR", str(tmp_path / "weights"))
+    result = stage.run(stage.FeaturizeConfig(env["data"], "scatternet-linear", cache_dir=str(tmp_path / "cache"),
+                                             chunk_rows=2048, batch_size=256, pipeline_args=IN_MEMORY))
+    fs = fstore.open_features(result.path)
+    assert fs.feature_dim == registry.get_spec("scatternet-linear").feature_dim
+    with IngestedDataset(env["data"]) as ds:
+        images, _ = ds.get("test", np.arange(8))
+    prep = pretrained.read_metadata(pretrained.resolve_backbone("scatternet-linear")).preprocessing
+    direct = registry.get_model("scatternet-linear").apply({}, prep(images), method="features")
+    np.testing.assert_allclose(fs.features("test")[:8], np.asarray(direct), rtol=1e-4, atol=1e-4)
