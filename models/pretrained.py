@@ -234,6 +234,9 @@ def _write_parameter_free_backbone(spec: Any, directory: pathlib.Path) -> None:
     The scaling is the one image-mode training uses (``stages.image_data.normalize``:
     ``(x - 127.5) / 127.5``), so cached features equal what the same model computes on
     images in ``train --mode images``. Only the (unused) classifier has parameters.
+
+    The sha256 (the cache key) covers these variables, not the transform's code: after a
+    change to the transform, delete this directory and the cache entries made with it.
     """
     model = build_model(spec.name, num_classes=spec.num_classes)
     images = jnp.zeros((1, *spec.input_shape), jnp.float32)
