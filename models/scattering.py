@@ -34,6 +34,7 @@ from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
 from dpscale.models.classifier import Classifier, ImageClassifier
+from dpscale.models.cnn import checked_channels
 from dpscale.models.layers import GroupNorm, WSConv
 
 Array = jax.Array
@@ -189,9 +190,7 @@ def scatter_cnn(*, num_classes: int = 10, channels: tuple[int, ...] = (64, 64), 
                 scatter_groups: int = 27, num_groups: int = 16, input_channels: int = 1) -> ImageClassifier:
     """A GroupNorm + WS CNN on normalised scattering maps (Tramer & Boneh's ScatterNet+CNN)."""
     _check_groups(input_channels, J, L, scatter_groups)
-    channels = tuple(int(c) for c in channels)
-    if not channels or any(c < 1 or c % num_groups for c in channels):
-        raise InvalidConfigError(f"channels {channels} must be non-empty and divisible by {num_groups}")
+    channels = checked_channels(channels, num_groups)
     return ImageClassifier(
         backbone=ScatterCNNBackbone(channels=channels, J=J, L=L, scatter_groups=scatter_groups,
                                     num_groups=num_groups),

@@ -67,6 +67,8 @@ def test_registered_models_build_and_the_linear_backbone_is_parameter_free():
     assert cnn.apply(cnn_vars, x, method="features").shape == (2, registry.get_spec("scatternet-cnn").feature_dim)
     with pytest.raises(InvalidConfigError, match="must divide"):
         scattering.scatter_linear(num_groups=10)
+    with pytest.raises(InvalidConfigError, match="divisible by num_groups=16"):
+        scattering.scatter_cnn(channels=(64, 40))
 
 
 def test_parameter_free_backbone_is_built_on_first_use_only(tmp_path, monkeypatch):
