@@ -226,12 +226,15 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
               help="Feature cache root (default: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).")
 @click.option("--resolution", type=int, default=None, help="Resize to this (default: the backbone's).")
 @click.option("--resize-method", default="bilinear", show_default=True)
+@click.option("--flip-average", is_flag=True,
+              help="Store the mean of each image's features and its mirror image's (no privacy cost: "
+                   "one example at a time; twice the forward passes).")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Images per forward pass.")
 @click.option("--chunk-rows", type=int, default=1024, show_default=True,
               help="Rows per Zarr chunk: one worker task, and the unit of resume.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def featurize_command(data: str, backbone: str, cache_dir: str | None, resolution: int | None,
-                      resize_method: str, batch_size: int, chunk_rows: int,
+                      resize_method: str, flip_average: bool, batch_size: int, chunk_rows: int,
                       pipeline_args: tuple[str, ...]) -> None:
     """Frozen-backbone features of the ingested DATA into the Zarr feature cache.
 
@@ -244,7 +247,8 @@ def featurize_command(data: str, backbone: str, cache_dir: str | None, resolutio
     _show_stage_progress(stage.log)
     result = stage.run(stage.FeaturizeConfig(
         data, backbone, cache_dir=cache_dir, resolution=resolution, resize_method=resize_method,
-        batch_size=batch_size, chunk_rows=chunk_rows, pipeline_args=tuple(pipeline_args)))
+        flip_average=flip_average, batch_size=batch_size, chunk_rows=chunk_rows,
+        pipeline_args=tuple(pipeline_args)))
     status = ("cache hit" if result.cache_hit else
               f"computed {result.chunks_computed} of {result.chunks_total} chunks")
     counts = ", ".join(f"{s}: {n}" for s, n in result.num_examples.items())

@@ -2,7 +2,8 @@
 
 Features depend on the pixels (the ingested data's content hash), the backbone's weights
 (their sha256, not a file name), how pixels reach the backbone (resolution, mean, std,
-resize method) and how dpscale lays features out on disk (the feature-format version).
+resize method, whether features are averaged with the mirror image's) and how dpscale lays
+features out on disk (the feature-format version).
 The key is the sha256 of a canonical JSON of exactly those parts; anything else (where
 the data lives, batch size, runner) cannot change the features and stays out of it.
 """
@@ -33,10 +34,12 @@ class FeatureKey:
     std: tuple[float, ...]
     resize_method: str = "bilinear"
     format_version: int = FEATURE_FORMAT_VERSION
+    flip_average: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
         object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        object.__setattr__(self, "flip_average", bool(self.flip_average))
         if self.resize_method not in RESIZE_METHODS:
             raise DataError(f"resize method must be one of {', '.join(RESIZE_METHODS)}, "
                             f"got {self.resize_method!r}")
@@ -46,6 +49,8 @@ class FeatureKey:
     def as_dict(self) -> dict[str, Any]:
         parts = dataclasses.asdict(self)
         parts["mean"], parts["std"] = list(self.mean), list(self.std)
+        if not self.flip_average:  # absent means False: entries made before the option keep their names
+            del parts["flip_average"]
         return parts
 
     @classmethod

@@ -34,8 +34,11 @@ class FeaturizeConfig:
     """One featurize run; ``pipeline_args`` go to Beam unchanged.
 
     ``resolution`` overrides the backbone's own (e.g. 128 for a 224 px Lite0), and is then
-    part of the key like the rest of the preprocessing. ``batch_size`` and ``chunk_rows``
-    change speed and resume granularity, never the features.
+    part of the key like the rest of the preprocessing. ``flip_average`` stores the mean of
+    each image's features and its mirror image's (test-time augmentation folded into the
+    features: it reads one example only, so it costs no privacy, and doubles the forward
+    passes). ``batch_size`` and ``chunk_rows`` change speed and resume granularity, never
+    the features.
     """
 
     data: str
@@ -43,6 +46,7 @@ class FeaturizeConfig:
     cache_dir: str | None = None
     resolution: int | None = None
     resize_method: str = "bilinear"
+    flip_average: bool = False
     batch_size: int = 64
     chunk_rows: int = 1024
     pipeline_args: tuple[str, ...] = ()
@@ -109,8 +113,14 @@ class Featurizer:
         prep = dict(resolution=key.resolution, mean=key.mean, std=key.std,
                     resize_method=key.resize_method)
 
+        def features(x: Any) -> Any:
+            return model.apply(variables, x, method="features")
+
         def forward(images: Any) -> Any:
-            return model.apply(variables, preprocess(images, **prep), method="features")
+            x = preprocess(images, **prep)
+            if not key.flip_average:
+                return features(x)
+            return 0.5 * (features(x) + features(x[:, :, ::-1, :]))  # NHWC: mirror the width axis
 
         self._forward = jax.jit(forward)
 
@@ -142,7 +152,7 @@ def featurize_chunk(dataset: IngestedDataset, store: fstore.FeatureStore, featur
 
 # ---- planning ---------------------------------------------------------------------------------
 def feature_key(dataset: IngestedDataset, backbone: str, *, resolution: int | None = None,
-                resize_method: str = "bilinear") -> tuple[FeatureKey, Any]:
+                resize_method: str = "bilinear", flip_average: bool = False) -> tuple[FeatureKey, Any]:
     """The cache key from metadata only (no weights loaded), and the backbone metadata."""
     from dpscale.models.pretrained import read_metadata, resolve_backbone
 
@@ -154,7 +164,7 @@ def feature_key(dataset: IngestedDataset, backbone: str, *, resolution: int | No
                         f"{len(prep.mean)}")
     key = FeatureKey(data_content_hash=dataset.content_hash, weights_sha256=meta.weights_sha256,
                      model=meta.model, resolution=resolution or prep.resolution, mean=prep.mean,
-                     std=prep.std, resize_method=resize_method)
+                     std=prep.std, resize_method=resize_method, flip_average=flip_average)
     return key, meta
 
 
@@ -176,7 +186,7 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     cache_dir = config.cache_dir or fstore.default_cache_dir()
     dataset = IngestedDataset(config.data)
     key, meta = feature_key(dataset, config.backbone, resolution=config.resolution,
-                            resize_method=config.resize_method)
+                            resize_method=config.resize_method, flip_average=config.flip_average)
     path = fstore.entry_path(cache_dir, key)
     sizes = {s: dataset.num_examples(s) for s in dataset.splits}
     with contextlib.suppress(DataError):
@@ -190,8 +200,9 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     store = fstore.FeatureStore.create(cache_dir, layout)
     missing = store.missing_chunks()
     total = len(store.all_chunks())
-    log.info("featurize %s with %s at %d px: %d of %d chunks to compute -> %s", config.data,
-             meta.model, key.resolution, len(missing), total, path)
+    log.info("featurize %s with %s at %d px%s: %d of %d chunks to compute -> %s", config.data,
+             meta.model, key.resolution, ", flip-averaged" if key.flip_average else "", len(missing),
+             total, path)
     if missing:
         _run_pipeline(config, store, missing)
     store.finalize()

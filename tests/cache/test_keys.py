@@ -25,9 +25,17 @@ def test_digest_is_stable_and_survives_a_round_trip():
     {"data_content_hash": "c" * 64}, {"weights_sha256": "d" * 64}, {"resolution": 128},
     {"mean": (127.0, 127.0, 127.5)}, {"std": (128.0, 128.0, 127.0)},
     {"resize_method": "nearest"}, {"format_version": FEATURE_FORMAT_VERSION + 1},
-    {"model": "efficientnet-lite1"}])
+    {"model": "efficientnet-lite1"}, {"flip_average": True}])
 def test_every_part_changes_the_digest(change):
     assert dataclasses.replace(BASE, **change).digest != BASE.digest
+
+
+def test_keys_without_flip_average_keep_the_digest_they_had_before_the_option():
+    assert "flip_average" not in BASE.as_dict()
+    # sha256 of the canonical JSON of the eight parts a key had before flip_average existed
+    assert BASE.digest == "be2b0f042bec6466d337c7de0860981eec618b8c0ee77842a3b9f5cf23d7d840"
+    flipped = dataclasses.replace(BASE, flip_average=True)
+    assert FeatureKey.from_dict(flipped.as_dict()) == flipped
 
 
 def test_bad_keys_are_data_errors():

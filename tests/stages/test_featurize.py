@@ -72,6 +72,22 @@ def test_features_equal_a_direct_forward_pass(env, done):
     assert fs.metadata["key"]["weights_sha256"] == pretrained.read_metadata(env["backbone"]).weights_sha256
 
 
+def test_flip_average_stores_the_mean_of_the_image_and_its_mirror(env, done, tmp_path):
+    _, plain = done
+    result = stage.run(config(env, tmp_path / "cache", flip_average=True, chunk_rows=1024))
+    assert result.digest != plain.digest and not result.cache_hit
+    fs = fstore.open_features(result.path)
+    assert fs.metadata["key"]["flip_average"] is True
+    model, variables, prep = pretrained.load_pretrained(env["backbone"])
+    direct_forward = jax.jit(lambda x: model.apply(variables, prep(x), method="features"))
+    with IngestedDataset(env["data"]) as ds:
+        images, _ = ds.get("test", np.arange(ds.num_examples("test")))
+    expected = 0.5 * (direct_forward(images) + direct_forward(images[:, :, ::-1, :]))
+    np.testing.assert_allclose(fs.features("test")[:], np.asarray(expected), rtol=1e-5, atol=1e-5)
+    unflipped = fstore.open_features(plain.path).features("test")[:]
+    assert np.abs(fs.features("test")[:] - unflipped).max() > 1e-3  # digits are not mirror-symmetric
+
+
 def test_same_key_is_a_fast_hit_that_computes_nothing(env, done, monkeypatch):
     cache, first = done
     markers = os.path.join(first.path, "chunks")
