@@ -30,6 +30,12 @@ def save_backbone(directory, seed):
     return str(directory)
 
 
+def jitted_forward(backbone):
+    """uint8 images -> the backbone's features, computed directly (no cache, no Beam)."""
+    model, variables, prep = pretrained.load_pretrained(backbone)
+    return jax.jit(lambda x: model.apply(variables, prep(x), method="features"))
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("featurize")
@@ -56,8 +62,7 @@ def test_features_equal_a_direct_forward_pass(env, done):
     _, result = done
     assert not result.cache_hit and result.chunks_computed == result.chunks_total == 4
     fs = fstore.open_features(result.path)
-    model, variables, prep = pretrained.load_pretrained(env["backbone"])
-    direct_forward = jax.jit(lambda x: model.apply(variables, prep(x), method="features"))
+    direct_forward = jitted_forward(env["backbone"])
     with IngestedDataset(env["data"]) as ds:
         assert fs.splits == sorted(ds.splits) and fs.class_names == ds.class_names
         for split in ds.splits:
@@ -78,8 +83,7 @@ def test_flip_average_stores_the_mean_of_the_image_and_its_mirror(env, done, tmp
     assert result.digest != plain.digest and not result.cache_hit
     fs = fstore.open_features(result.path)
     assert fs.metadata["key"]["flip_average"] is True
-    model, variables, prep = pretrained.load_pretrained(env["backbone"])
-    direct_forward = jax.jit(lambda x: model.apply(variables, prep(x), method="features"))
+    direct_forward = jitted_forward(env["backbone"])
     with IngestedDataset(env["data"]) as ds:
         images, _ = ds.get("test", np.arange(ds.num_examples("test")))
     expected = 0.5 * (direct_forward(images) + direct_forward(images[:, :, ::-1, :]))
