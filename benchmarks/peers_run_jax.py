@@ -65,9 +65,8 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     import jax
 
     from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
-    from dpscale.privacy.clipping import make_unclipped_sum_fn
-    from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep
     from dpscale.privacy.linear import softmax_regression_clipped_sum
+    from dpscale.privacy.plan import PrivacyPlan
 
     private = args.framework in ("dpscale", "dpscale-vmap")
     if private and linear:
@@ -78,16 +77,17 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     if args.framework == "dpscale-vmap":
         if linear:
             raise SystemExit("dpscale-vmap is for image workloads (the linear ones have a closed form)")
-        clipped = None  # DpsgdStep's default: make_clipped_sum_fn, vmap(grad)
+        clipped = None  # the DP step's default: make_clipped_sum_fn, vmap(grad)
     elif private and linear:
         clipped = softmax_regression_clipped_sum(clip_norm=1.0)
     elif private:
         clipped = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]))
     else:
-        clipped = make_unclipped_sum_fn(loss_fn)
-    config = DpsgdConfig(noise_multiplier=args.noise_multiplier if private else 0.0,
-                         expected_batch_size=args.logical, clip_norm=1.0)
-    dp = DpsgdStep(loss_fn, config, noise_seed=0, learning_rate=0.1, clipped_sum_fn=clipped)
+        clipped = None  # a non-private plan sums plain gradients
+    # The step as `dpscale train` builds it, from a plan (q = 1: only the step's shape matters here).
+    plan = PrivacyPlan(num_examples=args.logical, batch_size=args.logical, steps=1, delta=1e-5,
+                       noise_multiplier=args.noise_multiplier if private else 0.0)
+    dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, learning_rate=0.1, clipped_sum_fn=clipped)
     holder = {"state": dp.init(params)}
 
     def step() -> None:

@@ -1,1 +1,1 @@
-"""Content-addressed Zarr feature store."""
+"""The content-addressed Zarr feature store, its keys, and the featurizer that fills it."""

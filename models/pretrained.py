@@ -231,7 +231,7 @@ def _parameter_free_spec(name: str) -> Any:
 def _write_parameter_free_backbone(spec: Any, directory: pathlib.Path) -> None:
     """Save the model's deterministic initial variables (seed 0) with [-1, 1] pixel scaling.
 
-    The scaling is the one image-mode training uses (``stages.image_data.normalize``:
+    The scaling is the one image-mode training uses (``data.image_data.normalize``:
     ``(x - 127.5) / 127.5``), so cached features equal what the same model computes on
     images in ``train --mode images``. Only the (unused) classifier has parameters.
 

@@ -1,1 +1,1 @@
-"""Apache Beam graphs composing the per-element stage transforms."""
+"""Apache Beam graphs (wiring only) and how dpscale runs them: runner options, local progress."""

@@ -4,9 +4,9 @@
       -> CoGroupByKey -> exact distance on candidates -> closest private match per public
       -> CoGroupByKey with the public shards -> filtered shards -> report + manifest
 
-Only wiring lives here; the per-element work is in ``stages.dedup_join`` and
-``stages.dedup``. Matches are grouped by public shard, so each shard writer sees only its
-own removals (no side input that grows with the data).
+Only wiring lives here; the per-element work is in ``dedup.join`` and ``dedup.output``.
+Matches are grouped by public shard, so each shard writer sees only its own removals (no
+side input that grows with the data).
 """
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ from typing import Any
 
 import apache_beam as beam
 
-from dpscale.stages import dedup as stage
-from dpscale.stages import dedup_join as join
-from dpscale.stages.image_hash import HashConfig
-from dpscale.stages.progress import mark
+from dpscale.dedup import join, output
+from dpscale.dedup.image_hash import HashConfig
+from dpscale.pipelines.ingest import SMALL_DATA
+from dpscale.pipelines.progress import mark
+
+
+def parallel(num_public: int, num_private: int) -> bool:
+    """Whether two local worker processes pay off (a private image's views cost about 10 public images)."""
+    return num_public + num_private * 10 >= SMALL_DATA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,7 @@ class _Signatures(beam.DoFn):
         self.datasets: dict[str, Any] = {}
 
     def setup(self) -> None:
-        from dpscale.stages.dataset import IngestedDataset
+        from dpscale.data.dataset import IngestedDataset
 
         self.datasets = {join.PUBLIC: IngestedDataset(self.settings.public),
                          join.PRIVATE: IngestedDataset(self.settings.private)}
@@ -84,7 +89,7 @@ class _Verify(beam.DoFn):
         self.rejected = beam.metrics.Metrics.counter("dedup", "rejected_by_verification")
 
     def setup(self) -> None:
-        from dpscale.stages.dataset import IngestedDataset
+        from dpscale.data.dataset import IngestedDataset
 
         self.datasets = (IngestedDataset(self.settings.public),
                          IngestedDataset(self.settings.private))
@@ -107,7 +112,7 @@ def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
     (split, shard), parts = group
     if not parts["shard"]:  # a match for a shard we did not plan: a bug, not data
         raise RuntimeError(f"match for unknown public shard {split}/{shard}")
-    summary, removed = stage.filter_shard(
+    summary, removed = output.filter_shard(
         settings.public, settings.output_dir, split, shard,
         settings.shard_ranges[(split, shard)], parts["matches"],
         num_classes=settings.num_classes, shape=settings.image_shape)
@@ -148,7 +153,7 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
     _ = (pipeline
          | "Finish" >> beam.Create([None])
          | "WriteReport" >> beam.Map(
-             stage.write_outputs, public_path=settings.public, private_path=settings.private,
+             output.write_outputs, public_path=settings.public, private_path=settings.private,
              output_dir=settings.output_dir,
              summaries=beam.pvalue.AsList(written.summaries),
              removed=beam.pvalue.AsList(written.removed),

@@ -1,6 +1,6 @@
 """The Beam graph of ``dpscale featurize``: chunks -> spread -> featurize and write each chunk.
 
-Only wiring lives here; the per-chunk work is ``stages.featurize.featurize_chunk``. The
+Only wiring lives here; the per-chunk work is ``cache.featurizer.featurize_chunk``. The
 unit of work is one whole Zarr chunk of rows, so no two workers ever write the same chunk
 and a retried bundle simply rewrites its chunk and marker.
 """
@@ -11,25 +11,17 @@ import dataclasses
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions
 
-from dpscale.pipelines import ingest as ingest_graph
-from dpscale.stages.progress import mark
+from dpscale.pipelines.progress import mark
 
 #: Fewer chunks than this run in one in-memory worker: a second process would spend
 #: longer loading and compiling the backbone than it saves.
 MIN_CHUNKS_FOR_TWO_WORKERS = 4
 
 
-def pipeline_options(args: tuple[str, ...] | list[str], *, num_chunks: int) -> PipelineOptions:
-    """Beam options from command-line ``args``; local defaults as for ingest (both cores)."""
-    many = num_chunks >= MIN_CHUNKS_FOR_TWO_WORKERS
-    return ingest_graph.pipeline_options(
-        args, estimated_examples=ingest_graph.SMALL_DATA if many else 0)
-
-
-def is_local_runner(options: PipelineOptions) -> bool:
-    return ingest_graph.is_local_runner(options)
+def parallel(num_chunks: int) -> bool:
+    """Whether two local worker processes pay off for this many chunks."""
+    return num_chunks >= MIN_CHUNKS_FOR_TWO_WORKERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +47,20 @@ class _FeaturizeChunk(beam.DoFn):
         import logging
 
         from dpscale.cache.feature_store import FeatureStore
-        from dpscale.stages import featurize as stage
-        from dpscale.stages.dataset import IngestedDataset
+        from dpscale.cache.featurizer import Featurizer
+        from dpscale.data.dataset import IngestedDataset
 
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step
         self.dataset = IngestedDataset(self.settings.data)
         self.store = FeatureStore.for_writing(self.settings.entry)
-        self.featurizer = stage.Featurizer(self.settings.backbone, self.store.layout.key,
+        self.featurizer = Featurizer(self.settings.backbone, self.store.layout.key,
                                            batch_size=self.settings.batch_size)
 
     def process(self, element: tuple[str, int]) -> Any:
-        from dpscale.stages import featurize as stage
+        from dpscale.cache.featurizer import featurize_chunk
 
         split, chunk = element
-        rows = stage.featurize_chunk(self.dataset, self.store, self.featurizer, split, chunk)
+        rows = featurize_chunk(self.dataset, self.store, self.featurizer, split, chunk)
         self.rows.inc(rows)
         self.chunks.inc()
         mark(self.settings.progress_dir, rows)

@@ -1,7 +1,7 @@
 """The Beam graph of ``dpscale ingest``: read+decode -> group by shard -> write -> manifest.
 
 Only wiring lives here; every per-element step is a plain function in
-``stages.sources``, ``stages.examples`` or ``stages.shards``.
+``data.sources``, ``data.examples`` or ``data.shards``.
 """
 
 from __future__ import annotations
@@ -12,46 +12,18 @@ import math
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
-from dpscale.stages import examples as ex
-from dpscale.stages.progress import mark
-from dpscale.stages.shards import write_outputs, write_shard
-from dpscale.stages.sources import SourcePlan
+from dpscale.data import examples as ex
+from dpscale.data.raw_items import SourcePlan
+from dpscale.data.shards import write_outputs, write_shard
+from dpscale.pipelines.progress import mark
 
-DEFAULT_RUNNER = "FnApiRunner"
 SMALL_DATA = 20_000  # below this many examples one in-memory worker beats two processes
 
 
-def pipeline_options(args: tuple[str, ...] | list[str], *,
-                     estimated_examples: int) -> PipelineOptions:
-    """Beam options from command-line style ``args``; local defaults only fill gaps.
-
-    Without ``--runner`` this is the local engine behind Beam's DirectRunner
-    (``FnApiRunner``; naming it directly skips DirectRunner's attempt to fetch the Prism
-    binary from the internet on every run) on both cores for large inputs
-    (multi-processing) and one in-memory worker for small ones, where process start-up
-    and pickling cost more than they save. Anything given explicitly wins.
-    """
-    options = PipelineOptions(list(args))
-    standard = options.view_as(StandardOptions)
-    if standard.runner is None:
-        standard.runner = DEFAULT_RUNNER
-    if standard.runner.lower() in ("directrunner", "direct", "fnapirunner"):
-        direct = options.view_as(DirectOptions)
-        given = " ".join(args)
-        if "direct_num_workers" not in given:
-            direct.direct_num_workers = 1 if estimated_examples < SMALL_DATA else 2
-        if "direct_running_mode" not in given:
-            direct.direct_running_mode = ("in_memory" if direct.direct_num_workers == 1
-                                          else "multi_processing")
-    return options
-
-
-def is_local_runner(options: PipelineOptions) -> bool:
-    """Whether workers share this machine's disk (progress markers can reach us)."""
-    runner = str(options.view_as(StandardOptions).runner or "").lower()
-    return runner in ("directrunner", "direct", "fnapirunner", "bundlebaseddirectrunner")
+def parallel(num_examples: int) -> bool:
+    """Whether two local worker processes pay off for this many inputs."""
+    return num_examples >= SMALL_DATA
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Why: ``vmap(value_and_grad)`` turns every convolution's kernel gradient into a grouped
 convolution with one group per example, which XLA runs several times slower than the
-batch gradient (DESIGN.md section 5; 4.1x the non-private step on cnn-small). Book-keeping
+batch gradient (on a 2-core CPU, 4.1x the non-private step on cnn-small). Book-keeping
 (Bu et al. 2023, "Differentially private optimization on large model at small cost";
 per-layer rules as in Goodfellow 2015 and Rochette et al. 2019) instead runs ONE forward
 and ONE backward over the batch, records every layer's input ``x`` and the gradient ``g``

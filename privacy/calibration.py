@@ -19,10 +19,10 @@ Speed (PLD): RDP is cheap (~0.03 s per probe) and close, so we solve with RDP fi
 and start the PLD search (:mod:`dpscale.privacy.bracket_search`) at the RDP answer
 and its local slope; that usually needs 4-6 PLD probes. Each probe costs one PLD
 composition (single-step distributions are cached per (sigma, q)). The reported
-epsilon is recomputed with dp-accounting's standard accountant.
+epsilon is recomputed by ``accounting.epsilon``, the one computation every report uses.
 
 ``releases`` (noise multipliers of one-off Gaussian releases before training, see
-``accounting.DpsgdPrivacySpec``) are composed into every probe, so the calibrated
+``accounting``) are composed into every probe, so the calibrated
 training gets what remains of the budget after them.
 """
 
@@ -33,16 +33,8 @@ import math
 from collections.abc import Callable
 
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy.accounting import (
-    Accountant,
-    DpsgdPrivacySpec,
-    EpsilonCurve,
-    check_accountant,
-    check_batch_size,
-    check_delta,
-    epsilon,
-    quiet_rdp_warnings,
-)
+from dpscale.privacy.accounting import (Accountant, EpsilonCurve, check_accountant, check_batch_size,
+                                        check_delta, check_mechanism, epsilon, quiet_rdp_warnings)
 from dpscale.privacy.bracket_search import MonotoneProblem, solve_boundary
 
 # The search domain. Targets so loose that less noise or more steps would do get the
@@ -58,7 +50,7 @@ DEFAULT_RTOL = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class Calibrated:
-    """A calibrated hyper-parameter and the epsilon it achieves (standard accountant)."""
+    """A calibrated hyper-parameter and the epsilon it achieves (``accounting.epsilon``)."""
 
     value: float | int
     epsilon: float
@@ -75,7 +67,7 @@ class _EpsilonCache:
         self._curves: dict[tuple[float, float], EpsilonCurve] = {}
         self.probes = 0
 
-    def __call__(self, *, noise_multiplier: float, sampling_rate: float, steps: int) -> float:
+    def __call__(self, noise_multiplier: float, sampling_rate: float, steps: int) -> float:
         key = (float(noise_multiplier), float(sampling_rate))
         curve = self._curves.get(key)
         if curve is None:
@@ -91,37 +83,25 @@ class _EpsilonCache:
         return curve(int(steps))
 
 
-def _two_stage(
-    name: str,
-    eps_of: Callable[[_EpsilonCache, float], float],
-    *,
-    accountant: Accountant,
-    delta: float,
-    target: float,
-    increasing: bool,
-    integer: bool,
-    lower: float,
-    upper: float,
-    start: float,
-    slope: float,
-    rtol: float = DEFAULT_RTOL,
-    releases: tuple[float, ...] = (),
-) -> tuple[float, int]:
-    """Solve with RDP; for PLD, solve again starting from the RDP answer and slope."""
+Mechanism = Callable[[float], tuple[float, float, int]]  # solved value -> (sigma, q, steps)
+
+
+def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, accountant: Accountant,
+           releases: tuple[float, ...], increasing: bool, integer: bool, lower: float, upper: float,
+           start: float, slope: float, nudge: Callable[[float], float], rtol: float = DEFAULT_RTOL) -> Calibrated:
+    """The feasible boundary of ``epsilon(mechanism(x)) <= target`` in x, by the search below.
+
+    RDP first, then (for PLD) PLD again from the RDP answer and its slope; the answer is
+    re-checked with ``accounting.epsilon`` (what every report uses) and nudged towards the
+    private end if it disagrees, a safety net that should never fire: the search's cached
+    evaluations are the same computation.
+    """
     probes = 0
     with quiet_rdp_warnings():
         for acc in ("rdp", "pld") if accountant == "pld" else ("rdp",):
             cache = _EpsilonCache(delta=delta, accountant=acc, releases=releases)
-            problem = MonotoneProblem(
-                name=name,
-                eps_at=lambda x, c=cache: eps_of(c, x),
-                target=target,
-                increasing=increasing,
-                integer=integer,
-                lower=lower,
-                upper=upper,
-                rtol=rtol,
-            )
+            problem = MonotoneProblem(name=name, eps_at=lambda x, c=cache: c(*mechanism(x)), target=target,
+                                      increasing=increasing, integer=integer, lower=lower, upper=upper, rtol=rtol)
             try:
                 start, slope = solve_boundary(problem, start, slope=slope)
             except InfeasiblePrivacyTargetError:
@@ -132,30 +112,15 @@ def _two_stage(
                 start = lower if increasing else upper
             finally:
                 probes += cache.probes
-    return start, probes
-
-
-def _finish(
-    value: float,
-    *,
-    spec: Callable[[float], DpsgdPrivacySpec],
-    target: float,
-    delta: float,
-    accountant: Accountant,
-    nudge: Callable[[float], float],
-    probes: int,
-) -> Calibrated:
-    """Report the standard accountant's epsilon, nudging the value if it disagrees.
-
-    The search's cached evaluations are the same computation, so the nudge is a
-    safety net that should never fire.
-    """
+    value = int(start) if integer else start
     for _ in range(64):
-        achieved = epsilon(spec(value), delta, accountant)
+        sigma, q, steps = mechanism(value)
+        achieved = epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta,
+                           accountant=accountant, releases=releases)
         if achieved <= target:
             return Calibrated(value=value, epsilon=achieved, probes=probes)
         value = nudge(value)
-    raise RuntimeError("standard accountant disagrees with the search")  # a bug
+    raise RuntimeError("accounting.epsilon disagrees with the search")  # a bug
 
 
 def _check_target(target_epsilon: float, delta: float, accountant: Accountant) -> None:
@@ -177,33 +142,11 @@ def calibrate_noise_multiplier(
 ) -> Calibrated:
     """Smallest sigma (within relative ``rtol``) with epsilon <= target."""
     _check_target(target_epsilon, delta, accountant)
-    DpsgdPrivacySpec(noise_multiplier=1.0, sampling_rate=sampling_rate, steps=steps, releases=releases)
-    sigma, probes = _two_stage(
-        "noise multiplier",
-        lambda c, s: c(noise_multiplier=s, sampling_rate=sampling_rate, steps=steps),
-        accountant=accountant,
-        delta=delta,
-        target=target_epsilon,
-        increasing=False,
-        integer=False,
-        lower=SIGMA_MIN,
-        upper=SIGMA_MAX,
-        start=1.0,
-        slope=-1.0,
-        rtol=rtol,
-        releases=releases,
-    )
-    return _finish(
-        sigma,
-        spec=lambda s: DpsgdPrivacySpec(
-            noise_multiplier=s, sampling_rate=sampling_rate, steps=steps, releases=releases
-        ),
-        target=target_epsilon,
-        delta=delta,
-        accountant=accountant,
-        nudge=lambda s: min(s * (1 + rtol / 4), SIGMA_MAX),
-        probes=probes,
-    )
+    check_mechanism(noise_multiplier=1.0, sampling_rate=sampling_rate, steps=steps, releases=releases)
+    return _solve("noise multiplier", lambda s: (s, sampling_rate, steps), target=target_epsilon, delta=delta,
+                  accountant=accountant, releases=releases, increasing=False, integer=False, lower=SIGMA_MIN,
+                  upper=SIGMA_MAX, start=1.0, slope=-1.0, rtol=rtol,
+                  nudge=lambda s: min(s * (1 + rtol / 4), SIGMA_MAX))
 
 
 def calibrate_steps(
@@ -217,34 +160,11 @@ def calibrate_steps(
 ) -> Calibrated:
     """Largest number of steps with epsilon <= target."""
     _check_target(target_epsilon, delta, accountant)
-    DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1, releases=releases)
-    steps, probes = _two_stage(
-        "steps",
-        lambda c, t: c(
-            noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=int(t)
-        ),
-        accountant=accountant,
-        delta=delta,
-        target=target_epsilon,
-        increasing=True,
-        integer=True,
-        lower=1,
-        upper=MAX_STEPS,
-        start=1000.0,
-        slope=0.5,
-        releases=releases,
-    )
-    return _finish(
-        int(steps),
-        spec=lambda t: DpsgdPrivacySpec(
-            noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=int(t), releases=releases
-        ),
-        target=target_epsilon,
-        delta=delta,
-        accountant=accountant,
-        nudge=lambda t: _decrement(t, "steps", target_epsilon),
-        probes=probes,
-    )
+    check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1, releases=releases)
+    return _solve("steps", lambda t: (noise_multiplier, sampling_rate, int(t)), target=target_epsilon, delta=delta,
+                  accountant=accountant, releases=releases, increasing=True, integer=True, lower=1,
+                  upper=MAX_STEPS, start=1000.0, slope=0.5,
+                  nudge=lambda t: _decrement(t, "steps", target_epsilon))
 
 
 def calibrate_batch_size(
@@ -260,38 +180,11 @@ def calibrate_batch_size(
     """Largest (expected) batch size with epsilon <= target, at most ``num_examples``."""
     _check_target(target_epsilon, delta, accountant)
     check_batch_size(batch_size=1, num_examples=num_examples)
-    DpsgdPrivacySpec(noise_multiplier=noise_multiplier, sampling_rate=1.0, steps=steps, releases=releases)
-    batch_size, probes = _two_stage(
-        "batch size",
-        lambda c, b: c(
-            noise_multiplier=noise_multiplier, sampling_rate=int(b) / num_examples, steps=steps
-        ),
-        accountant=accountant,
-        delta=delta,
-        target=target_epsilon,
-        increasing=True,
-        integer=True,
-        lower=1,
-        upper=num_examples,
-        start=max(1.0, num_examples / 100),
-        slope=1.0,
-        releases=releases,
-    )
-    return _finish(
-        int(batch_size),
-        spec=lambda b: DpsgdPrivacySpec.from_batch_size(
-            noise_multiplier=noise_multiplier,
-            batch_size=int(b),
-            num_examples=num_examples,
-            steps=steps,
-            releases=releases,
-        ),
-        target=target_epsilon,
-        delta=delta,
-        accountant=accountant,
-        nudge=lambda b: _decrement(b, "batch size", target_epsilon),
-        probes=probes,
-    )
+    check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=1.0, steps=steps, releases=releases)
+    return _solve("batch size", lambda b: (noise_multiplier, int(b) / num_examples, steps), target=target_epsilon,
+                  delta=delta, accountant=accountant, releases=releases, increasing=True, integer=True, lower=1,
+                  upper=num_examples, start=max(1.0, num_examples / 100), slope=1.0,
+                  nudge=lambda b: _decrement(b, "batch size", target_epsilon))
 
 
 def _decrement(value: float, name: str, target: float) -> int:

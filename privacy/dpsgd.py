@@ -7,7 +7,7 @@ For a logical batch of expected size B cut into micro-batches,
 where each S_micro is a ``ClippedSum`` (sum of clip_C(g_i)/C, sensitivity Delta=1).
 The noise is added exactly once per optimiser update, whatever the number of
 micro-batches (never per micro-batch), and B is the *expected* batch size of
-Poisson sampling, not the realised one (DESIGN.md section 2). ``g`` then goes
+Poisson sampling, not the realised one. ``g`` then goes
 through any optax optimiser (plain SGD by default, no weight decay), and the EMA
 of the parameters is updated on real optimiser updates only.
 
@@ -17,11 +17,14 @@ and the clipped sums are all-reduced, so every device holds the same sum, draws 
 not depend on the number of devices. The mesh may span several processes
 (``dpscale.distributed``): the key and the state are then replicated on every
 device of every process, and the micro-batches are global arrays.
+
+A run never builds this step itself: ``privacy.plan.PrivacyPlan.dp_step`` does, from the
+calibrated plan, so the noise, the batch size it is divided by and the accountant's
+event cannot drift apart.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Callable, Iterable
 
@@ -35,38 +38,12 @@ from dpscale.distributed import put_replicated
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.clipping import ClippedSum, LossFn, make_clipped_sum_fn
 from dpscale.privacy.ema import ema_update
-from dpscale.privacy.noise import add_gaussian_noise, key_from_seed, step_key
+from dpscale.privacy.noise import add_gaussian_noise, step_key
+from dpscale.privacy.streams import Stream, stream_key
 
 PyTree = Any
 DATA_AXIS = "data"
 ClippedSumFn = Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]
-
-
-@dataclasses.dataclass(frozen=True)
-class DpsgdConfig:
-    """Privacy-relevant hyper-parameters of one DP-SGD update."""
-
-    noise_multiplier: float
-    expected_batch_size: float
-    clip_norm: float = 1.0
-    ema_decay: float = 0.9999
-
-    def __post_init__(self) -> None:
-        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
-            raise InvalidConfigError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
-        if not self.expected_batch_size > 0:
-            raise InvalidConfigError(
-                f"expected_batch_size must be positive, got {self.expected_batch_size}"
-            )
-        if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
-            raise InvalidConfigError(f"clip_norm must be positive and finite, got {self.clip_norm}")
-        if not 0 <= self.ema_decay < 1:
-            raise InvalidConfigError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
-
-    @property
-    def noise_std(self) -> float:
-        """Std of the noise on the *mean* gradient: sigma / B (sensitivity 1 after /C)."""
-        return self.noise_multiplier / self.expected_batch_size
 
 
 @struct.dataclass
@@ -105,26 +82,44 @@ class DpsgdStep:
 
     Use ``init`` once, then per optimiser step either ``update(state, microbatches)``
     or, for custom loops, ``zero_sum`` / ``accumulate`` (per micro-batch) / ``apply``.
-    ``noise_seed`` must come from ``privacy.seeds.resolve_seed``.
+    The noise of step t is drawn from ``Stream.NOISE`` of ``seed`` (which must come
+    from ``privacy.seeds.resolve_seed``) at t. ``noise_multiplier`` sigma is relative to
+    the clipped sum's sensitivity, ``expected_batch_size`` is the B the noisy sum is
+    divided by (the expected size under Poisson sampling), ``clip_norm`` is C of the default
+    ``vmap`` clipped sum, and ``ema_decay`` the EMA's decay after its warm-up.
     """
 
     def __init__(
         self,
         loss_fn: LossFn,
-        config: DpsgdConfig,
         *,
-        noise_seed: int,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        seed: int,
+        clip_norm: float = 1.0,
+        ema_decay: float = 0.9999,
         optimizer: optax.GradientTransformation | None = None,
         learning_rate: float = 1.0,
         mesh: Mesh | None = None,
         clipped_sum_fn: ClippedSumFn | None = None,
     ) -> None:
-        self.config = config
+        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise InvalidConfigError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if not expected_batch_size > 0:
+            raise InvalidConfigError(f"expected_batch_size must be positive, got {expected_batch_size}")
+        if not (clip_norm > 0 and math.isfinite(clip_norm)):
+            raise InvalidConfigError(f"clip_norm must be positive and finite, got {clip_norm}")
+        if not 0 <= ema_decay < 1:
+            raise InvalidConfigError(f"ema_decay must be in [0, 1), got {ema_decay}")
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = float(expected_batch_size)
+        self.ema_decay = float(ema_decay)
         self.optimizer = optimizer if optimizer is not None else optax.sgd(learning_rate)
         self.mesh = mesh
         # Replicated like the state: with several processes every device holds the same key.
-        self._noise_base_key = self.replicate(key_from_seed(noise_seed))
-        self._clipped_sum = clipped_sum_fn or make_clipped_sum_fn(loss_fn, clip_norm=config.clip_norm)
+        self.noise_key = stream_key(seed, Stream.NOISE)
+        self._noise_base_key = self.replicate(self.noise_key)
+        self._clipped_sum = clipped_sum_fn or make_clipped_sum_fn(loss_fn, clip_norm=clip_norm)
         self._sensitivity = getattr(self._clipped_sum, "sensitivity", None)
         if self._sensitivity is None:
             raise InvalidConfigError("clipped_sum_fn must declare its `sensitivity` attribute")
@@ -143,6 +138,11 @@ class DpsgdStep:
         self._zero_sum = jax.jit(_zeros_like_clipped_sum, static_argnums=(1,), out_shardings=replicated)
 
     # -- public API -------------------------------------------------------------------
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the noise on the *mean* gradient: sigma / B (sensitivity 1 after /C)."""
+        return self.noise_multiplier / self.expected_batch_size
 
     @property
     def num_devices(self) -> int:
@@ -228,24 +228,24 @@ class DpsgdStep:
         return total.plus(clipped)
 
     def _privatize_impl(self, total: ClippedSum, step: jax.Array, base_key: jax.Array) -> PyTree:
-        if self.config.noise_multiplier == 0:  # no noise: a non-private baseline
+        if self.noise_multiplier == 0:  # no noise: a non-private baseline
             noisy_sum = total.value
         elif math.isfinite(total.sensitivity):
             key = step_key(base_key, step)
-            std = self.config.noise_multiplier * total.sensitivity
+            std = self.noise_multiplier * total.sensitivity
             noisy_sum = add_gaussian_noise(total.value, key, std=std)
         else:
             raise InvalidConfigError("noise cannot be calibrated to a sum of unbounded sensitivity")
-        return jax.tree_util.tree_map(lambda x: x / self.config.expected_batch_size, noisy_sum)
+        return jax.tree_util.tree_map(lambda x: x / self.expected_batch_size, noisy_sum)
 
     def apply_pure(
         self, state: TrainState, total: ClippedSum, base_key: jax.Array
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """Noise (key ``fold_in(base_key, state.step)``), optimiser update and EMA."""
+        """Noise (key ``step_key(base_key, state.step)``), optimiser update and EMA."""
         grad = self._privatize_impl(total, state.step, base_key)
         updates, opt_state = self.optimizer.update(grad, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        ema = ema_update(state.ema_params, params, step=state.step, decay=self.config.ema_decay)
+        ema = ema_update(state.ema_params, params, step=state.step, decay=self.ema_decay)
         real = jnp.maximum(total.num_examples, 1)
         metrics = {
             "batch_size": total.num_examples,

@@ -1,10 +1,11 @@
-"""Gaussian noise for DP-SGD, and where its randomness comes from.
+"""Gaussian noise: every Gaussian draw of dpscale's mechanisms comes from this module.
 
-Noise keys are derived statelessly: ``fold_in(key_from_seed(seed), step)``. Each optimiser
-step therefore gets its own key (no two steps share noise), and a resumed run at
-step t draws exactly the noise it would have drawn without the interruption,
-never replaying an earlier step's. The seed comes from ``seeds.resolve_seed``:
-fresh OS entropy unless a fixed seed is explicitly chosen.
+DP-SGD's noise keys are derived statelessly: ``step_key(noise_key, step)``, where the noise
+key is the run's ``Stream.NOISE`` (``privacy.streams``). Each optimiser step therefore gets
+its own key (no two steps share noise), and a resumed run at step t draws exactly the noise
+it would have drawn without the interruption, never replaying an earlier step's. One-off
+releases (``gaussian_release``) draw from a stream of their own. The seed comes from
+``seeds.resolve_seed``: fresh OS entropy unless a fixed seed is explicitly chosen.
 """
 
 from __future__ import annotations
@@ -48,3 +49,15 @@ def add_gaussian_noise(tree: PyTree, key: jax.Array, *, std: float | jax.Array) 
     """``tree + N(0, std^2 I)``, leaf by leaf."""
     noise = gaussian_like(tree, key, std=std)
     return jax.tree_util.tree_map(jnp.add, tree, noise)
+
+
+def gaussian_release(value: np.ndarray, key: jax.Array, *, noise_multiplier: float,
+                     sensitivity: float = 1.0) -> np.ndarray:
+    """A one-off Gaussian mechanism: ``value + N(0, (noise_multiplier * sensitivity)^2 I)``.
+
+    ``value`` must have L2 sensitivity ``sensitivity`` under adding or removing one
+    example; the release's cost is the caller's to put in the run's ``releases``.
+    """
+    value = np.asarray(value, np.float32)
+    noisy = add_gaussian_noise(jnp.asarray(value), key, std=noise_multiplier * sensitivity)
+    return np.asarray(noisy, np.float32)

@@ -22,14 +22,15 @@ import logging
 import math
 import warnings
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.streams import Stream, stream_rng
 
 _log = logging.getLogger(__name__)
 PADDING_INDEX = -1
-# Distinguishes the sampling stream from other uses of the run seed.
-_SAMPLING_STREAM = 0x5A3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,7 @@ class PoissonSampler:
         is the same distribution as N independent Bernoulli(q) draws, in O(batch)
         memory rather than O(N).
         """
-        rng = np.random.default_rng([self._seed, _SAMPLING_STREAM, step])
+        rng = stream_rng(self._seed, Stream.SAMPLING, step)
         size = rng.binomial(self.num_examples, self.sampling_rate)
         chosen = np.sort(rng.choice(self.num_examples, size=size, replace=False))
         return pad_into_microbatches(chosen, self.microbatch_size)
@@ -125,8 +126,34 @@ class ShuffledSampler:
 
     def sample(self, step: int) -> SampledBatch:
         epoch, position = divmod(step, self.steps_per_epoch)
-        rng = np.random.default_rng([self._seed, _SAMPLING_STREAM, epoch])
+        rng = stream_rng(self._seed, Stream.SAMPLING, epoch)
         order = rng.permutation(self.num_examples)
         start = position * self.batch_size
         chosen = np.sort(order[start : start + self.batch_size])
         return pad_into_microbatches(chosen, self.microbatch_size)
+
+
+def batch_capacity(num_rows: int, rate: float) -> int:
+    """Fixed slots for one Poisson batch drawn on device: mean + 8 std (+8), at most all rows.
+
+    A batch that would need more slots is an overflow that callers must refuse (truncating
+    it would not be Poisson sampling); at 8 standard deviations it practically never happens.
+    """
+    mean = num_rows * rate
+    return min(num_rows, math.ceil(mean + 8 * math.sqrt(mean * (1 - rate)) + 8))
+
+
+def poisson_slots(key: jax.Array, sampling_rate: float, eligible: jax.Array,
+                  capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Poisson sampling inside ``jit``/``vmap``: every eligible row joins with probability q.
+
+    ``eligible`` is a boolean ``[rows]`` (the data set of this model). Returns the chosen
+    rows' indices padded to ``capacity`` (padding points at row 0), their mask, and whether
+    the batch overflowed ``capacity`` (see ``batch_capacity``). The same distribution as
+    ``PoissonSampler``, for the many small models of an audit that run on device.
+    """
+    chosen = jax.random.bernoulli(key, sampling_rate, eligible.shape) & eligible
+    count = jnp.sum(chosen)
+    (index,) = jnp.nonzero(chosen, size=capacity, fill_value=0)
+    mask = (jnp.arange(capacity) < count).astype(jnp.float32)
+    return index, mask, count > capacity

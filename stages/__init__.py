@@ -1,1 +1,1 @@
-"""Stateless units of work: each a pure ``run(config) -> result`` over a frozen dataclass config."""
+"""The commands of dpscale, one module each: a typed ``Config``, a typed ``Result`` and ``run(config)``."""

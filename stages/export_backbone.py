@@ -1,4 +1,4 @@
-"""The export-backbone stage: a finished image training run -> a backbone directory.
+"""The export-backbone command: a finished image training run -> a backbone directory.
 
 ``run(config)`` writes the run's EMA (or last) parameters with the preprocessing the
 run trained with, as a backbone that ``featurize --backbone DIR`` and ``train
@@ -17,19 +17,17 @@ carries NO guarantee for its training data: export only runs on data that is pub
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
+from dpscale.data.dataset import IngestedDataset
+from dpscale.data.image_data import PIXEL_MEAN, PIXEL_STD
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import pretrained
-from dpscale.stages import run_files
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.image_data import PIXEL_MEAN, PIXEL_STD
+from dpscale.training.run_directory import RunDirectory, RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,29 +52,22 @@ class ExportBackboneResult:
     delta: float
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read {path!r}: {exc}") from None
-
-
-def _model_and_preprocessing(config: dict[str, Any]) -> tuple[str, int, pretrained.Preprocessing]:
+def _model_and_preprocessing(spec: RunSpec) -> tuple[str, int, pretrained.Preprocessing]:
     """The model name, its number of classes and the preprocessing the run trained with."""
-    dataset = IngestedDataset(config["data"])
+    dataset = IngestedDataset(spec.data)
     num_classes = dataset.num_classes
-    if config.get("backbone"):  # a fine-tuned backbone keeps the backbone's own preprocessing
-        meta = pretrained.read_metadata(pretrained.resolve_backbone(config["backbone"]))
+    settings = spec.training.images
+    if settings.backbone:  # a fine-tuned backbone keeps the backbone's own preprocessing
+        meta = pretrained.read_metadata(pretrained.resolve_backbone(settings.backbone))
         return meta.model, num_classes, meta.preprocessing
     height, width, channels = dataset.image_shape
     if height != width or channels not in (1, 3):
         raise DataError(f"the run trained on {height}x{width}x{channels} images; a backbone "
                         "needs square images with 1 or 3 channels")
-    # stages.image_data.normalize is (x - PIXEL_MEAN) / PIXEL_STD, at the data's own size
+    # data.image_data.normalize is (x - PIXEL_MEAN) / PIXEL_STD, at the data's own size
     prep = pretrained.Preprocessing(resolution=height, mean=(PIXEL_MEAN,) * channels,
                                     std=(PIXEL_STD,) * channels)
-    return config["model"], num_classes, prep
+    return settings.model, num_classes, prep
 
 
 def _check_fits(name: str, num_classes: int, prep: pretrained.Preprocessing, variables: Any) -> None:
@@ -91,31 +82,28 @@ def _check_fits(name: str, num_classes: int, prep: pretrained.Preprocessing, var
 
 def run(config: ExportBackboneConfig) -> ExportBackboneResult:
     """Export the parameters of the finished image run ``config.run_dir`` as a backbone."""
-    files = run_files.RunFiles.existing(config.run_dir)
-    train_config = _read_json(files.path(run_files.CONFIG))["config"]
-    if train_config.get("mode") == "features":
+    run_dir = RunDirectory.existing(config.run_dir)
+    spec = run_dir.read_spec()
+    if spec.training.mode == "features":
         raise DataError(f"{config.run_dir!r} is a features-mode run: it holds only a classifier "
                         "over cached features, not an image backbone")
-    ledger = _read_json(files.path(run_files.LEDGER))
-    if ledger.get("steps_done") != ledger.get("planned_steps") or not os.path.isdir(
-            files.path(run_files.PARAMS)):
-        raise DataError(f"{config.run_dir!r} is not finished ({ledger.get('steps_done')} of "
-                        f"{ledger.get('planned_steps')} steps); finish it with "
+    ledger = run_dir.read_ledger()
+    if not ledger.finished or not run_dir.has_params:
+        raise DataError(f"{config.run_dir!r} is not finished ({ledger.steps_done} of "
+                        f"{ledger.planned_steps} steps); finish it with "
                         f"`dpscale train --resume {config.run_dir}` first")
-    name, num_classes, prep = _model_and_preprocessing(train_config)
-    trained = files.load_params()
+    name, num_classes, prep = _model_and_preprocessing(spec)
+    trained = run_dir.load_params()
     params = trained["ema_params" if config.parameters == "ema" else "params"]
     variables = {"params": params, **(trained.get("model_state") or {})}
     _check_fits(name, num_classes, prep, variables)
-    private = bool(ledger.get("private"))
-    epsilon = float(ledger["epsilon_spent"]) if private else math.inf
-    delta = float(ledger["delta"])
-    guarantee = (f"({epsilon:.4g}, {delta:g})-DP for its training data" if private
+    epsilon = ledger.epsilon_spent if ledger.private else math.inf
+    guarantee = (f"({epsilon:.4g}, {ledger.delta:g})-DP for its training data" if ledger.private
                  else "NON-PRIVATE: no guarantee for its training data")
-    source = (f"dpscale run {files.run_dir}: {config.parameters} parameters after "
-              f"{ledger['steps_done']} steps on data {ledger.get('data_content_hash', '')[:16]}; "
-              f"{guarantee}")
+    source = (f"dpscale run {run_dir.path}: {config.parameters} parameters after "
+              f"{ledger.steps_done} steps on data {ledger.data_content_hash[:16]}; {guarantee}")
     metadata = pretrained.save_pretrained(config.output_dir, variables, model=name,
                                           num_classes=num_classes, preprocessing=prep,
                                           source=source, force=config.force)
-    return ExportBackboneResult(config.output_dir, metadata, config.parameters, private, epsilon, delta)
+    return ExportBackboneResult(config.output_dir, metadata, config.parameters, ledger.private, epsilon,
+                                ledger.delta)

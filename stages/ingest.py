@@ -11,17 +11,15 @@ manifest's ``class_names`` are the kept ones and ``class_filter`` records the so
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
 
+from dpscale.data import shards
+from dpscale.data.examples import ENCODINGS
+from dpscale.data.manifest import Manifest
+from dpscale.data.sources import parse_source, plan_source, select_classes
 from dpscale.errors import InvalidConfigError
-from dpscale.stages import shards
-from dpscale.stages.examples import ENCODINGS
-from dpscale.stages.progress import LocalProgress
-from dpscale.stages.sources import parse_source, plan_source, select_classes
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +56,22 @@ class IngestResult:
     """Where the data went and what the manifest says about it."""
 
     output_dir: str
-    manifest: dict[str, Any]
+    manifest: Manifest
     seconds: float
 
     @property
     def num_examples(self) -> dict[str, int]:
-        return {s: e["num_examples"] for s, e in self.manifest["splits"].items()}
+        return {s: e.num_examples for s, e in self.manifest.splits.items()}
 
     @property
     def num_rejected(self) -> int:
-        return int(self.manifest["num_rejected"])
+        return self.manifest.num_rejected
 
 
 def run(config: IngestConfig) -> IngestResult:
     """Ingest ``config.source`` into ``config.output_dir``."""
-    import apache_beam as beam
-
     from dpscale.pipelines import ingest as graph
+    from dpscale.pipelines.runner import run_pipeline
 
     start = time.perf_counter()
     plan = plan_source(parse_source(config.source), tfds_data_dir=config.tfds_data_dir)
@@ -88,26 +85,23 @@ def run(config: IngestConfig) -> IngestResult:
              total, plan.split_sizes, len(plan.class_names),
              f" (keeping {len(kept)})" if kept else "", len(plan.tasks))
     shards.prepare_output(config.output_dir, overwrite=config.overwrite)
-    options = graph.pipeline_options(config.pipeline_args, estimated_examples=total)
-    progress = (LocalProgress(total, label="ingest: read+decode", log=log)
-                if graph.is_local_runner(options) else None)
-    settings = graph.GraphSettings(
-        output_dir=config.output_dir, validation_fraction=config.validation_fraction,
-        shards_per_split=graph.shards_per_split(
-            plan.split_sizes, validation_fraction=config.validation_fraction,
-            examples_per_shard=config.examples_per_shard),
-        encoding=config.image_encoding, num_inputs=total,
-        progress_dir=progress.directory if progress else None,
-        class_names=kept, label_map=label_map)
-    with progress or contextlib.nullcontext(), beam.Pipeline(options=options) as pipeline:
-        graph.build(pipeline, plan, settings)
-    manifest = shards.read_json(shards.join(config.output_dir, shards.MANIFEST))
+
+    def build(pipeline: object, progress_dir: str | None) -> None:
+        graph.build(pipeline, plan, graph.GraphSettings(
+            output_dir=config.output_dir, validation_fraction=config.validation_fraction,
+            shards_per_split=graph.shards_per_split(
+                plan.split_sizes, validation_fraction=config.validation_fraction,
+                examples_per_shard=config.examples_per_shard),
+            encoding=config.image_encoding, num_inputs=total, progress_dir=progress_dir,
+            class_names=kept, label_map=label_map))
+
+    run_pipeline(build, args=config.pipeline_args, parallel=graph.parallel(total),
+                 progress_total=total, progress_label="ingest: read+decode", log=log)
+    manifest = shards.read_manifest(config.output_dir)
     seconds = time.perf_counter() - start
-    for split, entry in manifest["splits"].items():
-        log.info("ingest %s: %d examples in %d shards", split, entry["num_examples"],
-                 len(entry["shards"]))
-    if manifest["num_rejected"]:
-        log.warning("ingest: %d inputs rejected %s, listed in %s", manifest["num_rejected"],
-                    manifest["rejected_by_reason"],
-                    shards.join(config.output_dir, shards.REPORT))
+    for split, entry in manifest.splits.items():
+        log.info("ingest %s: %d examples in %d shards", split, entry.num_examples, len(entry.shards))
+    if manifest.num_rejected:
+        log.warning("ingest: %d inputs rejected %s, listed in %s", manifest.num_rejected,
+                    manifest.rejected_by_reason, shards.join(config.output_dir, shards.REPORT))
     return IngestResult(config.output_dir, manifest, seconds)

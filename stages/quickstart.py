@@ -1,4 +1,4 @@
-"""The quickstart stage: the paper's whole path, offline, in minutes on 2 CPU cores.
+"""The quickstart command: the paper's whole path, offline, in minutes on 2 CPU cores.
 
 De et al. (2022) pre-train on public data, then fine-tune with DP on the private data.
 The quickstart does the same on one source split by class (scikit-learn's bundled 8x8
@@ -7,12 +7,12 @@ The quickstart does the same on one source split by class (scikit-learn's bundle
 1. ingest the public and the private classes (``IngestConfig.classes``);
 2. dedup: drop public images that are near duplicates of any private image (train or
    test), so the pre-trained model has not seen the private data;
-3. pre-train ``model`` (``cnn-small``) on the public classes, non-private
+3. pre-train a network (``pretrain``: ``cnn-small``) on the public classes, non-private
    (``epsilon=inf``, momentum allowed: no privacy is claimed for public data);
 4. export its EMA parameters as a backbone (``stages.export_backbone``);
 5. featurize the private train and test images with it into a Zarr cache;
-6. train the last layer on the private features with DP-SGD (noise calibrated to
-   ``epsilon``, ``delta``) and evaluate it on the private test split.
+6. train the last layer on the private features with DP-SGD (``private``: noise calibrated
+   to its epsilon and delta) and evaluate it on the private test split.
 
 Only step 6 touches the private labels under DP; the (epsilon, delta) reported is that
 run's. ``data`` takes any ingest source (``folder:PATH``, ``idx:DIR``, ``tfds:NAME``)
@@ -34,46 +34,43 @@ import os
 import time
 from typing import Any
 
+from dpscale.data.dataset import IngestedDataset
+from dpscale.data.sources import parse_source, plan_source
 from dpscale.errors import DataError, DpscaleError, InvalidConfigError
 from dpscale.models import pretrained
-from dpscale.stages import dedup, evaluate, export_backbone, featurize, ingest, run_files, train
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.sources import parse_source, plan_source
+from dpscale.privacy.plan import PrivacyTarget
+from dpscale.stages import dedup, evaluate, export_backbone, featurize, ingest, train
+from dpscale.training.config import ImageSettings, TrainingConfig
 
 log = logging.getLogger(__name__)
 _VALIDATION_FRACTION = 0.2  # carved from train when the source has no held-out split
 _PRETRAIN_FILE = "quickstart_pretrain.json"
+
+#: Non-private pre-training on the public classes (digits are not mirror-symmetric: no flips).
+PRETRAIN = TrainingConfig(mode="images", target=PrivacyTarget(epsilon=math.inf), batch_size=128, steps=200,
+                          learning_rate=0.03, momentum=0.9, microbatch_size=128,
+                          images=ImageSettings(model="cnn-small", augmult=1, augment_flip=False))
+#: DP training of the last layer on the private classes' features.
+PRIVATE = TrainingConfig(mode="features", target=PrivacyTarget(epsilon=8.0, delta=1e-5), batch_size=512,
+                         steps=1000, learning_rate=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuickstartConfig:
     data: str = "digits"
     work_dir: str = "dpscale-quickstart"
-    model: str = "cnn-small"  # the architecture pre-trained on the public classes
     public_classes: tuple[str, ...] = ()  # () = the first half of the source's classes
     dedup: bool = True
-    # non-private pre-training on the public classes
-    pretrain_batch_size: int = 128
-    pretrain_steps: int = 200
-    pretrain_learning_rate: float = 0.03
-    pretrain_momentum: float = 0.9
-    augmult: int = 1
-    augment_flip: bool = False  # digits and other glyphs are not mirror-symmetric
-    microbatch_size: int = 128
-    # DP training of the last layer on the private classes
-    epsilon: float = 8.0
-    delta: float = 1e-5
-    batch_size: int = 512
-    steps: int = 1000
-    learning_rate: float = 1.0
-    seed: int | None = None
-    show_progress: bool = True
+    pretrain: TrainingConfig = PRETRAIN
+    private: TrainingConfig = PRIVATE
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.epsilon):
+        if not self.private.private:
             raise InvalidConfigError("the quickstart trains the private data with DP: give a finite epsilon")
-        if min(self.pretrain_batch_size, self.pretrain_steps, self.batch_size, self.steps) < 1:
-            raise InvalidConfigError("batch sizes and steps must be at least 1")
+        if self.private.mode != "features" or self.pretrain.mode != "images":
+            raise InvalidConfigError("the quickstart pre-trains on images and trains the private last layer on features")
+        if self.pretrain.batch_size is None or self.pretrain.steps is None:
+            raise InvalidConfigError("the quickstart's pre-training needs a batch size and a number of steps")
 
 
 def _safe(text: str) -> str:
@@ -105,8 +102,8 @@ def _ingested(config: QuickstartConfig, name: str, classes: tuple[str, ...], val
     data_dir = os.path.join(config.work_dir, "data", f"{_safe(config.data)}-{name}")
     try:
         manifest = IngestedDataset(data_dir).manifest
-        if (manifest.get("source") == config.data and tuple(manifest["class_names"]) == classes
-                and manifest.get("validation_fraction") == validation):
+        if (manifest.source == config.data and manifest.class_names == classes
+                and manifest.validation_fraction == validation):
             return data_dir
     except DpscaleError:  # nothing there yet, or an unreadable earlier attempt
         pass
@@ -120,9 +117,9 @@ def _deduplicated(config: QuickstartConfig, public: str, private: str) -> tuple[
     hashes = {"public": IngestedDataset(public).content_hash, "private": IngestedDataset(private).content_hash}
     out = os.path.join(config.work_dir, "data", f"dedup-{_digest(hashes)}")
     try:
-        manifest = IngestedDataset(out).manifest
-        if manifest.get("dedup", {}).get("public_content_hash") == hashes["public"]:
-            return out, int(manifest["dedup"]["num_removed"])
+        provenance = IngestedDataset(out).manifest.dedup
+        if provenance is not None and provenance.public_content_hash == hashes["public"]:
+            return out, provenance.num_removed
     except DpscaleError:
         pass
     result = dedup.run(dedup.DedupConfig(public, private, out, overwrite=True))
@@ -132,29 +129,28 @@ def _deduplicated(config: QuickstartConfig, public: str, private: str) -> tuple[
 def _pretrained_backbone(config: QuickstartConfig, public: str, runs: str) -> tuple[str, dict[str, Any]]:
     """Pre-train on ``public`` (non-private), export the backbone; reuse a matching earlier one."""
     dataset = IngestedDataset(public)
-    settings = {"data": dataset.content_hash, "model": config.model, "batch_size": config.pretrain_batch_size,
-                "steps": config.pretrain_steps, "learning_rate": config.pretrain_learning_rate,
-                "momentum": config.pretrain_momentum, "augmult": config.augmult, "flip": config.augment_flip,
-                "seed": config.seed}
-    backbone = os.path.join(config.work_dir, "backbones", f"{_safe(config.model)}-{_digest(settings)}")
+    training = dataclasses.replace(
+        config.pretrain, checkpoint_every=config.pretrain.steps,  # minutes-long runs: a checkpoint at the end only
+        images=dataclasses.replace(config.pretrain.images,
+                                   augment_pad=1 if dataset.image_shape[0] <= 16 else config.pretrain.images.augment_pad))
+    settings = {"data": dataset.content_hash, "training": dataclasses.replace(training, show_progress=True).to_json()}
+    backbone = os.path.join(config.work_dir, "backbones",
+                            f"{_safe(training.images.model)}-{_digest(settings)}")
     info_path = os.path.join(backbone, _PRETRAIN_FILE)
-    if pretrained.is_complete(backbone) and os.path.isfile(info_path):
-        with open(info_path) as f:
-            return backbone, json.load(f) | {"reused": True}
+    if pretrained.is_complete(backbone):
+        try:
+            with open(info_path) as f:
+                return backbone, json.load(f) | {"reused": True}
+        except (OSError, ValueError):  # not written (or cut short): pre-train again
+            pass
     run_dir = os.path.join(runs, "pretrain")
-    train.run(train.TrainConfig(
-        data=public, run_dir=run_dir, model=config.model, epsilon=math.inf, delta=config.delta,
-        batch_size=config.pretrain_batch_size, steps=config.pretrain_steps,
-        learning_rate=config.pretrain_learning_rate, momentum=config.pretrain_momentum,
-        augmult=config.augmult, augment_pad=1 if dataset.image_shape[0] <= 16 else 4,
-        augment_flip=config.augment_flip, microbatch_size=config.microbatch_size, seed=config.seed,
-        checkpoint_every=config.pretrain_steps,  # minutes-long runs: a checkpoint at the end only
-        show_progress=config.show_progress))
+    train.run(train.TrainConfig(data=public, run_dir=run_dir, training=training))
     split = "test" if "test" in dataset.splits else "validation"
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split))
     export_backbone.run(export_backbone.ExportBackboneConfig(run_dir, backbone, force=True))
     info = {"run_dir": os.path.abspath(run_dir), "public_test_accuracy": scores.ema_top1}
-    run_files.write_json_atomic(info_path, info)
+    with open(info_path, "w") as f:
+        json.dump(info, f)
     return backbone, info | {"reused": False}
 
 
@@ -168,7 +164,33 @@ def _run_dir(config: QuickstartConfig) -> str:
     return path
 
 
-def run(config: QuickstartConfig) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class QuickstartResult:
+    data: str
+    model: str
+    public_classes: list[str]
+    private_classes: list[str]
+    public_removed_by_dedup: int | None  # None: dedup was skipped
+    public_test_accuracy: float
+    pretrain_run_dir: str
+    pretrain_reused: bool
+    backbone: str
+    features: str
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    batch_size: int
+    steps: int
+    test_split: str
+    test_accuracy: float  # EMA parameters
+    test_accuracy_last: float
+    test_examples: int
+    run_dir: str
+    stage_seconds: dict[str, float]
+    seconds: float
+
+
+def run(config: QuickstartConfig) -> QuickstartResult:
     started = time.perf_counter()
     seconds: dict[str, float] = {}
 
@@ -197,34 +219,20 @@ def run(config: QuickstartConfig) -> dict[str, Any]:
         data=private, backbone=backbone, cache_dir=os.path.join(config.work_dir, "cache")))
     now = lap("featurize", now)
     run_dir = os.path.join(runs, "private")
-    trained = train.run(train.TrainConfig(
-        data=features.path, run_dir=run_dir, mode="features", epsilon=config.epsilon, delta=config.delta,
-        batch_size=config.batch_size, steps=config.steps, learning_rate=config.learning_rate,
-        microbatch_size=64 * math.ceil(1.25 * config.batch_size / 64),  # one micro-batch per step, as a rule
-        checkpoint_every=config.steps, seed=config.seed, show_progress=config.show_progress))
+    private = config.private
+    if private.microbatch_size is None and private.batch_size is not None:  # one micro-batch per step, as a rule
+        private = dataclasses.replace(private, microbatch_size=64 * math.ceil(1.25 * private.batch_size / 64))
+    trained = train.run(train.TrainConfig(data=features.path, run_dir=run_dir, training=dataclasses.replace(
+        private, checkpoint_every=private.checkpoint_every or private.steps)))
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=held_out))
     lap("private training", now)
-    return {
-        "data": config.data,
-        "model": config.model,
-        "public_classes": list(public_classes),
-        "private_classes": list(private_classes),
-        "public_removed_by_dedup": removed if config.dedup else None,
-        "public_test_accuracy": pretrain["public_test_accuracy"],
-        "pretrain_run_dir": pretrain["run_dir"],
-        "pretrain_reused": pretrain["reused"],
-        "backbone": os.path.abspath(backbone),
-        "features": os.path.abspath(features.path),
-        "epsilon": trained.epsilon,
-        "delta": trained.delta,
-        "noise_multiplier": trained.noise_multiplier,
-        "batch_size": trained.batch_size,
-        "steps": trained.steps,
-        "test_split": held_out,
-        "test_accuracy": scores.ema_top1,
-        "test_accuracy_last": scores.top1,
-        "test_examples": scores.num_examples,
-        "run_dir": os.path.abspath(run_dir),
-        "stage_seconds": seconds,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    return QuickstartResult(
+        data=config.data, model=config.pretrain.images.model, public_classes=list(public_classes),
+        private_classes=list(private_classes), public_removed_by_dedup=removed if config.dedup else None,
+        public_test_accuracy=pretrain["public_test_accuracy"], pretrain_run_dir=pretrain["run_dir"],
+        pretrain_reused=pretrain["reused"], backbone=os.path.abspath(backbone),
+        features=os.path.abspath(features.path), epsilon=trained.epsilon, delta=trained.delta,
+        noise_multiplier=trained.noise_multiplier, batch_size=trained.batch_size, steps=trained.steps,
+        test_split=held_out, test_accuracy=scores.ema_top1, test_accuracy_last=scores.top1,
+        test_examples=scores.num_examples, run_dir=os.path.abspath(run_dir), stage_seconds=seconds,
+        seconds=round(time.perf_counter() - started, 1))

@@ -1,4 +1,4 @@
-"""The sweep stage: a grid of DP training runs over epsilon and learning rate, repeated.
+"""The sweep command: a grid of DP training runs over epsilon and learning rate, repeated.
 
 Every run reads the same data (in ``features`` mode the same feature cache, so a
 sweep over epsilon never recomputes a feature). Each grid point is trained
@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import math
 import os
 import statistics
-from typing import Any, Literal
+from typing import Any
 
 from dpscale.errors import InvalidConfigError
-from dpscale.stages import evaluate, run_files, train
+from dpscale.stages import evaluate, train
+from dpscale.training.config import TrainingConfig
+from dpscale.training.run_directory import CONFIG, RunDirectory
 
 RUNS_CSV = "runs.csv"
 SUMMARY_CSV = "summary.csv"
@@ -35,46 +36,54 @@ PLOT = "accuracy_vs_epsilon.png"
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
+    """A grid of runs: ``training`` with its epsilon and learning rate replaced per grid point.
+
+    ``training`` must give the batch size and the steps (the noise multiplier is calibrated
+    for each epsilon); its learning rate is the grid when ``learning_rates`` is empty.
+    """
+
     data: str
     out_dir: str
-    mode: Literal["images", "features"] = "features"
-    model: str = "cnn-small"
+    training: TrainingConfig
     epsilons: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
-    learning_rates: tuple[float, ...] = (4.0,)
+    learning_rates: tuple[float, ...] = ()  # () = (training.learning_rate,)
     repeats: int = 3
-    delta: float = 1e-5
-    batch_size: int = 4096
-    steps: int = 200
-    clip_norm: float = 1.0
-    augmult: int = 1
-    microbatch_size: int = 4096
-    ema_decay: float = 0.999
     baseline: bool = True  # a non-private run per repeat (same steps and batch size)
     baseline_learning_rate: float = 0.5
     baseline_momentum: float = 0.9
     eval_split: str = "test"
-    holdout: int = 0  # features mode: train without the last N training rows and score on them
-    feature_normalization: str = "none"
-    feature_mean_noise_multiplier: float = 20.0
-    feature_scale: float = 1.0
-    show_progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.holdout and self.eval_split != "holdout":
+        if self.training.features.holdout and self.eval_split != "holdout":
             object.__setattr__(self, "eval_split", "holdout")
-        if not self.epsilons or any(not e > 0 for e in self.epsilons):
-            raise InvalidConfigError(f"epsilons must be positive, got {self.epsilons}")
-        if not self.learning_rates or any(not lr > 0 for lr in self.learning_rates):
-            raise InvalidConfigError(f"learning rates must be positive, got {self.learning_rates}")
+        if not self.epsilons or any(not 0 < e < math.inf for e in self.epsilons):
+            raise InvalidConfigError(f"epsilons must be positive and finite, got {self.epsilons}")
+        if any(not 0 < lr < math.inf for lr in self.grid_learning_rates):
+            raise InvalidConfigError(f"learning rates must be positive, got {self.grid_learning_rates}")
         if self.repeats < 1:
             raise InvalidConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if self.training.batch_size is None or self.training.steps is None:
+            raise InvalidConfigError("a sweep needs --batch-size and --steps (the noise is calibrated per epsilon)")
+        if self.training.noise_multiplier is not None:
+            raise InvalidConfigError("a sweep calibrates the noise multiplier for each epsilon; drop --noise-multiplier")
+
+    @property
+    def grid_learning_rates(self) -> tuple[float, ...]:
+        return self.learning_rates or (self.training.learning_rate,)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+    out_dir: str
+    rows: tuple[dict[str, Any], ...]  # one per run
+    summary: tuple[dict[str, Any], ...]  # one per (epsilon, learning rate): median and spread over repeats
 
 
 def _grid(config: SweepConfig) -> list[dict[str, Any]]:
     points = [
-        {"epsilon": eps, "learning_rate": lr, "momentum": 0.0, "repeat": r}
+        {"epsilon": eps, "learning_rate": lr, "momentum": config.training.momentum, "repeat": r}
         for eps in config.epsilons
-        for lr in config.learning_rates
+        for lr in config.grid_learning_rates
         for r in range(config.repeats)
     ]
     if config.baseline:
@@ -93,29 +102,22 @@ def _run_name(point: dict[str, Any]) -> str:
 
 def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
     run_dir = os.path.join(config.out_dir, "runs", _run_name(point))
-    metrics_path = os.path.join(run_dir, evaluate.METRICS_FILE)
-    if not os.path.exists(metrics_path):
-        if os.path.exists(os.path.join(run_dir, run_files.CONFIG)):
-            train.resume(run_dir, show_progress=config.show_progress)
+    existing = RunDirectory(os.path.abspath(run_dir))
+    if existing.read_scores() is None:
+        if os.path.exists(existing.file(CONFIG)):
+            train.run(train.ResumeConfig(run_dir, show_progress=config.training.show_progress))
         else:
-            train.run(train.TrainConfig(
-                data=config.data, run_dir=run_dir, mode=config.mode, model=config.model,
-                epsilon=point["epsilon"], delta=config.delta, batch_size=config.batch_size,
-                steps=config.steps, clip_norm=config.clip_norm, learning_rate=point["learning_rate"],
-                momentum=point["momentum"], augmult=config.augmult, microbatch_size=config.microbatch_size,
-                ema_decay=config.ema_decay, show_progress=config.show_progress, holdout=config.holdout,
-                feature_normalization=config.feature_normalization,
-                feature_mean_noise_multiplier=config.feature_mean_noise_multiplier,
-                feature_scale=config.feature_scale,
-            ))
+            base = config.training
+            training = dataclasses.replace(
+                base, target=dataclasses.replace(base.target, epsilon=point["epsilon"]),
+                learning_rate=point["learning_rate"], momentum=point["momentum"], seed=None)
+            train.run(train.TrainConfig(data=config.data, run_dir=run_dir, training=training))
         evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=config.eval_split))
-    with open(metrics_path) as f:
-        scores = json.load(f)
-    with open(os.path.join(run_dir, run_files.LEDGER)) as f:
-        ledger = json.load(f)
+    scores = existing.read_scores()
+    ledger = existing.read_ledger()
     return point | {
-        "achieved_epsilon": float(ledger["epsilon_spent"]),
-        "noise_multiplier": ledger["noise_multiplier"],
+        "achieved_epsilon": ledger.epsilon_spent,
+        "noise_multiplier": ledger.noise_multiplier,
         "top1": scores["top1"],
         "ema_top1": scores["ema_top1"],
         "run_dir": run_dir,
@@ -181,10 +183,10 @@ def _plot(out_dir: str, summary: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
-def run(config: SweepConfig) -> list[dict[str, Any]]:
+def run(config: SweepConfig) -> SweepResult:
     os.makedirs(config.out_dir, exist_ok=True)
     rows = [_one(config, point) for point in _grid(config)]
     summary = summarize(rows)
     _write_tables(config.out_dir, rows, summary)
     _plot(config.out_dir, summary)
-    return summary
+    return SweepResult(out_dir=config.out_dir, rows=tuple(rows), summary=tuple(summary))

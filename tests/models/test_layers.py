@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpscale.models.layers import (GroupNorm, ScaledWSConv, WSConv, scaled_gelu, scaled_relu,
-                                   standardize_kernel)
+from dpscale.models.layers import GroupNorm, ScaledWSConv, WSConv, scaled_gelu, scaled_relu, standardize_kernel
 
 
 def _x(shape, seed=0):

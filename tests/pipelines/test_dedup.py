@@ -6,12 +6,12 @@ import pytest
 from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
 from PIL import Image
 
+from dpscale.data.dataset import IngestedDataset
+from dpscale.dedup.image_hash import HashConfig
+from dpscale.dedup.join import PRIVATE, PUBLIC, ReadTask
 from dpscale.pipelines import dedup as graph
-from dpscale.pipelines.ingest import pipeline_options
+from dpscale.pipelines.runner import pipeline_options
 from dpscale.stages import dedup as stage
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.dedup_join import PRIVATE, PUBLIC, ReadTask
-from dpscale.stages.image_hash import HashConfig
 from dpscale.stages.ingest import IngestConfig
 from dpscale.stages.ingest import run as ingest
 
@@ -43,7 +43,7 @@ def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
         "dedup", "pub", "priv", str(tmp_path / "o"), "--threshold", "0.2",
         "--runner", "DataflowRunner", "--project", "p", "--", "--temp_location", "gs://b/t"])
     assert (config.public, config.private, config.threshold) == ("pub", "priv", 0.2)
-    options = pipeline_options(config.pipeline_args, estimated_examples=10)
+    options = pipeline_options(config.pipeline_args, parallel=False)
     assert options.view_as(StandardOptions).runner == "DataflowRunner"
     assert options.view_as(GoogleCloudOptions).project == "p"
     assert options.view_as(GoogleCloudOptions).temp_location == "gs://b/t"
@@ -57,7 +57,7 @@ def test_graph_builds_for_remote_paths_without_running():
         image_shape=(32, 32, 3), partitions=2,
         tasks=(ReadTask(PUBLIC, "train", 0, 10), ReadTask(PRIVATE, "test", 0, 3)),
         shard_ranges={("train", 0): (0, 10, 1)})
-    pipeline = beam.Pipeline(options=pipeline_options([], estimated_examples=10))
+    pipeline = beam.Pipeline(options=pipeline_options([], parallel=False))
     graph.build(pipeline, settings)
     labels = {t.unique_name for t in pipeline.to_runner_api().components.transforms.values()}
     assert {"Signatures", "GroupBuckets", "ExactDistance", "ClosestPrivate", "GroupShard",
@@ -88,5 +88,5 @@ def test_two_worker_processes_give_the_same_result_as_one(dataset, tmp_path):
     assert sorted((p["public_key"], p["private_key"]) for p in two.report["removed"]) == [
         ("train/c/8.png", "test/c/0.png"), ("train/c/9.png", "test/c/2.png")]
     assert one.report["removed"] == two.report["removed"]
-    assert one.manifest["content_hash"] == two.manifest["content_hash"]
+    assert one.manifest.content_hash == two.manifest.content_hash
     assert IngestedDataset(str(tmp_path / "two")).num_examples("train") == 8

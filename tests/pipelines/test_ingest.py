@@ -1,35 +1,17 @@
-"""The ingest graph: runner options pass through, local defaults, shard planning."""
+"""The ingest graph: when it runs in parallel, options from the CLI, shard planning, the graph itself."""
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.options.pipeline_options import (DirectOptions, GoogleCloudOptions,
-                                                  StandardOptions, WorkerOptions)
+from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOptions
 
+from dpscale.data.sources import parse_source, plan_source
 from dpscale.pipelines import ingest as graph
+from dpscale.pipelines.runner import pipeline_options
 from dpscale.stages import ingest as stage
-from dpscale.stages.sources import parse_source, plan_source
 
 
-def test_dataflow_options_pass_through_unchanged():
-    args = ["--runner", "DataflowRunner", "--project", "p", "--region", "europe-west4",
-            "--temp_location", "gs://bucket/tmp", "--num_workers", "7"]
-    options = graph.pipeline_options(args, estimated_examples=10**6)
-    assert options.view_as(StandardOptions).runner == "DataflowRunner"
-    gcp = options.view_as(GoogleCloudOptions)
-    assert (gcp.project, gcp.region, gcp.temp_location) == ("p", "europe-west4", "gs://bucket/tmp")
-    assert options.view_as(WorkerOptions).num_workers == 7
-    assert options.view_as(DirectOptions).direct_num_workers == 1  # untouched Beam default
-
-
-def test_local_defaults_use_both_cores_for_large_inputs_only():
-    big = graph.pipeline_options([], estimated_examples=60_000).view_as(DirectOptions)
-    assert (big.direct_num_workers, big.direct_running_mode) == (2, "multi_processing")
-    small = graph.pipeline_options([], estimated_examples=100)
-    assert small.view_as(DirectOptions).direct_running_mode == "in_memory"
-    assert small.view_as(StandardOptions).runner == graph.DEFAULT_RUNNER
-    mine = graph.pipeline_options(["--direct_num_workers=3", "--direct_running_mode=multi_threading"],
-                                  estimated_examples=60_000).view_as(DirectOptions)
-    assert (mine.direct_num_workers, mine.direct_running_mode) == (3, "multi_threading")
+def test_two_workers_only_for_large_inputs():
+    assert graph.parallel(60_000) and not graph.parallel(100)
 
 
 def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
@@ -37,7 +19,7 @@ def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
         "ingest", "digits", str(tmp_path), "--validation-fraction", "0.1",
         "--runner", "DataflowRunner", "--project", "p", "--", "--temp_location", "gs://b/t"])
     assert config.validation_fraction == 0.1
-    options = graph.pipeline_options(config.pipeline_args, estimated_examples=10)
+    options = pipeline_options(config.pipeline_args, parallel=False)
     assert options.view_as(StandardOptions).runner == "DataflowRunner"
     assert options.view_as(GoogleCloudOptions).project == "p"
     assert options.view_as(GoogleCloudOptions).temp_location == "gs://b/t"
@@ -54,7 +36,7 @@ def test_shards_per_split_accounts_for_validation():
 def test_graph_builds_for_a_remote_output_without_running():
     """Graph construction touches no files, so a gs:// output needs no credentials here."""
     plan = plan_source(parse_source("digits"))
-    pipeline = beam.Pipeline(options=graph.pipeline_options([], estimated_examples=1797))
+    pipeline = beam.Pipeline(options=pipeline_options([], parallel=False))
     graph.build(pipeline, plan, graph.GraphSettings(
         output_dir="gs://b/out", validation_fraction=0.1, encoding="raw", num_inputs=1797,
         shards_per_split={"train": 1, "test": 1, "validation": 1}))

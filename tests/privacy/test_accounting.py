@@ -4,12 +4,13 @@ import dp_accounting
 import pytest
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.accounting import (
-    DpsgdPrivacySpec,
-    EpsilonCurve,
-    dp_event,
-    epsilon,
-)
+from dpscale.privacy.accounting import EpsilonCurve, check_batch_size, check_mechanism, dp_event, epsilon
+from dpscale.privacy.plan import PrivacyPlan
+
+
+def _eps(sigma, q, steps, delta=1e-5, accountant="pld", releases=()):
+    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant,
+                   releases=releases)
 
 SETTINGS = [  # (sigma, q, steps, delta)
     (1.1, 256 / 60_000, 2_000, 1e-5),
@@ -35,45 +36,42 @@ def _reference(accountant, sigma, q, steps, delta):
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 @pytest.mark.parametrize("sigma,q,steps,delta", SETTINGS)
 def test_epsilon_equals_dp_accounting(accountant, sigma, q, steps, delta):
-    spec = DpsgdPrivacySpec(noise_multiplier=sigma, sampling_rate=q, steps=steps)
-    ours = epsilon(spec, delta, accountant)
+    ours = _eps(sigma, q, steps, delta, accountant)
     assert ours == pytest.approx(_reference(accountant, sigma, q, steps, delta), rel=1e-12)
     assert 0 < ours < 100
 
 
 def test_dp_event_is_poisson_subsampled_gaussian_composed_t_times():
-    spec = DpsgdPrivacySpec.from_batch_size(
-        noise_multiplier=1.5, batch_size=512, num_examples=50_000, steps=300
-    )
     expected = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(512 / 50_000, dp_accounting.GaussianDpEvent(1.5)), 300
     )
-    assert dp_event(spec) == expected
-    assert dp_event(spec, steps=7).count == 7
-    assert spec.exact
+    assert dp_event(noise_multiplier=1.5, sampling_rate=512 / 50_000, steps=300) == expected
+    assert dp_event(noise_multiplier=1.5, sampling_rate=512 / 50_000, steps=7).count == 7
+    plan = PrivacyPlan(num_examples=50_000, batch_size=512, steps=300, noise_multiplier=1.5, delta=1e-5)
+    assert plan.exact and plan.sampling_rate == 512 / 50_000
 
 
 def test_shuffled_batches_are_accounted_as_poisson_but_flagged_inexact():
-    kwargs = dict(noise_multiplier=1.5, sampling_rate=0.01, steps=100)
-    shuffled = DpsgdPrivacySpec(**kwargs, sampling="shuffle")
-    poisson = DpsgdPrivacySpec(**kwargs)
-    assert not shuffled.exact
-    assert dp_event(shuffled) == dp_event(poisson)
+    kwargs = dict(num_examples=10_000, batch_size=100, steps=100, noise_multiplier=1.5, delta=1e-5)
+    shuffled = PrivacyPlan(**kwargs, sampling="shuffle")
+    poisson = PrivacyPlan(**kwargs)
+    assert not shuffled.exact and poisson.exact
+    assert shuffled.epsilon() == poisson.epsilon()
+    assert any("shuffle" in w for w in shuffled.warnings)
 
 
 def test_full_batch_single_step_matches_the_analytic_gaussian_mechanism():
     # q = 1, T = 1 is the plain Gaussian mechanism, whose exact epsilon is known in
     # closed form (Balle & Wang 2018): an independent check of the PLD path.
-    spec = DpsgdPrivacySpec(noise_multiplier=2.0, sampling_rate=1.0, steps=1)
     exact = dp_accounting.get_epsilon_gaussian(2.0, 1e-5)
-    assert epsilon(spec, 1e-5, "pld") == pytest.approx(exact, rel=1e-3)
-    assert epsilon(spec, 1e-5, "rdp") >= exact  # RDP is an upper bound, looser
+    assert _eps(2.0, 1.0, 1, accountant="pld") == pytest.approx(exact, rel=1e-3)
+    assert _eps(2.0, 1.0, 1, accountant="rdp") >= exact  # RDP is an upper bound, looser
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_epsilon_is_monotone_in_each_parameter(accountant):
     def eps(sigma=2.0, q=0.01, steps=500):
-        return epsilon(DpsgdPrivacySpec(sigma, q, steps), 1e-5, accountant)
+        return _eps(sigma, q, steps, accountant=accountant)
 
     by_sigma = [eps(sigma=s) for s in (1.3, 1.6, 2.0, 4.0)]
     by_q = [eps(q=q) for q in (0.002, 0.005, 0.01, 0.05)]
@@ -85,8 +83,7 @@ def test_epsilon_is_monotone_in_each_parameter(accountant):
 
 def test_pld_is_tighter_than_rdp():
     for sigma, q, steps, delta in SETTINGS[1:]:
-        spec = DpsgdPrivacySpec(sigma, q, steps)
-        assert epsilon(spec, delta, "pld") < epsilon(spec, delta, "rdp")
+        assert _eps(sigma, q, steps, delta, "pld") < _eps(sigma, q, steps, delta, "rdp")
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
@@ -97,9 +94,7 @@ def test_epsilon_curve_matches_the_accountant_at_every_step_count(accountant):
     values = []
     for steps in (1, 37, 400, 3000):
         values.append(curve(steps))
-        assert values[-1] == pytest.approx(
-            epsilon(DpsgdPrivacySpec(sigma, q, steps), delta, accountant), rel=1e-12
-        )
+        assert values[-1] == pytest.approx(_reference(accountant, sigma, q, steps, delta), rel=1e-12)
     assert values == sorted(values)
     assert curve(37) == values[1]  # cached value is returned unchanged
 
@@ -117,31 +112,30 @@ def test_epsilon_curve_matches_the_accountant_at_every_step_count(accountant):
         dict(noise_multiplier=1.0, sampling_rate=0.1, steps=10, sampling="replacement"),
     ],
 )
-def test_invalid_specs_are_user_errors(kwargs):
+def test_invalid_mechanisms_are_user_errors(kwargs):
     with pytest.raises(InvalidConfigError):
-        DpsgdPrivacySpec(**kwargs)
+        check_mechanism(**kwargs)
 
 
 def test_batch_larger_than_data_set_is_rejected():
     with pytest.raises(InvalidConfigError, match="exceeds the number of examples"):
-        DpsgdPrivacySpec.from_batch_size(
-            noise_multiplier=1.0, batch_size=101, num_examples=100, steps=1
-        )
+        check_batch_size(batch_size=101, num_examples=100)
+    with pytest.raises(InvalidConfigError, match="exceeds the number of examples"):
+        PrivacyPlan(num_examples=100, batch_size=101, steps=1, noise_multiplier=1.0, delta=1e-5)
 
 
 @pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5])
 def test_delta_must_be_in_open_unit_interval(delta):
     with pytest.raises(InvalidConfigError):
-        epsilon(DpsgdPrivacySpec(1.0, 0.1, 10), delta)
+        _eps(1.0, 0.1, 10, delta)
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_releases_are_composed_into_epsilon_and_the_curve(accountant):
-    base = DpsgdPrivacySpec(noise_multiplier=2.0, sampling_rate=0.1, steps=50)
-    spec = DpsgdPrivacySpec(noise_multiplier=2.0, sampling_rate=0.1, steps=50, releases=(5.0,))
-    assert isinstance(dp_event(spec), dp_accounting.ComposedDpEvent)
-    with_release = epsilon(spec, 1e-5, accountant)
-    assert with_release > epsilon(base, 1e-5, accountant) + 1e-3  # the release costs something
+    assert isinstance(dp_event(noise_multiplier=2.0, sampling_rate=0.1, steps=50, releases=(5.0,)),
+                      dp_accounting.ComposedDpEvent)
+    with_release = _eps(2.0, 0.1, 50, accountant=accountant, releases=(5.0,))
+    assert with_release > _eps(2.0, 0.1, 50, accountant=accountant) + 1e-3  # the release costs something
     curve = EpsilonCurve(noise_multiplier=2.0, sampling_rate=0.1, delta=1e-5, accountant=accountant, releases=(5.0,))
     assert curve(50) == pytest.approx(with_release, rel=1e-9)
     # Before the first step the ledger already shows the release alone.
@@ -152,4 +146,4 @@ def test_releases_are_composed_into_epsilon_and_the_curve(accountant):
 @pytest.mark.parametrize("releases", [(0.0,), (-1.0,), (float("inf"),)])
 def test_invalid_releases_are_user_errors(releases):
     with pytest.raises(InvalidConfigError, match="release"):
-        DpsgdPrivacySpec(noise_multiplier=1.0, sampling_rate=0.1, steps=10, releases=releases)
+        check_mechanism(noise_multiplier=1.0, sampling_rate=0.1, steps=10, releases=releases)

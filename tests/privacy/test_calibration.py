@@ -7,20 +7,16 @@ import numpy as np
 import pytest
 
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy.accounting import DpsgdPrivacySpec, epsilon
-from dpscale.privacy.calibration import (
-    DEFAULT_RTOL,
-    MAX_STEPS,
-    calibrate_batch_size,
-    calibrate_noise_multiplier,
-    calibrate_steps,
-)
+from dpscale.privacy.accounting import epsilon
+from dpscale.privacy.calibration import (DEFAULT_RTOL, MAX_STEPS, calibrate_batch_size,
+                                         calibrate_noise_multiplier, calibrate_steps)
 
 IMAGENET = dict(num_examples=1_281_167, batch_size=16_384, steps=71_589, delta=8e-7)
 
 
-def _eps(sigma, q, steps, delta, accountant):
-    return epsilon(DpsgdPrivacySpec(sigma, q, steps), delta, accountant)
+def _eps(sigma, q, steps, delta, accountant, releases=()):
+    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant,
+                   releases=releases)
 
 
 def _random_settings(seed, count):
@@ -243,7 +239,7 @@ def test_rdp_convergence_warnings_stay_quiet(caplog, absl_warnings_on):
             target_epsilon=8.0, delta=1e-3, noise_multiplier=1.0, steps=100,
             num_examples=1000, accountant="rdp",
         )
-        epsilon(DpsgdPrivacySpec(1.0, 0.136, 100), 1e-3, "rdp")
+        _eps(1.0, 0.136, 100, 1e-3, "rdp")
     assert result.epsilon <= 8.0
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -266,9 +262,8 @@ def test_calibration_with_a_release_meets_the_target_and_leaves_training_less_bu
     alone = calibrate_noise_multiplier(**settings)
     found = calibrate_noise_multiplier(**settings, releases=(20.0,))
     assert found.value > alone.value  # the release took part of the budget: more noise for training
-    spec = DpsgdPrivacySpec(found.value, 0.2, 200, releases=(20.0,))
-    assert epsilon(spec, 1e-5) == found.epsilon <= 1.0
+    assert _eps(found.value, 0.2, 200, 1e-5, "pld", releases=(20.0,)) == found.epsilon <= 1.0
     # Tight: a little less noise would overshoot once the release is counted.
-    assert epsilon(DpsgdPrivacySpec(found.value * (1 - 2 * DEFAULT_RTOL), 0.2, 200, releases=(20.0,)), 1e-5) > 1.0
+    assert _eps(found.value * (1 - 2 * DEFAULT_RTOL), 0.2, 200, 1e-5, "pld", releases=(20.0,)) > 1.0
     # ... while training alone at that sigma stays below the target (the release is not free).
-    assert epsilon(DpsgdPrivacySpec(found.value, 0.2, 200), 1e-5) < found.epsilon
+    assert _eps(found.value, 0.2, 200, 1e-5, "pld") < found.epsilon

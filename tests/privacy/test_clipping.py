@@ -5,12 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpscale.privacy.clipping import (
-    clipped_sum_from_gradients,
-    make_clipped_sum_fn,
-    per_example_gradients,
-    per_example_norms,
-)
+from dpscale.privacy.clipping import (clipped_sum_from_gradients, make_clipped_sum_fn, per_example_gradients,
+                                      per_example_norms)
 
 
 def test_clipped_sum_matches_explicit_per_example_loop(toy):

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.dpsgd import DpsgdConfig, DpsgdStep, data_mesh
+from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
 from dpscale.privacy.ema import ema_decay
 
 
@@ -32,8 +32,7 @@ def test_noise_free_update_moves_at_most_one_over_b_per_example(toy, seed):
     n, views, micro, b = int(rng.integers(4, 13)), 3, 4, 16.0
     step = DpsgdStep(
         toy.loss_fn,
-        DpsgdConfig(noise_multiplier=0.0, expected_batch_size=b, clip_norm=float(rng.uniform(0.05, 2))),
-        noise_seed=seed,
+        noise_multiplier=0.0, expected_batch_size=b, clip_norm=float(rng.uniform(0.05, 2)), seed=seed,
     )
     state = step.init(toy.init_params(seed))
     data = toy.make_batch(100 + seed, n + 1, views=views, scale=float(rng.uniform(0.5, 30)))
@@ -44,7 +43,7 @@ def test_noise_free_update_moves_at_most_one_over_b_per_example(toy, seed):
 
 
 def test_sensitivity_bound_is_attained_by_a_large_gradient(toy):
-    step = DpsgdStep(toy.loss_fn, DpsgdConfig(noise_multiplier=0.0, expected_batch_size=8), noise_seed=0)
+    step = DpsgdStep(toy.loss_fn, noise_multiplier=0.0, expected_batch_size=8, seed=0)
     state = step.init(toy.init_params(1))
     data = toy.make_batch(2, 5, views=3, scale=100.0)
     g_with = toy.flat(step.privatized_gradient(_accumulated_sum(step, state, data, 2), 0))
@@ -53,8 +52,8 @@ def test_sensitivity_bound_is_attained_by_a_large_gradient(toy):
 
 
 def test_accumulation_equals_one_big_batch(toy):
-    config = DpsgdConfig(noise_multiplier=0.0, expected_batch_size=24)
-    step = DpsgdStep(toy.loss_fn, config, noise_seed=0, optimizer=optax.sgd(0.5, momentum=0.9))
+    config = dict(noise_multiplier=0.0, expected_batch_size=24)
+    step = DpsgdStep(toy.loss_fn, **config, seed=0, optimizer=optax.sgd(0.5, momentum=0.9))
     params = toy.init_params(11)
     data = toy.make_batch(12, 24, views=2, scale=4.0)
     results = []
@@ -71,7 +70,7 @@ def test_accumulation_equals_one_big_batch(toy):
 
 def _noise_samples(toy, *, sigma, b, microbatches, steps, seed=0):
     """The noise part of the privatised gradient for several steps (clipped sum removed)."""
-    step = DpsgdStep(toy.loss_fn, DpsgdConfig(noise_multiplier=sigma, expected_batch_size=b), noise_seed=seed)
+    step = DpsgdStep(toy.loss_fn, noise_multiplier=sigma, expected_batch_size=b, seed=seed)
     big = {"w1": jnp.zeros((200, 100)), "b1": jnp.zeros(100), "w2": jnp.zeros((100, 3)), "b2": jnp.zeros(3)}
     state = step.init(big)
     total = step.zero_sum(state)
@@ -107,10 +106,10 @@ def test_update_is_the_same_on_one_and_four_devices(toy):
     assert jax.device_count() >= 4, "tests/conftest.py forces 4 host devices"
     params = toy.init_params(21)
     data = toy.make_batch(22, 16, views=2, scale=3.0)
-    config = DpsgdConfig(noise_multiplier=0.8, expected_batch_size=16)
+    config = dict(noise_multiplier=0.8, expected_batch_size=16)
     results = []
     for devices in (jax.devices()[:1], jax.devices()[:4]):
-        step = DpsgdStep(toy.loss_fn, config, noise_seed=123, mesh=data_mesh(devices))
+        step = DpsgdStep(toy.loss_fn, **config, seed=123, mesh=data_mesh(devices))
         state = step.init(params)
         for _ in range(2):
             pieces = toy.split(data, [8, 8])
@@ -122,7 +121,7 @@ def test_update_is_the_same_on_one_and_four_devices(toy):
 
 def test_microbatch_must_divide_over_devices(toy):
     step = DpsgdStep(
-        toy.loss_fn, DpsgdConfig(noise_multiplier=1.0, expected_batch_size=4), noise_seed=0,
+        toy.loss_fn, noise_multiplier=1.0, expected_batch_size=4, seed=0,
         mesh=data_mesh(jax.devices()[:4]),
     )
     state = step.init(toy.init_params(0))
@@ -133,7 +132,7 @@ def test_microbatch_must_divide_over_devices(toy):
 def test_ema_follows_warmup_and_ignores_microsteps(toy):
     decay = 0.9
     step = DpsgdStep(
-        toy.loss_fn, DpsgdConfig(noise_multiplier=0.5, expected_batch_size=8, ema_decay=decay), noise_seed=3
+        toy.loss_fn, noise_multiplier=0.5, expected_batch_size=8, ema_decay=decay, seed=3
     )
     state = step.init(toy.init_params(4))
     data = toy.make_batch(5, 8, views=1)
@@ -148,13 +147,13 @@ def test_ema_follows_warmup_and_ignores_microsteps(toy):
     np.testing.assert_allclose(float(ema_decay(10**6, 0.9999)), 0.9999)
 
 
-def test_config_rejects_bad_values():
+def test_step_rejects_bad_values(toy):
     with pytest.raises(InvalidConfigError):
-        DpsgdConfig(noise_multiplier=-1.0, expected_batch_size=8)
+        DpsgdStep(toy.loss_fn, noise_multiplier=-1.0, expected_batch_size=8, seed=0)
     with pytest.raises(InvalidConfigError):
-        DpsgdConfig(noise_multiplier=1.0, expected_batch_size=0)
+        DpsgdStep(toy.loss_fn, noise_multiplier=1.0, expected_batch_size=0, seed=0)
     with pytest.raises(InvalidConfigError):
-        DpsgdConfig(noise_multiplier=1.0, expected_batch_size=8, clip_norm=float("inf"))
+        DpsgdStep(toy.loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=float("inf"), seed=0)
 
 
 def test_sharded_clipped_sum_of_a_conv_model_moves_no_per_example_tensors():
@@ -180,8 +179,8 @@ def test_sharded_clipped_sum_of_a_conv_model_moves_no_per_example_tensors():
     mask = jnp.ones(8).at[7].set(0.0)
     sums = []
     for devices in (jax.devices()[:1], jax.devices()[:4]):
-        step = DpsgdStep(loss_fn, DpsgdConfig(noise_multiplier=1.0, expected_batch_size=8, clip_norm=0.1),
-                         noise_seed=0, mesh=data_mesh(devices))
+        step = DpsgdStep(loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=0.1, seed=0,
+                         mesh=data_mesh(devices))
         state = step.init(params)
         total = step.zero_sum(state)
         if len(devices) == 4:

@@ -5,7 +5,8 @@ import pytest
 from scipy import stats
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.sampling import PADDING_INDEX, PoissonSampler, ShuffledSampler, pad_into_microbatches
+from dpscale.privacy.sampling import (PADDING_INDEX, PoissonSampler, ShuffledSampler, batch_capacity,
+                                      pad_into_microbatches)
 
 
 def test_poisson_batch_sizes_follow_binomial():
@@ -80,3 +81,10 @@ def test_shuffled_sampler_warns_and_covers_each_epoch():
 def test_rejects_impossible_sizes(kwargs):
     with pytest.raises(InvalidConfigError):
         PoissonSampler(seed=0, **kwargs)
+
+
+def test_capacity_covers_poisson_batches():
+    assert batch_capacity(100, 1.0) == 100
+    cap = batch_capacity(10_000, 0.01)
+    assert 100 + 8 * np.sqrt(99) < cap < 200
+    assert np.random.default_rng(0).binomial(10_000, 0.01, size=100_000).max() <= cap

@@ -8,11 +8,14 @@ import pytest
 from click.testing import CliRunner
 from sklearn.datasets import load_digits
 
+from dpscale.audit.canaries import build_data
+from dpscale.audit.game import audit_setting
 from dpscale.cli import cli
 from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.noise import add_gaussian_noise, step_key
-from dpscale.stages import audit, ingest
-from dpscale.stages.audit_models import TrainingSetup
+from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
+from dpscale.stages import ingest
+from dpscale.training.vmapped import TrainingSetup
 
 NUM_EXAMPLES, BATCH, STEPS, DELTA = 200, 50, 20, 1e-5
 
@@ -21,9 +24,8 @@ class NoiseOverBTwice(DpsgdStep):
     """The classic bug: noise calibrated for the mean, then divided by B again."""
 
     def _privatize_impl(self, total, step, base_key):
-        b = self.config.expected_batch_size
-        noisy = add_gaussian_noise(total.value, step_key(base_key, step),
-                                   std=self.config.noise_multiplier / b)
+        b = self.expected_batch_size
+        noisy = add_gaussian_noise(total.value, step_key(base_key, step), std=self.noise_multiplier / b)
         return jax.tree_util.tree_map(lambda x: x / b, noisy)
 
 
@@ -32,25 +34,20 @@ def digits_data():
     raw = load_digits()
     rng = np.random.default_rng(0)
     order = rng.permutation(len(raw.target))[:NUM_EXAMPLES]
-    return audit.build_data(raw.data[order] / 16.0, raw.target[order].astype(np.int32),
-                            num_examples=NUM_EXAMPLES, canaries=1, kind="ood", num_classes=10,
-                            rng=rng)
+    return build_data(raw.data[order] / 16.0, raw.target[order].astype(np.int32),
+                      num_examples=NUM_EXAMPLES, canaries=1, kind="ood", num_classes=10, rng=rng)
 
 
 @pytest.fixture(scope="module")
 def nominal():
-    sigma, epsilon = audit.noise_for(1.0, delta=DELTA, batch_size=BATCH,
-                                     num_examples=NUM_EXAMPLES, steps=STEPS)
-    return sigma, epsilon
+    """The plan of nominal epsilon 1, calibrated as `dpscale train` does."""
+    return PrivacyPlan.calibrate(PrivacyTarget(1.0, DELTA), num_examples=NUM_EXAMPLES, batch_size=BATCH, steps=STEPS)
 
 
-def _row(data, nominal, step_factory):
-    sigma, epsilon = nominal
-    setup = TrainingSetup(noise_multiplier=sigma, batch_size=BATCH, num_examples=NUM_EXAMPLES,
-                          steps=STEPS, learning_rate=1.0)
-    return audit.audit_setting(data, setup, nominal_epsilon=epsilon, delta=DELTA, num_models=400,
-                               confidence=0.999, holdout_fraction=0.25, seed=3,
-                               step_factory=step_factory)
+def _row(data, plan, step_class):
+    setup = TrainingSetup(plan=plan, learning_rate=1.0)
+    return audit_setting(data, setup, nominal_epsilon=plan.epsilon(), delta=DELTA, num_models=400,
+                         confidence=0.999, holdout_fraction=0.25, seed=3, step_class=step_class)
 
 
 def test_broken_privatizer_is_caught(digits_data, nominal):

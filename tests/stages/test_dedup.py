@@ -10,10 +10,11 @@ from click.testing import CliRunner
 from PIL import Image
 
 from dpscale.cli import cli
+from dpscale.data.dataset import IngestedDataset
+from dpscale.dedup import output
+from dpscale.dedup.image_hash import HashConfig, jpeg_roundtrip
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.stages import dedup as stage
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.image_hash import jpeg_roundtrip
 from dpscale.stages.ingest import IngestConfig
 from dpscale.stages.ingest import run as ingest
 
@@ -97,7 +98,7 @@ def test_report_lists_pairs_distances_threshold_and_method(data, result):
     res, _ = result
     report = json.loads((root / "out" / "dedup_report.json").read_text())
     assert report == res.report
-    assert report["threshold"] == stage.HashConfig().threshold and "DCT" in report["method"]
+    assert report["threshold"] == HashConfig().threshold and "DCT" in report["method"]
     assert report["private"]["content_hash"] == IngestedDataset(private).content_hash
     assert report["public"]["num_examples"] == len(PLANTED) + 24
     assert report["num_candidate_pairs"] >= len(PLANTED)
@@ -123,7 +124,7 @@ def test_output_is_an_ingested_dataset_without_the_copies(data, result):
     src = IngestedDataset(public)
     assert out.num_examples("train") == 24 and out.class_names == src.class_names
     assert out.image_shape == src.image_shape
-    assert out.content_hash != src.content_hash and out.manifest["dedup"]["num_removed"] == 5
+    assert out.content_hash != src.content_hash and out.manifest.dedup.num_removed == 5
     keys = {e.key for e in out.examples("train", range(24))}
     assert keys == {f"train/{'b' if j % 3 else 'a'}/other{j}.png" for j in range(24)}
     images, labels = out.get("train", [0, 23])
@@ -193,8 +194,8 @@ def test_one_dataset_with_disjoint_splits(tmp_path):
 
 
 def test_verification_keeps_copies_and_rejects_unrelated_pairs(data):
-    from dpscale.stages.dedup_join import Match, verify
-    from dpscale.stages.image_hash import HashConfig
+    from dpscale.dedup.image_hash import HashConfig
+    from dpscale.dedup.join import Match, verify
 
     public, private, planted, _ = data
     pub, priv = IngestedDataset(public), IngestedDataset(private)
@@ -214,12 +215,12 @@ def test_verification_keeps_copies_and_rejects_unrelated_pairs(data):
 
 def test_a_runner_that_lost_signatures_fails_loudly(data, tmp_path):
     """Lost signatures would remove nothing and look fine: the row count refuses that."""
-    from dpscale.stages.image_hash import HashConfig
+    from dpscale.dedup.image_hash import HashConfig
 
     public, private, _, _ = data
     config = HashConfig()
     with pytest.raises(RuntimeError, match="lost or duplicated"):
-        stage.write_outputs(None, public_path=public, private_path=private,
+        output.write_outputs(None, public_path=public, private_path=private,
                             output_dir=str(tmp_path), summaries=[], removed=[], matches=[],
                             candidates=0, rejected_by_verification=0, config=config,
                             num_public=29, num_private=7,

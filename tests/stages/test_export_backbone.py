@@ -11,12 +11,15 @@ from click.testing import CliRunner
 
 from dpscale.cache import feature_store as fstore
 from dpscale.cli import cli
+from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError
 from dpscale.models import pretrained
+from dpscale.privacy.plan import PrivacyTarget
 from dpscale.stages import export_backbone as stage
-from dpscale.stages import featurize, ingest, run_files, train
-from dpscale.stages.dataset import IngestedDataset
-from dpscale.stages.train_model import build_train_model
+from dpscale.stages import featurize, ingest, train
+from dpscale.training.config import ImageSettings, TrainingConfig
+from dpscale.training.model import build_train_model
+from dpscale.training.run_directory import LEDGER, PARAMS, RunDirectory
 
 IN_MEMORY = ("--runner=FnApiRunner", "--direct_num_workers=1", "--direct_running_mode=in_memory")
 
@@ -26,11 +29,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     data = str(root / "digits")
     ingest.run(ingest.IngestConfig("digits", data, classes=("0", "1", "2"), pipeline_args=IN_MEMORY))
-    common = dict(data=data, batch_size=64, steps=4, microbatch_size=32, augment_pad=1, seed=0, checkpoint_every=4,
-                  show_progress=False)
-    dp = train.run(train.TrainConfig(run_dir=str(root / "dp"), epsilon=4.0, **common))
-    public = train.run(train.TrainConfig(run_dir=str(root / "public"), epsilon=math.inf, momentum=0.9,
-                                         learning_rate=0.1, **common))
+    common = dict(batch_size=64, steps=4, microbatch_size=32, images=ImageSettings(augment_pad=1), seed=0,
+                  checkpoint_every=4, show_progress=False)
+    dp = train.run(train.TrainConfig(data, str(root / "dp"), TrainingConfig(target=PrivacyTarget(4.0), **common)))
+    public = train.run(train.TrainConfig(data, str(root / "public"), TrainingConfig(
+        target=PrivacyTarget(math.inf), momentum=0.9, learning_rate=0.1, **common)))
     return {"root": root, "data": data, "dp": dp, "public": public}
 
 
@@ -42,14 +45,14 @@ def test_exported_backbone_reproduces_the_runs_features_and_logits(runs):
     assert meta.model == "cnn-small" and meta.num_classes == 3
     assert meta.preprocessing.resolution == 8 and "(" in meta.source and run_dir in meta.source
 
-    trained = run_files.RunFiles(run_dir).load_params()
+    trained = RunDirectory(run_dir).load_params()
     model, variables, prep = pretrained.load_pretrained(str(root / "bb"))
     same = jax.tree.map(np.array_equal, variables["params"], trained["ema_params"])
     assert all(jax.tree.leaves(same))
 
     # The run's own model on its own (training-time) preprocessing of the test split.
-    saved = json.loads((root / "dp" / "config.json").read_text())["config"]
-    run_model = build_train_model(train.TrainConfig(**saved))
+    spec = RunDirectory(run_dir).read_spec()
+    run_model = build_train_model(spec.data, spec.training)
     inputs, labels = run_model.eval_inputs("test")
     run_logits = run_model.logits_fn(trained["ema_params"], {}, inputs)
     run_features = model.apply({"params": trained["ema_params"]}, inputs, method="features")
@@ -71,7 +74,7 @@ def test_cli_last_iterate_and_non_private_warning(runs, tmp_path):
     out = CliRunner().invoke(cli, ["export-backbone", run_dir, str(tmp_path / "bb"), "--last"])
     assert out.exit_code == 0, out.output
     assert "no privacy guarantee" in out.stderr and "last parameters" in out.stdout
-    trained = run_files.RunFiles(run_dir).load_params()
+    trained = RunDirectory(run_dir).load_params()
     meta = pretrained.read_metadata(str(tmp_path / "bb"))
     assert meta.weights_sha256 == pretrained.variables_sha256({"params": trained["params"]})
     assert meta.weights_sha256 != pretrained.variables_sha256({"params": trained["ema_params"]})
@@ -83,17 +86,17 @@ def test_cli_last_iterate_and_non_private_warning(runs, tmp_path):
 def test_refuses_unfinished_and_features_mode_runs(runs, tmp_path):
     killed = tmp_path / "killed"  # what a killed run leaves: a ledger short of its plan, no params/
     shutil.copytree(runs["dp"].run_dir, killed)
-    shutil.rmtree(killed / run_files.PARAMS)
-    ledger = json.loads((killed / run_files.LEDGER).read_text())
-    (killed / run_files.LEDGER).write_text(json.dumps(ledger | {"steps_done": 2}))
+    shutil.rmtree(killed / PARAMS)
+    ledger = json.loads((killed / LEDGER).read_text())
+    (killed / LEDGER).write_text(json.dumps(ledger | {"steps_done": 2}))
     with pytest.raises(DataError, match="not finished.*--resume"):
         stage.run(stage.ExportBackboneConfig(str(killed), str(tmp_path / "a")))
 
     entry = featurize.run(featurize.FeaturizeConfig(runs["data"], str(_exported(runs)), pipeline_args=IN_MEMORY,
                                                     cache_dir=str(runs["root"] / "cache")))
-    features_run = train.run(train.TrainConfig(data=entry.path, run_dir=str(tmp_path / "f"), mode="features",
-                                               epsilon=4.0, batch_size=64, steps=1, microbatch_size=64,
-                                               show_progress=False))
+    features_run = train.run(train.TrainConfig(entry.path, str(tmp_path / "f"), TrainingConfig(
+        mode="features", target=PrivacyTarget(4.0), batch_size=64, steps=1, microbatch_size=64,
+        show_progress=False)))
     result = CliRunner().invoke(cli, ["export-backbone", features_run.run_dir, str(tmp_path / "b")])
     assert result.exit_code == 2 and "features-mode" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

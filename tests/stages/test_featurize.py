@@ -11,12 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from dpscale.cache import feature_store as fstore
+from dpscale.cache import featurizer
 from dpscale.cli import cli
+from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import pretrained, registry
 from dpscale.stages import featurize as stage
 from dpscale.stages import ingest
-from dpscale.stages.dataset import IngestedDataset
 
 IN_MEMORY = ("--direct_num_workers=1", "--direct_running_mode=in_memory")
 PREP = pretrained.Preprocessing(resolution=12, mean=(8.0,), std=(4.0,))
@@ -101,8 +102,8 @@ def test_same_key_is_a_fast_hit_that_computes_nothing(env, done, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a cache hit must not featurize")
 
-    monkeypatch.setattr(stage, "featurize_chunk", forbidden)
-    monkeypatch.setattr(stage, "Featurizer", forbidden)
+    monkeypatch.setattr(featurizer, "featurize_chunk", forbidden)
+    monkeypatch.setattr(featurizer, "Featurizer", forbidden)
     start = time.perf_counter()
     again = stage.run(config(env, cache, batch_size=7, chunk_rows=100))  # speed knobs: same key
     assert time.perf_counter() - start < 3.0
@@ -129,13 +130,13 @@ def test_interrupted_run_finishes_only_the_missing_chunks(env, done, tmp_path, m
     with pytest.raises(DataError, match="incomplete"):
         fstore.open_features(str(entry))
     calls = []
-    real = stage.featurize_chunk
+    real = featurizer.featurize_chunk
 
     def counting(dataset, store, featurizer, split, chunk):
         calls.append((split, chunk))
         return real(dataset, store, featurizer, split, chunk)
 
-    monkeypatch.setattr(stage, "featurize_chunk", counting)
+    monkeypatch.setattr(featurizer, "featurize_chunk", counting)
     result = stage.run(config(env, cache))
     assert sorted(calls) == [("test", 0), ("train", 1)]
     assert (result.cache_hit, result.chunks_computed, result.chunks_total) == (False, 2, 4)
@@ -146,19 +147,19 @@ def test_interrupted_run_finishes_only_the_missing_chunks(env, done, tmp_path, m
 
 def test_preprocessing_and_weights_change_the_key(env, tmp_path):
     with IngestedDataset(env["data"]) as ds:
-        base, _ = stage.feature_key(ds, env["backbone"])
+        base, _ = featurizer.feature_key(ds, env["backbone"])
         assert base.resolution == PREP.resolution
-        assert stage.feature_key(ds, env["backbone"], resolution=16)[0].digest != base.digest
-        assert stage.feature_key(ds, env["backbone"], resize_method="nearest")[0].digest != base.digest
+        assert featurizer.feature_key(ds, env["backbone"], resolution=16)[0].digest != base.digest
+        assert featurizer.feature_key(ds, env["backbone"], resize_method="nearest")[0].digest != base.digest
         other = save_backbone(tmp_path / "bb2", 1)
-        assert stage.feature_key(ds, other)[0].digest != base.digest
+        assert featurizer.feature_key(ds, other)[0].digest != base.digest
         same = save_backbone(tmp_path / "bb3", 0)  # same weights elsewhere: same features
-        assert stage.feature_key(ds, same)[0].digest == base.digest
+        assert featurizer.feature_key(ds, same)[0].digest == base.digest
 
 
 def test_preprocess_resizes_normalises_and_repeats_gray_for_rgb():
     images = np.full((2, 4, 4, 1), 10, np.uint8)
-    out = stage.preprocess(images, resolution=8, mean=(2.0, 4.0, 6.0), std=(2.0, 2.0, 2.0))
+    out = featurizer.preprocess(images, resolution=8, mean=(2.0, 4.0, 6.0), std=(2.0, 2.0, 2.0))
     assert out.shape == (2, 8, 8, 3) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out[0, 3, 5]), [4.0, 3.0, 2.0], rtol=1e-6)
 

@@ -1,7 +1,6 @@
 """End to end: ingest small sources, check manifest, report, hash and random access."""
 
 import gzip
-import io
 import json
 import os
 import shutil
@@ -13,8 +12,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from dpscale.cli import cli
+from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InvalidConfigError
-from dpscale.stages.dataset import IngestedDataset
 from dpscale.stages.ingest import IngestConfig, run
 
 CIFAR = "/work/shared/data/cifar10-jpeg.tar.gz"
@@ -63,13 +62,13 @@ def folder_dataset(tmp_path_factory):
 def test_manifest_counts_and_classes(folder_dataset):
     ds, _, _ = folder_dataset
     m = ds.manifest
-    assert m["class_names"] == ["a", "b", "c"] and ds.num_classes == 3
-    assert m["image_shape"] == [6, 6, 3]
-    assert m["splits"]["train"]["num_examples"] == 12
-    assert m["splits"]["train"]["class_counts"] == {"a": 4, "b": 4, "c": 4}
-    assert m["splits"]["test"]["class_counts"] == {"a": 2, "b": 2, "c": 0}
-    assert m["format_version"] == 1 and m["record_encoding"] == "raw"
-    assert m["source"].startswith("folder:")
+    assert m.class_names == ("a", "b", "c") and ds.num_classes == 3
+    assert m.image_shape == (6, 6, 3)
+    assert m.splits["train"].num_examples == 12
+    assert m.splits["train"].class_counts == {"a": 4, "b": 4, "c": 4}
+    assert m.splits["test"].class_counts == {"a": 2, "b": 2, "c": 0}
+    assert m.to_json()["format_version"] == 1 and m.record_encoding == "raw"
+    assert m.source.startswith("folder:")
     assert len(ds) == 16
 
 
@@ -79,8 +78,8 @@ def test_bad_inputs_are_reported_not_dropped(folder_dataset):
     by_key = {r["key"]: r["reason"] for r in report["rejected"]}
     assert by_key == {"train/a/corrupt.jpg": "undecodable", "train/b/gray.png": "wrong_shape",
                       "test/zebra/0.png": "unknown_label"}
-    assert ds.manifest["num_rejected"] == 3
-    assert ds.manifest["rejected_by_reason"] == {"undecodable": 1, "unknown_label": 1,
+    assert ds.manifest.num_rejected == 3
+    assert ds.manifest.rejected_by_reason == {"undecodable": 1, "unknown_label": 1,
                                                   "wrong_shape": 1}
 
 
@@ -126,8 +125,8 @@ def test_same_data_other_order_and_names_gives_same_hash_and_index(folder_datase
         _save_png(root / split / "abc"[label] / f"img{i:03d}.png", img)
     other = ingest(f"folder:{root}", tmp_path / "out")
     assert other.content_hash == ds.content_hash
-    assert other.manifest["splits"]["train"]["content_hash"] == \
-        ds.manifest["splits"]["train"]["content_hash"]
+    assert other.manifest.splits["train"].content_hash == \
+        ds.manifest.splits["train"].content_hash
     np.testing.assert_array_equal(other.get("train", range(12))[0], ds.get("train", range(12))[0])
     # Changing one label changes the hash.
     moved = next((root / "train" / "a").iterdir())
@@ -147,7 +146,7 @@ def test_validation_split_is_deterministic(tmp_path):
     assert 5 <= first.num_examples("validation") <= 25
     assert first.num_examples("train") + first.num_examples("validation") == 60
     assert ids(first) == ids(second)
-    assert len(first.manifest["splits"]["train"]["shards"]) > 1  # several shards, one index
+    assert len(first.manifest.splits["train"].shards) > 1  # several shards, one index
     assert first.content_hash == second.content_hash  # shard count does not change the data
 
 
@@ -159,7 +158,7 @@ def test_tar_gz_source(tmp_path):
         tar.add(root, arcname="data")
     ds = ingest(f"folder:{archive}", tmp_path / "out")
     assert ds.num_examples("train") == 12 and ds.num_examples("test") == 4
-    assert ds.manifest["num_rejected"] == 3
+    assert ds.manifest.num_rejected == 3
     e = ds.examples("test", [0])[0]
     key = e.key.split("/", 1)[1]
     np.testing.assert_array_equal(e.image, truth[key][0])
@@ -179,7 +178,7 @@ def test_idx_source_and_unknown_label(tmp_path):
     _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images[:3])
     _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.array([1, 9, 2]))
     ds = ingest(f"idx:{tmp_path}", tmp_path / "out")
-    assert ds.manifest["splits"]["train"]["class_counts"] == {"0": 4, "1": 3, "2": 3}
+    assert ds.manifest.splits["train"].class_counts == {"0": 4, "1": 3, "2": 3}
     assert ds.num_examples("test") == 2
     assert [r["reason"] for r in json.load(open(tmp_path / "out" / "report.json"))["rejected"]] \
         == ["unknown_label"]
@@ -193,7 +192,7 @@ def test_digits_source_png_encoding(tmp_path):
     ds = ingest("digits", tmp_path / "out", image_encoding="png")
     assert ds.image_shape == (8, 8, 1)
     assert ds.num_examples("train") + ds.num_examples("test") == 1797
-    assert ds.manifest["record_encoding"] == "png"
+    assert ds.manifest.record_encoding == "png"
     images, labels = ds.get("test", [0, 1, 2])
     assert images.shape == (3, 8, 8, 1) and set(labels) <= set(range(10))
 
@@ -204,7 +203,7 @@ def test_output_dir_is_not_silently_mixed(tmp_path, folder_dataset):
     with pytest.raises(DataError):
         ingest(f"folder:{root}", tmp_path / "out")
     again = ingest(f"folder:{root}", tmp_path / "out", overwrite=True, examples_per_shard=5)
-    assert len(again.manifest["splits"]["train"]["shards"]) == 3
+    assert len(again.manifest.splits["train"].shards) == 3
     assert len(list((tmp_path / "out").glob("train-*.array_record"))) == 3
 
 
@@ -214,7 +213,7 @@ def test_all_inputs_rejected_still_gives_a_readable_report(tmp_path):
     (root / "a" / "1.jpg").write_bytes(b"not an image")
     ds = ingest(f"folder:{root}", tmp_path / "out")
     assert ds.splits == [] and ds.image_shape == () and len(ds) == 0
-    assert ds.manifest["rejected_by_reason"] == {"undecodable": 1}
+    assert ds.manifest.rejected_by_reason == {"undecodable": 1}
 
 
 def test_config_validation():
@@ -231,7 +230,7 @@ def test_cli_ingest_and_one_line_errors(tmp_path, folder_dataset):
                                  "--validation-fraction", "0.2", "--", *FAST])
     assert result.exit_code == 0, result.output
     assert "rejected: 3" in result.output and "content hash:" in result.output
-    assert IngestedDataset(str(tmp_path / "o")).manifest["validation_fraction"] == 0.2
+    assert IngestedDataset(str(tmp_path / "o")).manifest.validation_fraction == 0.2
     missing = runner.invoke(cli, ["ingest", f"folder:{tmp_path}/missing", str(tmp_path / "p")])
     assert missing.exit_code == 2
     lines = missing.stderr.strip().splitlines()
@@ -248,7 +247,7 @@ def test_cifar10_jpeg_slice(tmp_path):
         tar.extractall(root, members=members, filter="data")
     ds = ingest(f"folder:{root}", tmp_path / "out")
     assert ds.image_shape == (32, 32, 3)
-    assert len(ds.class_names) == 10 and ds.manifest["num_rejected"] == 0
+    assert len(ds.class_names) == 10 and ds.manifest.num_rejected == 0
     assert ds.num_examples("train") == ds.num_examples("test") == len(members) // 2
 
 
@@ -260,6 +259,6 @@ def test_tfds_source_end_to_end_with_mock_data(tmp_path):
     assert ds.class_names == [str(i) for i in range(10)]
     assert ds.image_shape == (28, 28, 1)
     assert ds.num_examples("train") + ds.num_examples("validation") == 12
-    assert ds.manifest["source"] == "tfds:mnist:train"
+    assert ds.manifest.source == "tfds:mnist:train"
     images, labels = ds.get("train", range(ds.num_examples("train")))
     assert images.dtype == np.uint8 and ((0 <= labels) & (labels < 10)).all()

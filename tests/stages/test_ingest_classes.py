@@ -5,11 +5,11 @@ import pytest
 from click.testing import CliRunner
 
 from dpscale.cli import cli
+from dpscale.data import examples as ex
+from dpscale.data.dataset import IngestedDataset
+from dpscale.data.sources import ReadTask, select_classes
 from dpscale.errors import DataError, InvalidConfigError
-from dpscale.stages import examples as ex
-from dpscale.stages.dataset import IngestedDataset
 from dpscale.stages.ingest import IngestConfig, run
-from dpscale.stages.sources import ReadTask, select_classes
 
 FAST = ("--runner=FnApiRunner", "--direct_num_workers=1", "--direct_running_mode=in_memory")
 
@@ -50,8 +50,8 @@ def digits(tmp_path_factory):
 def test_filtered_ingest_holds_exactly_the_kept_classes_relabelled(digits):
     full, some = digits
     assert some.class_names == ["5", "7"] and some.num_classes == 2
-    assert some.manifest["class_filter"]["source_class_names"] == full.class_names
-    assert "class_filter" not in full.manifest
+    assert list(some.manifest.class_filter.source_class_names) == full.class_names
+    assert full.manifest.class_filter is None
     kept = 0
     for split in full.splits:
         labels = full.labels(split)
@@ -60,10 +60,10 @@ def test_filtered_ingest_holds_exactly_the_kept_classes_relabelled(digits):
                     zip(full.examples(split, wanted), wanted)}
         got = {e.id: e.label for e in some.examples(split, range(some.num_examples(split)))}
         assert got == expected  # same images, labels 5 -> 0 and 7 -> 1
-        assert some.manifest["splits"][split]["class_counts"] == {
+        assert some.manifest.splits[split].class_counts == {
             "5": int((labels == 5).sum()), "7": int((labels == 7).sum())}
         kept += len(got)
-    assert kept + some.manifest["class_filter"]["num_excluded"] == len(full) == 1797
+    assert kept + some.manifest.class_filter.num_excluded == len(full) == 1797
     assert some.content_hash != full.content_hash
 
 

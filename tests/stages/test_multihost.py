@@ -24,9 +24,12 @@ from jax.sharding import PartitionSpec
 from dpscale import distributed
 from dpscale.cli import cli
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.plan import PrivacyTarget
 from dpscale.privacy.sampling import pad_into_microbatches
-from dpscale.stages import run_files, train
-from dpscale.stages.train_data import FeatureFeed
+from dpscale.stages import train
+from dpscale.training.config import TrainingConfig
+from dpscale.training.feeds import FeatureFeed
+from dpscale.training.run_directory import RunDirectory
 
 
 @pytest.mark.parametrize("args, match", [
@@ -207,14 +210,14 @@ def test_two_processes_train_exactly_like_one(features, tmp_path):
     assert json.loads((run_dir / "ledger.json").read_text())["steps_done"] == steps
 
     seed = json.loads((run_dir / "seed.json").read_text())["seed"]
-    reference = train.run(train.TrainConfig(
-        data=features, run_dir=str(tmp_path / "one"), mode="features", epsilon=2.0, batch_size=64,
-        steps=steps, microbatch_size=16, learning_rate=4.0, checkpoint_every=100, seed=seed, show_progress=False))
+    reference = train.run(train.TrainConfig(data=features, run_dir=str(tmp_path / "one"), training=TrainingConfig(
+        mode="features", target=PrivacyTarget(2.0), batch_size=64, steps=steps, microbatch_size=16,
+        learning_rate=4.0, checkpoint_every=100, seed=seed, show_progress=False)))
     assert reference.epsilon == results[0]["epsilon"]
     assert [json.loads(line)["batch_size"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()] \
         == [m["batch_size"] for m in lines]  # the same Poisson batches
-    got = run_files.RunFiles(str(run_dir)).load_params()
-    want = run_files.RunFiles(str(tmp_path / "one")).load_params()
+    got = RunDirectory(str(run_dir)).load_params()
+    want = RunDirectory(str(tmp_path / "one")).load_params()
     for key in ("params", "ema_params"):
         for a, b in zip(jax.tree_util.tree_leaves(got[key]), jax.tree_util.tree_leaves(want[key])):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -14,9 +14,12 @@ import pytest
 from click.testing import CliRunner
 
 from dpscale.cli import cli
+from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InfeasiblePrivacyTargetError
-from dpscale.stages import evaluate, ingest, run_files, train
-from dpscale.stages.dataset import IngestedDataset
+from dpscale.privacy.plan import PrivacyTarget
+from dpscale.stages import evaluate, ingest, train
+from dpscale.training.config import ImageSettings, TrainingConfig
+from dpscale.training.run_directory import RunDirectory
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +29,15 @@ def digits(tmp_path_factory):
     return out
 
 
+def _training(epsilon=4.0, backbone=None, **overrides):
+    base = dict(target=PrivacyTarget(epsilon=epsilon, delta=1e-5, sampling=overrides.pop("sampling", "poisson")),
+                batch_size=64, steps=3, microbatch_size=32, seed=0, show_progress=False,
+                images=ImageSettings(augmult=2, augment_pad=1, backbone=backbone))
+    return TrainingConfig(**(base | overrides))
+
+
 def _config(digits, run_dir, **overrides):
-    base = dict(
-        data=digits, run_dir=str(run_dir), epsilon=4.0, delta=1e-5, batch_size=64, steps=3,
-        microbatch_size=32, augmult=2, augment_pad=1, seed=0, show_progress=False,
-    )
-    return train.TrainConfig(**(base | overrides))
+    return train.TrainConfig(data=digits, run_dir=str(run_dir), training=_training(**overrides))
 
 
 def test_train_writes_ledger_metrics_and_params(digits, tmp_path):
@@ -46,8 +52,9 @@ def test_train_writes_ledger_metrics_and_params(digits, tmp_path):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert lines[-1]["epsilon_spent"] == result.epsilon
-    config = json.loads((run / "config.json").read_text())
-    assert config["resolved"]["noise_multiplier"] == pytest.approx(result.noise_multiplier)
+    spec = RunDirectory.existing(str(run)).read_spec()
+    assert spec.plan.noise_multiplier == pytest.approx(result.noise_multiplier)
+    assert spec.training == _training() and spec.data == digits
 
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))
     assert scores.num_examples == IngestedDataset(digits).num_examples("test")
@@ -107,14 +114,14 @@ def test_kill_9_then_resume_gives_the_uninterrupted_result(digits, tmp_path):
     process.wait()
     assert not (run_dir / "params").exists()
 
-    resumed = train.resume(str(run_dir), show_progress=False)
+    resumed = train.run(train.ResumeConfig(str(run_dir), show_progress=False))
     assert resumed.epsilon == reference.epsilon and resumed.steps == steps
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["steps_done"] == steps and ledger["epsilon_spent"] == reference.epsilon
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, steps + 1))  # every step exactly once
-    got = run_files.RunFiles(str(run_dir)).load_params()
-    want = run_files.RunFiles(str(tmp_path / "reference")).load_params()
+    got = RunDirectory(str(run_dir)).load_params()
+    want = RunDirectory(str(tmp_path / "reference")).load_params()
     for key in ("params", "ema_params"):
         for a, b in zip(jax.tree_util.tree_leaves(got[key]), jax.tree_util.tree_leaves(want[key])):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
@@ -130,7 +137,7 @@ def test_non_private_baseline_needs_no_calibration(digits, tmp_path):
 
 def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_path):
     from dpscale.models import pretrained, registry
-    from dpscale.stages.train_model import build_train_model
+    from dpscale.training.model import build_train_model
 
     model = registry.get_model("cnn-small", num_classes=5)
     variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 12, 12, 1), np.float32))
@@ -138,7 +145,7 @@ def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_pat
     pretrained.save_pretrained(tmp_path / "backbone", variables, model="cnn-small", num_classes=5,
                                preprocessing=prep)
     config = _config(digits, tmp_path / "run", backbone=str(tmp_path / "backbone"), steps=2)
-    start = build_train_model(config).init_params(0)
+    start = build_train_model(config.data, config.training).init_params(0)
     np.testing.assert_array_equal(np.asarray(start["backbone"]["conv_0"]["kernel"]),
                                   np.asarray(variables["params"]["backbone"]["conv_0"]["kernel"]))
     assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree_util.tree_leaves(start["head"]))
@@ -149,18 +156,40 @@ def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_pat
 
 
 def test_book_keeping_path_is_used_and_trains_like_the_vmap_path(digits, tmp_path, monkeypatch, caplog):
-    from dpscale.stages import train_model
+    from dpscale.training import model as train_model
+    from dpscale.training import trainer
 
-    with caplog.at_level("INFO", logger="dpscale.stages.train_model"):
+    with caplog.at_level("INFO", logger="dpscale.training.model"):
         train.run(_config(digits, tmp_path / "bk", steps=2))
     assert "per-example gradients: book-keeping" in caplog.text
 
-    def without_fast_path(config):
-        return dataclasses.replace(train_model.build_train_model(config), fast_clipped_sum=None)
+    def without_fast_path(data, config):
+        return dataclasses.replace(train_model.build_train_model(data, config), clipped_sum_fn=lambda clip: None)
 
-    monkeypatch.setattr(train, "build_train_model", without_fast_path)
+    monkeypatch.setattr(trainer, "build_train_model", without_fast_path)
     train.run(_config(digits, tmp_path / "vmap", steps=2))
-    got = run_files.RunFiles(str(tmp_path / "bk")).load_params()
-    want = run_files.RunFiles(str(tmp_path / "vmap")).load_params()
+    got = RunDirectory(str(tmp_path / "bk")).load_params()
+    want = RunDirectory(str(tmp_path / "vmap")).load_params()
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_cli_defaults_are_the_training_config_defaults(command):
+    config = TrainingConfig()
+    target, images, features = config.target, config.images, config.features
+    expected = {"epsilon": target.epsilon, "delta": target.delta, "accountant": target.accountant,
+                "sampling": target.sampling, "batch_size": config.batch_size, "steps": config.steps,
+                "noise_multiplier": config.noise_multiplier, "clip_norm": config.clip_norm,
+                "learning_rate": config.learning_rate, "momentum": config.momentum,
+                "weight_decay": config.weight_decay, "microbatch_size": config.microbatch_size,
+                "ema_decay": config.ema_decay, "checkpoint_every": config.checkpoint_every,
+                "devices": config.devices, "seed": config.seed, "model": images.model, "backbone": images.backbone,
+                "augmult": images.augmult, "augment_pad": images.augment_pad, "holdout": features.holdout,
+                "feature_normalization": features.normalization,
+                "feature_mean_noise_multiplier": features.mean_noise_multiplier, "feature_scale": features.scale}
+    params = {param.name: param.default for param in cli.commands[command].params}
+    shared = set(expected) & set(params)
+    assert len(shared) >= 20, sorted(shared)
+    for name in shared:
+        assert params[name] == expected[name], name

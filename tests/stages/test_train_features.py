@@ -6,7 +6,9 @@ import math
 import numpy as np
 import pytest
 
+from dpscale.privacy.plan import PrivacyTarget
 from dpscale.stages import evaluate, sweep, train
+from dpscale.training.config import TrainingConfig
 
 
 @pytest.fixture(scope="module")
@@ -17,9 +19,9 @@ def features(tmp_path_factory, synthetic_feature_cache):
 
 
 def test_last_layer_dp_training_learns_and_spends_at_most_the_target(features, tmp_path):
-    result = train.run(train.TrainConfig(
-        data=features, run_dir=str(tmp_path / "run"), mode="features", epsilon=2.0, batch_size=128,
-        steps=30, learning_rate=4.0, microbatch_size=64, seed=3, show_progress=False))
+    result = train.run(train.TrainConfig(data=features, run_dir=str(tmp_path / "run"), training=TrainingConfig(
+        mode="features", target=PrivacyTarget(epsilon=2.0), batch_size=128, steps=30, learning_rate=4.0,
+        microbatch_size=64, seed=3, show_progress=False)))
     assert 0 < result.epsilon <= 2.0
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(tmp_path / "run")))
     assert scores.num_examples == 150 and scores.ema_top1 > 0.8  # chance is 1/3
@@ -28,10 +30,10 @@ def test_last_layer_dp_training_learns_and_spends_at_most_the_target(features, t
 
 
 def test_sweep_writes_tables_and_plot_and_reuses_finished_runs(features, tmp_path):
-    config = sweep.SweepConfig(data=features, out_dir=str(tmp_path / "sweep"), epsilons=(1.0, 4.0),
-                               learning_rates=(4.0,), repeats=2, batch_size=128, steps=4,
-                               microbatch_size=64, show_progress=False)
-    summary = sweep.run(config)
+    training = TrainingConfig(mode="features", batch_size=128, steps=4, microbatch_size=64, show_progress=False)
+    config = sweep.SweepConfig(data=features, out_dir=str(tmp_path / "sweep"), training=training, epsilons=(1.0, 4.0),
+                               learning_rates=(4.0,), repeats=2)
+    summary = sweep.run(config).summary
     by_eps = {s["epsilon"]: s for s in summary}
     assert set(by_eps) == {1.0, 4.0, math.inf}
     assert all(s["repeats"] == 2 and s["min_top1"] <= s["median_top1"] <= s["max_top1"] for s in summary)
@@ -41,7 +43,7 @@ def test_sweep_writes_tables_and_plot_and_reuses_finished_runs(features, tmp_pat
     runs = (out / sweep.RUNS_CSV).read_text().splitlines()
     assert len(runs) == 1 + 2 * 2 + 2  # header, 2 epsilons x 2 repeats, 2 baselines
     stamp = (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns
-    assert sweep.run(config) == summary  # everything reused: same numbers
+    assert sweep.run(config).summary == summary  # everything reused: same numbers
     assert (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns == stamp
 
 
@@ -49,7 +51,7 @@ def test_feature_feed_carries_exact_squared_norms_and_zero_padding():
     import jax.numpy as jnp
 
     from dpscale.privacy.sampling import SampledBatch
-    from dpscale.stages.train_data import FeatureFeed
+    from dpscale.training.feeds import FeatureFeed
 
     rng = np.random.default_rng(0)
     feats = rng.normal(size=(6, 5)).astype(np.float32)

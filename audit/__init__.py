@@ -1,0 +1,1 @@
+"""Empirical privacy audits: canaries, the distinguishing game, and statistical lower bounds on epsilon."""

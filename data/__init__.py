@@ -1,0 +1,1 @@
+"""Ingested datasets: sources, the record format, shards, the manifest, and reading by index."""

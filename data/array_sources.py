@@ -1,0 +1,189 @@
+"""Sources whose items are already pixel arrays: IDX files, TFDS builders, sklearn digits.
+
+Each kind has a ``plan_*`` (runs where the pipeline is launched: checks the input, finds
+class names, cuts ``ReadTask``s) and a ``read_*`` (runs on a worker, yields ``RawItem``s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from dpscale.data.raw_items import (SPLIT_ALIASES, UNKNOWN_LABEL, RawItem, ReadTask, SourcePlan, SourceSpec,
+                                    open_maybe_gz)
+from dpscale.errors import DataError
+
+DIGITS_TEST_FRACTION = 0.2
+
+
+# --- IDX (MNIST format) --------------------------------------------------------------
+
+def _idx_header(path: str) -> tuple[int, tuple[int, ...]]:
+    """Return (header size, dims) of an IDX file of unsigned bytes."""
+    with open_maybe_gz(path) as f:
+        magic = f.read(4)
+        if len(magic) != 4 or magic[:2] != b"\0\0" or magic[2] != 0x08:
+            raise DataError(f"{path!r} is not an IDX file of unsigned bytes")
+        ndim = magic[3]
+        raw = f.read(4 * ndim)
+    if len(raw) != 4 * ndim:
+        raise DataError(f"{path!r}: truncated IDX header")
+    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4"))
+    return 4 + 4 * ndim, dims
+
+
+def _find_idx_pairs(directory: str) -> dict[str, tuple[str, str]]:
+    """Map split -> (images file, labels file) by the usual MNIST file names."""
+    files = sorted(os.listdir(directory))
+    pairs = {}
+    for name in files:
+        base = name[:-3] if name.endswith(".gz") else name
+        for marker in ("-images-idx3-ubyte", "-images.idx3-ubyte"):
+            if base.endswith(marker):
+                prefix = base[: -len(marker)]
+                labels = [f for f in files if f.startswith(prefix) and "labels" in f
+                          and "idx1" in f]
+                split = SPLIT_ALIASES.get(prefix.lower(), prefix.lower())
+                if not labels:
+                    raise DataError(f"no labels file for {name!r} in {directory!r}")
+                pairs[split] = (os.path.join(directory, name),
+                                os.path.join(directory, labels[0]))
+    return pairs
+
+
+def _read_idx_labels(path: str) -> np.ndarray:
+    header, dims = _idx_header(path)
+    with open_maybe_gz(path) as f:
+        f.seek(header)
+        labels = np.frombuffer(f.read(), dtype=np.uint8)
+    if len(dims) != 1 or labels.size != dims[0]:
+        raise DataError(f"{path!r}: expected {dims[0]} labels, found {labels.size}")
+    return labels
+
+
+def plan_idx(spec: SourceSpec, chunk_size: int) -> SourcePlan:
+    directory = spec.location
+    if not os.path.isdir(directory):
+        raise DataError(f"IDX directory {directory!r} does not exist")
+    pairs = _find_idx_pairs(directory)
+    if not pairs:
+        raise DataError(f"no *-images-idx3-ubyte[.gz] files in {directory!r}")
+    names_file = os.path.join(directory, "classes.txt")
+    if os.path.exists(names_file):
+        with open(names_file) as f:
+            classes = tuple(line.strip() for line in f if line.strip())
+    else:  # IDX carries no names: classes are 0..max label of the training split
+        fit = pairs.get("train") or next(iter(pairs.values()))
+        classes = tuple(str(i) for i in range(int(_read_idx_labels(fit[1]).max()) + 1))
+    tasks, sizes = [], {}
+    for split, (images, labels) in sorted(pairs.items()):
+        header, dims = _idx_header(images)
+        if len(dims) not in (3, 4):
+            raise DataError(f"{images!r}: expected [N,H,W] or [N,H,W,C] images, got {dims}")
+        n_labels = _idx_header(labels)[1][0]
+        if n_labels != dims[0]:
+            raise DataError(f"{images!r} has {dims[0]} images but {labels!r} {n_labels} labels")
+        sizes[split] = dims[0]
+        extra = (("labels", labels), ("header", header), ("dims", dims))
+        tasks += [ReadTask("idx", path=images, split=split, start=s,
+                           stop=min(s + chunk_size, dims[0]), extra=extra)
+                  for s in range(0, dims[0], chunk_size)]
+    return SourcePlan(spec, classes, tuple(tasks), sizes)
+
+
+def read_idx(task: ReadTask, num_classes: int) -> Iterator[RawItem]:
+    extra = dict(task.extra)
+    dims = extra["dims"]
+    shape = tuple(dims[1:]) if len(dims) == 4 else (dims[1], dims[2], 1)
+    size = int(np.prod(shape))
+    labels = _read_idx_labels(extra["labels"])[task.start:task.stop]
+    with open_maybe_gz(task.path) as f:
+        f.seek(extra["header"] + task.start * size)
+        data = f.read((task.stop - task.start) * size)
+    count = len(data) // size  # a truncated file yields fewer images; rest is reported
+    images = np.frombuffer(data[: count * size], dtype=np.uint8).reshape((count, *shape))
+    base = os.path.basename(task.path)
+    for i, label in enumerate(labels):
+        key = f"{base}[{task.start + i}]"
+        payload = images[i] if i < count else b""
+        known = int(label) < num_classes
+        yield RawItem(task.split, key, int(label) if known else UNKNOWN_LABEL, payload,
+                      label_name=str(int(label)))
+
+
+# --- TFDS ------------------------------------------------------------------------------
+
+def _tfds_keys(features: Any) -> tuple[str, str]:
+    """Pick the image and label feature names of a TFDS builder."""
+    import tensorflow_datasets as tfds
+
+    image = [k for k, f in features.items() if isinstance(f, tfds.features.Image)]
+    label = [k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)]
+    if not image or not label:
+        raise DataError("TFDS dataset needs an Image and a ClassLabel feature")
+    pick = lambda keys, pref: pref if pref in keys else keys[0]  # noqa: E731
+    return pick(image, "image"), pick(label, "label")
+
+
+def plan_tfds(spec: SourceSpec, chunk_size: int, data_dir: str | None) -> SourcePlan:
+    import tensorflow_datasets as tfds
+
+    try:
+        builder = tfds.builder(spec.location, data_dir=data_dir)
+        splits = [spec.split] if spec.split else sorted(builder.info.splits.keys())
+        sources = {s: tfds.data_source(spec.location, split=s, data_dir=data_dir)
+                   for s in splits}
+    except Exception as exc:  # noqa: BLE001 - TFDS raises many kinds; all are user-facing
+        raise DataError(f"cannot load TFDS dataset {spec.location!r}: {exc}") from exc
+    image_key, label_key = _tfds_keys(builder.info.features)
+    classes = tuple(builder.info.features[label_key].names)
+    tasks, sizes = [], {}
+    for split, source in sources.items():
+        name = SPLIT_ALIASES.get(split.split("[")[0], split.split("[")[0])
+        sizes[name] = len(source)
+        extra = (("name", spec.location), ("selection", split), ("data_dir", data_dir),
+                 ("image_key", image_key), ("label_key", label_key))
+        tasks += [ReadTask("tfds", split=name, start=s, stop=min(s + chunk_size, len(source)),
+                           extra=extra) for s in range(0, len(source), chunk_size)]
+    return SourcePlan(spec, classes, tuple(tasks), sizes)
+
+
+def read_tfds(task: ReadTask, num_classes: int) -> Iterator[RawItem]:
+    import tensorflow_datasets as tfds
+
+    extra = dict(task.extra)
+    source = tfds.data_source(extra["name"], split=extra["selection"],
+                              data_dir=extra["data_dir"], download=False)
+    for i in range(task.start, task.stop):
+        record = source[i]
+        label = int(record[extra["label_key"]])
+        known = 0 <= label < num_classes
+        yield RawItem(task.split, f"{extra['selection']}[{i}]",
+                      label if known else UNKNOWN_LABEL,
+                      np.asarray(record[extra["image_key"]]), label_name=str(label))
+
+
+# --- scikit-learn digits ---------------------------------------------------------------
+
+def plan_digits(spec: SourceSpec) -> SourcePlan:
+    items = list(read_digits())
+    sizes: dict[str, int] = {}
+    for item in items:
+        sizes[item.split] = sizes.get(item.split, 0) + 1
+    return SourcePlan(spec, tuple(str(i) for i in range(10)), (ReadTask("digits"),), sizes)
+
+
+def read_digits() -> Iterator[RawItem]:
+    """The 1,797 8x8 digits, scaled 0..16 -> 0..255; test split by content hash."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = np.round(data.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
+    for i, (image, label) in enumerate(zip(images, data.target)):
+        digest = hashlib.sha256(b"digits-test\0" + image.tobytes()).digest()
+        is_test = int.from_bytes(digest[:8], "big") < DIGITS_TEST_FRACTION * 2**64
+        yield RawItem("test" if is_test else "train", f"digits[{i}]", int(label), image)

@@ -1,0 +1,71 @@
+"""What a source yields before decoding, and the small types that carry the reading work.
+
+Shared by every kind of source (``data.folder_source``, ``data.array_sources``) and by the
+dispatcher ``data.sources``, so none of them needs another: planning makes picklable
+``ReadTask``s on the launching machine, workers turn each into ``RawItem``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+from typing import Any
+
+import numpy as np
+
+SPLIT_ALIASES = {"train": "train", "test": "test", "validation": "validation",
+                  "val": "validation", "valid": "validation", "t10k": "test"}
+UNKNOWN_LABEL = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """A parsed source string."""
+
+    kind: str  # "tfds" | "folder" | "idx" | "digits"
+    location: str = ""  # path, or TFDS builder name
+    split: str | None = None  # TFDS split selection, e.g. "train[:10%]"
+    text: str = ""  # the string as the user wrote it
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadTask:
+    """A small unit of reading work; picklable so Beam can ship it to a worker."""
+
+    kind: str  # "files" | "tar" | "idx" | "tfds" | "digits"
+    path: str = ""
+    split: str = ""
+    members: tuple[tuple[str, str, str], ...] = ()  # (split, class name, relative path)
+    start: int = 0
+    stop: int = 0
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SourcePlan:
+    """What planning learned about a source: class names, work units, expected sizes."""
+
+    spec: SourceSpec
+    class_names: tuple[str, ...]
+    tasks: tuple[ReadTask, ...]
+    split_sizes: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RawItem:
+    """One input example before decoding.
+
+    ``payload`` is encoded file bytes (folder sources) or a uint8 array. ``label`` is a
+    class index, or ``UNKNOWN_LABEL`` with the offending name kept in ``label_name``.
+    """
+
+    split: str
+    key: str
+    label: int
+    payload: bytes | np.ndarray
+    label_name: str = ""
+
+
+def open_maybe_gz(path: str):
+    gz = path.endswith((".gz", ".tgz"))
+    return gzip.open(path, "rb") if gz else open(path, "rb")

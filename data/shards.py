@@ -1,0 +1,182 @@
+"""Write one ArrayRecord shard and describe it, and assemble the manifest from shards.
+
+A shard holds the examples of one split whose content hash maps to it, sorted by
+(content hash, key): the same data gives byte-identical shards whatever order it was
+read in, and the reader's global index (shard after shard) is stable too.
+
+An ingested dataset directory holds::
+
+    <split>-<shard:05d>-of-<n:05d>.array_record   records as in ``data.examples``
+    manifest.json   ``data.manifest.Manifest``: source, encoding, image shape, classes,
+                    content hash, splits with their shards, counts of inputs and rejections
+    report.json     every input that did not become an example: split, key, reason, detail
+
+Outputs go through Beam's ``FileSystems`` so an output directory may be a local path or
+any URL Beam can write (``gs://...`` with the GCP extras). ArrayRecord's writer needs a
+local file, so remote shards are written to a temporary file and then copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from apache_beam.io.filesystems import FileSystems
+
+from dpscale.data.examples import Encoded, Rejection, check_shape, combine_hashes, element_hash
+from dpscale.data.manifest import ClassFilter, Manifest, ShardEntry, SplitEntry
+from dpscale.errors import DataError
+
+MANIFEST = "manifest.json"
+REPORT = "report.json"
+WRITER_OPTIONS = "group_size:1"  # one record per chunk: cheap random access
+
+
+def shard_name(split: str, shard: int, num_shards: int) -> str:
+    return f"{split}-{shard:05d}-of-{num_shards:05d}.array_record"
+
+
+def join(directory: str, name: str) -> str:
+    return FileSystems.join(directory, name)
+
+
+def is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
+                examples: Iterable[Encoded], *, num_classes: int,
+                shape: Sequence[int] | None) -> tuple[dict[str, Any], list[Rejection]]:
+    """Write one shard's examples of the majority ``shape`` (sorted); reject the others.
+
+    Returns the shard's summary and the wrong-shape rejections.
+    """
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    kept, rejected = [], []
+    for e in examples:
+        checked = check_shape(e, shape)
+        (rejected if isinstance(checked, Rejection) else kept).append(checked)
+    kept.sort(key=lambda e: (e.digest, e.key))
+    name = shard_name(split, shard, num_shards)
+    target = join(output_dir, name)
+    local_dir = output_dir if is_local(output_dir) else tempfile.mkdtemp()
+    tmp = os.path.join(local_dir, f".{name}.{uuid.uuid4().hex}.tmp")  # retries may overlap
+    writer = ArrayRecordWriter(tmp, WRITER_OPTIONS)
+    counts = [0] * num_classes
+    terms = []
+    for example in kept:
+        writer.write(example.record)
+        counts[example.label] += 1
+        terms.append(element_hash(split, example.label, example.digest))
+    writer.close()
+    if is_local(output_dir):
+        os.replace(tmp, target)
+    else:
+        with open(tmp, "rb") as src, FileSystems.create(target) as dst:
+            shutil.copyfileobj(src, dst)
+        shutil.rmtree(local_dir, ignore_errors=True)
+    summary = {"split": split, "shard": shard, "file": name, "num_examples": len(kept),
+               "class_counts": counts, "hash": combine_hashes(terms)}
+    return summary, rejected
+
+
+def build_manifest(summaries: Sequence[dict[str, Any]], *, source: str,
+                   class_names: Sequence[str], image_shape: Sequence[int] | None,
+                   rejections: Sequence[dict[str, str]], validation_fraction: float,
+                   encoding: str) -> Manifest:
+    """Combine shard summaries into the manifest (deterministic: no times, sorted keys)."""
+    splits: dict[str, dict[str, Any]] = {}
+    for s in sorted(summaries, key=lambda s: (s["split"], s["shard"])):
+        entry = splits.setdefault(s["split"], {"num_examples": 0, "hash": 0, "shards": [],
+                                               "class_counts": [0] * len(class_names)})
+        entry["num_examples"] += s["num_examples"]
+        entry["hash"] = combine_hashes([entry["hash"], s["hash"]])
+        entry["class_counts"] = [a + b for a, b in zip(entry["class_counts"], s["class_counts"])]
+        entry["shards"].append(ShardEntry(s["file"], s["num_examples"]))
+    total = combine_hashes([e["hash"] for e in splits.values()])
+    reasons: dict[str, int] = {}
+    for r in rejections:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    return Manifest(
+        source=source, record_encoding=encoding,
+        image_shape=tuple(image_shape) if image_shape else None,
+        class_names=tuple(class_names), content_hash=f"{total:064x}",
+        validation_fraction=validation_fraction,
+        splits={name: SplitEntry(num_examples=e["num_examples"],
+                                 class_counts=dict(zip(class_names, e["class_counts"])),
+                                 content_hash=f"{e['hash']:064x}", shards=tuple(e["shards"]))
+                for name, e in sorted(splits.items())},
+        num_rejected=len(rejections), rejected_by_reason=dict(sorted(reasons.items())))
+
+
+def prepare_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> None:
+    """Refuse to mix runs in one directory; with ``overwrite`` clear the old outputs first."""
+    patterns = ("*.array_record", MANIFEST, REPORT, *extra_files)
+    existing = [m.path for pattern in patterns
+                for r in FileSystems.match([join(output_dir, pattern)])
+                for m in r.metadata_list]
+    if existing and not overwrite:
+        raise DataError(f"output {output_dir!r} already holds a dataset or the remains of a "
+                        "failed run (use --overwrite to replace it)")
+    if existing:
+        FileSystems.delete(existing)
+    if is_local(output_dir):
+        os.makedirs(output_dir, exist_ok=True)
+
+
+def write_json(path: str, payload: Any) -> None:
+    data = (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode()
+    with FileSystems.create(path) as f:
+        f.write(data)
+
+
+def read_json(path: str) -> Any:
+    with FileSystems.open(path) as f:
+        return json.loads(f.read().decode())
+
+
+def read_manifest(directory: str) -> Manifest:
+    """The manifest of the dataset in ``directory``; ``DataError`` if there is none or it is malformed."""
+    try:
+        payload = read_json(join(directory, MANIFEST))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{directory!r} is not an ingested dataset (no readable {MANIFEST})") from exc
+    return Manifest.from_json(payload, where=repr(directory))
+
+
+def write_manifest(directory: str, manifest: Manifest) -> None:
+    write_json(join(directory, MANIFEST), manifest.to_json())
+
+
+def write_outputs(_: Any, *, output_dir: str, summaries: Sequence[dict[str, Any]],
+                  rejections: Sequence[dict[str, str]], image_shape: Sequence[int] | None,
+                  source: str, class_names: Sequence[str], validation_fraction: float,
+                  encoding: str, num_inputs: int, num_excluded: int = 0,
+                  source_class_names: Sequence[str] | None = None) -> Manifest:
+    """Write report.json, then manifest.json last: a manifest means a complete dataset.
+
+    Every planned input must be an example, a rejection or (with a class filter, whose
+    source classes are ``source_class_names``) left out by the filter; if the runner lost
+    some, no manifest is written and the run fails instead of passing for complete.
+    """
+    ordered = sorted(rejections, key=lambda r: (r["split"], r["key"], r["reason"]))
+    write_json(join(output_dir, REPORT), {"num_rejected": len(ordered), "rejected": ordered})
+    manifest = build_manifest(summaries, source=source, class_names=class_names,
+                              image_shape=image_shape, rejections=ordered,
+                              validation_fraction=validation_fraction, encoding=encoding)
+    accounted = len(ordered) + num_excluded + manifest.num_examples
+    if accounted != num_inputs:
+        raise RuntimeError(f"ingest accounted for {accounted} of {num_inputs} inputs; "
+                           "the runner lost or duplicated data, no manifest written")
+    manifest = dataclasses.replace(
+        manifest, num_inputs=num_inputs,
+        class_filter=None if source_class_names is None else ClassFilter(tuple(source_class_names), num_excluded))
+    write_manifest(output_dir, manifest)
+    return manifest

@@ -1,0 +1,292 @@
+"""The privacy plan of a run: from an (epsilon, delta) target to the noise, in one object.
+
+A run's guarantee is a statement about four things that must agree: how batches are selected
+(Poisson sampling at rate q = B / N), how many steps T there are, how much noise sigma every
+step adds to the clipped sum (relative to its sensitivity), and the one-off Gaussian releases
+made from the data before training (e.g. the DP mean of ``center-l2`` features).
+``PrivacyPlan`` holds exactly those. It is calibrated once (``PrivacyPlan.calibrate``: the
+missing one of sigma, T, B is solved so that epsilon is never above the target), and
+everything that depends on it is built from it:
+
+* ``sampler``: the batch selection the accountant assumes (``privacy.sampling``);
+* ``dp_step``: the DP-SGD update, noise sigma on the clipped sum divided by the expected B
+  (``privacy.dpsgd``), or the plain gradient for a non-private plan;
+* ``epsilon(t)``: epsilon after t steps (and the releases), from ``privacy.accounting``;
+* ``ledger(t)``: what a run records about its privacy after t steps.
+
+Nothing else in dpscale assembles the mechanism, so the accountant's event and the update
+that runs cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import optax
+
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy import calibration
+from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme,
+                                        check_accountant, check_batch_size, check_delta, check_mechanism,
+                                        check_releases, check_steps)
+from dpscale.privacy.clipping import LossFn, make_unclipped_sum_fn
+from dpscale.privacy.dpsgd import ClippedSumFn, DpsgdStep
+from dpscale.privacy.sampling import PoissonSampler, ShuffledSampler
+
+KNOBS = ("noise_multiplier", "steps", "batch_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyTarget:
+    """What the user asks for: (epsilon, delta) under one accountant and one sampling scheme."""
+
+    epsilon: float = 8.0  # math.inf: a non-private run (no clipping, no noise)
+    delta: float = 1e-5
+    accountant: Accountant = "pld"
+    sampling: SamplingScheme = "poisson"
+
+    def __post_init__(self) -> None:
+        if not self.epsilon > 0:
+            raise InvalidConfigError(f"epsilon must be positive (inf for non-private), got {self.epsilon}")
+        check_delta(self.delta)
+        check_accountant(self.accountant)
+        if self.sampling not in SAMPLING_SCHEMES:
+            raise InvalidConfigError(f"sampling must be one of {SAMPLING_SCHEMES}, got {self.sampling!r}")
+
+    @property
+    def private(self) -> bool:
+        return math.isfinite(self.epsilon)
+
+
+def _check_knob(name: str, value: float | None, *, integer: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise InvalidConfigError(f"{name.replace('_', ' ')} must be positive, got {value}")
+    if integer and int(value) != value:
+        raise InvalidConfigError(f"{name.replace('_', ' ')} must be an integer, got {value}")
+
+
+def knob_to_solve(*, num_examples: int, batch_size: int | None, steps: int | None,
+                  noise_multiplier: float | None) -> str:
+    """Check a calibration request and name the one knob of ``KNOBS`` it leaves out."""
+    _check_knob("num_examples", num_examples, integer=True)
+    _check_knob("noise_multiplier", noise_multiplier, integer=False)
+    _check_knob("steps", steps, integer=True)
+    _check_knob("batch_size", batch_size, integer=True)
+    if batch_size is not None:
+        check_batch_size(batch_size=batch_size, num_examples=num_examples)
+    given = dict(noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size)
+    missing = [k for k in KNOBS if given[k] is None]
+    if len(missing) != 1:
+        which = "none" if len(missing) == 3 else "all three" if not missing else "only one"
+        raise InvalidConfigError("give exactly two of noise multiplier, steps and batch size (the third is "
+                                 f"solved for); got {which}")
+    return missing[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyPlan:
+    """The resolved mechanism of one run; ``noise_multiplier == 0`` is a non-private plan."""
+
+    num_examples: int
+    batch_size: int  # the *expected* batch size B of Poisson sampling (q = B / N)
+    steps: int
+    noise_multiplier: float
+    delta: float
+    accountant: Accountant = "pld"
+    sampling: SamplingScheme = "poisson"
+    releases: tuple[float, ...] = ()  # noise multipliers of one-off releases (sensitivity 1, full data)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "releases", tuple(float(r) for r in self.releases))  # a list from JSON
+        check_batch_size(batch_size=self.batch_size, num_examples=self.num_examples)
+        check_steps(self.steps)
+        check_delta(self.delta)
+        check_accountant(self.accountant)
+        if self.noise_multiplier == 0:
+            if self.releases:
+                raise InvalidConfigError("a non-private plan makes no DP releases")
+            if self.sampling not in SAMPLING_SCHEMES:
+                raise InvalidConfigError(f"sampling must be one of {SAMPLING_SCHEMES}, got {self.sampling!r}")
+        else:
+            check_mechanism(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
+                            steps=self.steps, sampling=self.sampling, releases=self.releases)
+
+    # -- from a target ------------------------------------------------------------------
+
+    @classmethod
+    def calibrate(cls, target: PrivacyTarget, *, num_examples: int, batch_size: int | None = None,
+                  steps: int | None = None, noise_multiplier: float | None = None,
+                  releases: tuple[float, ...] = (), rtol: float = calibration.DEFAULT_RTOL) -> PrivacyPlan:
+        """The plan that meets ``target`` with two of {sigma, steps, batch size} given.
+
+        The third is solved by ``privacy.calibration``: the smallest sigma, or the largest
+        number of steps or batch size, whose epsilon (releases included) is at most the
+        target. A non-private target needs batch size and steps and gets no noise.
+        """
+        if not target.private:
+            if batch_size is None or steps is None:
+                raise InvalidConfigError("a non-private run (epsilon=inf) needs --batch-size and --steps")
+            return cls(num_examples=int(num_examples), batch_size=int(batch_size), steps=int(steps),
+                       noise_multiplier=0.0, delta=target.delta, accountant=target.accountant,
+                       sampling=target.sampling)
+        check_releases(tuple(releases))
+        if not 0 < rtol < 0.5:
+            raise InvalidConfigError(f"rtol must be in (0, 0.5), got {rtol}")
+        solve = knob_to_solve(num_examples=num_examples, batch_size=batch_size, steps=steps,
+                              noise_multiplier=noise_multiplier)
+        common = dict(target_epsilon=target.epsilon, delta=target.delta, accountant=target.accountant,
+                      releases=tuple(releases))
+        n = int(num_examples)
+        if solve == "noise_multiplier":
+            noise_multiplier = calibration.calibrate_noise_multiplier(
+                sampling_rate=batch_size / n, steps=int(steps), rtol=rtol, **common).value
+        elif solve == "steps":
+            steps = calibration.calibrate_steps(noise_multiplier=noise_multiplier, sampling_rate=batch_size / n,
+                                                **common).value
+        else:
+            batch_size = calibration.calibrate_batch_size(noise_multiplier=noise_multiplier, steps=int(steps),
+                                                          num_examples=n, **common).value
+        return cls(num_examples=n, batch_size=int(batch_size), steps=int(steps),
+                   noise_multiplier=float(noise_multiplier), delta=target.delta, accountant=target.accountant,
+                   sampling=target.sampling, releases=tuple(releases))
+
+    # -- what it guarantees ---------------------------------------------------------------
+
+    @property
+    def private(self) -> bool:
+        return self.noise_multiplier > 0
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.batch_size / self.num_examples
+
+    @property
+    def exact(self) -> bool:
+        """True when the accountant's Poisson event describes the sampling exactly."""
+        return self.sampling == "poisson"
+
+    @functools.cached_property
+    def _curve(self) -> EpsilonCurve:
+        return EpsilonCurve(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
+                            delta=self.delta, accountant=self.accountant, releases=self.releases)
+
+    def epsilon(self, steps: int | None = None) -> float:
+        """Epsilon after ``steps`` steps (default: all) and the releases; inf for a non-private plan."""
+        if not self.private:
+            return math.inf
+        return self._curve(self.steps if steps is None else steps)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the user must know about this plan's guarantee (shown by every command that uses it)."""
+        notes = []
+        if self.delta >= 1 / self.num_examples:
+            notes.append(f"delta = {self.delta:g} is not below 1/num_examples = {1 / self.num_examples:g}: a "
+                         "mechanism that publishes a random example verbatim meets it; use delta << 1/N")
+        if self.sampling != "poisson":
+            notes.append(f"sampling {self.sampling!r} is accounted as Poisson sampling at the same rate; that "
+                         f"epsilon is not a proven guarantee for {self.sampling!r} batches")
+        return tuple(notes)
+
+    def ledger(self, *, steps_done: int, data_content_hash: str = "") -> Ledger:
+        """The privacy ledger of a run that has done ``steps_done`` of the planned steps."""
+        return Ledger(private=self.private, accountant=self.accountant if self.private else "none",
+                      sampling=self.sampling if self.private else None, exact_accounting=self.private and self.exact,
+                      sampling_rate=self.sampling_rate if self.private else None,
+                      noise_multiplier=self.noise_multiplier, releases=self.releases, planned_steps=self.steps,
+                      steps_done=steps_done, delta=self.delta, epsilon_spent=self.epsilon(steps_done),
+                      data_content_hash=data_content_hash)
+
+    # -- what runs ------------------------------------------------------------------------
+
+    def sampler(self, *, seed: int, microbatch_size: int) -> PoissonSampler | ShuffledSampler:
+        """The batch selection of this plan (a shuffled sampler warns that it is not accounted exactly)."""
+        if self.sampling == "poisson":
+            return PoissonSampler(num_examples=self.num_examples, expected_batch_size=self.batch_size,
+                                  microbatch_size=microbatch_size, seed=seed)
+        return ShuffledSampler(num_examples=self.num_examples, batch_size=self.batch_size,
+                               microbatch_size=microbatch_size, seed=seed)
+
+    def dp_step(self, loss_fn: LossFn, *, seed: int, clip_norm: float = 1.0,
+                clipped_sum_fn: ClippedSumFn | None = None, optimizer: optax.GradientTransformation | None = None,
+                learning_rate: float = 1.0, mesh: Any = None, ema_decay: float = 0.9999,
+                step_class: type[DpsgdStep] = DpsgdStep) -> DpsgdStep:
+        """The update of this plan: clipped sums of ``clipped_sum_fn`` (default: ``vmap`` per-example
+        gradients clipped to ``clip_norm``) plus noise sigma, divided by B; a non-private plan sums
+        plain gradients. ``step_class`` exists so tests can audit a deliberately broken step.
+        """
+        if not self.private:
+            clipped_sum_fn = make_unclipped_sum_fn(loss_fn)
+        return step_class(loss_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
+                          seed=seed, clip_norm=clip_norm, ema_decay=ema_decay, optimizer=optimizer,
+                          learning_rate=learning_rate, mesh=mesh, clipped_sum_fn=clipped_sum_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """A plan and what it spends, as the ``epsilon`` and ``calibrate`` commands report it."""
+
+    epsilon: float
+    delta: float
+    accountant: str
+    noise_multiplier: float
+    steps: int
+    batch_size: int
+    num_examples: int
+    sampling_rate: float
+    sampling: str
+    exact: bool
+    warnings: tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: PrivacyPlan, **extra: Any) -> Any:
+        return cls(epsilon=plan.epsilon(), delta=plan.delta, accountant=plan.accountant,
+                   noise_multiplier=plan.noise_multiplier, steps=plan.steps, batch_size=plan.batch_size,
+                   num_examples=plan.num_examples, sampling_rate=plan.sampling_rate, sampling=plan.sampling,
+                   exact=plan.exact, warnings=plan.warnings, **extra)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"warnings": list(self.warnings)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ledger:
+    """What a run records about its privacy (``ledger.json``): the plan and what it has spent."""
+
+    private: bool
+    accountant: str  # "none" for a non-private run
+    sampling: str | None
+    exact_accounting: bool
+    sampling_rate: float | None
+    noise_multiplier: float
+    releases: tuple[float, ...]  # one-off Gaussian releases (sensitivity 1) composed into epsilon_spent
+    planned_steps: int
+    steps_done: int
+    delta: float
+    epsilon_spent: float
+    data_content_hash: str = ""
+    neighboring_relation: str = "add_or_remove_one"
+
+    @property
+    def finished(self) -> bool:
+        return self.steps_done == self.planned_steps
+
+    def to_json(self) -> dict[str, Any]:
+        payload = dataclasses.asdict(self)
+        payload["releases"] = list(self.releases)
+        payload["epsilon_spent"] = "inf" if math.isinf(self.epsilon_spent) else self.epsilon_spent
+        return payload
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any]) -> Ledger:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in payload.items() if k in fields}
+        values["releases"] = tuple(values.get("releases", ()))
+        values["epsilon_spent"] = float(values["epsilon_spent"])
+        return cls(**values)
+

@@ -1,0 +1,47 @@
+"""The epsilon command: what a planned DP-SGD run spends.
+
+``run(EpsilonConfig)`` builds the ``PrivacyPlan`` of (sigma, T steps, expected batch B out
+of N examples) and reports its epsilon at delta, with the warnings every command shows for
+such a plan (delta >= 1/N, shuffled batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.accounting import Accountant, SamplingScheme
+from dpscale.privacy.plan import PlanReport, PrivacyPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class EpsilonConfig:
+    """A planned DP-SGD run: sigma, T steps, expected batch size B out of N examples."""
+
+    noise_multiplier: float
+    steps: int
+    batch_size: int
+    num_examples: int
+    delta: float
+    accountant: Accountant = "pld"
+    sampling: SamplingScheme = "poisson"
+
+    def __post_init__(self) -> None:
+        plan = self.plan()  # refuses a bad setting at once, in one line
+        if not plan.private:  # a plan without noise is valid (non-private), but spends infinite epsilon
+            raise InvalidConfigError(f"noise multiplier must be positive, got {self.noise_multiplier}")
+
+    def plan(self) -> PrivacyPlan:
+        return PrivacyPlan(num_examples=self.num_examples, batch_size=self.batch_size, steps=self.steps,
+                           noise_multiplier=self.noise_multiplier, delta=self.delta, accountant=self.accountant,
+                           sampling=self.sampling)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpsilonResult(PlanReport):
+    """The plan's epsilon at delta, with its warnings."""
+
+
+def run(config: EpsilonConfig) -> EpsilonResult:
+    """Epsilon (at ``config.delta``) that the planned run spends."""
+    return EpsilonResult.of(config.plan())

@@ -1,0 +1,217 @@
+"""The epsilon and calibrate commands: contract, JSON fields, one-line errors."""
+
+import json
+
+import dp_accounting
+import pytest
+from click.testing import CliRunner
+
+from dpscale.cli import cli
+from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
+from dpscale.privacy.accounting import epsilon
+from dpscale.stages.calibrate import CalibrateConfig
+from dpscale.stages.calibrate import run as run_calibrate
+from dpscale.stages.epsilon import EpsilonConfig
+from dpscale.stages.epsilon import run as run_epsilon
+
+
+def _eps(sigma, q, steps, accountant):
+    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=1e-5, accountant=accountant)
+
+SMALL = dict(num_examples=50_000, delta=1e-5)
+
+
+def _invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+# --- stages -----------------------------------------------------------------------
+
+
+def test_run_epsilon_matches_dp_accounting():
+    result = run_epsilon(
+        EpsilonConfig(noise_multiplier=1.2, steps=3000, batch_size=500, accountant="rdp", **SMALL)
+    )
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.2)), 3000
+    )
+    reference = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+    assert result.epsilon == pytest.approx(reference, rel=1e-12)
+    assert result.sampling_rate == 0.01 and result.exact and result.warnings == ()
+
+
+def test_shuffled_sampling_result_is_flagged_and_warned():
+    result = run_epsilon(
+        EpsilonConfig(noise_multiplier=1.2, steps=100, batch_size=500, accountant="rdp",
+                      sampling="shuffle", **SMALL)
+    )
+    assert not result.exact
+    assert any("shuffle" in w for w in result.warnings)
+
+
+@pytest.mark.parametrize("solve_for", ["noise_multiplier", "steps", "batch_size"])
+def test_run_calibrate_solves_the_missing_knob_without_overshoot(solve_for):
+    knobs = dict(noise_multiplier=1.1, steps=2000, batch_size=512)
+    knobs[solve_for] = None
+    result = run_calibrate(CalibrateConfig(epsilon=3.0, accountant="rdp", **SMALL, **knobs))
+    assert result.solved_for == solve_for
+    for name, value in knobs.items():
+        if value is not None:
+            assert getattr(result, name) == value  # the given knobs are untouched
+    q = result.batch_size / SMALL["num_examples"]
+    assert result.epsilon == _eps(result.noise_multiplier, q, result.steps, "rdp") <= 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(epsilon=1.0, batch_size=10),  # two unknowns
+        dict(epsilon=1.0),  # three unknowns
+        dict(epsilon=1.0, batch_size=10, steps=10, noise_multiplier=1.0),  # none unknown
+        dict(epsilon=0.0, batch_size=10, steps=10),
+        dict(epsilon=1.0, batch_size=0, steps=10),
+        dict(epsilon=1.0, batch_size=10, steps=-3),
+        dict(epsilon=1.0, batch_size=10, noise_multiplier=-1.0),
+        dict(epsilon=1.0, batch_size=50_001, steps=10),  # q > 1
+        dict(epsilon=1.0, batch_size=10, steps=10, accountant="moments"),
+    ],
+)
+def test_bad_calibrate_configs_are_rejected(kwargs):
+    with pytest.raises(InvalidConfigError):
+        CalibrateConfig(**SMALL, **kwargs)
+
+
+def test_delta_not_below_one_over_n_warns():
+    result = run_epsilon(
+        EpsilonConfig(noise_multiplier=2.0, steps=10, batch_size=10, num_examples=1000,
+                      delta=1e-3, accountant="rdp")
+    )
+    assert any("1/num_examples" in w for w in result.warnings)
+
+
+def test_impossible_target_raises():
+    with pytest.raises(InfeasiblePrivacyTargetError):
+        run_calibrate(CalibrateConfig(epsilon=0.001, noise_multiplier=0.5, batch_size=25_000,
+                                      accountant="rdp", **SMALL))
+
+
+# --- CLI --------------------------------------------------------------------------
+
+EPSILON_ARGS = ["epsilon", "--noise-multiplier", "1.2", "--steps", "3000", "--batch-size", "500",
+                "--num-examples", "50000", "--delta", "1e-5"]
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_cli_epsilon_json(accountant):
+    result = _invoke(*EPSILON_ARGS, "--accountant", accountant, "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["epsilon"] == pytest.approx(_eps(1.2, 0.01, 3000, accountant), rel=1e-12)
+    assert payload["delta"] == 1e-5 and payload["accountant"] == accountant
+    assert payload["noise_multiplier"] == 1.2 and payload["steps"] == 3000
+    assert payload["batch_size"] == 500 and payload["num_examples"] == 50000
+    assert payload["sampling_rate"] == 0.01
+
+
+def test_cli_epsilon_text_defaults_to_pld():
+    result = _invoke(*EPSILON_ARGS)
+    assert result.exit_code == 0
+    assert f"{_eps(1.2, 0.01, 3000, 'pld'):.6g}" in result.stdout and "PLD" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "given,solved",
+    [
+        (["--batch-size", "500", "--steps", "3000"], "noise_multiplier"),
+        (["--batch-size", "500", "--noise-multiplier", "1.2"], "steps"),
+        (["--steps", "3000", "--noise-multiplier", "1.2"], "batch_size"),
+    ],
+)
+def test_cli_calibrate_json(given, solved):
+    result = _invoke("calibrate", "--epsilon", "2", "--delta", "1e-5", "--num-examples", "50000",
+                     "--accountant", "rdp", "--json", *given)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    for key in ("noise_multiplier", "steps", "batch_size", "epsilon", "delta", "accountant"):
+        assert key in payload
+    assert payload["solved_for"] == solved and payload["accountant"] == "rdp"
+    assert payload["epsilon"] <= 2.0
+    q = payload["batch_size"] / 50000
+    assert payload["epsilon"] == _eps(payload["noise_multiplier"], q, payload["steps"], "rdp")
+
+
+BAD_CALIBRATIONS = {
+    "infeasible": ["--epsilon", "0.001", "--delta", "1e-5", "--num-examples", "1000",
+                   "--batch-size", "500", "--noise-multiplier", "0.5"],
+    "q > 1": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100", "--batch-size", "500",
+              "--steps", "10"],
+    "two unknowns": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100",
+                     "--batch-size", "50"],
+    "zero unknowns": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100",
+                      "--batch-size", "5", "--steps", "3", "--noise-multiplier", "1"],
+    "negative epsilon": ["--epsilon", "-1", "--delta", "1e-5", "--num-examples", "100",
+                         "--batch-size", "5", "--steps", "3"],
+    "zero delta": ["--epsilon", "1", "--delta", "0", "--num-examples", "100", "--batch-size", "5",
+                   "--steps", "3"],
+    "zero examples": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "0",
+                      "--batch-size", "5", "--steps", "3"],
+    "bad accountant": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100",
+                       "--batch-size", "5", "--steps", "3", "--accountant", "gdp"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALIBRATIONS))
+def test_cli_calibrate_errors_are_one_line_with_exit_code_2(case, capfd):
+    # The group exits itself (sys.exit), so run it like the console script does.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["calibrate", "--accountant", "rdp", *BAD_CALIBRATIONS[case]], prog_name="dpscale")
+    out, err = capfd.readouterr()
+    assert exit_info.value.code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dpscale: error: "), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", [["--noise-multiplier", "0"], ["--batch-size", "60000"],
+                                 ["--steps", "0"], ["--delta", "1.5"]])
+def test_cli_epsilon_errors_are_one_line_with_exit_code_2(bad, capfd):
+    args = list(EPSILON_ARGS)
+    flag = args.index(bad[0])
+    args[flag + 1] = bad[1]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args, prog_name="dpscale")
+    _, err = capfd.readouterr()
+    assert exit_info.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_warns_on_stderr_when_delta_is_not_below_one_over_n(capfd):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["epsilon", "--noise-multiplier", "2", "--steps", "10", "--batch-size", "10",
+                  "--num-examples", "1000", "--delta", "0.001", "--json"], prog_name="dpscale")
+    out, err = capfd.readouterr()
+    assert exit_info.value.code == 0
+    assert "warning" in err and "1/num_examples" in err
+    assert json.loads(out)["delta"] == 0.001  # stdout stays pure JSON
+
+
+def test_cli_calibrate_keeps_rdp_convergence_chatter_out_of_the_output(capfd):
+    # sigma = 1 at q = 0.136 makes dp-accounting log "failed to converge" warnings.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["calibrate", "--epsilon", "8", "--delta", "1e-4", "--num-examples", "1000",
+                  "--noise-multiplier", "1", "--steps", "100", "--accountant", "rdp"],
+                 prog_name="dpscale")
+    out, err = capfd.readouterr()
+    assert exit_info.value.code == 0
+    assert "converge" not in out + err and err == ""
+
+
+@pytest.mark.parametrize("command", ["epsilon", "calibrate"])
+def test_cli_help_explains_the_command(command):
+    result = _invoke(command, "--help")
+    assert result.exit_code == 0
+    for flag in ("--noise-multiplier", "--steps", "--batch-size", "--num-examples", "--delta",
+                 "--accountant", "--json"):
+        assert flag in result.output
+    assert "Example" in result.output

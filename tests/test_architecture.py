@@ -1,0 +1,153 @@
+"""The architecture cannot decay: package order, no import cycles, commands only in stages/,
+and the DP mechanism assembled in one place.
+
+Imports are read from the source (every ``import`` statement, including those inside
+functions), so a lazy import that breaks the order is caught too.
+"""
+
+import ast
+import importlib
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Lowest first. A module may import from its own package and from packages of lower layers only.
+LAYERS = [
+    {"errors"},
+    {"progress", "distributed"},
+    {"models"},
+    {"privacy", "data"},
+    {"cache", "dedup"},
+    {"training"},
+    {"audit", "pipelines"},
+    {"stages"},
+    {"cli"},
+    {"__main__"},
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _source_files():
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT).parts
+        if parts[0] in ("tests", "benchmarks", ".venv", "build") or parts[0].startswith("."):
+            continue
+        yield path
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["dpscale", *parts])
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every dpscale module this file imports (``from dpscale.x import y`` counts x and x.y)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dpscale":
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "dpscale")
+    return found
+
+
+MODULES = {_module(path): path for path in _source_files()}
+
+
+def _resolve(name: str) -> str | None:
+    """The module a dotted import name refers to (``dpscale.a.b.Name`` -> ``dpscale.a.b``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "dpscale"
+
+
+GRAPH = {module: {_resolve(name) for name in _imports(path)} - {None, module, "dpscale"}
+         for module, path in MODULES.items()}
+
+
+def test_every_package_has_a_layer():
+    assert {_package(m) for m in MODULES} - {"dpscale", "__init__"} <= set(LAYER)
+
+
+def test_no_package_imports_one_above_it_or_beside_it():
+    wrong = []
+    for module, imported in GRAPH.items():
+        mine = _package(module)
+        for other in imported:
+            theirs = _package(other)
+            if theirs != mine and LAYER[theirs] >= LAYER[mine]:
+                wrong.append(f"{module} -> {other}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles_between_modules():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for other in sorted(GRAPH[module]):
+            if state.get(other) == 1:
+                cycles.append(" -> ".join(path[path.index(other):] + [other]))
+            elif other not in state:
+                visit(other, path + [other])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+STAGE_MODULES = sorted(m for m in MODULES if m.startswith("dpscale.stages."))
+
+
+@pytest.mark.parametrize("name", STAGE_MODULES)
+def test_stages_hold_only_commands_with_a_config_a_result_and_run(name):
+    module = importlib.import_module(name)
+    public = [n for n in vars(module) if not n.startswith("_")]
+    assert callable(getattr(module, "run", None))
+    assert any(n.endswith("Config") for n in public) and any(n.endswith("Result") for n in public)
+    others = {m for m in GRAPH[name] if m.startswith("dpscale.stages.")}
+    if name.rsplit(".", 1)[1] not in ("quickstart", "sweep"):  # compositions of commands by design
+        assert not others, f"{name} calls other commands: {others}"
+
+
+def test_every_command_is_one_stage_module():
+    from dpscale.cli import cli
+
+    modules = {name.rsplit(".", 1)[1] for name in STAGE_MODULES}
+    expected = {"list_models" if c == "models" else c.replace("-", "_") for c in cli.commands}
+    assert expected == modules
+
+
+def _code_lines(*, benchmarks: bool):
+    paths = [*_source_files(), *(sorted((ROOT / "benchmarks").glob("*.py")) if benchmarks else [])]
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if code.strip():
+                yield path.relative_to(ROOT).as_posix(), number, code
+
+
+@pytest.mark.parametrize("pattern, allowed, benchmarks", [
+    # The DP step and the samplers are built by the privacy plan only, benchmarks included.
+    (r"\b(DpsgdStep|PoissonSampler|ShuffledSampler|step_class)\(", {"privacy/plan.py"}, True),
+    # DP noise is drawn in one module, and random streams of the secret seed are derived in one.
+    (r"random\.normal\(", {"privacy/noise.py"}, False),
+    (r"\bkey_from_seed\(|_STREAM\b|default_rng\(\[", {"privacy/noise.py", "privacy/streams.py"}, False),
+])
+def test_the_mechanism_is_assembled_in_one_place(pattern, allowed, benchmarks):
+    found = {(path, number) for path, number, code in _code_lines(benchmarks=benchmarks) if re.search(pattern, code)}
+    outside = sorted(f"{path}:{number}" for path, number in found if path not in allowed)
+    assert not outside, f"{pattern} used outside {sorted(allowed)}: {outside}"
+    assert found, f"{pattern} matches nothing: the check has gone stale"

@@ -1,0 +1,134 @@
+"""The settings of one training run, shared by ``train``, ``sweep`` and ``quickstart``.
+
+``TrainingConfig`` says *how* to train (privacy target, batch, steps, optimiser, devices);
+where the data and the run directory are is the train stage's business. Sweep and quickstart
+embed a ``TrainingConfig`` and vary fields of it with ``dataclasses.replace`` rather than
+copying them, so a default means the same thing in every command. Settings that only one mode
+reads live in ``ImageSettings`` (all layers of a network on images) and ``FeatureSettings``
+(the last layer on cached features).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Literal
+
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.plan import PrivacyTarget
+
+Mode = Literal["images", "features"]
+MODES = ("images", "features")
+FEATURE_NORMALIZATIONS = ("none", "l2", "center-l2")
+# Physical batch when none is given: small for networks on images (memory of per-example
+# gradients), large for the closed-form last layer (one matrix product per micro-batch).
+DEFAULT_MICROBATCH = {"images": 64, "features": 4096}
+_log = logging.getLogger(__name__)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidConfigError(message)
+
+
+def _finite_positive(value: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSettings:
+    """Images mode: which network, and how each example's K augmented views are made."""
+
+    model: str = "cnn-small"  # a registry name, trained from scratch
+    backbone: str | None = None  # fine-tune this pretrained backbone (name or directory) instead
+    augmult: int = 1  # K views per example, averaged before clipping
+    augment_pad: int = 4  # reflect padding of the random crops
+    augment_flip: bool = True
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.augmult, int) and self.augmult >= 1, f"augmult must be >= 1, got {self.augmult}")
+        _check(isinstance(self.augment_pad, int) and self.augment_pad >= 0,
+               f"augment pad must be >= 0, got {self.augment_pad}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSettings:
+    """Features mode: a zero-initialised softmax layer on cached features, and how rows are normalised."""
+
+    holdout: int = 0  # the last N training rows are not trained on (evaluate split "holdout")
+    normalization: str = "none"  # "none", "l2" or "center-l2"
+    mean_noise_multiplier: float = 20.0  # center-l2 under DP: noise of the mean's Gaussian release
+    scale: float = 1.0  # l2 / center-l2: the norm of the normalised rows
+
+    def __post_init__(self) -> None:
+        _check(self.normalization in FEATURE_NORMALIZATIONS,
+               f"feature normalization must be one of {FEATURE_NORMALIZATIONS}, got {self.normalization!r}")
+        _check(_finite_positive(self.mean_noise_multiplier),
+               f"the feature mean's noise multiplier must be positive, got {self.mean_noise_multiplier}")
+        _check(_finite_positive(self.scale), f"the feature scale must be positive, got {self.scale}")
+        _check(isinstance(self.holdout, int) and self.holdout >= 0, f"holdout must be in [0, N), got {self.holdout}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    """How to train. Give two of {batch_size, steps, noise_multiplier}; the third is calibrated."""
+
+    mode: Mode = "images"
+    target: PrivacyTarget = PrivacyTarget()
+    batch_size: int | None = None  # expected (Poisson) batch size B
+    steps: int | None = None
+    noise_multiplier: float | None = None
+    clip_norm: float = 1.0
+    learning_rate: float = 2.0
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    microbatch_size: int | None = None  # physical batch; None: DEFAULT_MICROBATCH of the mode
+    ema_decay: float = 0.999
+    seed: int | None = None  # None: fresh OS entropy (the default, and the only private choice)
+    train_split: str = "train"
+    devices: int | None = None  # data-parallel devices; None = all local (all global with several processes)
+    checkpoint_every: int | None = None  # steps; None = about 20 checkpoints per run
+    show_progress: bool = True
+    images: ImageSettings = ImageSettings()
+    features: FeatureSettings = FeatureSettings()
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, f"mode must be 'images' or 'features', got {self.mode!r}")
+        _check(_finite_positive(self.clip_norm), f"clip norm must be positive and finite, got {self.clip_norm}")
+        _check(_finite_positive(self.learning_rate), f"learning rate must be positive and finite, got {self.learning_rate}")
+        _check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
+        _check(0 <= self.weight_decay < math.inf, f"weight decay must be >= 0 and finite, got {self.weight_decay}")
+        _check(0 <= self.ema_decay < 1, f"EMA decay must be in [0, 1), got {self.ema_decay}")
+        for name in ("microbatch_size", "checkpoint_every", "devices"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value >= 1),
+                   f"{name.replace('_', ' ')} must be a positive integer, got {value}")
+        if self.mode != "features":
+            _check(self.features == FeatureSettings(), "holdout and feature normalization apply to features mode only")
+        if not self.private:
+            _check(self.batch_size is not None and self.steps is not None,
+                   "a non-private run (epsilon=inf) needs --batch-size and --steps")
+        elif self.momentum or self.weight_decay:
+            _log.warning("momentum/weight decay under DP: allowed (post-processing), but not the recipe's")
+
+    @property
+    def private(self) -> bool:
+        return self.target.private
+
+    @property
+    def physical_batch(self) -> int:
+        return self.microbatch_size or DEFAULT_MICROBATCH[self.mode]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any]) -> TrainingConfig:
+        """The inverse of ``to_json``; ``InvalidConfigError`` for unknown or missing fields."""
+        try:
+            nested = {"target": PrivacyTarget, "images": ImageSettings, "features": FeatureSettings}
+            values = {k: nested[k](**v) if k in nested else v for k, v in payload.items()}
+            return cls(**values)
+        except TypeError as exc:
+            raise InvalidConfigError(f"not a training configuration: {exc}") from None

@@ -1,0 +1,64 @@
+"""Scoring a run: top-1 / top-5 accuracy of its last and its EMA parameters on one split.
+
+Evaluation reads only the run directory and the split it scores; it is post-processing of
+the DP parameters and spends no privacy budget (the test split is assumed public or
+separately budgeted, as in the literature). It rebuilds the run's model from the run's own
+configuration, so inputs are transformed exactly as in training (e.g. with the saved DP
+feature mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpscale.training.model import build_train_model
+from dpscale.training.run_directory import RunDirectory
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    split: str
+    num_examples: int
+    top1: float
+    top5: float
+    ema_top1: float
+    ema_top5: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def accuracies(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """(top-1, top-5) of ``logits`` [n, classes] against integer ``labels`` [n]."""
+    k = min(5, logits.shape[1])
+    top_k = np.argsort(-logits, axis=1)[:, :k]
+    top1 = float(np.mean(top_k[:, 0] == labels))
+    top5 = float(np.mean(np.any(top_k == labels[:, None], axis=1)))
+    return top1, top5
+
+
+def score_run(run_dir: str, *, split: str = "test", data: str | None = None, batch_size: int = 256) -> Scores:
+    """Score the run in ``run_dir`` on ``split`` of its data (or of ``data``); saves the scores in the run."""
+    run = RunDirectory.existing(run_dir)
+    spec = run.read_spec()
+    model = build_train_model(data or spec.data, spec.training)
+    trained = run.load_params()
+    state = trained.get("model_state", {})
+    inputs, labels = model.eval_inputs(split, state)  # transformed as in training (e.g. the saved mean)
+    forward = jax.jit(model.logits_fn)
+
+    def logits_of(params: Any) -> np.ndarray:
+        out = [np.asarray(forward(params, state, jnp.asarray(inputs[start:start + batch_size])))
+               for start in range(0, len(labels), batch_size)]
+        return np.concatenate(out)
+
+    top1, top5 = accuracies(logits_of(trained["params"]), labels)
+    ema_top1, ema_top5 = accuracies(logits_of(trained["ema_params"]), labels)
+    scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5)
+    run.write_scores(scores.as_dict())
+    return scores

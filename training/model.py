@@ -1,0 +1,238 @@
+"""The model side of a training run: data, loss, initial parameters, a feed, and a clipped sum.
+
+``build_train_model(data, config)`` opens the run's data and returns a ``TrainModel``
+that the trainer and the evaluation share, so both agree on what a forward pass is.
+Both modes plug into the same DP step through the same hook, ``clipped_sum_fn(clip_norm)``
+(``None``: the generic ``vmap`` per-example gradients), so the trainer never branches
+on the mode:
+
+* ``images``: a registry model (GroupNorm/WS, no layer mixes examples; checked by
+  ``models.validation``) trained from scratch, or a pretrained backbone (``backbone``:
+  an imported name or a backbone directory) fine-tuned with a zero classifier, its
+  BatchNorm statistics frozen, its own preprocessing (resolution, mean/std) applied;
+  all layers, with augmentation multiplicity; its clipped sum is book-keeping
+  (``privacy.bookkeeping``) where every parameter has a rule, else ``vmap``.
+* ``features``: a softmax classifier ``x @ kernel + bias`` over cached backbone
+  features, zero-initialised as in De et al. (2022), optionally normalised
+  (``training.feature_normalization``) and with the last ``holdout`` training rows
+  kept out of training as split ``"holdout"`` (for choosing hyper-parameters
+  without the test split); its clipped sum is closed-form (``privacy.linear``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpscale.data.dataset import IngestedDataset
+from dpscale.data.image_data import InMemorySplit, normalize
+from dpscale.errors import DataError, InvalidConfigError
+from dpscale.models import pretrained, registry
+from dpscale.models.validation import validate_dp_model
+from dpscale.privacy.bookkeeping import UnsupportedModelError, make_bookkeeping_clipped_sum_fn
+from dpscale.privacy.dpsgd import ClippedSumFn
+from dpscale.privacy.linear import softmax_regression_clipped_sum
+from dpscale.privacy.streams import Stream, stream_key
+from dpscale.training import feature_normalization
+from dpscale.training.config import ImageSettings, TrainingConfig
+from dpscale.training.feeds import FeatureFeed, ImageFeed, resize_views
+
+PyTree = Any
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainModel:
+    num_examples: int
+    num_classes: int
+    data_hash: str
+    loss_fn: Callable[[PyTree, PyTree, PyTree], jax.Array]
+    init_params: Callable[[int], PyTree]
+    model_state: PyTree
+    make_feed: Callable[..., Any]  # (augmentation key, BatchPlacement, model_state)
+    logits_fn: Callable[[PyTree, PyTree, np.ndarray], jax.Array]  # (params, model_state, inputs)
+    eval_inputs: Callable[..., tuple[np.ndarray, np.ndarray]]  # (split, model_state) -> (inputs, labels)
+    # clip_norm -> this model's clipped sum for the DP step, or None for the vmap(grad) default.
+    clipped_sum_fn: Callable[[float], ClippedSumFn | None] = lambda clip_norm: None
+    # seed -> model_state computed from the training data with DP (e.g. a feature mean);
+    # None: the state is ``model_state``. The privacy cost is in the run's releases.
+    private_state: Callable[[int], PyTree] | None = None
+    releases: tuple[float, ...] = ()  # noise multipliers of those releases, for the accountant
+
+    def state_for(self, seed: int) -> PyTree:
+        return self.model_state if self.private_state is None else self.private_state(seed)
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _registry_model(config: ImageSettings, dataset: IngestedDataset) -> tuple[Any, Callable[[int], PyTree], PyTree]:
+    """A registry model trained from scratch: (model, init_params(seed), model_state)."""
+    image_shape = tuple(dataset.image_shape)
+    model = registry.get_model(config.model, num_classes=len(dataset.class_names))
+    sample = jnp.zeros((1, *image_shape), jnp.float32)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), sample)
+    validate_dp_model(model, image_shape, variables=abstract)
+    if any(k != "params" for k in abstract):
+        raise DataError(f"model {config.model!r} has non-trainable state {sorted(abstract)}; "
+                        "fine-tune it from a pretrained backbone (--backbone) instead")
+    init = jax.jit(model.init)  # one compilation instead of hundreds of op-by-op ones
+    return model, lambda seed: init(stream_key(seed, Stream.INIT), sample)["params"], {}
+
+
+def _backbone_model(config: ImageSettings, dataset: IngestedDataset) -> tuple[Any, Callable[[int], PyTree], PyTree, Any]:
+    """A pretrained backbone with a zero classifier; its frozen statistics are model state."""
+    model, variables, prep = pretrained.load_pretrained(config.backbone, num_classes=len(dataset.class_names))
+    channels = len(prep.mean)
+    if dataset.image_shape[-1] not in (1, channels):
+        raise DataError(f"the data has {dataset.image_shape[-1]} channels, the backbone expects {channels}")
+    validate_dp_model(model, (prep.resolution, prep.resolution, channels), variables=variables)
+    params = variables["params"]
+    return model, lambda seed: params, {k: v for k, v in variables.items() if k != "params"}, prep
+
+
+def _image_model(data: str, config: TrainingConfig) -> TrainModel:
+    dataset = IngestedDataset(data)
+    if config.train_split not in dataset.splits:
+        raise DataError(f"{data!r} has no split {config.train_split!r} (has {dataset.splits})")
+    settings = config.images
+    if settings.backbone:
+        model, init_params, model_state, prep = _backbone_model(settings, dataset)
+        channels = len(prep.mean)
+
+        def normalize_fn(images: np.ndarray) -> np.ndarray:  # grayscale data into an RGB backbone
+            pixels = np.repeat(images, channels, axis=-1) if images.shape[-1] != channels else images
+            return np.asarray(prep.normalize(pixels))
+
+        resolution = prep.resolution
+        input_shape = (resolution, resolution, channels)
+    else:
+        model, init_params, model_state = _registry_model(settings, dataset)
+        normalize_fn, resolution = normalize, None
+        input_shape = tuple(dataset.image_shape)
+
+    def loss_fn(params: PyTree, state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
+        return _cross_entropy(model.apply({"params": params, **state}, views["image"]), views["label"])
+
+    def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
+        if split not in dataset.splits:
+            raise DataError(f"the data has no split {split!r} (has {dataset.splits})")
+        data = InMemorySplit.load(dataset, split)
+        images, labels = data.take(np.arange(len(data)))
+        return np.asarray(resize_views(jnp.asarray(normalize_fn(images)), resolution)), labels
+
+    def make_feed(key: jax.Array, placement: Any = None, state: PyTree = None) -> ImageFeed:  # reads the training split
+        train = InMemorySplit.load(dataset, config.train_split)
+        return ImageFeed(train, augmult=settings.augmult, pad=settings.augment_pad, flip=settings.augment_flip,
+                         key=key, normalize_fn=normalize_fn, resolution=resolution, placement=placement)
+
+    def bookkeeping_clipped_sum(clip_norm: float) -> ClippedSumFn | None:
+        """Book-keeping per-example gradients when every parameter has a rule, else None (vmap)."""
+        batch = {"image": jax.ShapeDtypeStruct((1, settings.augmult, *input_shape), jnp.float32),
+                 "label": jax.ShapeDtypeStruct((1, settings.augmult), jnp.int32)}
+        example = (jax.eval_shape(lambda: init_params(0)), model_state, batch)
+        try:
+            fn = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example)
+        except UnsupportedModelError as error:
+            _log.info("per-example gradients: vmap(grad) (%s)", error)
+            return None
+        _log.info("per-example gradients: book-keeping (one batched backward)")
+        return fn
+
+    return TrainModel(
+        num_examples=dataset.num_examples(config.train_split),
+        num_classes=len(dataset.class_names),
+        data_hash=dataset.content_hash,
+        loss_fn=loss_fn,
+        init_params=init_params,
+        model_state=model_state,
+        make_feed=make_feed,
+        logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
+        eval_inputs=eval_inputs,
+        clipped_sum_fn=bookkeeping_clipped_sum,
+    )
+
+
+HOLDOUT_SPLIT = "holdout"
+
+
+def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
+    from dpscale.cache.feature_store import open_features
+
+    store = open_features(data)
+    if config.train_split not in store.splits:
+        raise DataError(f"{data!r} has no split {config.train_split!r} (has {store.splits})")
+    dim, classes = store.feature_dim, len(store.class_names)
+    total = store.num_examples(config.train_split)
+    settings = config.features
+    holdout = settings.holdout
+    if not 0 <= holdout < total:
+        raise InvalidConfigError(f"holdout must be in [0, {total}) (the training split's size), got {holdout}")
+    kind, sigma_mean, scale = settings.normalization, settings.mean_noise_multiplier, settings.scale
+    private = config.private
+
+    def logits_fn(params: PyTree, state: PyTree, x: jax.Array) -> jax.Array:
+        return x @ params["kernel"] + params["bias"]
+
+    def loss_fn(params: PyTree, state: PyTree, example: dict[str, jax.Array]) -> jax.Array:
+        return _cross_entropy(logits_fn(params, state, example["features"]), example["label"])
+
+    def raw(split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of a split as stored; the training split without, ``holdout`` only its last rows."""
+        source = config.train_split if split == HOLDOUT_SPLIT and holdout else split
+        if source not in store.splits:
+            raise DataError(f"the feature cache has no split {split!r} (has {store.splits}"
+                            + (f" and {HOLDOUT_SPLIT!r})" if holdout else ")"))
+        rows = slice(None)
+        if source == config.train_split and holdout:
+            rows = slice(total - holdout, None) if split == HOLDOUT_SPLIT else slice(0, total - holdout)
+        return np.asarray(store.features(source)[rows], np.float32), np.asarray(store.labels(source)[rows], np.int32)
+
+    def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``split`` under the run's normalisation (``state`` holds a released mean)."""
+        x, y = raw(split)
+        mean = None if not state else state.get(feature_normalization.MEAN_KEY)
+        return feature_normalization.apply(x, kind, mean, scale), y
+
+    def mean_state(seed: int) -> PyTree:
+        """The mean of the unit training rows: released with DP (exact for a non-private run)."""
+        x, _ = raw(config.train_split)
+        noise = sigma_mean if private else None
+        return {feature_normalization.MEAN_KEY: feature_normalization.feature_mean(x, noise_multiplier=noise, seed=seed)}
+
+    return TrainModel(
+        num_examples=total - holdout,
+        num_classes=classes,
+        data_hash=store.content_hash,
+        loss_fn=loss_fn,
+        init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
+        model_state={},
+        # The features are read only when a feed is made (training), not for evaluation.
+        make_feed=lambda key, placement=None, state=None: FeatureFeed(*eval_inputs(config.train_split, state),
+                                                                      placement),
+        logits_fn=logits_fn,
+        eval_inputs=eval_inputs,
+        clipped_sum_fn=lambda clip_norm: softmax_regression_clipped_sum(clip_norm=clip_norm),
+        private_state=mean_state if feature_normalization.needs_mean(kind) else None,
+        releases=feature_normalization.releases(kind, sigma_mean, private=private),
+    )
+
+
+def build_train_model(data: str, config: TrainingConfig) -> TrainModel:
+    """The model of a run on ``data`` (an ingested dataset, or a feature-cache entry in features mode)."""
+    return _feature_model(data, config) if config.mode == "features" else _image_model(data, config)
+
+
+def detect_mode(data: str) -> str:
+    """``features`` when ``data`` is a feature-cache entry, else ``images`` (an ingested dataset)."""
+    from dpscale.cache.feature_store import METADATA
+
+    return "features" if os.path.isfile(os.path.join(data, METADATA)) else "images"

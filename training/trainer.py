@@ -1,0 +1,179 @@
+"""A training run from its plan to its parameters: start, loop, checkpoint, resume.
+
+``start(data, run_dir, config)`` builds the model, calibrates the ``PrivacyPlan`` *before*
+the first step (refusing a run that cannot meet the target), writes the run directory and
+loops: sample the batch of step t (the plan's sampler), feed it as fixed-shape micro-batches,
+accumulate clipped sums, add noise once and update (the plan's DP step). ``resume(run_dir)``
+continues a killed run from its last checkpoint with the same secret seed, so the noise and
+batches of every step are those of the original plan (``training.run_directory``) and the
+final epsilon is exactly the planned one.
+
+With several processes (``dpscale.distributed``) every process runs the same code over the
+global mesh; only process 0 writes the run's files and shows progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+
+import jax
+import optax
+
+from dpscale import distributed
+from dpscale.errors import DataError, InvalidConfigError
+from dpscale.privacy.dpsgd import TrainState
+from dpscale.privacy.plan import PrivacyPlan
+from dpscale.privacy.seeds import resolve_seed
+from dpscale.privacy.streams import Stream, stream_key
+from dpscale.progress import progress_bar
+from dpscale.training.config import TrainingConfig
+from dpscale.training.model import TrainModel, build_train_model
+from dpscale.training.run_directory import RunDirectory, RunSpec
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    run_dir: str
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    steps: int
+    batch_size: int
+    train_seconds: float
+    final_metrics: dict[str, float]
+
+
+def plan_for(config: TrainingConfig, model: TrainModel) -> PrivacyPlan:
+    """The run's privacy plan: calibrated to the target over the model's training rows and releases."""
+    return PrivacyPlan.calibrate(config.target, num_examples=model.num_examples, batch_size=config.batch_size,
+                                 steps=config.steps, noise_multiplier=config.noise_multiplier,
+                                 releases=tuple(model.releases))
+
+
+class Trainer:
+    """Everything built from (spec, seed, model): identical for a fresh run and a resume."""
+
+    def __init__(self, run: RunDirectory, spec: RunSpec, seed: int, model: TrainModel) -> None:
+        config, plan = spec.training, spec.plan
+        self.run, self.config, self.plan, self.seed, self.model = run, config, plan, seed, model
+        if tuple(model.releases) != plan.releases:
+            raise DataError(f"the run's releases {plan.releases} differ from the model's {model.releases}")
+        self.model_state = model.state_for(seed)  # a DP feature mean is derived from the secret seed
+        self.primary = distributed.is_primary()
+        mesh = distributed.training_mesh(config.devices)
+        count = mesh.devices.size
+        if config.physical_batch % count:
+            processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
+            raise InvalidConfigError(
+                f"microbatch_size {config.physical_batch} must be divisible by the {count} devices{processes}")
+        self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch)
+        optimizer = optax.chain(
+            optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
+            optax.sgd(config.learning_rate, momentum=config.momentum or None),
+        )
+        self.step = plan.dp_step(model.loss_fn, seed=seed, clip_norm=config.clip_norm,
+                                 clipped_sum_fn=model.clipped_sum_fn(config.clip_norm) if plan.private else None,
+                                 optimizer=optimizer, mesh=mesh, ema_decay=config.ema_decay)
+        self.feed = model.make_feed(stream_key(seed, Stream.AUGMENTATION), distributed.BatchPlacement(mesh),
+                                    self.model_state)
+        every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
+        self.checkpoints = run.checkpoints(every=every)
+
+    def write_ledger(self, steps_done: int) -> None:
+        if self.primary:
+            self.run.write_ledger(self.plan.ledger(steps_done=steps_done, data_content_hash=self.model.data_hash))
+
+    def loop(self, state: TrainState, start: int) -> tuple[TrainState, dict[str, float], float]:
+        total = self.plan.steps
+        started = time.perf_counter()
+        metrics: dict[str, float] = {}
+        log_every = max(1, math.ceil(total / 20))
+        show = self.config.show_progress and self.primary
+        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "loss")) as bar:
+            for step in range(start, total):
+                batch = self.sampler.sample(step)
+                state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
+                done = step + 1
+                metrics = {k: float(v) for k, v in step_metrics.items()} | {"step": done}
+                if done == total or done % log_every == 0:
+                    metrics["epsilon_spent"] = self.plan.epsilon(done)
+                if self.primary:
+                    self.run.append_metrics(metrics)
+                if self.checkpoints.should_save(done, total):
+                    self.checkpoints.save(done, state)  # every process: orbax coordinates them
+                    self.write_ledger(done)
+                fields = {"loss": f"loss {metrics['loss']:.3f}"}
+                if "epsilon_spent" in metrics:
+                    fields["epsilon"] = f"eps {metrics['epsilon_spent']:.3f}"
+                bar.advance(**fields)
+        return state, metrics, time.perf_counter() - started
+
+    def finish(self, state: TrainState, metrics: dict[str, float], seconds: float) -> TrainResult:
+        self.run.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
+        self.checkpoints.close()
+        return TrainResult(run_dir=self.run.path, epsilon=self.plan.epsilon(), delta=self.plan.delta,
+                           noise_multiplier=self.plan.noise_multiplier, steps=self.plan.steps,
+                           batch_size=self.plan.batch_size, train_seconds=seconds, final_metrics=metrics)
+
+
+def _check_processes_agree(spec: RunSpec, model: TrainModel) -> None:
+    """With several processes: the same configuration, plan and data everywhere (else refuse)."""
+    training = dataclasses.replace(spec.training, show_progress=True, seed=None)  # the seed is broadcast
+    distributed.check_same_everywhere(
+        json.dumps({"spec": dataclasses.replace(spec, training=training).to_json(), "data": model.data_hash},
+                   sort_keys=True, default=str),
+        "the training configuration or data")
+
+
+def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
+    """A fresh run; with several processes, call it on every one with the same arguments."""
+    model = build_train_model(data, config)
+    plan = plan_for(config, model)
+    for warning in plan.warnings:
+        _log.warning("%s", warning)
+    spec = RunSpec(data=data, training=config, plan=plan)
+    _check_processes_agree(spec, model)
+    seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
+
+    def create_files() -> RunDirectory:  # process 0 only
+        run = RunDirectory.create(run_dir)
+        run.write_seed(seed)
+        run.write_spec(spec)
+        return run
+
+    distributed.run_on_primary(create_files)
+    run = RunDirectory(os.path.abspath(run_dir))
+    trainer = Trainer(run, spec, seed, model)
+    state = trainer.step.init(model.init_params(seed), trainer.model_state)
+    trainer.write_ledger(0)
+    state, metrics, seconds = trainer.loop(state, 0)
+    return trainer.finish(state, metrics, seconds)
+
+
+def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
+    """Continue a killed run from its newest checkpoint, with its original seed and plan."""
+    run = RunDirectory.existing(run_dir)
+    spec = run.read_spec()
+    spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, show_progress=show_progress))
+    model = build_train_model(spec.data, spec.training)
+    if model.num_examples != spec.plan.num_examples:
+        raise DataError(f"the data at {spec.data!r} changed since the run started "
+                        f"({model.num_examples} examples, planned for {spec.plan.num_examples})")
+    _check_processes_agree(spec, model)
+    seed = distributed.run_on_primary(run.read_seed)
+    trainer = Trainer(run, spec, distributed.agree_on_seed(0 if seed is None else seed), model)
+    fresh = trainer.step.init(model.init_params(trainer.seed), trainer.model_state)
+    first = trainer.checkpoints.latest_step() or 0
+    state = trainer.step.replicate(trainer.checkpoints.restore(first, fresh)) if first else fresh
+    if trainer.primary:
+        run.truncate_metrics(after_step=first)
+    _log.info("resuming %s at step %d of %d", run_dir, first, spec.plan.steps)
+    state, metrics, seconds = trainer.loop(state, first)
+    return trainer.finish(state, metrics, seconds)

@@ -1,0 +1,192 @@
+"""Thousands of small DP-SGD models at once, on the real update, for audits and quick searches.
+
+Every model runs the update of ``dpscale train``, built by the same ``PrivacyPlan.dp_step``:
+``DpsgdStep.accumulate_pure`` (clipping) and ``DpsgdStep.apply_pure`` (noise once per step,
+optax SGD, EMA), ``vmap``-ed over models and ``scan``-ed over steps. What differs between
+models is only what DP-SGD randomises and the caller controls:
+
+* which rows of the data set a model may see (``present``: D, or D plus canaries);
+* Poisson sampling: every present row joins each step with probability q = B / |D|
+  (``privacy.sampling.poisson_slots``, from ``Stream.SAMPLING`` at (model, step));
+* the noise: ``Stream.NOISE`` at (model, step).
+
+All models start from the same parameters (``Stream.INIT``). A Poisson batch has a random
+size; to keep shapes static it is gathered into ``batch_capacity`` slots (padding has mask
+0), and a batch that would not fit is counted and fails the call instead of being
+truncated silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpscale.errors import DataError, InvalidConfigError
+from dpscale.privacy.dpsgd import DpsgdStep, TrainState
+from dpscale.privacy.linear import softmax_regression_clipped_sum
+from dpscale.privacy.plan import PrivacyPlan
+from dpscale.privacy.sampling import batch_capacity, poisson_slots
+from dpscale.privacy.streams import Stream, stream_key
+
+PyTree = Any
+ModelKind = Literal["linear", "mlp"]
+StepClass = type[DpsgdStep]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSetup:
+    """One DP-SGD configuration shared by every model: the plan (|D|, B, T, sigma) and the optimiser."""
+
+    plan: PrivacyPlan
+    learning_rate: float = 1.0
+    clip_norm: float = 1.0
+    model: ModelKind = "linear"
+    hidden: int = 32
+    ema_decay: float = 0.9999
+
+    def __post_init__(self) -> None:
+        if self.model not in ("linear", "mlp"):
+            raise InvalidConfigError(f"model must be 'linear' or 'mlp', got {self.model!r}")
+
+
+class _Mlp(nn.Module):
+    hidden: int
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(self.num_classes)(jnp.tanh(nn.Dense(self.hidden)(x)))
+
+
+def _model(setup: TrainingSetup, num_classes: int) -> nn.Module:
+    if setup.model == "linear":
+        return nn.Dense(num_classes)  # params {"kernel", "bias"}, as privacy.linear expects
+    return _Mlp(hidden=setup.hidden, num_classes=num_classes)
+
+
+def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int,
+                 step_class: StepClass = DpsgdStep) -> tuple[nn.Module, DpsgdStep]:
+    """The model and its plan's ``DpsgdStep`` (closed-form clipped sum for the linear model).
+
+    ``step_class`` exists so tests can audit a deliberately broken subclass.
+    """
+    model = _model(setup, num_classes)
+
+    def loss(params: PyTree, model_state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
+        logits = model.apply({"params": params, **model_state}, views["features"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
+
+    clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=setup.clip_norm) if setup.model == "linear" else None
+    step = setup.plan.dp_step(loss, seed=seed, clip_norm=setup.clip_norm, clipped_sum_fn=clipped_sum_fn,
+                              learning_rate=setup.learning_rate, ema_decay=setup.ema_decay, step_class=step_class)
+    return model, step
+
+
+def margin(logits: jax.Array, label: jax.Array) -> jax.Array:
+    """``logit_y - logsumexp_{j != y} logit_j``: the log-odds of the label, which does not saturate."""
+    is_label = jax.nn.one_hot(label, logits.shape[-1], dtype=bool)
+    target = jnp.sum(jnp.where(is_label, logits, 0.0), axis=-1)
+    return target - jax.nn.logsumexp(jnp.where(is_label, -jnp.inf, logits), axis=-1)
+
+
+def train_models(
+    features: np.ndarray,
+    labels: np.ndarray,
+    present: np.ndarray,
+    *,
+    setup: TrainingSetup,
+    seed: int,
+    read_out: Callable[[nn.Module, TrainState], Any],
+    step_class: StepClass = DpsgdStep,
+    chunk_size: int = 256,
+    on_chunk: Callable[[int], None] | None = None,
+) -> list[Any]:
+    """Train one model per row of ``present`` [models, rows]; ``read_out(model, states)`` per chunk.
+
+    ``read_out`` sees the final states of a chunk of models (leaves with a leading model
+    axis) inside ``jit`` and returns what the caller keeps; the result holds one entry per
+    chunk, the last one padded by repeated models (callers trim to ``len(present)``).
+    """
+    features = jnp.asarray(features, jnp.float32)
+    labels = jnp.asarray(labels, jnp.int32)
+    num_models, num_rows = present.shape
+    if num_rows != features.shape[0]:
+        raise DataError(f"present has {num_rows} rows but there are {features.shape[0]} examples")
+    num_classes = int(labels.max()) + 1
+    model, dp_step = make_dp_step(setup, num_classes, seed=seed, step_class=step_class)
+    params = jax.jit(model.init)(stream_key(seed, Stream.INIT), features[:1])["params"]  # shared by all
+    state0 = dp_step.init(params)
+    rate = setup.plan.sampling_rate
+    capacity = batch_capacity(num_rows, rate)
+
+    def one_step(state: Any, model_index: jax.Array, rows_present: jax.Array, step: jax.Array):
+        key = stream_key(seed, Stream.SAMPLING, model_index, step)
+        index, mask, overflow = poisson_slots(key, rate, rows_present, capacity)
+        batch = {"features": features[index], "label": labels[index]}
+        if setup.model == "mlp":  # the generic path wants a view axis (augmult K = 1)
+            batch = jax.tree_util.tree_map(lambda x: x[:, None], batch)
+        total = dp_step.accumulate_pure(state.params, dp_step.zero_sum(state), batch, mask, state.model_state)
+        state, _ = dp_step.apply_pure(state, total, stream_key(seed, Stream.NOISE, model_index))
+        return state, overflow
+
+    @jax.jit
+    def run_chunk(model_indices: jax.Array, rows_present: jax.Array) -> tuple[Any, jax.Array]:
+        states = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (model_indices.shape[0], *x.shape)), state0)
+
+        def body(carry, step):
+            states, overflow = carry
+            states, over = jax.vmap(one_step, in_axes=(0, 0, 0, None))(states, model_indices, rows_present, step)
+            return (states, overflow + over), None
+
+        overflow = jnp.zeros(model_indices.shape, jnp.int32)
+        (states, overflow), _ = jax.lax.scan(body, (states, overflow), jnp.arange(setup.plan.steps))
+        return read_out(model, states), jnp.sum(overflow)
+
+    outputs = []
+    size = min(chunk_size, num_models)
+    for start in range(0, num_models, size):
+        stop = min(num_models, start + size)
+        ids = np.arange(start, start + size)
+        rows = present[np.minimum(ids, num_models - 1)]  # the last chunk is padded by repeats
+        out, overflow = run_chunk(jnp.asarray(ids, jnp.int32), jnp.asarray(rows))
+        if int(overflow):
+            raise RuntimeError(f"{int(overflow)} Poisson batches exceeded {capacity} slots")
+        outputs.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[: stop - start], out))
+        if on_chunk is not None:
+            on_chunk(stop - start)
+    return outputs
+
+
+def train_and_score(
+    features: np.ndarray,
+    labels: np.ndarray,
+    present: np.ndarray,
+    score_rows: np.ndarray,
+    *,
+    setup: TrainingSetup,
+    seed: int,
+    step_class: StepClass = DpsgdStep,
+    chunk_size: int = 256,
+    on_chunk: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """Train one model per row of ``present``; scores [models, len(score_rows)].
+
+    The score of row j on a model is ``margin`` of its label under the final parameters:
+    higher means the model fits that example better.
+    """
+    score_x = jnp.asarray(features, jnp.float32)[score_rows]
+    score_y = jnp.asarray(labels, jnp.int32)[score_rows]
+
+    def read_out(model: nn.Module, states: TrainState) -> jax.Array:
+        logits = jax.vmap(lambda p: model.apply({"params": p}, score_x))(states.params)
+        return margin(logits, score_y)
+
+    chunks = train_models(features, labels, present, setup=setup, seed=seed, read_out=read_out,
+                          step_class=step_class, chunk_size=chunk_size, on_chunk=on_chunk)
+    return np.concatenate(chunks).astype(np.float32)
