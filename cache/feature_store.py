@@ -122,7 +122,6 @@ class EntryLayout:
             "format_version": FEATURE_FORMAT_VERSION,
             "digest": self.key.digest,
             "key": self.key.as_dict(),
-            "data_content_hash": self.key.data_content_hash,
             "feature_dim": self.feature_dim,
             "class_names": list(self.class_names),
             "splits": {s: dataclasses.asdict(v) for s, v in sorted(self.splits.items())},
@@ -305,8 +304,9 @@ class FeatureSplitSet:
         return self.layout.key
 
     @property
-    def content_hash(self) -> str:
-        return self.layout.key.data_content_hash
+    def digest(self) -> str:
+        """The entry's key digest: identifies these features (data, backbone, preprocessing)."""
+        return self.layout.key.digest
 
     @property
     def splits(self) -> list[str]:

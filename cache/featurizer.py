@@ -16,6 +16,7 @@ import numpy as np
 from dpscale.cache import feature_store as fstore
 from dpscale.cache.keys import FeatureKey
 from dpscale.data.dataset import IngestedDataset
+from dpscale.data.identity import directory_secret, keyed_identity
 from dpscale.errors import DataError
 
 
@@ -95,9 +96,12 @@ def featurize_chunk(dataset: IngestedDataset, store: fstore.FeatureStore, featur
     return stop - start
 
 
-def feature_key(dataset: IngestedDataset, backbone: str, *, resolution: int | None = None,
+def feature_key(dataset: IngestedDataset, backbone: str, *, cache_dir: str, resolution: int | None = None,
                 resize_method: str = "bilinear", flip_average: bool = False) -> tuple[FeatureKey, Any]:
-    """The cache key from metadata only (no weights loaded), and the backbone metadata."""
+    """The cache key from metadata only (no weights loaded), and the backbone metadata.
+
+    The data enters the key as its content hash keyed with ``cache_dir``'s secret.
+    """
     from dpscale.models.pretrained import read_metadata, resolve_backbone
 
     meta = read_metadata(resolve_backbone(backbone))
@@ -106,7 +110,8 @@ def feature_key(dataset: IngestedDataset, backbone: str, *, resolution: int | No
     if channels not in (len(prep.mean), 1):
         raise DataError(f"images have {channels} channels but the backbone expects "
                         f"{len(prep.mean)}")
-    key = FeatureKey(data_content_hash=dataset.content_hash, weights_sha256=meta.weights_sha256,
+    identity = keyed_identity(directory_secret(cache_dir), dataset.content_hash)
+    key = FeatureKey(data_identity=identity, weights_sha256=meta.weights_sha256,
                      model=meta.model, resolution=resolution or prep.resolution, mean=prep.mean,
                      std=prep.std, resize_method=resize_method, flip_average=flip_average)
     return key, meta

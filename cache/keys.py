@@ -1,6 +1,8 @@
 """Cache keys of the feature store: what makes two sets of features interchangeable.
 
-Features depend on the pixels (the ingested data's content hash), the backbone's weights
+Features depend on the pixels (the ingested data's identity: its content hash keyed with the
+cache's own secret, ``data.identity``, so neither the key nor the entry's path, which runs
+record, is a plain hash of possibly private data), the backbone's weights
 (their sha256, not a file name), how pixels reach the backbone (resolution, mean, std,
 resize method, whether features are averaged with the mirror image's) and how dpscale lays
 features out on disk (the feature-format version).
@@ -18,7 +20,7 @@ from typing import Any
 from dpscale.errors import DataError
 
 #: Bump whenever the on-disk layout or the meaning of stored features changes.
-FEATURE_FORMAT_VERSION = 1
+FEATURE_FORMAT_VERSION = 2  # 2: keys name the data by a keyed identity, not its content hash
 RESIZE_METHODS = ("bilinear", "nearest", "cubic", "lanczos3", "lanczos5")
 
 
@@ -26,7 +28,7 @@ RESIZE_METHODS = ("bilinear", "nearest", "cubic", "lanczos3", "lanczos5")
 class FeatureKey:
     """The parts a feature-store entry is addressed by; ``digest`` is the entry's name."""
 
-    data_content_hash: str
+    data_identity: str  # data.identity.keyed_identity of the manifest's content hash
     weights_sha256: str
     model: str
     resolution: int
@@ -43,8 +45,8 @@ class FeatureKey:
         if self.resize_method not in RESIZE_METHODS:
             raise DataError(f"resize method must be one of {', '.join(RESIZE_METHODS)}, "
                             f"got {self.resize_method!r}")
-        if not self.data_content_hash or not self.weights_sha256:
-            raise DataError("a feature key needs the data content hash and the weights sha256")
+        if not self.data_identity or not self.weights_sha256:
+            raise DataError("a feature key needs the data identity and the weights sha256")
 
     def as_dict(self) -> dict[str, Any]:
         parts = dataclasses.asdict(self)

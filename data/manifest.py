@@ -47,10 +47,10 @@ class ClassFilter:
 
 @dataclasses.dataclass(frozen=True)
 class DedupProvenance:
-    """Present when the dataset is a dedup output: which data it was compared with."""
+    """Present when the dataset is a dedup output: the public data it came from (never a hash of the
+    private data it was compared with: this dataset may be shared, and such a hash answers membership)."""
 
     public_content_hash: str
-    private_content_hash: str
     threshold: float
     num_removed: int
     report: str

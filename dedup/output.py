@@ -99,7 +99,7 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         "hash_config": dataclasses.asdict(config), "num_views": config.num_views,
         "public": {"path": public_path, "content_hash": public.content_hash,
                    "num_examples": num_public},
-        "private": {"path": private_path, "content_hash": private.content_hash,
+        "private": {"path": private_path,
                     "num_examples": num_private},
         "num_candidate_pairs": candidates,
         "num_rejected_by_verification": rejected_by_verification,
@@ -109,7 +109,7 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
     shards.write_json(shards.join(output_dir, REPORT), report)
     shards.write_json(shards.join(output_dir, shards.REPORT), {"num_rejected": 0, "rejected": []})
     manifest = dataclasses.replace(manifest, num_inputs=num_public, dedup=DedupProvenance(
-        public_content_hash=public.content_hash, private_content_hash=private.content_hash,
+        public_content_hash=public.content_hash,
         threshold=config.threshold, num_removed=len(pairs), report=REPORT))
     shards.write_manifest(output_dir, manifest)
     return manifest

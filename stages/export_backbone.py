@@ -100,8 +100,7 @@ def run(config: ExportBackboneConfig) -> ExportBackboneResult:
     epsilon = ledger.epsilon_spent if ledger.private else math.inf
     guarantee = (f"({epsilon:.4g}, {ledger.delta:g})-DP for its training data" if ledger.private
                  else "NON-PRIVATE: no guarantee for its training data")
-    source = (f"dpscale run {run_dir.path}: {config.parameters} parameters after "
-              f"{ledger.steps_done} steps on data {ledger.data_content_hash[:16]}; {guarantee}")
+    source = f"dpscale run {run_dir.path}: {config.parameters} parameters after {ledger.steps_done} steps; {guarantee}"
     metadata = pretrained.save_pretrained(config.output_dir, variables, model=name,
                                           num_classes=num_classes, preprocessing=prep,
                                           source=source, force=config.force)

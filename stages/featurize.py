@@ -72,8 +72,9 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     start = time.perf_counter()
     cache_dir = config.cache_dir or fstore.default_cache_dir()
     dataset = IngestedDataset(config.data)
-    key, meta = featurizer.feature_key(dataset, config.backbone, resolution=config.resolution,
-                            resize_method=config.resize_method, flip_average=config.flip_average)
+    key, meta = featurizer.feature_key(dataset, config.backbone, cache_dir=cache_dir,
+                                       resolution=config.resolution, resize_method=config.resize_method,
+                                       flip_average=config.flip_average)
     path = fstore.entry_path(cache_dir, key)
     sizes = {s: dataset.num_examples(s) for s in dataset.splits}
     with contextlib.suppress(DataError):

@@ -25,6 +25,8 @@ jax.config.update(
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+import hashlib  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -32,26 +34,35 @@ from dpscale.cache.feature_store import EntryLayout, FeatureStore, SplitLayout  
 from dpscale.cache.keys import FeatureKey  # noqa: E402
 
 
+def write_feature_cache(root: str, splits: dict[str, tuple[np.ndarray, np.ndarray]], *, chunk_rows: int,
+                        data_hash_char: str, class_names: tuple[str, ...] = ("a", "b", "c")) -> str:
+    """A real, complete cache entry holding ``splits`` (name -> (features [n, d], labels [n]))."""
+    dim = next(iter(splits.values()))[0].shape[1]
+    key = FeatureKey(data_identity=data_hash_char * 64, weights_sha256="w" * 64, model="synthetic",
+                     resolution=8, mean=(0.0,), std=(1.0,))
+    layout = EntryLayout(key=key, feature_dim=dim, class_names=class_names,
+                         splits={s: SplitLayout(num_examples=len(y), chunk_rows=chunk_rows) for s, (_, y) in splits.items()})
+    store = FeatureStore.create(root, layout)
+    for split, (feats, labels) in splits.items():
+        rows = layout.splits[split]
+        for chunk in range(rows.num_chunks):
+            start, stop = rows.rows(chunk)
+            ids = [hashlib.sha256(np.asarray(row, np.float32).tobytes()).digest() for row in feats[start:stop]]
+            store.write_chunk(split, chunk, feats[start:stop], labels[start:stop], ids)
+    store.finalize()
+    return store.path
+
+
 def write_synthetic_feature_cache(root: str, *, seed: int, sizes: dict[str, int], chunk_rows: int,
                                   data_hash_char: str) -> str:
     """A separable 3-class problem in 16 dimensions, stored as a real, complete cache entry."""
     rng = np.random.default_rng(seed)
     centers = rng.normal(size=(3, 16)) * 3
-    key = FeatureKey(data_content_hash=data_hash_char * 64, weights_sha256="w" * 64, model="synthetic",
-                     resolution=8, mean=(0.0,), std=(1.0,))
-    layout = EntryLayout(key=key, feature_dim=16, class_names=("a", "b", "c"),
-                         splits={s: SplitLayout(num_examples=n, chunk_rows=chunk_rows) for s, n in sizes.items()})
-    store = FeatureStore.create(root, layout)
+    splits = {}
     for split, n in sizes.items():
         labels = rng.integers(0, 3, size=n)
-        feats = centers[labels] + rng.normal(size=(n, 16))
-        rows = layout.splits[split]
-        for chunk in range(rows.num_chunks):
-            start, stop = rows.rows(chunk)
-            ids = [i.to_bytes(32, "little") for i in range(start, stop)]
-            store.write_chunk(split, chunk, feats[start:stop], labels[start:stop], ids)
-    store.finalize()
-    return store.path
+        splits[split] = (centers[labels] + rng.normal(size=(n, 16)), labels)
+    return write_feature_cache(root, splits, chunk_rows=chunk_rows, data_hash_char=data_hash_char)
 
 
 @pytest.fixture(scope="session")

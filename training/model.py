@@ -22,6 +22,7 @@ on the mode:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 from typing import Any, Callable
@@ -52,7 +53,7 @@ _log = logging.getLogger(__name__)
 class TrainModel:
     num_examples: int
     num_classes: int
-    data_hash: str
+    data_hash: str  # identifies the data (never released: runs store a keyed hash of it)
     loss_fn: Callable[[PyTree, PyTree, PyTree], jax.Array]
     init_params: Callable[[int], PyTree]
     model_state: PyTree
@@ -211,7 +212,7 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
     return TrainModel(
         num_examples=total - holdout,
         num_classes=classes,
-        data_hash=store.content_hash,
+        data_hash=hashlib.sha256((store.digest + "".join(store.ids(config.train_split))).encode()).hexdigest(),
         loss_fn=loss_fn,
         init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
         model_state={},

@@ -11,7 +11,7 @@ from dpscale.cache import feature_store as fstore
 from dpscale.cache.keys import FeatureKey
 from dpscale.errors import DataError
 
-KEY = FeatureKey(data_content_hash="a" * 64, weights_sha256="b" * 64, model="cnn-small",
+KEY = FeatureKey(data_identity="a" * 64, weights_sha256="b" * 64, model="cnn-small",
                  resolution=16, mean=(8.0,), std=(4.0,))
 DIM = 5
 
@@ -65,7 +65,7 @@ def test_complete_entry_reads_back(complete, tmp_path):
     assert fs.labels("train").dtype == np.int32
     assert fs.ids("train") == [i.hex() for i in ids]
     np.testing.assert_array_equal(fs.features("test")[:], rows("test", 0, 3)[0])
-    assert fs.metadata["data_content_hash"] == KEY.data_content_hash
+    assert fs.metadata["key"]["data_identity"] == KEY.data_identity and fs.digest == KEY.digest
     assert fs.metadata["key"]["resolution"] == 16 and fs.key == KEY
     idx = np.array([[9, 0, 0], [3, 7, 2]])
     xb, yb = fs.get("train", idx)

@@ -7,7 +7,7 @@ import pytest
 from dpscale.cache.keys import FEATURE_FORMAT_VERSION, FeatureKey
 from dpscale.errors import DataError
 
-BASE = FeatureKey(data_content_hash="a" * 64, weights_sha256="b" * 64, model="efficientnet-lite0",
+BASE = FeatureKey(data_identity="a" * 64, weights_sha256="b" * 64, model="efficientnet-lite0",
                   resolution=224, mean=(127.0, 127.0, 127.0), std=(128.0, 128.0, 128.0))
 
 
@@ -22,7 +22,7 @@ def test_digest_is_stable_and_survives_a_round_trip():
 
 
 @pytest.mark.parametrize("change", [
-    {"data_content_hash": "c" * 64}, {"weights_sha256": "d" * 64}, {"resolution": 128},
+    {"data_identity": "c" * 64}, {"weights_sha256": "d" * 64}, {"resolution": 128},
     {"mean": (127.0, 127.0, 127.5)}, {"std": (128.0, 128.0, 127.0)},
     {"resize_method": "nearest"}, {"format_version": FEATURE_FORMAT_VERSION + 1},
     {"model": "efficientnet-lite1"}, {"flip_average": True}])
@@ -32,8 +32,8 @@ def test_every_part_changes_the_digest(change):
 
 def test_keys_without_flip_average_keep_the_digest_they_had_before_the_option():
     assert "flip_average" not in BASE.as_dict()
-    # sha256 of the canonical JSON of the eight parts a key had before flip_average existed
-    assert BASE.digest == "be2b0f042bec6466d337c7de0860981eec618b8c0ee77842a3b9f5cf23d7d840"
+    # sha256 of the canonical JSON of the eight parts a key has without flip_average (format 2)
+    assert BASE.digest == "903a3bad0bed1a0d4ad59182ae1cbeadb9a75a25cd38b838cc030ccfc7585767"
     flipped = dataclasses.replace(BASE, flip_average=True)
     assert FeatureKey.from_dict(flipped.as_dict()) == flipped
 
@@ -41,7 +41,7 @@ def test_keys_without_flip_average_keep_the_digest_they_had_before_the_option():
 def test_bad_keys_are_data_errors():
     with pytest.raises(DataError, match="resize method"):
         dataclasses.replace(BASE, resize_method="area")
-    with pytest.raises(DataError, match="content hash"):
-        dataclasses.replace(BASE, data_content_hash="")
+    with pytest.raises(DataError, match="data identity"):
+        dataclasses.replace(BASE, data_identity="")
     with pytest.raises(DataError, match="malformed"):
         FeatureKey.from_dict({**BASE.as_dict(), "colour": "blue"})

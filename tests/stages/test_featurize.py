@@ -1,6 +1,7 @@
 """The featurize stage on digits with a tiny random-weight CNN backbone (no torch needed)."""
 
 import dataclasses
+import json
 import os
 import time
 
@@ -74,7 +75,8 @@ def test_features_equal_a_direct_forward_pass(env, done):
             np.testing.assert_allclose(fs.features(split)[:], np.asarray(direct), rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(fs.labels(split), labels)
             assert fs.ids(split)[:5] == [e.id for e in ds.examples(split, range(5))]
-        assert fs.metadata["data_content_hash"] == ds.content_hash
+        # The data enters the key keyed with the cache's secret: never as its plain content hash.
+        assert ds.content_hash not in json.dumps(fs.metadata) and ds.content_hash not in fs.path
     assert fs.metadata["key"]["weights_sha256"] == pretrained.read_metadata(env["backbone"]).weights_sha256
 
 
@@ -120,6 +122,7 @@ def test_interrupted_run_finishes_only_the_missing_chunks(env, done, tmp_path, m
     cache = tmp_path / "cache"
     entry = cache / os.path.basename(first.path)
     shutil.copytree(first.path, entry)
+    shutil.copy2(os.path.join(os.path.dirname(first.path), "identity.secret"), cache)  # the same cache, moved
     # what a kill -9 after two chunks leaves: no COMPLETE, two chunks without markers
     # (one of them with garbage rows, as if half written)
     os.remove(entry / fstore.COMPLETE)
@@ -147,14 +150,17 @@ def test_interrupted_run_finishes_only_the_missing_chunks(env, done, tmp_path, m
 
 def test_preprocessing_and_weights_change_the_key(env, tmp_path):
     with IngestedDataset(env["data"]) as ds:
-        base, _ = featurizer.feature_key(ds, env["backbone"])
+        def key(backbone=env["backbone"], cache=tmp_path / "cache", **options):
+            return featurizer.feature_key(ds, backbone, cache_dir=str(cache), **options)[0]
+
+        base = key()
         assert base.resolution == PREP.resolution
-        assert featurizer.feature_key(ds, env["backbone"], resolution=16)[0].digest != base.digest
-        assert featurizer.feature_key(ds, env["backbone"], resize_method="nearest")[0].digest != base.digest
-        other = save_backbone(tmp_path / "bb2", 1)
-        assert featurizer.feature_key(ds, other)[0].digest != base.digest
-        same = save_backbone(tmp_path / "bb3", 0)  # same weights elsewhere: same features
-        assert featurizer.feature_key(ds, same)[0].digest == base.digest
+        assert key(resolution=16).digest != base.digest
+        assert key(resize_method="nearest").digest != base.digest
+        assert key(save_backbone(tmp_path / "bb2", 1)).digest != base.digest
+        assert key(save_backbone(tmp_path / "bb3", 0)).digest == base.digest  # same weights elsewhere: same features
+        # Another cache has another secret: the same data gets another identity there.
+        assert key(cache=tmp_path / "other-cache").digest != base.digest
 
 
 def test_preprocess_resizes_normalises_and_repeats_gray_for_rgb():
