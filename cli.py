@@ -339,6 +339,9 @@ _TRAINING_OPTIONS = _options(
     click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run)."),
     click.option("--devices", type=int, default=None,
                  help="Data-parallel devices (default: all local; all global ones in a multi-host run)."),
+    click.option("--private-diagnostics", is_flag=True,
+                 help="Also write statistics of the private batches that epsilon does NOT cover (loss, gradient "
+                      "norms, clipped fraction, batch sizes, held-out scores) to *.NOT-PRIVATE.* files (mode 0600)."),
 )
 
 
@@ -358,7 +361,8 @@ def _training_config(data: str, options: dict[str, Any], **given: Any) -> Any:
                                mean_noise_multiplier=take("feature_mean_noise_multiplier"),
                                scale=take("feature_scale"))
     shared = {name: take(name) for name in ("batch_size", "steps", "clip_norm", "momentum", "weight_decay",
-                                            "microbatch_size", "ema_decay", "checkpoint_every", "devices")}
+                                            "microbatch_size", "ema_decay", "checkpoint_every", "devices",
+                                            "private_diagnostics")}
     return TrainingConfig(mode=mode, target=target, images=images if mode == "images" else ImageSettings(),
                           features=features if mode == "features" else FeatureSettings(), **shared, **given)
 
@@ -403,13 +407,16 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
     if resume_dir is not None:
         if data or run_dir:
             raise click.UsageError("--resume RUN_DIR takes no DATA or RUN_DIR arguments")
-        _print_json_line(dataclasses_asdict(train.run(train.ResumeConfig(resume_dir))))
+        result = train.run(train.ResumeConfig(resume_dir))
+        _echo_warnings(result.warnings)
+        _print_json_line(dataclasses_asdict(result))
         return
     if not (data and run_dir):
         raise click.UsageError("give DATA and RUN_DIR (or --resume RUN_DIR)")
     training = _training_config(data, options, epsilon=epsilon, noise_multiplier=noise_multiplier,
                                 learning_rate=learning_rate, seed=seed)
     result = train.run(train.TrainConfig(data=data, run_dir=run_dir, training=training))
+    _echo_warnings(result.warnings)
     _print_json_line(dataclasses_asdict(result))
 
 
@@ -417,11 +424,18 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--split", default="test", show_default=True)
 @click.option("--data", default=None, help="Ingested data (default: the data the run trained on).")
-def evaluate_command(run_dir: str, split: str, data: str | None) -> None:
+@click.option("--private-diagnostics", is_flag=True,
+              help="Allow scoring the run's own training rows (its train split or held-out rows): exact statistics "
+                   "of private data that epsilon does NOT cover, written to a *.NOT-PRIVATE.json file (mode 0600).")
+def evaluate_command(run_dir: str, split: str, data: str | None, private_diagnostics: bool) -> None:
     """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json."""
     from dpscale.stages import evaluate
+    from dpscale.training.release import warning
 
-    result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data))
+    result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data,
+                                                  private_diagnostics=private_diagnostics))
+    if not result.covered_by_epsilon:
+        _echo_warnings((warning(result.path),))
     _print_json_line(result.as_dict())
 
 
@@ -459,8 +473,16 @@ def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, r
     config = sweep.SweepConfig(data=data, out_dir=out_dir, training=training, epsilons=_floats(epsilons),
                                learning_rates=rates, repeats=repeats, baseline=not no_baseline,
                                baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum)
-    for row in sweep.run(config).summary:
+    result = sweep.run(config)
+    _echo_warnings(result.warnings)
+    click.echo(f"dpscale: {_privacy_line(result)}", err=True)
+    for row in result.summary:
         _print_json_line(row)
+
+
+def _privacy_line(result: Any) -> str:
+    return (f"releasing every DP result of this sweep together is ({result.composed_epsilon:.4g}, {result.delta:g})-DP; "
+            "the non-private baseline's scores are NOT private (see privacy.json)")
 
 
 @cli.command("quickstart")
@@ -481,9 +503,12 @@ def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, r
 @click.option("--steps", type=int, default=1000, show_default=True, help="Steps of the DP last-layer training.")
 @click.option("--learning-rate", type=float, default=1.0, show_default=True, help="Of the DP last-layer training.")
 @click.option("--seed", type=int, default=None, help="Fix the secret seed (debugging only).")
+@click.option("--private-diagnostics", is_flag=True,
+              help="Also report how many public images dedup removed (depends on the private data; NOT covered).")
 def quickstart_command(data: str, work_dir: str, public_classes: str, no_dedup: bool, model: str,
                        pretrain_steps: int, pretrain_batch_size: int, pretrain_learning_rate: float, epsilon: float,
-                       delta: float, batch_size: int, steps: int, learning_rate: float, seed: int | None) -> None:
+                       delta: float, batch_size: int, steps: int, learning_rate: float, seed: int | None,
+                       private_diagnostics: bool) -> None:
     """Public pre-training, then DP fine-tuning: the paper's path on a small offline data set.
 
     ingest (public and private classes) -> dedup -> non-private pre-training on the
@@ -506,7 +531,8 @@ def quickstart_command(data: str, work_dir: str, public_classes: str, no_dedup: 
                                   batch_size=batch_size, steps=steps, learning_rate=learning_rate, seed=seed)
     result = quickstart.run(quickstart.QuickstartConfig(
         data=data, work_dir=work_dir, public_classes=classes, dedup=not no_dedup, pretrain=pretrain,
-        private=private))
+        private=private, private_diagnostics=private_diagnostics))
+    _echo_warnings(result.warnings)
     _print_json_line(dataclasses.asdict(result))
 
 

@@ -20,18 +20,22 @@ that runs cannot drift apart.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
+import dp_accounting
 import optax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
 from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme,
                                         check_accountant, check_batch_size, check_delta, check_mechanism,
-                                        check_releases, check_steps)
+                                        check_releases, check_steps, dp_event, make_accountant,
+                                        quiet_rdp_warnings)
 from dpscale.privacy.clipping import LossFn, make_unclipped_sum_fn
 from dpscale.privacy.dpsgd import ClippedSumFn, DpsgdStep
 from dpscale.privacy.sampling import PoissonSampler, ShuffledSampler
@@ -193,14 +197,17 @@ class PrivacyPlan:
                          f"epsilon is not a proven guarantee for {self.sampling!r} batches")
         return tuple(notes)
 
-    def ledger(self, *, steps_done: int, data_content_hash: str = "") -> Ledger:
-        """The privacy ledger of a run that has done ``steps_done`` of the planned steps."""
+    def ledger(self, *, steps_done: int, not_covered: tuple[str, ...] = ()) -> Ledger:
+        """The privacy ledger of a run that has done ``steps_done`` of the planned steps.
+
+        ``not_covered`` names what the run reports that epsilon does not cover (e.g. held-out rows).
+        """
         return Ledger(private=self.private, accountant=self.accountant if self.private else "none",
                       sampling=self.sampling if self.private else None, exact_accounting=self.private and self.exact,
                       sampling_rate=self.sampling_rate if self.private else None,
                       noise_multiplier=self.noise_multiplier, releases=self.releases, planned_steps=self.steps,
                       steps_done=steps_done, delta=self.delta, epsilon_spent=self.epsilon(steps_done),
-                      data_content_hash=data_content_hash)
+                      not_covered=tuple(not_covered))
 
     # -- what runs ------------------------------------------------------------------------
 
@@ -225,6 +232,27 @@ class PrivacyPlan:
         return step_class(loss_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
                           seed=seed, clip_norm=clip_norm, ema_decay=ema_decay, optimizer=optimizer,
                           learning_rate=learning_rate, mesh=mesh, clipped_sum_fn=clipped_sum_fn)
+
+
+def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: Accountant = "pld") -> float:
+    """Epsilon at ``delta`` of releasing the results of all ``plans`` together (runs on the same data).
+
+    Each run is its own adaptive composition (releases, then T subsampled Gaussian steps); many
+    runs on one data set compose again (dp-accounting's ``ComposedDpEvent``). Inf if any plan is
+    non-private: releasing a result without a guarantee forfeits the joint one.
+    """
+    check_delta(delta)
+    if not plans:
+        return 0.0
+    if not all(plan.private for plan in plans):
+        return math.inf
+    counts = collections.Counter(plans)  # repeats of one setting compose by self-composition (faster)
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_event(noise_multiplier=p.noise_multiplier, sampling_rate=p.sampling_rate,
+                                                   steps=p.steps, releases=p.releases), count)
+        for p, count in counts.items()])
+    with quiet_rdp_warnings():
+        return float(make_accountant(accountant).compose(event).get_epsilon(delta))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +297,7 @@ class Ledger:
     steps_done: int
     delta: float
     epsilon_spent: float
-    data_content_hash: str = ""
+    not_covered: tuple[str, ...] = ()  # outputs of the run that epsilon does not cover, and why
     neighboring_relation: str = "add_or_remove_one"
 
     @property
@@ -279,6 +307,7 @@ class Ledger:
     def to_json(self) -> dict[str, Any]:
         payload = dataclasses.asdict(self)
         payload["releases"] = list(self.releases)
+        payload["not_covered"] = list(self.not_covered)
         payload["epsilon_spent"] = "inf" if math.isinf(self.epsilon_spent) else self.epsilon_spent
         return payload
 
@@ -287,6 +316,7 @@ class Ledger:
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in payload.items() if k in fields}
         values["releases"] = tuple(values.get("releases", ()))
+        values["not_covered"] = tuple(values.get("not_covered", ()))
         values["epsilon_spent"] = float(values["epsilon_spent"])
         return cls(**values)
 

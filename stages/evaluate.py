@@ -1,8 +1,9 @@
 """The evaluate command: top-1 / top-5 accuracy of a run's last and EMA parameters on one split.
 
 ``run(EvaluateConfig)`` scores the run (``training.evaluation``) and saves the scores in
-the run directory (``metrics.json``). Evaluation is post-processing of the DP parameters
-and spends no privacy budget.
+the run directory (``metrics.json``). On a split outside the private training data this is
+post-processing of the DP parameters and spends no privacy budget; on the run's training rows
+(``train``, ``holdout``) it is a private diagnostic, refused unless ``private_diagnostics``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,6 @@ import dataclasses
 
 from dpscale.training.evaluation import Scores, score_run
 
-__all__ = ["EvaluateConfig", "EvaluateResult", "run"]
-
-EvaluateResult = Scores
-
 
 @dataclasses.dataclass(frozen=True)
 class EvaluateConfig:
@@ -22,7 +19,15 @@ class EvaluateConfig:
     split: str = "test"
     batch_size: int = 256
     data: str | None = None  # defaults to the data the run trained on
+    private_diagnostics: bool = False  # allow scoring the run's private training rows
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateResult(Scores):
+    path: str = ""  # the file the scores were saved to
 
 
 def run(config: EvaluateConfig) -> EvaluateResult:
-    return score_run(config.run_dir, split=config.split, data=config.data, batch_size=config.batch_size)
+    scores, path = score_run(config.run_dir, split=config.split, data=config.data, batch_size=config.batch_size,
+                             private_diagnostics=config.private_diagnostics)
+    return EvaluateResult(**dataclasses.asdict(scores), path=path)

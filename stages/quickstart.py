@@ -35,11 +35,13 @@ import time
 from typing import Any
 
 from dpscale.data.dataset import IngestedDataset
+from dpscale.data.identity import directory_secret, keyed_identity
 from dpscale.data.sources import parse_source, plan_source
 from dpscale.errors import DataError, DpscaleError, InvalidConfigError
 from dpscale.models import pretrained
 from dpscale.privacy.plan import PrivacyTarget
 from dpscale.stages import dedup, evaluate, export_backbone, featurize, ingest, train
+from dpscale.training import release
 from dpscale.training.config import ImageSettings, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,9 @@ class QuickstartConfig:
     dedup: bool = True
     pretrain: TrainingConfig = PRETRAIN
     private: TrainingConfig = PRIVATE
+    # Report how many public images dedup removed: a count that depends on the private data and
+    # that epsilon does not cover (training.release); off by default.
+    private_diagnostics: bool = False
 
     def __post_init__(self) -> None:
         if not self.private.private:
@@ -114,7 +119,8 @@ def _ingested(config: QuickstartConfig, name: str, classes: tuple[str, ...], val
 
 def _deduplicated(config: QuickstartConfig, public: str, private: str) -> tuple[str, int]:
     """``public`` minus near duplicates of ``private`` (all splits), and how many went."""
-    hashes = {"public": IngestedDataset(public).content_hash, "private": IngestedDataset(private).content_hash}
+    private_identity = keyed_identity(directory_secret(config.work_dir), IngestedDataset(private).content_hash)
+    hashes = {"public": IngestedDataset(public).content_hash, "private": private_identity}
     out = os.path.join(config.work_dir, "data", f"dedup-{_digest(hashes)}")
     try:
         provenance = IngestedDataset(out).manifest.dedup
@@ -170,7 +176,7 @@ class QuickstartResult:
     model: str
     public_classes: list[str]
     private_classes: list[str]
-    public_removed_by_dedup: int | None  # None: dedup was skipped
+    public_removed_by_dedup: int | None  # None: dedup skipped, or not asked for (a private diagnostic)
     public_test_accuracy: float
     pretrain_run_dir: str
     pretrain_reused: bool
@@ -188,6 +194,7 @@ class QuickstartResult:
     run_dir: str
     stage_seconds: dict[str, float]
     seconds: float
+    warnings: tuple[str, ...] = ()
 
 
 def run(config: QuickstartConfig) -> QuickstartResult:
@@ -228,11 +235,14 @@ def run(config: QuickstartConfig) -> QuickstartResult:
     lap("private training", now)
     return QuickstartResult(
         data=config.data, model=config.pretrain.images.model, public_classes=list(public_classes),
-        private_classes=list(private_classes), public_removed_by_dedup=removed if config.dedup else None,
+        private_classes=list(private_classes),
+        public_removed_by_dedup=removed if config.dedup and config.private_diagnostics else None,
         public_test_accuracy=pretrain["public_test_accuracy"], pretrain_run_dir=pretrain["run_dir"],
         pretrain_reused=pretrain["reused"], backbone=os.path.abspath(backbone),
         features=os.path.abspath(features.path), epsilon=trained.epsilon, delta=trained.delta,
         noise_multiplier=trained.noise_multiplier, batch_size=trained.batch_size, steps=trained.steps,
         test_split=held_out, test_accuracy=scores.ema_top1, test_accuracy_last=scores.top1,
         test_examples=scores.num_examples, run_dir=os.path.abspath(run_dir), stage_seconds=seconds,
-        seconds=round(time.perf_counter() - started, 1))
+        seconds=round(time.perf_counter() - started, 1),
+        warnings=trained.warnings + ((release.warning("public_removed_by_dedup"),) if config.dedup
+                                     and config.private_diagnostics else ()))

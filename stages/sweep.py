@@ -6,12 +6,20 @@ sweep over epsilon never recomputes a feature). Each grid point is trained
 to ``runs.csv`` (every run), ``summary.csv`` / ``summary.md`` (median and min-max
 spread over repeats per grid point) and ``accuracy_vs_epsilon.png``.
 
-A run directory that already holds ``metrics.json`` is reused, so an interrupted
+A run directory that already holds its scores is reused, so an interrupted
 sweep continues where it stopped instead of redoing (or re-spending) finished runs.
+
+What it publishes: every DP run is (epsilon, delta)-DP on its own, but the sweep releases all
+of them, on the same data. ``privacy.json`` and the head of ``summary.md`` give the composed
+(epsilon, delta) of releasing every DP result together (``privacy.plan.composed_epsilon``).
+The non-private baseline trains on the same private data without any guarantee: it is
+marked NOT private everywhere, and the composed guarantee holds only without it.
 
 With ``holdout`` N (features mode) every run trains on all but the last N training
 rows and is scored on those rows (split ``holdout``), so hyper-parameters can be
-chosen without touching the test split.
+chosen without touching the test split. Those scores are exact statistics of private rows:
+such a sweep needs ``private_diagnostics``, and its tables and plot are private diagnostics
+(``*.NOT-PRIVATE.*``, mode 0600).
 """
 
 from __future__ import annotations
@@ -24,14 +32,18 @@ import statistics
 from typing import Any
 
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.plan import composed_epsilon
 from dpscale.stages import evaluate, train
+from dpscale.training import release
 from dpscale.training.config import TrainingConfig
-from dpscale.training.run_directory import CONFIG, RunDirectory
+from dpscale.training.model import HOLDOUT_SPLIT
+from dpscale.training.run_directory import CONFIG, RunDirectory, write_json_atomic
 
 RUNS_CSV = "runs.csv"
 SUMMARY_CSV = "summary.csv"
 SUMMARY_MD = "summary.md"
 PLOT = "accuracy_vs_epsilon.png"
+PRIVACY_JSON = "privacy.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +78,14 @@ class SweepConfig:
             raise InvalidConfigError("a sweep needs --batch-size and --steps (the noise is calibrated per epsilon)")
         if self.training.noise_multiplier is not None:
             raise InvalidConfigError("a sweep calibrates the noise multiplier for each epsilon; drop --noise-multiplier")
+        if self.scores_private_rows and not self.training.private_diagnostics:
+            raise InvalidConfigError(
+                f"scoring split {self.eval_split!r} (private training rows) makes the sweep's tables private "
+                "diagnostics that epsilon does not cover; pass --private-diagnostics to run it anyway")
+
+    @property
+    def scores_private_rows(self) -> bool:
+        return self.eval_split in (HOLDOUT_SPLIT, self.training.train_split)
 
     @property
     def grid_learning_rates(self) -> tuple[float, ...]:
@@ -77,6 +97,10 @@ class SweepResult:
     out_dir: str
     rows: tuple[dict[str, Any], ...]  # one per run
     summary: tuple[dict[str, Any], ...]  # one per (epsilon, learning rate): median and spread over repeats
+    composed_epsilon: float  # of releasing every DP run's result together, at ``delta``
+    delta: float
+    covered_by_epsilon: bool  # False: the tables hold scores of private rows (private diagnostics)
+    warnings: tuple[str, ...] = ()
 
 
 def _grid(config: SweepConfig) -> list[dict[str, Any]]:
@@ -103,7 +127,8 @@ def _run_name(point: dict[str, Any]) -> str:
 def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
     run_dir = os.path.join(config.out_dir, "runs", _run_name(point))
     existing = RunDirectory(os.path.abspath(run_dir))
-    if existing.read_scores() is None:
+    diagnostic = config.scores_private_rows and math.isfinite(point["epsilon"])
+    if existing.read_scores(config.eval_split, diagnostic=diagnostic) is None:
         if os.path.exists(existing.file(CONFIG)):
             train.run(train.ResumeConfig(run_dir, show_progress=config.training.show_progress))
         else:
@@ -112,10 +137,12 @@ def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
                 base, target=dataclasses.replace(base.target, epsilon=point["epsilon"]),
                 learning_rate=point["learning_rate"], momentum=point["momentum"], seed=None)
             train.run(train.TrainConfig(data=config.data, run_dir=run_dir, training=training))
-        evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=config.eval_split))
-    scores = existing.read_scores()
+        evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=config.eval_split,
+                                             private_diagnostics=config.training.private_diagnostics))
+    scores = existing.read_scores(config.eval_split, diagnostic=diagnostic)
     ledger = existing.read_ledger()
     return point | {
+        "private": ledger.private,
         "achieved_epsilon": ledger.epsilon_spent,
         "noise_multiplier": ledger.noise_multiplier,
         "top1": scores["top1"],
@@ -130,29 +157,48 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         groups.setdefault((row["epsilon"], row["learning_rate"]), []).append(row["ema_top1"])
     return [
-        {"epsilon": eps, "learning_rate": lr, "repeats": len(accs),
+        {"epsilon": eps, "private": math.isfinite(eps), "learning_rate": lr, "repeats": len(accs),
          "median_top1": statistics.median(accs), "min_top1": min(accs), "max_top1": max(accs)}
         for (eps, lr), accs in sorted(groups.items())
     ]
 
 
-def _write_tables(out_dir: str, rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> None:
-    for path, table in ((RUNS_CSV, rows), (SUMMARY_CSV, summary)):
-        with open(os.path.join(out_dir, path), "w", newline="") as f:
+def _open(out_dir: str, name: str, *, diagnostic: bool, newline: str | None = None) -> Any:
+    """A table file of the sweep; private diagnostics get their name and mode 0600."""
+    path = os.path.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if diagnostic else 0o644), "w",
+                     newline=newline)
+
+
+def _privacy_note(privacy: dict[str, Any]) -> str:
+    note = (f"Releasing all {privacy['private_runs']} DP results of this sweep together is "
+            f"({privacy['composed_epsilon']:.4g}, {privacy['delta']:g})-DP ({privacy['accountant'].upper()} "
+            "composition of every run); each run alone is the epsilon of its row.")
+    if privacy["non_private_runs"]:
+        note += (" The non-private baseline trained on the same data without any guarantee: its scores are "
+                 "NOT private, and the composed guarantee holds only if they are not released.")
+    return note
+
+
+def _write_tables(out_dir: str, rows: list[dict[str, Any]], summary: list[dict[str, Any]],
+                  privacy: dict[str, Any], *, diagnostic: bool) -> None:
+    for name, table in ((RUNS_CSV, rows), (SUMMARY_CSV, summary)):
+        with _open(out_dir, name, diagnostic=diagnostic, newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(table[0]))
             writer.writeheader()
             writer.writerows(table)
-    lines = ["| epsilon | learning rate | repeats | median top-1 (EMA) | min | max |",
+    lines = [_privacy_note(privacy), "",
+             "| epsilon | learning rate | repeats | median top-1 (EMA) | min | max |",
              "| --- | --- | --- | --- | --- | --- |"]
     for s in summary:
-        eps = "non-private" if math.isinf(s["epsilon"]) else f"{s['epsilon']:g}"
+        eps = "non-private (NOT private)" if math.isinf(s["epsilon"]) else f"{s['epsilon']:g}"
         lines.append(f"| {eps} | {s['learning_rate']:g} | {s['repeats']} | {100 * s['median_top1']:.2f}% "
                      f"| {100 * s['min_top1']:.2f}% | {100 * s['max_top1']:.2f}% |")
-    with open(os.path.join(out_dir, SUMMARY_MD), "w") as f:
+    with _open(out_dir, SUMMARY_MD, diagnostic=diagnostic) as f:
         f.write("\n".join(lines) + "\n")
 
 
-def _plot(out_dir: str, summary: list[dict[str, Any]]) -> None:
+def _plot(out_dir: str, summary: list[dict[str, Any]], *, split: str, diagnostic: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,22 +217,43 @@ def _plot(out_dir: str, summary: list[dict[str, Any]]) -> None:
     ax.errorbar(eps, med, yerr=[low, high], marker="o", capsize=3, label="DP-SGD (median, min-max)")
     for s in summary:
         if math.isinf(s["epsilon"]):
-            ax.axhline(100 * s["median_top1"], color="gray", linestyle="--", label="non-private")
+            ax.axhline(100 * s["median_top1"], color="gray", linestyle="--", label="non-private (NOT private)")
             break
     ax.set_xscale("log", base=2)
     ax.set_xlabel("epsilon")
-    ax.set_ylabel("test top-1 (%)")
+    ax.set_ylabel(f"{split} top-1 (%)")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, PLOT))
+    path = os.path.join(out_dir, release.diagnostic_name(PLOT) if diagnostic else PLOT)
+    fig.savefig(path)
     plt.close(fig)
+    if diagnostic:
+        os.chmod(path, 0o600)
 
 
 def run(config: SweepConfig) -> SweepResult:
     os.makedirs(config.out_dir, exist_ok=True)
     rows = [_one(config, point) for point in _grid(config)]
     summary = summarize(rows)
-    _write_tables(config.out_dir, rows, summary)
-    _plot(config.out_dir, summary)
-    return SweepResult(out_dir=config.out_dir, rows=tuple(rows), summary=tuple(summary))
+    plans = [RunDirectory(os.path.abspath(r["run_dir"])).read_spec().plan for r in rows]
+    dp_plans = [plan for plan in plans if plan.private]
+    delta = config.training.target.delta
+    privacy = {
+        "composed_epsilon": composed_epsilon(dp_plans, delta=delta, accountant=config.training.target.accountant),
+        "delta": delta, "accountant": config.training.target.accountant, "private_runs": len(dp_plans),
+        "runs": [{"run_dir": r["run_dir"], "private": r["private"], "epsilon": r["achieved_epsilon"]} for r in rows],
+        "non_private_runs": [r["run_dir"] for r in rows if not r["private"]],
+        "scores_private_rows": config.scores_private_rows,
+    }
+    privacy["note"] = _privacy_note(privacy)
+    write_json_atomic(os.path.join(config.out_dir, PRIVACY_JSON), privacy)
+    diagnostic = config.scores_private_rows
+    _write_tables(config.out_dir, rows, summary, privacy, diagnostic=diagnostic)
+    _plot(config.out_dir, summary, split=config.eval_split, diagnostic=diagnostic)
+    warnings = tuple(dict.fromkeys(w for plan in dp_plans for w in plan.warnings))
+    if diagnostic:
+        warnings += (release.warning(f"the sweep's tables and plot in {config.out_dir!r} ({config.eval_split} scores)"),)
+    return SweepResult(out_dir=config.out_dir, rows=tuple(rows), summary=tuple(summary),
+                       composed_epsilon=privacy["composed_epsilon"], delta=delta,
+                       covered_by_epsilon=not diagnostic, warnings=warnings)

@@ -90,6 +90,7 @@ class TrainingConfig:
     devices: int | None = None  # data-parallel devices; None = all local (all global with several processes)
     checkpoint_every: int | None = None  # steps; None = about 20 checkpoints per run
     show_progress: bool = True
+    private_diagnostics: bool = False  # write statistics epsilon does not cover (training.release)
     images: ImageSettings = ImageSettings()
     features: FeatureSettings = FeatureSettings()
 

@@ -1,10 +1,13 @@
 """Scoring a run: top-1 / top-5 accuracy of its last and its EMA parameters on one split.
 
-Evaluation reads only the run directory and the split it scores; it is post-processing of
-the DP parameters and spends no privacy budget (the test split is assumed public or
-separately budgeted, as in the literature). It rebuilds the run's model from the run's own
-configuration, so inputs are transformed exactly as in training (e.g. with the saved DP
-feature mean).
+Evaluation reads only the run directory and the split it scores. On a split outside the
+private training data (test, validation) it is post-processing of the DP parameters and
+spends no privacy budget (such splits are assumed public or separately budgeted, as in the
+literature). On the run's own training split or its held-out rows it is not: the scores are
+exact statistics of private rows, a private diagnostic (``training.release``), computed only
+when asked for and written to a 0600 file whose name says so. It rebuilds the run's model from
+the run's own configuration, so inputs are transformed exactly as in training (e.g. with the
+saved DP feature mean).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpscale.training.model import build_train_model
+from dpscale.errors import InvalidConfigError
+from dpscale.training import release
+from dpscale.training.model import HOLDOUT_SPLIT, build_train_model
 from dpscale.training.run_directory import RunDirectory
 
 
@@ -28,6 +33,7 @@ class Scores:
     top5: float
     ema_top1: float
     ema_top5: float
+    covered_by_epsilon: bool = True  # False: scores on private training rows (a private diagnostic)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -42,10 +48,20 @@ def accuracies(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
     return top1, top5
 
 
-def score_run(run_dir: str, *, split: str = "test", data: str | None = None, batch_size: int = 256) -> Scores:
-    """Score the run in ``run_dir`` on ``split`` of its data (or of ``data``); saves the scores in the run."""
+def score_run(run_dir: str, *, split: str = "test", data: str | None = None, batch_size: int = 256,
+              private_diagnostics: bool = False) -> tuple[Scores, str]:
+    """Score the run in ``run_dir`` on ``split`` of its data (or of ``data``); save the scores in the run.
+
+    Returns the scores and the file they were saved to. Scoring the run's private training
+    rows needs ``private_diagnostics``.
+    """
     run = RunDirectory.existing(run_dir)
     spec = run.read_spec()
+    diagnostic = spec.plan.private and split in (spec.training.train_split, HOLDOUT_SPLIT)
+    if diagnostic and not private_diagnostics:
+        raise InvalidConfigError(
+            f"split {split!r} is the run's private training data: its scores are exact statistics that "
+            "epsilon does not cover; pass --private-diagnostics to compute them anyway (kept to a 0600 file)")
     model = build_train_model(data or spec.data, spec.training)
     trained = run.load_params()
     state = trained.get("model_state", {})
@@ -59,6 +75,5 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
 
     top1, top5 = accuracies(logits_of(trained["params"]), labels)
     ema_top1, ema_top5 = accuracies(logits_of(trained["ema_params"]), labels)
-    scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5)
-    run.write_scores(scores.as_dict())
-    return scores
+    scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5, covered_by_epsilon=not diagnostic)
+    return scores, run.write_scores(scores.as_dict(), diagnostic=diagnostic)

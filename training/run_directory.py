@@ -1,12 +1,15 @@
 """The files of one training run directory: the only code that reads or writes them.
 
     run_dir/config.json     what the run is: its data, its ``TrainingConfig`` and its ``PrivacyPlan``
-    run_dir/seed.json       the secret seed (mode 0600), so a killed run can resume exactly
+    run_dir/seed.json       secrets (mode 0600): the seed, and a keyed identity of the data, so a
+                            killed run can resume exactly; deleted when the run completes
     run_dir/ledger.json     the privacy ledger (``privacy.plan.Ledger``): sigma, q, T, epsilon spent
-    run_dir/metrics.jsonl   one JSON object per optimiser step
+    run_dir/metrics.jsonl   per optimiser step, what epsilon covers (``training.release``)
+    run_dir/diagnostics.NOT-PRIVATE.jsonl   per step, private diagnostics (only if asked for; 0600)
     run_dir/checkpoints/    orbax checkpoints of the whole ``TrainState`` (newest two)
     run_dir/params/         orbax checkpoint: params, EMA params, frozen model state (a finished run)
-    run_dir/metrics.json    the last evaluation's scores
+    run_dir/metrics.json    the last evaluation's scores on a split outside the private training data
+    run_dir/metrics.<split>.NOT-PRIVATE.json   scores on the private training rows (0600)
 
 JSON files are written to a temporary name and renamed, so a crash never leaves a
 half-written ledger. A directory that already holds a run is never overwritten.
@@ -36,6 +39,7 @@ import orbax.checkpoint as ocp
 from dpscale.errors import DataError, DpscaleError
 from dpscale.privacy.plan import Ledger, PrivacyPlan
 from dpscale.training.config import TrainingConfig
+from dpscale.training.release import DIAGNOSTICS_FILE, diagnostic_name
 
 CONFIG = "config.json"
 SEED_FILE = "seed.json"
@@ -72,6 +76,19 @@ class RunSpec:
     def from_json(cls, payload: dict[str, Any]) -> RunSpec:
         return cls(data=str(payload["data"]), training=TrainingConfig.from_json(payload["training"]),
                    plan=PrivacyPlan(**payload["plan"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSecrets:
+    """What only the machine that trains may know (``seed.json``, mode 0600).
+
+    ``data_identity`` is a keyed hash of the data (keyed with the seed itself), so a resume can
+    refuse data that changed since the start, even with the same number of rows, without any
+    released file carrying a hash of the private data.
+    """
+
+    seed: int
+    data_identity: str
 
 
 class Checkpoints:
@@ -139,11 +156,18 @@ class RunDirectory:
     def read_spec(self) -> RunSpec:
         return self._read(CONFIG, RunSpec.from_json)
 
-    def write_seed(self, seed: int) -> None:
-        write_json_atomic(self.file(SEED_FILE), {"seed": seed}, mode=0o600)
+    def write_secrets(self, secrets: RunSecrets) -> None:
+        write_json_atomic(self.file(SEED_FILE), dataclasses.asdict(secrets), mode=0o600)
 
-    def read_seed(self) -> int:
-        return self._read(SEED_FILE, lambda payload: int(payload["seed"]), hint="; cannot resume this run")
+    def read_secrets(self) -> RunSecrets:
+        if not os.path.exists(self.file(SEED_FILE)) and self.has_params:
+            raise DataError(f"{self.path!r} is a finished run: there is nothing to resume")
+        return self._read(SEED_FILE, lambda payload: RunSecrets(**payload), hint="; cannot resume this run")
+
+    def delete_secrets(self) -> None:
+        """A finished run needs no resume: its seed would only let a copy of the run replay the noise."""
+        if os.path.exists(self.file(SEED_FILE)):
+            os.remove(self.file(SEED_FILE))
 
     # -- what it has spent and done --------------------------------------------------------
 
@@ -153,16 +177,20 @@ class RunDirectory:
     def read_ledger(self) -> Ledger:
         return self._read(LEDGER, Ledger.from_json)
 
-    def append_metrics(self, metrics: dict[str, Any]) -> None:
-        with open(self.file(METRICS), "a") as f:
+    def append_metrics(self, metrics: dict[str, Any], *, diagnostic: bool = False) -> None:
+        """One step's covered metrics (``metrics.jsonl``), or its private diagnostics (0600)."""
+        name = DIAGNOSTICS_FILE if diagnostic else METRICS
+        fd = os.open(self.file(name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600 if diagnostic else 0o644)
+        with os.fdopen(fd, "a") as f:
             f.write(json.dumps(metrics, sort_keys=True) + "\n")
 
-    def read_metrics(self) -> list[dict[str, Any]]:
+    def read_metrics(self, *, diagnostic: bool = False) -> list[dict[str, Any]]:
         """Every logged step's metrics, in order (a line cut short by a crash is skipped)."""
-        if not os.path.exists(self.file(METRICS)):
+        name = DIAGNOSTICS_FILE if diagnostic else METRICS
+        if not os.path.exists(self.file(name)):
             return []
         records = []
-        with open(self.file(METRICS)) as f:
+        with open(self.file(name)) as f:
             for line in f:
                 try:
                     records.append(json.loads(line))
@@ -171,13 +199,17 @@ class RunDirectory:
         return records
 
     def truncate_metrics(self, *, after_step: int) -> None:
-        """Drop metric lines past ``after_step`` (and a line cut short by a crash)."""
-        if not os.path.exists(self.file(METRICS)):
-            return
-        kept = [json.dumps(r, sort_keys=True) + "\n" for r in self.read_metrics() if r.get("step", 0) <= after_step]
-        with open(self.file(METRICS) + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.file(METRICS) + ".tmp", self.file(METRICS))
+        """Drop metric and diagnostic lines past ``after_step`` (and a line cut short by a crash)."""
+        for diagnostic, name in ((False, METRICS), (True, DIAGNOSTICS_FILE)):
+            if not os.path.exists(self.file(name)):
+                continue
+            kept = [json.dumps(r, sort_keys=True) + "\n" for r in self.read_metrics(diagnostic=diagnostic)
+                    if r.get("step", 0) <= after_step]
+            fd = os.open(self.file(name) + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                         0o600 if diagnostic else 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.writelines(kept)
+            os.replace(self.file(name) + ".tmp", self.file(name))
 
     def checkpoints(self, *, every: int) -> Checkpoints:
         return Checkpoints(self.file(CHECKPOINTS), every=every)
@@ -206,13 +238,19 @@ class RunDirectory:
             target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
             return checkpointer.restore(self.file(PARAMS), target)
 
-    def write_scores(self, scores: dict[str, Any]) -> None:
-        write_json_atomic(self.file(SCORES), scores)
+    def scores_file(self, split: str, *, diagnostic: bool) -> str:
+        """``metrics.json``, or for scores on private training rows ``metrics.<split>.NOT-PRIVATE.json``."""
+        return diagnostic_name(f"metrics.{split}.json") if diagnostic else SCORES
 
-    def read_scores(self) -> dict[str, Any] | None:
-        """The last evaluation's scores, or None if the run was not evaluated."""
+    def write_scores(self, scores: dict[str, Any], *, diagnostic: bool = False) -> str:
+        name = self.scores_file(scores["split"], diagnostic=diagnostic)
+        write_json_atomic(self.file(name), scores, mode=0o600 if diagnostic else 0o644)
+        return self.file(name)
+
+    def read_scores(self, split: str = "test", *, diagnostic: bool = False) -> dict[str, Any] | None:
+        """The last evaluation's scores (on ``split`` if ``diagnostic``), or None if not evaluated."""
         try:
-            with open(self.file(SCORES)) as f:
+            with open(self.file(self.scores_file(split, diagnostic=diagnostic))) as f:
                 return json.load(f)
         except (OSError, ValueError):
             return None

@@ -25,6 +25,7 @@ import jax
 import optax
 
 from dpscale import distributed
+from dpscale.data.identity import keyed_identity, seed_secret
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.privacy.dpsgd import TrainState
 from dpscale.privacy.plan import PrivacyPlan
@@ -32,8 +33,9 @@ from dpscale.privacy.seeds import resolve_seed
 from dpscale.privacy.streams import Stream, stream_key
 from dpscale.progress import progress_bar
 from dpscale.training.config import TrainingConfig
-from dpscale.training.model import TrainModel, build_train_model
-from dpscale.training.run_directory import RunDirectory, RunSpec
+from dpscale.training import release
+from dpscale.training.model import HOLDOUT_SPLIT, TrainModel, build_train_model
+from dpscale.training.run_directory import RunDirectory, RunSecrets, RunSpec
 
 _log = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ class TrainResult:
     steps: int
     batch_size: int
     train_seconds: float
-    final_metrics: dict[str, float]
+    final_metrics: dict[str, float]  # the last step's metrics that epsilon covers (training.release)
+    warnings: tuple[str, ...] = ()  # what the user must know about the guarantee (e.g. delta >= 1/N)
 
 
 def plan_for(config: TrainingConfig, model: TrainModel) -> PrivacyPlan:
@@ -86,9 +89,33 @@ class Trainer:
         every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
         self.checkpoints = run.checkpoints(every=every)
 
+    @property
+    def diagnostics(self) -> bool:
+        """Whether this run writes private diagnostics (asked for, and there is a guarantee to lose)."""
+        return self.config.private_diagnostics and self.plan.private
+
+    def not_covered(self) -> tuple[str, ...]:
+        """What this run reports that its epsilon does not cover, for the ledger."""
+        notes = []
+        holdout = self.config.features.holdout if self.config.mode == "features" else 0
+        if holdout and self.plan.private:
+            first = self.plan.num_examples
+            notes.append(f"rows {first}-{first + holdout - 1} of split {self.config.train_split!r} are held out "
+                         f"(--holdout {holdout}): not trained on, and their scores (evaluate --split "
+                         f"{HOLDOUT_SPLIT}) are private diagnostics")
+        if self.diagnostics:
+            notes.append(f"{release.DIAGNOSTICS_FILE}: per-step statistics of the private batches")
+        return tuple(notes)
+
+    def warnings(self) -> tuple[str, ...]:
+        notes = self.plan.warnings
+        if self.diagnostics:
+            notes += (release.warning(self.run.file(release.DIAGNOSTICS_FILE)),)
+        return notes
+
     def write_ledger(self, steps_done: int) -> None:
         if self.primary:
-            self.run.write_ledger(self.plan.ledger(steps_done=steps_done, data_content_hash=self.model.data_hash))
+            self.run.write_ledger(self.plan.ledger(steps_done=steps_done, not_covered=self.not_covered()))
 
     def loop(self, state: TrainState, start: int) -> tuple[TrainState, dict[str, float], float]:
         total = self.plan.steps
@@ -96,20 +123,26 @@ class Trainer:
         metrics: dict[str, float] = {}
         log_every = max(1, math.ceil(total / 20))
         show = self.config.show_progress and self.primary
-        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "loss")) as bar:
+        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown")) as bar:
             for step in range(start, total):
                 batch = self.sampler.sample(step)
                 state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
                 done = step + 1
-                metrics = {k: float(v) for k, v in step_metrics.items()} | {"step": done}
+                everything = {k: float(v) for k, v in step_metrics.items()} | {
+                    "step": done, "seconds": round(time.perf_counter() - started, 3)}
                 if done == total or done % log_every == 0:
-                    metrics["epsilon_spent"] = self.plan.epsilon(done)
+                    everything["epsilon_spent"] = self.plan.epsilon(done)
+                metrics, diagnostic = release.split_step_metrics(everything, private=self.plan.private)
                 if self.primary:
                     self.run.append_metrics(metrics)
+                    if self.diagnostics:
+                        self.run.append_metrics(diagnostic, diagnostic=True)
                 if self.checkpoints.should_save(done, total):
                     self.checkpoints.save(done, state)  # every process: orbax coordinates them
                     self.write_ledger(done)
-                fields = {"loss": f"loss {metrics['loss']:.3f}"}
+                # Only what epsilon covers: the noisy update's norm (a non-private run shows its loss).
+                fields = {"shown": f"loss {metrics['loss']:.3f}" if "loss" in metrics
+                          else f"|update| {metrics['update_norm']:.3g}"}
                 if "epsilon_spent" in metrics:
                     fields["epsilon"] = f"eps {metrics['epsilon_spent']:.3f}"
                 bar.advance(**fields)
@@ -118,9 +151,12 @@ class Trainer:
     def finish(self, state: TrainState, metrics: dict[str, float], seconds: float) -> TrainResult:
         self.run.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
         self.checkpoints.close()
+        if self.primary:
+            self.run.delete_secrets()  # a finished run needs no resume
         return TrainResult(run_dir=self.run.path, epsilon=self.plan.epsilon(), delta=self.plan.delta,
                            noise_multiplier=self.plan.noise_multiplier, steps=self.plan.steps,
-                           batch_size=self.plan.batch_size, train_seconds=seconds, final_metrics=metrics)
+                           batch_size=self.plan.batch_size, train_seconds=seconds, final_metrics=metrics,
+                           warnings=self.warnings())
 
 
 def _check_processes_agree(spec: RunSpec, model: TrainModel) -> None:
@@ -136,15 +172,14 @@ def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
     """A fresh run; with several processes, call it on every one with the same arguments."""
     model = build_train_model(data, config)
     plan = plan_for(config, model)
-    for warning in plan.warnings:
-        _log.warning("%s", warning)
-    spec = RunSpec(data=data, training=config, plan=plan)
+    # The seed, even a fixed one, lives only in the run's secrets: config.json is a released file.
+    spec = RunSpec(data=data, training=dataclasses.replace(config, seed=None), plan=plan)
     _check_processes_agree(spec, model)
     seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
 
     def create_files() -> RunDirectory:  # process 0 only
         run = RunDirectory.create(run_dir)
-        run.write_seed(seed)
+        run.write_secrets(RunSecrets(seed=seed, data_identity=keyed_identity(seed_secret(seed), model.data_hash)))
         run.write_spec(spec)
         return run
 
@@ -163,11 +198,17 @@ def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
     spec = run.read_spec()
     spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, show_progress=show_progress))
     model = build_train_model(spec.data, spec.training)
-    if model.num_examples != spec.plan.num_examples:
-        raise DataError(f"the data at {spec.data!r} changed since the run started "
-                        f"({model.num_examples} examples, planned for {spec.plan.num_examples})")
     _check_processes_agree(spec, model)
-    seed = distributed.run_on_primary(run.read_seed)
+
+    def read_secrets() -> int:  # process 0 only
+        secrets = run.read_secrets()
+        if (model.num_examples != spec.plan.num_examples
+                or keyed_identity(seed_secret(secrets.seed), model.data_hash) != secrets.data_identity):
+            raise DataError(f"the data at {spec.data!r} changed since the run started; resuming would train "
+                            "on other data than the plan accounts for (start a new run)")
+        return secrets.seed
+
+    seed = distributed.run_on_primary(read_secrets)
     trainer = Trainer(run, spec, distributed.agree_on_seed(0 if seed is None else seed), model)
     fresh = trainer.step.init(model.init_params(trainer.seed), trainer.model_state)
     first = trainer.checkpoints.latest_step() or 0

@@ -192,30 +192,34 @@ def test_processes_agree_on_process_0s_seed_and_setup_and_refuse_other_configs(t
 
 @pytest.mark.multihost
 def test_two_processes_train_exactly_like_one(features, tmp_path):
-    """Two processes (OS-entropy seed, broadcast) == one process with that seed."""
+    """Two processes == one process with the same seed (process 0's seed reaches every process:
+    ``test_processes_agree_on_process_0s_seed_and_setup_and_refuse_other_configs``)."""
     run_dir = tmp_path / "two"
-    steps = 3
+    steps, seed = 3, 2**62 + 99
     # About 40 s on a lightly loaded 2-core machine; the timeout leaves room for a heavily loaded one.
     outputs = _launch(["train", features, str(run_dir), "--mode", "features", "--epsilon", "2",
                        "--batch-size", "64", "--steps", str(steps), "--microbatch-size", "16",
-                       "--learning-rate", "4", "--checkpoint-every", "100"],
+                       "--learning-rate", "4", "--checkpoint-every", "100", "--seed", str(seed),
+                       "--private-diagnostics"],
                       num_processes=2, timeout=400, logs=tmp_path / "logs")
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert results[0] == results[1] | {"train_seconds": results[0]["train_seconds"]}
 
-    # Only process 0 wrote the run's files: one metrics line per step, a private seed file.
+    # Only process 0 wrote the run's files: one metrics line per step; the secrets are gone at the end.
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
-    assert stat.S_IMODE((run_dir / "seed.json").stat().st_mode) == 0o600
+    diagnostics = run_dir / "diagnostics.NOT-PRIVATE.jsonl"
+    assert stat.S_IMODE(diagnostics.stat().st_mode) == 0o600
+    assert not (run_dir / "seed.json").exists()
     assert json.loads((run_dir / "ledger.json").read_text())["steps_done"] == steps
 
-    seed = json.loads((run_dir / "seed.json").read_text())["seed"]
     reference = train.run(train.TrainConfig(data=features, run_dir=str(tmp_path / "one"), training=TrainingConfig(
         mode="features", target=PrivacyTarget(2.0), batch_size=64, steps=steps, microbatch_size=16,
-        learning_rate=4.0, checkpoint_every=100, seed=seed, show_progress=False)))
+        learning_rate=4.0, checkpoint_every=100, seed=seed, show_progress=False, private_diagnostics=True)))
     assert reference.epsilon == results[0]["epsilon"]
-    assert [json.loads(line)["batch_size"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()] \
-        == [m["batch_size"] for m in lines]  # the same Poisson batches
+    sizes = [[json.loads(line)["batch_size"] for line in (directory / diagnostics.name).read_text().splitlines()]
+             for directory in (run_dir, tmp_path / "one")]
+    assert sizes[0] == sizes[1]  # the same Poisson batches
     got = RunDirectory(str(run_dir)).load_params()
     want = RunDirectory(str(tmp_path / "one")).load_params()
     for key in ("params", "ema_params"):

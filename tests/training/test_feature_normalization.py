@@ -2,6 +2,7 @@
 and a held-out part of the training split."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -95,7 +96,11 @@ def test_center_l2_run_spends_at_most_the_target_including_the_mean_and_evaluate
                                                noise_multiplier=None, seed=0)
     assert 0.002 < np.std(mean - exact) < 0.03
 
-    held = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run_dir), split="holdout"))
+    with pytest.raises(InvalidConfigError, match="private-diagnostics"):  # held-out rows are private data
+        evaluate.run(evaluate.EvaluateConfig(run_dir=str(run_dir), split="holdout"))
+    held = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run_dir), split="holdout", private_diagnostics=True))
+    assert not held.covered_by_epsilon and held.path.endswith("metrics.holdout.NOT-PRIVATE.json")
+    assert "holdout" in ledger["not_covered"][0]
     assert held.num_examples == 100 and held.ema_top1 > 0.8
 
 
@@ -113,13 +118,20 @@ def test_a_nonprivate_center_l2_run_uses_the_exact_mean_and_releases_nothing(fea
 
 def test_sweep_with_holdout_scores_the_held_out_rows(features, tmp_path):
     config = sweep.SweepConfig(data=features, out_dir=str(tmp_path / "sweep"), epsilons=(2.0,), learning_rates=(4.0,),
-                               repeats=1, training=_features_training(steps=4, holdout=150, normalization="l2"),
-                               baseline=False)
+                               repeats=1, baseline=False, training=_features_training(
+                                   steps=4, holdout=150, normalization="l2", private_diagnostics=True))
     sweep.run(config)
     run_dir = tmp_path / "sweep" / "runs" / "eps2-lr4-r0"
-    scores = RunDirectory.existing(str(run_dir)).read_scores()
+    scores = RunDirectory.existing(str(run_dir)).read_scores("holdout", diagnostic=True)
     assert scores["split"] == "holdout" and scores["num_examples"] == 150
     assert RunDirectory.existing(str(run_dir)).read_spec().plan.num_examples == 450
+    # Its tables are private diagnostics: named so, owner-only, and nothing under the plain names.
+    out = tmp_path / "sweep"
+    assert not (out / sweep.SUMMARY_MD).exists() and not (out / sweep.PLOT).exists()
+    for name in ("summary.NOT-PRIVATE.md", "runs.NOT-PRIVATE.csv", "accuracy_vs_epsilon.NOT-PRIVATE.png"):
+        assert os.stat(out / name).st_mode & 0o777 == 0o600
+    with pytest.raises(InvalidConfigError, match="private-diagnostics"):
+        sweep.SweepConfig(data=features, out_dir=str(tmp_path / "s2"), training=_features_training(holdout=150))
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -1,0 +1,50 @@
+"""What a training run may publish, decided in one place.
+
+A run's (epsilon, delta) covers the noisy updates and anything computed from them alone
+(parameters, EMA parameters, the norm of the noisy update), plus what does not depend on the
+private data at all (the configuration, the plan and its epsilon, step numbers, wall time).
+Everything else a run could report about its private batches is a *private diagnostic*: the
+loss, gradient norms, the clipped fraction, the realised batch size, the count of non-finite
+gradients, scores on rows of the private training data (``holdout``). They are statistics of
+the private data without noise; a canary with a NaN or a huge gradient shows up in them with
+certainty. So they are off by default. With ``private_diagnostics`` they go to files whose
+name says so, readable by the owner only (0600), and the run warns once; they never reach the
+default outputs (``metrics.jsonl``, the progress bar, the result line, sweep tables, plots,
+exported backbones). A non-private run (epsilon = inf) has no guarantee to protect: all its
+statistics are ordinary outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Per-step fields covered by epsilon: post-processing of the noisy update, or data-independent.
+COVERED_STEP_FIELDS = ("step", "epsilon_spent", "update_norm", "seconds")
+#: Per-step statistics of the private batch computed without noise.
+DIAGNOSTIC_STEP_FIELDS = ("loss", "mean_grad_norm", "clipped_fraction", "batch_size", "nonfinite")
+#: The file name of every private diagnostic says it is not private.
+NOT_PRIVATE = "NOT-PRIVATE"
+DIAGNOSTICS_FILE = f"diagnostics.{NOT_PRIVATE}.jsonl"
+
+
+def diagnostic_name(name: str) -> str:
+    """``summary.md`` -> ``summary.NOT-PRIVATE.md``: the name a file gets when it holds diagnostics."""
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}.{NOT_PRIVATE}.{suffix}" if dot else f"{name}.{NOT_PRIVATE}"
+
+
+def warning(what: str) -> str:
+    """The one-line warning printed when a private diagnostic is written or shown."""
+    return (f"{what} holds statistics of the private training data that epsilon does NOT cover "
+            "(private diagnostics); keep it to yourself (written with mode 0600)")
+
+
+def split_step_metrics(metrics: dict[str, Any], *, private: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(covered, diagnostic) parts of one step's metrics; a non-private run's are all covered."""
+    if not private:
+        return dict(metrics), {}
+    covered = {k: v for k, v in metrics.items() if k in COVERED_STEP_FIELDS}
+    diagnostic = {k: v for k, v in metrics.items() if k not in COVERED_STEP_FIELDS}
+    if diagnostic:
+        diagnostic["step"] = metrics["step"]
+    return covered, diagnostic
