@@ -29,6 +29,7 @@ training gets what remains of the budget after them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -130,6 +131,7 @@ def _check_target(target_epsilon: float, delta: float, accountant: Accountant) -
     check_accountant(accountant)
 
 
+@functools.lru_cache(maxsize=128)  # pure; sweeps and repeats ask the same question
 def calibrate_noise_multiplier(
     *,
     target_epsilon: float,
@@ -149,6 +151,7 @@ def calibrate_noise_multiplier(
                   nudge=lambda s: min(s * (1 + rtol / 4), SIGMA_MAX))
 
 
+@functools.lru_cache(maxsize=128)  # pure; sweeps and repeats ask the same question
 def calibrate_steps(
     *,
     target_epsilon: float,
@@ -167,6 +170,7 @@ def calibrate_steps(
                   nudge=lambda t: _decrement(t, "steps", target_epsilon))
 
 
+@functools.lru_cache(maxsize=128)  # pure; sweeps and repeats ask the same question
 def calibrate_batch_size(
     *,
     target_epsilon: float,

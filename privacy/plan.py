@@ -174,10 +174,10 @@ class PrivacyPlan:
         """True when the accountant's Poisson event describes the sampling exactly."""
         return self.sampling == "poisson"
 
-    @functools.cached_property
+    @property
     def _curve(self) -> EpsilonCurve:
-        return EpsilonCurve(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
-                            delta=self.delta, accountant=self.accountant, releases=self.releases)
+        return _epsilon_curve(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
+                              delta=self.delta, accountant=self.accountant, releases=self.releases)
 
     def epsilon(self, steps: int | None = None) -> float:
         """Epsilon after ``steps`` steps (default: all) and the releases; inf for a non-private plan."""
@@ -232,6 +232,11 @@ class PrivacyPlan:
         return step_class(loss_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
                           seed=seed, clip_norm=clip_norm, ema_decay=ema_decay, optimizer=optimizer,
                           learning_rate=learning_rate, mesh=mesh, clipped_sum_fn=clipped_sum_fn)
+
+
+# One curve per mechanism for the process: every plan of a sweep's repeats (and every ledger
+# write) asks the same accountant question, and building a curve costs up to a second.
+_epsilon_curve = functools.lru_cache(maxsize=64)(EpsilonCurve)
 
 
 def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: Accountant = "pld") -> float:
