@@ -12,9 +12,11 @@ from dpscale.models import pretrained
 from dpscale.stages import quickstart
 
 
-def _quickstart(args):
+def _quickstart(args, *, stderr=None):
     result = CliRunner().invoke(cli, ["quickstart", *args])
     assert result.exit_code == 0, result.output
+    if stderr is not None:
+        stderr.append(result.stderr)
     return json.loads(result.stdout.strip().splitlines()[-1])  # the last line is the JSON result
 
 
@@ -55,10 +57,16 @@ def _folder_source(root):
 
 def test_folder_source_without_test_split_dedups_public_against_private(tmp_path):
     source = _folder_source(tmp_path / "src")
-    out = _quickstart(["--data", source, "--work-dir", str(tmp_path / "work"), "--pretrain-steps", "5",
-                       "--pretrain-batch-size", "8", "--batch-size", "8", "--steps", "5", "--seed", "0"])
+    args = ["--data", source, "--work-dir", str(tmp_path / "work"), "--pretrain-steps", "5",
+            "--pretrain-batch-size", "8", "--batch-size", "8", "--steps", "5", "--seed", "0"]
+    stderr = []
+    out = _quickstart([*args, "--private-diagnostics"], stderr=stderr)
     assert out["public_classes"] == ["a", "b"] and out["private_classes"] == ["c", "d"]
+    # Dedup's count describes the private data: shown only when asked for, with a warning.
     assert out["public_removed_by_dedup"] >= 1  # the planted copy of a private image
+    assert "public_removed_by_dedup" in stderr[0] and "NOT cover" in stderr[0]
+    assert any("public_removed_by_dedup" in w for w in out["warnings"])
+    assert _quickstart(args)["public_removed_by_dedup"] is None  # a re-run, without the flag
     assert out["test_split"] == "validation" and out["test_examples"] > 0
     assert 0 < out["epsilon"] <= 8.0
 
