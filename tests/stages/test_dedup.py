@@ -99,7 +99,7 @@ def test_report_lists_pairs_distances_threshold_and_method(data, result):
     report = json.loads((root / "out" / "dedup_report.json").read_text())
     assert report == res.report
     assert report["threshold"] == HashConfig().threshold and "DCT" in report["method"]
-    assert report["private"]["content_hash"] == IngestedDataset(private).content_hash
+    assert "content_hash" not in report["private"]  # a plain hash of the private data answers membership
     assert report["public"]["num_examples"] == len(PLANTED) + 24
     assert report["num_candidate_pairs"] >= len(PLANTED)
     by_key = {p["public_key"]: p for p in report["removed"]}

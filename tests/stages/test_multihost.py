@@ -203,7 +203,9 @@ def test_two_processes_train_exactly_like_one(features, tmp_path):
                        "--private-diagnostics"],
                       num_processes=2, timeout=400, logs=tmp_path / "logs")
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
-    assert results[0] == results[1] | {"train_seconds": results[0]["train_seconds"]}
+    for result in results:  # wall times differ between processes; everything else must not
+        del result["train_seconds"], result["final_metrics"]["seconds"]
+    assert results[0] == results[1]
 
     # Only process 0 wrote the run's files: one metrics line per step; the secrets are gone at the end.
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
