@@ -185,6 +185,12 @@ class PrivacyPlan:
             return math.inf
         return self._curve(self.steps if steps is None else steps)
 
+    def epsilon_bound(self, steps: int | None = None) -> str:
+        """Which accountant's bound ``epsilon(steps)`` is: with ``pld``, the smaller of PLD and RDP."""
+        if not self.private:
+            return "none"
+        return self._curve.bound(self.steps if steps is None else steps)
+
     @property
     def warnings(self) -> tuple[str, ...]:
         """What the user must know about this plan's guarantee (shown by every command that uses it)."""
@@ -207,7 +213,7 @@ class PrivacyPlan:
                       sampling_rate=self.sampling_rate if self.private else None,
                       noise_multiplier=self.noise_multiplier, releases=self.releases, planned_steps=self.steps,
                       steps_done=steps_done, delta=self.delta, epsilon_spent=self.epsilon(steps_done),
-                      not_covered=tuple(not_covered))
+                      epsilon_bound=self.epsilon_bound(steps_done), not_covered=tuple(not_covered))
 
     # -- what runs ------------------------------------------------------------------------
 
@@ -262,6 +268,7 @@ class PlanReport:
     epsilon: float
     delta: float
     accountant: str
+    epsilon_bound: str  # the accountant whose bound ``epsilon`` is (pld: the smaller of PLD and RDP)
     noise_multiplier: float
     steps: int
     batch_size: int
@@ -274,6 +281,7 @@ class PlanReport:
     @classmethod
     def of(cls, plan: PrivacyPlan, **extra: Any) -> Any:
         return cls(epsilon=plan.epsilon(), delta=plan.delta, accountant=plan.accountant,
+                   epsilon_bound=plan.epsilon_bound(),
                    noise_multiplier=plan.noise_multiplier, steps=plan.steps, batch_size=plan.batch_size,
                    num_examples=plan.num_examples, sampling_rate=plan.sampling_rate, sampling=plan.sampling,
                    exact=plan.exact, warnings=plan.warnings, **extra)
@@ -297,6 +305,7 @@ class Ledger:
     steps_done: int
     delta: float
     epsilon_spent: float
+    epsilon_bound: str = ""  # whose bound epsilon_spent is: "pld" or "rdp" (the smaller of both under pld)
     not_covered: tuple[str, ...] = ()  # outputs of the run that epsilon does not cover, and why
     neighboring_relation: str = "add_or_remove_one"
 
