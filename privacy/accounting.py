@@ -120,6 +120,15 @@ def dp_event(*, noise_multiplier: float, sampling_rate: float, steps: int,
         [dp_accounting.GaussianDpEvent(sigma) for sigma in releases] + [training])
 
 
+def make_accountant(accountant: Accountant = "pld") -> dp_accounting.PrivacyAccountant:
+    """A fresh dp-accounting accountant under the add-or-remove-one relation (for composed events)."""
+    check_accountant(accountant)
+    if accountant == "pld":
+        return dp_accounting.pld.PLDAccountant(NEIGHBORING_RELATION,
+                                               value_discretization_interval=PLD_DISCRETIZATION)
+    return dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
+
+
 @contextmanager
 def quiet_rdp_warnings() -> Iterator[None]:
     """Silence absl's "failed to converge" warnings of the RDP accountant.
