@@ -156,6 +156,7 @@ class EntryLayout:
         """The featurize command that finishes or repairs the entry at ``path`` (same key, same chunks)."""
         key = self.key
         cache_dir = os.path.dirname(path.rstrip("/")) or "."
+        cache_dir = cache_dir if "://" in cache_dir else os.path.abspath(cache_dir)  # works from any directory
         parts = ["dpscale featurize", self.source or "DATA", "--backbone", self.backbone or "BACKBONE",
                  "--cache-dir", cache_dir, "--resolution", str(key.resolution)]
         if key.resize_method != "bilinear":
