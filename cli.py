@@ -7,8 +7,10 @@ own usage errors) become one line on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import sys
 from typing import Any
 
@@ -407,7 +409,8 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
     if resume_dir is not None:
         if data or run_dir:
             raise click.UsageError("--resume RUN_DIR takes no DATA or RUN_DIR arguments")
-        result = train.run(train.ResumeConfig(resume_dir))
+        with _resume_hint_on_interrupt(resume_dir):
+            result = train.run(train.ResumeConfig(resume_dir))
         _echo_warnings(result.warnings)
         _print_json_line(dataclasses_asdict(result))
         return
@@ -415,9 +418,23 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
         raise click.UsageError("give DATA and RUN_DIR (or --resume RUN_DIR)")
     training = _training_config(data, options, epsilon=epsilon, noise_multiplier=noise_multiplier,
                                 learning_rate=learning_rate, seed=seed)
-    result = train.run(train.TrainConfig(data=data, run_dir=run_dir, training=training))
+    with _resume_hint_on_interrupt(run_dir):
+        result = train.run(train.TrainConfig(data=data, run_dir=run_dir, training=training))
     _echo_warnings(result.warnings)
     _print_json_line(dataclasses_asdict(result))
+
+
+@contextlib.contextmanager
+def _resume_hint_on_interrupt(run_dir: str) -> Any:
+    """On Ctrl-C in a run that has started, say how to continue it (then abort as usual)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from dpscale.training.run_directory import CONFIG
+
+        if os.path.isfile(os.path.join(run_dir, CONFIG)):
+            click.echo(f"dpscale: interrupted; continue the run with `dpscale train --resume {run_dir}`", err=True)
+        raise
 
 
 @cli.command("evaluate")

@@ -17,14 +17,17 @@ Reading (what the trainer uses)::
     fs = FeatureStore.open(cache_dir, key) # the same, looked up by FeatureKey
 
 Both refuse (``DataError``) an entry that is incomplete (an interrupted run), whose stored
-key does not hash to its digest or does not equal the key asked for (stale or moved), or
-whose arrays do not have the recorded shapes.
+key does not hash to its digest or does not equal the key asked for (stale or moved), whose
+arrays do not have the recorded shapes, or that misses a chunk; a chunk that fails its
+checksum when read is refused too (``cache.integrity``), naming the chunk and the
+``dpscale featurize`` command that recomputes it.
 
 Layout of one entry, ``<cache_dir>/<key digest>/``::
 
     dpscale_features.json   key parts, digest, splits (rows, chunk rows), feature dim, classes
     data.zarr/              zarr 3 group: <split>/features [N, d] float32, <split>/labels [N]
-                            int32, <split>/ids [N, 32] uint8, all chunked by the same rows
+                            int32, <split>/ids [N, 32] uint8, all chunked by the same rows,
+                            each chunk zstd-compressed with a CRC32C checksum
     chunks/<split>/<i>.done one marker per chunk, written after that chunk's data
     COMPLETE                written last, after every marker is present: the entry is whole
 
@@ -46,6 +49,7 @@ import numpy as np
 import zarr
 from apache_beam.io.filesystems import FileSystems
 
+from dpscale.cache import integrity
 from dpscale.cache.keys import FEATURE_FORMAT_VERSION, FeatureKey
 from dpscale.errors import DataError
 
@@ -55,6 +59,7 @@ DATA = "data.zarr"
 MARKERS = "chunks"
 COMPLETE = "COMPLETE"
 ID_BYTES = 32
+DEFAULT_CHUNK_ROWS = 1024  # featurize's default
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -114,7 +119,10 @@ class EntryLayout:
     feature_dim: int
     class_names: tuple[str, ...]
     splits: dict[str, SplitLayout]
-    source: str = ""  # where the ingested data was read from (informational, not keyed)
+    # Where the ingested data and the backbone were read from: informational (not keyed, not
+    # compared), for the command that repairs a damaged entry.
+    source: str = dataclasses.field(default="", compare=False)
+    backbone: str = dataclasses.field(default="", compare=False)
 
     def to_metadata(self) -> dict[str, Any]:
         return {
@@ -126,6 +134,7 @@ class EntryLayout:
             "class_names": list(self.class_names),
             "splits": {s: dataclasses.asdict(v) for s, v in sorted(self.splits.items())},
             "source": self.source,
+            "backbone": self.backbone,
         }
 
     @classmethod
@@ -139,9 +148,25 @@ class EntryLayout:
             return cls(key=FeatureKey.from_dict(meta["key"]), feature_dim=int(meta["feature_dim"]),
                        class_names=tuple(meta["class_names"]),
                        splits={s: SplitLayout(**v) for s, v in meta["splits"].items()},
-                       source=str(meta.get("source", "")))
+                       source=str(meta.get("source", "")), backbone=str(meta.get("backbone", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"malformed feature-store metadata: {exc}") from None
+
+    def repair_command(self, path: str) -> str:
+        """The featurize command that finishes or repairs the entry at ``path`` (same key, same chunks)."""
+        key = self.key
+        cache_dir = os.path.dirname(path.rstrip("/")) or "."
+        cache_dir = cache_dir if "://" in cache_dir else os.path.abspath(cache_dir)  # works from any directory
+        parts = ["dpscale featurize", self.source or "DATA", "--backbone", self.backbone or "BACKBONE",
+                 "--cache-dir", cache_dir, "--resolution", str(key.resolution)]
+        if key.resize_method != "bilinear":
+            parts += ["--resize-method", key.resize_method]
+        if key.flip_average:
+            parts.append("--flip-average")
+        rows = {layout.chunk_rows for layout in self.splits.values()}
+        if rows != {DEFAULT_CHUNK_ROWS}:
+            parts += ["--chunk-rows", str(max(rows))]
+        return " ".join(parts)
 
 
 def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
@@ -158,6 +183,15 @@ def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
         raise DataError(f"{path!r}: the entry's key digest {layout.key.digest[:16]}... does not "
                         "match its directory name (stale or moved entry)")
     return layout, meta
+
+
+def _arrays_open(path: str, layout: EntryLayout) -> bool:
+    """Whether every array of the entry opens (its chunks may still be missing or damaged)."""
+    try:
+        group = zarr.open_group(store=_join(path, DATA), mode="r")
+        return all(f"{s}/{name}" in group for s in layout.splits for name in integrity.ARRAYS)
+    except Exception:  # noqa: BLE001 - unreadable metadata: the entry is rebuilt
+        return False
 
 
 class FeatureStore:
@@ -182,7 +216,7 @@ class FeatureStore:
         except DataError:
             existing = None
         store = cls(path, layout)
-        if existing == layout and FileSystems.exists(_join(path, DATA)):
+        if existing == layout and _arrays_open(path, layout):
             return store
         if FileSystems.exists(path):
             FileSystems.delete([path])
@@ -193,10 +227,11 @@ class FeatureStore:
             n, c = rows.num_examples, rows.chunk_rows
             sub = group.create_group(split)
             sub.create_array("features", shape=(n, layout.feature_dim), dtype="float32",
-                             chunks=(c, layout.feature_dim), fill_value=np.nan)
-            sub.create_array("labels", shape=(n,), dtype="int32", chunks=(c,), fill_value=-1)
+                             chunks=(c, layout.feature_dim), fill_value=np.nan, **integrity.codecs())
+            sub.create_array("labels", shape=(n,), dtype="int32", chunks=(c,), fill_value=-1,
+                             **integrity.codecs())
             sub.create_array("ids", shape=(n, ID_BYTES), dtype="uint8", chunks=(c, ID_BYTES),
-                             fill_value=0)
+                             fill_value=0, **integrity.codecs())
         _write_text(_join(path, METADATA), json.dumps(layout.to_metadata(), indent=2) + "\n")
         return store
 
@@ -207,13 +242,13 @@ class FeatureStore:
         return cls(path, layout)
 
     @classmethod
-    def open(cls, cache_dir: str, key: FeatureKey) -> FeatureSplitSet:
-        """Read the complete entry for ``key``; ``DataError`` if absent, partial or stale."""
+    def open(cls, cache_dir: str, key: FeatureKey, *, verify: bool = False) -> FeatureSplitSet:
+        """Read the complete entry for ``key``; ``DataError`` if absent, partial, stale or damaged."""
         path = entry_path(cache_dir, key)
         if not FileSystems.exists(_join(path, METADATA)):
             raise DataError(f"no features for key {key.digest[:16]}... in {cache_dir!r}: "
                             "run dpscale featurize first")
-        return open_features(path, expected_key=key)
+        return open_features(path, expected_key=key, verify=verify)
 
     # ---- chunk bookkeeping -----------------------------------------------------------------
     def _marker(self, split: str, chunk: int) -> str:
@@ -242,6 +277,25 @@ class FeatureStore:
         done = self.done_chunks()
         return [c for c in self.all_chunks() if c not in done]
 
+    def invalidate_damaged(self) -> list[integrity.ChunkDamage]:
+        """Check every chunk that has a marker (reads it all); drop the damaged ones' markers.
+
+        They then count as missing, so the next pipeline recomputes exactly those (and the
+        entry is sealed again only once they are whole). Returns what was damaged.
+        """
+        done = self.done_chunks()
+        try:
+            group = zarr.open_group(store=_join(self.path, DATA), mode="r")
+            damage = integrity.unreadable_chunks(_join(self.path, DATA), group, self.layout.splits, chunks=done)
+        except Exception:  # noqa: BLE001 - unreadable arrays: nothing marked can be trusted
+            damage = [integrity.ChunkDamage(s, "features", c, self.layout.splits[s].rows(c), "unreadable")
+                      for s, c in done]
+        bad = sorted({(d.split, d.chunk) for d in damage})
+        if bad:
+            FileSystems.delete([p for p in [_join(self.path, COMPLETE)] if FileSystems.exists(p)])
+            FileSystems.delete([self._marker(s, c) for s, c in bad])
+        return damage
+
     def is_complete(self) -> bool:
         try:
             return _read_text(_join(self.path, COMPLETE)).strip() == self.layout.key.digest
@@ -252,7 +306,7 @@ class FeatureStore:
     def _array(self, split: str, name: str) -> Any:
         if (split, name) not in self._arrays:
             self._arrays[split, name] = zarr.open_array(
-                store=_join(self.path, DATA), path=f"{split}/{name}", mode="r+")
+                store=_join(self.path, DATA), path=f"{split}/{name}", mode="r+", config=integrity.WRITE_CONFIG)
         return self._arrays[split, name]
 
     def write_chunk(self, split: str, chunk: int, features: np.ndarray, labels: np.ndarray,
@@ -285,19 +339,33 @@ class FeatureStore:
 class FeatureSplitSet:
     """A complete entry, read-only: features, labels and ids per split (see module doc)."""
 
-    def __init__(self, path: str, layout: EntryLayout, metadata: dict[str, Any]) -> None:
+    def __init__(self, path: str, layout: EntryLayout, metadata: dict[str, Any], *, verify: bool = False) -> None:
+        """Open the arrays and look for every chunk; ``verify`` also reads every chunk (checksums)."""
         self.path = path
         self.layout = layout
         self.metadata = metadata
-        self._group = zarr.open_group(store=_join(path, DATA), mode="r")
+        self.repair = layout.repair_command(path)
+        self._data = _join(path, DATA)
+        try:
+            self._group = zarr.open_group(store=self._data, mode="r")
+            shapes = {s: {name: self._group[f"{s}/{name}"].shape for name in integrity.ARRAYS} for s in layout.splits}
+        except Exception as exc:  # noqa: BLE001 - missing or unreadable array metadata
+            raise DataError(f"feature cache {path!r} is damaged: its arrays cannot be opened "
+                            f"({integrity.short(exc)}); recompute it with `{self.repair}`") from exc
         for split, rows in layout.splits.items():
-            shapes = {name: self._group[f"{split}/{name}"].shape
-                      for name in ("features", "labels", "ids")}
             want = {"features": (rows.num_examples, layout.feature_dim),
                     "labels": (rows.num_examples,), "ids": (rows.num_examples, ID_BYTES)}
-            if shapes != want:
-                raise DataError(f"{path!r}: arrays of split {split!r} have shapes {shapes}, "
+            if shapes[split] != want:
+                raise DataError(f"{path!r}: arrays of split {split!r} have shapes {shapes[split]}, "
                                 f"metadata says {want}")
+        check = integrity.unreadable_chunks if verify else integrity.missing_chunks
+        damage = check(self._data, self._group, layout.splits)
+        if damage:
+            raise integrity.damage_error(path, damage, self.repair)
+
+    def _checked(self, split: str, name: str) -> integrity.CheckedArray:
+        return integrity.CheckedArray(self._group, data_path=self._data, split=split, name=name,
+                                      layout=self._split(split), path=self.path, repair=self.repair)
 
     @property
     def key(self) -> FeatureKey:
@@ -334,18 +402,15 @@ class FeatureSplitSet:
     def num_examples(self, split: str) -> int:
         return self._split(split).num_examples
 
-    def features(self, split: str) -> Any:
-        """The lazy zarr array ``[N, d]`` float32; slice it (``[:]``) to get numpy."""
-        self._split(split)
-        return self._group[f"{split}/features"]
+    def features(self, split: str) -> integrity.CheckedArray:
+        """The lazy array ``[N, d]`` float32; slice it (``[:]``) to get numpy (a damaged chunk: ``DataError``)."""
+        return self._checked(split, "features")
 
     def labels(self, split: str) -> np.ndarray:
-        self._split(split)
-        return np.asarray(self._group[f"{split}/labels"][:], dtype=np.int32)
+        return np.asarray(self._checked(split, "labels")[:], dtype=np.int32)
 
     def ids(self, split: str) -> list[str]:
-        self._split(split)
-        return [bytes(row).hex() for row in self._group[f"{split}/ids"][:]]
+        return [bytes(row).hex() for row in self._checked(split, "ids")[:]]
 
     def get(self, split: str, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Features ``[*indices.shape, d]`` and labels ``[*indices.shape]`` at any indices."""
@@ -355,14 +420,18 @@ class FeatureSplitSet:
         if flat.size and (flat.min() < 0 or flat.max() >= n):
             raise IndexError(f"index out of range for split {split!r} of size {n}")
         feats = self.features(split).get_orthogonal_selection((flat, slice(None)))
-        labels = self._group[f"{split}/labels"].get_orthogonal_selection(flat)
+        labels = self._checked(split, "labels").get_orthogonal_selection(flat)
         return (np.asarray(feats, np.float32).reshape(*idx.shape, self.feature_dim),
                 np.asarray(labels, np.int32).reshape(idx.shape))
 
 
-def open_features(path: str | os.PathLike[str], *,
-                  expected_key: FeatureKey | None = None) -> FeatureSplitSet:
-    """Open the entry at ``path`` for reading; refuses partial, stale or mismatched entries."""
+def open_features(path: str | os.PathLike[str], *, expected_key: FeatureKey | None = None,
+                  verify: bool = False) -> FeatureSplitSet:
+    """Open the entry at ``path`` for reading; refuses partial, stale, mismatched or damaged entries.
+
+    Every chunk must be present; ``verify`` also reads each one (checksums), which
+    ``featurize`` does before it calls an entry a cache hit.
+    """
     path = os.fspath(path)
     layout, meta = _read_layout(path)
     if expected_key is not None and layout.key != expected_key:
@@ -375,5 +444,5 @@ def open_features(path: str | os.PathLike[str], *,
         total = len(store.all_chunks())
         done = total - len(store.missing_chunks())
         raise DataError(f"{path!r} is an incomplete feature entry ({done} of {total} chunks "
-                        "written, no COMPLETE marker): run dpscale featurize again to finish it")
-    return FeatureSplitSet(path, layout, meta)
+                        f"written, no COMPLETE marker): finish it with `{layout.repair_command(path)}`")
+    return FeatureSplitSet(path, layout, meta, verify=verify)

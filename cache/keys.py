@@ -20,7 +20,7 @@ from typing import Any
 from dpscale.errors import DataError
 
 #: Bump whenever the on-disk layout or the meaning of stored features changes.
-FEATURE_FORMAT_VERSION = 2  # 2: keys name the data by a keyed identity, not its content hash
+FEATURE_FORMAT_VERSION = 3  # 2: keys name the data by a keyed identity; 3: every chunk has a CRC32C
 RESIZE_METHODS = ("bilinear", "nearest", "cubic", "lanczos3", "lanczos5")
 
 

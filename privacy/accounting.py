@@ -35,18 +35,17 @@ from typing import Literal
 
 import dp_accounting
 import numpy as np
-from dp_accounting.pld import privacy_loss_distribution
 
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.pld import DEFAULT_DISCRETIZATION, MIN_DELTA, NEIGHBORING_RELATION, BoundedPld
 
 Accountant = Literal["pld", "rdp"]
 SamplingScheme = Literal["poisson", "shuffle"]
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 SAMPLING_SCHEMES: tuple[str, ...] = ("poisson", "shuffle")
-NEIGHBORING_RELATION = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-# dp-accounting's own default; the reported epsilon always uses it.
-PLD_DISCRETIZATION = 1e-4
+# dp-accounting's own default grid; coarser only where it would not fit in memory (privacy.pld).
+PLD_DISCRETIZATION = DEFAULT_DISCRETIZATION
 
 
 def check_batch_size(*, batch_size: int, num_examples: int) -> None:
@@ -121,15 +120,12 @@ def dp_event(*, noise_multiplier: float, sampling_rate: float, steps: int,
         [dp_accounting.GaussianDpEvent(sigma) for sigma in releases] + [training])
 
 
-def make_accountant(
-    accountant: Accountant = "pld", *, pld_discretization: float = PLD_DISCRETIZATION
-) -> dp_accounting.PrivacyAccountant:
-    """A fresh dp-accounting accountant under the add-or-remove-one relation."""
+def make_accountant(accountant: Accountant = "pld") -> dp_accounting.PrivacyAccountant:
+    """A fresh dp-accounting accountant under the add-or-remove-one relation (for composed events)."""
     check_accountant(accountant)
     if accountant == "pld":
-        return dp_accounting.pld.PLDAccountant(
-            NEIGHBORING_RELATION, value_discretization_interval=pld_discretization
-        )
+        return dp_accounting.pld.PLDAccountant(NEIGHBORING_RELATION,
+                                               value_discretization_interval=PLD_DISCRETIZATION)
     return dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
 
 
@@ -171,13 +167,17 @@ def epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta:
 class EpsilonCurve:
     """Epsilon after ``t`` steps of one (sigma, q) (after any releases) for many ``t``, without redoing work.
 
-    The per-step ledger needs epsilon at every logged step. Re-running an accountant
-    from scratch each time repeats the expensive part, which does not depend on
-    ``t``: the per-order RDP of one step (RDP composes by multiplying by ``t``) or the
-    discretised privacy-loss distribution of one step (PLD composes by FFT
-    self-convolution). Both are computed once here, the same way dp-accounting's own
-    accountants do (equal to them to 1e-12, tested). RDP costs microseconds per ``t``;
-    PLD ~0.1 s.
+    The per-step ledger needs epsilon at every logged step. Re-running an accountant from
+    scratch each time repeats the expensive part, which does not depend on ``t``: the
+    per-order RDP of one step (RDP composes by multiplying by ``t``) or the discretised
+    privacy-loss distribution of one step (PLD composes by FFT self-convolution). Both are
+    computed once here, the same way dp-accounting's own accountants do (equal to them to
+    1e-12 wherever dp-accounting's default grid fits in memory, tested).
+
+    With ``accountant="pld"`` both bounds are computed and the smaller is reported: each is a
+    valid upper bound on epsilon, PLD is the tighter one in ordinary settings, and RDP still
+    answers where PLD cannot be tight in bounded memory (tiny sigma, huge T) or is not computed
+    (delta below ``privacy.pld.MIN_DELTA``). ``bound(t)`` says which one ``self(t)`` is.
     """
 
     def __init__(
@@ -199,43 +199,33 @@ class EpsilonCurve:
         self.delta = delta
         self.accountant = accountant
         self.releases = tuple(releases)
-        self._pld_discretization = pld_discretization
-        self._cache: dict[int, float] = {}
-        event = step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate)
-        if accountant == "rdp":
-            one_step = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
-            released = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
-            with quiet_rdp_warnings():
-                one_step.compose(event)
-                for sigma in self.releases:
-                    released.compose(dp_accounting.GaussianDpEvent(sigma))
-            # dp-accounting has no public accessor for the per-order RDP vector; reading
-            # it once saves recomputing the per-order series (~30 ms) at every t.
-            self._orders = np.asarray(one_step._orders)  # noqa: SLF001 - read-only use
-            self._rdp_one_step = np.asarray(one_step._rdp)  # noqa: SLF001
-            self._rdp_releases = np.asarray(released._rdp)  # noqa: SLF001 (same default orders)
-        else:
-            # Same construction as dp-accounting's PLDAccountant, so values match it.
-            self._pld_one_step = privacy_loss_distribution.from_gaussian_mechanism(
-                standard_deviation=noise_multiplier,
-                sampling_prob=sampling_rate,
-                value_discretization_interval=pld_discretization,
-                neighboring_relation=NEIGHBORING_RELATION,
-            )
-            self._pld_releases = privacy_loss_distribution.identity(
-                value_discretization_interval=pld_discretization
-            )
+        self._cache: dict[int, tuple[float, str]] = {}
+        one_step = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
+        released = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
+        with quiet_rdp_warnings():
+            one_step.compose(step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate))
             for sigma in self.releases:
-                self._pld_releases = self._pld_releases.compose(
-                    privacy_loss_distribution.from_gaussian_mechanism(
-                        standard_deviation=sigma,
-                        value_discretization_interval=pld_discretization,
-                        neighboring_relation=NEIGHBORING_RELATION,
-                    )
-                )
+                released.compose(dp_accounting.GaussianDpEvent(sigma))
+        # dp-accounting has no public accessor for the per-order RDP vector; reading it once
+        # saves recomputing the per-order series (~30 ms) at every t.
+        self._orders = np.asarray(one_step._orders)  # noqa: SLF001 - read-only use
+        self._rdp_one_step = np.asarray(one_step._rdp)  # noqa: SLF001
+        self._rdp_releases = np.asarray(released._rdp)  # noqa: SLF001 (same default orders)
+        self._pld = None
+        if accountant == "pld" and delta >= MIN_DELTA:  # below it, rounding swamps the PLD (privacy.pld)
+            self._pld = BoundedPld(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
+                                   releases=self.releases, delta=delta, base=pld_discretization)
 
     def __call__(self, steps: int) -> float:
         """Epsilon after ``steps`` steps (0 steps spend only the releases, if any)."""
+        return self.bounded(steps)[0]
+
+    def bound(self, steps: int) -> str:
+        """Which accountant's bound ``self(steps)`` is: ``"pld"`` or ``"rdp"``."""
+        return self.bounded(steps)[1]
+
+    def bounded(self, steps: int) -> tuple[float, str]:
+        """(epsilon, the accountant whose bound it is) after ``steps`` steps."""
         if steps < 0:
             raise InvalidConfigError(f"steps must be >= 0, got {steps}")
         if steps not in self._cache:
@@ -243,13 +233,26 @@ class EpsilonCurve:
                 self._cache[steps] = self._compute(int(steps))
         return self._cache[steps]
 
-    def _compute(self, steps: int) -> float:
+    def _rdp(self, steps: int) -> np.ndarray:
+        return steps * self._rdp_one_step + self._rdp_releases
+
+    def _compute(self, steps: int) -> tuple[float, str]:
         if steps == 0 and not self.releases:
-            return 0.0
-        if self.accountant == "rdp":
-            rdp = steps * self._rdp_one_step + self._rdp_releases
-            return float(dp_accounting.rdp.compute_epsilon(self._orders, rdp, self.delta)[0])
-        composed = self._pld_releases
-        if steps:
-            composed = composed.compose(self._pld_one_step.self_compose(steps))
-        return float(composed.get_epsilon_for_delta(self.delta))
+            return 0.0, self.accountant
+        rdp_epsilon = float(dp_accounting.rdp.compute_epsilon(self._orders, self._rdp(steps), self.delta)[0])
+        if self._pld is None:
+            return rdp_epsilon, "rdp"
+        pld_epsilon = self._pld.epsilon(steps, composed_span=self._composed_span(steps))
+        return (pld_epsilon, "pld") if pld_epsilon <= rdp_epsilon else (rdp_epsilon, "rdp")
+
+    def _composed_span(self, steps: int) -> float:
+        """Span of the composed privacy loss outside which at most the PLD's tail mass lies.
+
+        Chernoff with the RDP orders bounds the upper tail: P(L > x) <= exp((a-1)(rdp_a - x)),
+        so x = rdp_a + log(2/tail)/(a-1); the lower tail is below -log(2/tail) because
+        E[exp(-L)] <= 1 for a privacy loss L.
+        """
+        log_tail = math.log(2 / self._pld.tail)
+        with np.errstate(over="ignore", invalid="ignore"):
+            upper = np.min(self._rdp(steps) + log_tail / (self._orders - 1))
+        return float(upper) + log_tail if math.isfinite(upper) else math.inf

@@ -62,7 +62,12 @@ def _interpolate(x0: float, g0: float, x1: float, g1: float) -> float | None:
     if not (math.isfinite(g0) and math.isfinite(g1)) or g0 == g1 or x0 == x1:
         return None
     t = -g0 / (g1 - g0)
-    return math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
+    return _exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
+
+
+def _exp(log_x: float) -> float | None:
+    """exp, or None where a wild extrapolation would overflow (the caller then doubles or halves)."""
+    return math.exp(log_x) if abs(log_x) < 700 else None
 
 
 def _slope(x0: float, g0: float, x1: float, g1: float) -> float | None:
@@ -95,11 +100,12 @@ def solve_boundary(problem: MonotoneProblem, start: float, *, slope: float) -> t
             return x, slope
         guess = _interpolate(*points[-2], *points[-1]) if len(points) >= 2 else None
         if guess is None and math.isfinite(points[-1][1]):
-            guess = x * math.exp(-points[-1][1] / slope)
+            factor = _exp(-points[-1][1] / slope)
+            guess = None if factor is None else x * factor
         toward_up = (feasible is None) != problem.increasing
         if guess is None:
             guess = x * 2.0 if toward_up else x / 2.0
-        guess *= math.exp(margin if toward_up else -margin)
+        guess *= math.exp(min(margin, 50.0) if toward_up else -min(margin, 50.0))
         if problem.integer:
             guess = math.ceil(guess) if toward_up else math.floor(guess)
         new_x = problem.snap(guess)
@@ -162,12 +168,16 @@ def _candidates(
     lo, hi = min(feasible, infeasible), max(feasible, infeasible)
     if guess is None or not lo < guess < hi:
         guess = math.sqrt(lo * hi)
+    wide = hi - lo > 64 if problem.integer else math.log(hi / lo) > 64 * problem.step
+    if wide:  # keep a probe of a wide bracket off its ends: one that hugs an end barely shrinks it
+        share = min(max(math.log(guess / lo) / math.log(hi / lo), 1 / 16), 15 / 16)
+        guess = lo * (hi / lo) ** share
     up = infeasible > feasible  # direction from the feasible to the infeasible side
     if problem.integer:
         a = math.floor(guess) if up else math.ceil(guess)
         a = min(max(a, lo + 1), hi - 1)
-        return [a, a + 1 if up else a - 1] if hi - lo <= 64 else [a]
-    if math.log(hi / lo) > 64 * problem.step:
+        return [a] if wide else [a, a + 1 if up else a - 1]
+    if wide:
         return [guess]
     half = math.exp(0.49 * problem.step)
     return [guess / half, guess * half] if up else [guess * half, guess / half]

@@ -97,6 +97,7 @@ def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, acco
     private end if it disagrees, a safety net that should never fire: the search's cached
     evaluations are the same computation.
     """
+    _check_releases_fit(target=target, delta=delta, accountant=accountant, releases=releases)
     probes = 0
     with quiet_rdp_warnings():
         for acc in ("rdp", "pld") if accountant == "pld" else ("rdp",):
@@ -122,6 +123,19 @@ def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, acco
             return Calibrated(value=value, epsilon=achieved, probes=probes)
         value = nudge(value)
     raise RuntimeError("accounting.epsilon disagrees with the search")  # a bug
+
+
+def _check_releases_fit(*, target: float, delta: float, accountant: Accountant,
+                        releases: tuple[float, ...]) -> None:
+    """Refuse at once a target that the one-off releases alone exceed (no training fits under it)."""
+    if not releases:
+        return
+    spent = EpsilonCurve(noise_multiplier=1.0, sampling_rate=1.0, delta=delta, accountant=accountant,
+                         releases=releases)(0)
+    if spent > target:
+        raise InfeasiblePrivacyTargetError(
+            f"target epsilon {target:g} is out of reach: the one-off releases alone (noise multipliers "
+            f"{', '.join(f'{r:g}' for r in releases)}) spend epsilon {spent:.4g}")
 
 
 def _check_target(target_epsilon: float, delta: float, accountant: Accountant) -> None:

@@ -32,7 +32,7 @@ import optax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme,
+from dpscale.privacy.accounting import (MIN_DELTA, SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme,
                                         check_accountant, check_batch_size, check_delta, check_mechanism,
                                         check_releases, check_steps, dp_event, make_accountant,
                                         quiet_rdp_warnings)
@@ -185,6 +185,12 @@ class PrivacyPlan:
             return math.inf
         return self._curve(self.steps if steps is None else steps)
 
+    def epsilon_bound(self, steps: int | None = None) -> str:
+        """Which accountant's bound ``epsilon(steps)`` is: with ``pld``, the smaller of PLD and RDP."""
+        if not self.private:
+            return "none"
+        return self._curve.bound(self.steps if steps is None else steps)
+
     @property
     def warnings(self) -> tuple[str, ...]:
         """What the user must know about this plan's guarantee (shown by every command that uses it)."""
@@ -207,7 +213,7 @@ class PrivacyPlan:
                       sampling_rate=self.sampling_rate if self.private else None,
                       noise_multiplier=self.noise_multiplier, releases=self.releases, planned_steps=self.steps,
                       steps_done=steps_done, delta=self.delta, epsilon_spent=self.epsilon(steps_done),
-                      not_covered=tuple(not_covered))
+                      epsilon_bound=self.epsilon_bound(steps_done), not_covered=tuple(not_covered))
 
     # -- what runs ------------------------------------------------------------------------
 
@@ -256,8 +262,10 @@ def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: 
         dp_accounting.SelfComposedDpEvent(dp_event(noise_multiplier=p.noise_multiplier, sampling_rate=p.sampling_rate,
                                                    steps=p.steps, releases=p.releases), count)
         for p, count in counts.items()])
+    # As for one plan (accounting.EpsilonCurve): under pld the smaller of both bounds, RDP alone below MIN_DELTA.
+    names = ("rdp", "pld") if accountant == "pld" and delta >= MIN_DELTA else ("rdp",)
     with quiet_rdp_warnings():
-        return float(make_accountant(accountant).compose(event).get_epsilon(delta))
+        return min(float(make_accountant(name).compose(event).get_epsilon(delta)) for name in names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +275,7 @@ class PlanReport:
     epsilon: float
     delta: float
     accountant: str
+    epsilon_bound: str  # the accountant whose bound ``epsilon`` is (pld: the smaller of PLD and RDP)
     noise_multiplier: float
     steps: int
     batch_size: int
@@ -279,6 +288,7 @@ class PlanReport:
     @classmethod
     def of(cls, plan: PrivacyPlan, **extra: Any) -> Any:
         return cls(epsilon=plan.epsilon(), delta=plan.delta, accountant=plan.accountant,
+                   epsilon_bound=plan.epsilon_bound(),
                    noise_multiplier=plan.noise_multiplier, steps=plan.steps, batch_size=plan.batch_size,
                    num_examples=plan.num_examples, sampling_rate=plan.sampling_rate, sampling=plan.sampling,
                    exact=plan.exact, warnings=plan.warnings, **extra)
@@ -302,6 +312,7 @@ class Ledger:
     steps_done: int
     delta: float
     epsilon_spent: float
+    epsilon_bound: str = ""  # whose bound epsilon_spent is: "pld" or "rdp" (the smaller of both under pld)
     not_covered: tuple[str, ...] = ()  # outputs of the run that epsilon does not cover, and why
     neighboring_relation: str = "add_or_remove_one"
 

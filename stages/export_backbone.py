@@ -54,7 +54,7 @@ class ExportBackboneResult:
 
 def _model_and_preprocessing(spec: RunSpec) -> tuple[str, int, pretrained.Preprocessing]:
     """The model name, its number of classes and the preprocessing the run trained with."""
-    dataset = IngestedDataset(spec.data)
+    dataset = IngestedDataset(spec.data_path())
     num_classes = dataset.num_classes
     settings = spec.training.images
     if settings.backbone:  # a fine-tuned backbone keeps the backbone's own preprocessing

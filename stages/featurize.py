@@ -2,9 +2,12 @@
 
 ``run(config)`` computes the cache key from metadata alone (the manifest's content hash,
 the backbone JSON's weights sha256, the preprocessing), so a cache hit costs a few file
-reads and no model. On a miss it creates (or resumes) the entry and runs the Beam graph
-of ``pipelines.featurize`` over the chunks that have no marker yet (the per-chunk work is
-``cache.featurizer``). Only when every chunk is marked is the entry sealed.
+reads and no model, plus one read of every chunk: a hit is only a hit if every chunk is
+present and passes its checksum. On a miss it creates (or resumes) the entry, drops the
+markers of chunks that are damaged (deleted or corrupt after the entry was sealed) and runs
+the Beam graph of ``pipelines.featurize`` over the chunks that have no marker (the per-chunk
+work is ``cache.featurizer``): so featurize is also the repair of a damaged entry, and it
+recomputes only what is missing. Only when every chunk is marked is the entry sealed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 
 from dpscale.cache import feature_store as fstore
@@ -78,14 +82,16 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     path = fstore.entry_path(cache_dir, key)
     sizes = {s: dataset.num_examples(s) for s in dataset.splits}
     with contextlib.suppress(DataError):
-        fstore.FeatureStore.open(cache_dir, key)
+        fstore.FeatureStore.open(cache_dir, key, verify=True)
         log.info("featurize: cache hit %s", path)
         return FeaturizeResult(path, key.digest, True, 0, 0, sizes, time.perf_counter() - start)
     layout = fstore.EntryLayout(
         key=key, feature_dim=featurizer.feature_dim(meta, key), class_names=tuple(dataset.class_names),
         splits={s: fstore.SplitLayout(n, config.chunk_rows) for s, n in sizes.items()},
-        source=config.data)
+        source=_absolute(config.data), backbone=_absolute(config.backbone, only_if_exists=True))
     store = fstore.FeatureStore.create(cache_dir, layout)
+    for damage in store.invalidate_damaged():
+        log.warning("featurize: %s: recomputing it", damage.describe())
     missing = store.missing_chunks()
     total = len(store.all_chunks())
     log.info("featurize %s with %s at %d px%s: %d of %d chunks to compute -> %s", config.data,
@@ -96,6 +102,13 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     store.finalize()
     return FeaturizeResult(path, key.digest, False, len(missing), total, sizes,
                            time.perf_counter() - start)
+
+
+def _absolute(path: str, *, only_if_exists: bool = False) -> str:
+    """A local path made absolute (so a stored reference works from any directory); URLs and names as given."""
+    if "://" in path or (only_if_exists and not os.path.exists(path)):
+        return path
+    return os.path.abspath(path)
 
 
 def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,

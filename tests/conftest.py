@@ -35,11 +35,15 @@ from dpscale.cache.keys import FeatureKey  # noqa: E402
 
 
 def write_feature_cache(root: str, splits: dict[str, tuple[np.ndarray, np.ndarray]], *, chunk_rows: int,
-                        data_hash_char: str, class_names: tuple[str, ...] = ("a", "b", "c")) -> str:
-    """A real, complete cache entry holding ``splits`` (name -> (features [n, d], labels [n]))."""
+                        data_hash_char: str, class_names: tuple[str, ...] = ("a", "b", "c"),
+                        **key_parts) -> str:
+    """A real, complete cache entry holding ``splits`` (name -> (features [n, d], labels [n])).
+
+    ``key_parts`` override the synthetic key's backbone/preprocessing (e.g. ``resolution=16``).
+    """
     dim = next(iter(splits.values()))[0].shape[1]
-    key = FeatureKey(data_identity=data_hash_char * 64, weights_sha256="w" * 64, model="synthetic",
-                     resolution=8, mean=(0.0,), std=(1.0,))
+    parts = dict(weights_sha256="w" * 64, model="synthetic", resolution=8, mean=(0.0,), std=(1.0,)) | key_parts
+    key = FeatureKey(data_identity=data_hash_char * 64, **parts)
     layout = EntryLayout(key=key, feature_dim=dim, class_names=class_names,
                          splits={s: SplitLayout(num_examples=len(y), chunk_rows=chunk_rows) for s, (_, y) in splits.items()})
     store = FeatureStore.create(root, layout)
@@ -54,7 +58,7 @@ def write_feature_cache(root: str, splits: dict[str, tuple[np.ndarray, np.ndarra
 
 
 def write_synthetic_feature_cache(root: str, *, seed: int, sizes: dict[str, int], chunk_rows: int,
-                                  data_hash_char: str) -> str:
+                                  data_hash_char: str, **key_parts) -> str:
     """A separable 3-class problem in 16 dimensions, stored as a real, complete cache entry."""
     rng = np.random.default_rng(seed)
     centers = rng.normal(size=(3, 16)) * 3
@@ -62,7 +66,7 @@ def write_synthetic_feature_cache(root: str, *, seed: int, sizes: dict[str, int]
     for split, n in sizes.items():
         labels = rng.integers(0, 3, size=n)
         splits[split] = (centers[labels] + rng.normal(size=(n, 16)), labels)
-    return write_feature_cache(root, splits, chunk_rows=chunk_rows, data_hash_char=data_hash_char)
+    return write_feature_cache(root, splits, chunk_rows=chunk_rows, data_hash_char=data_hash_char, **key_parts)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpscale.errors import InvalidConfigError
+from dpscale.errors import DataError, InvalidConfigError
 from dpscale.training import release
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model
 from dpscale.training.run_directory import RunDirectory
@@ -48,6 +48,18 @@ def accuracies(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
     return top1, top5
 
 
+def _differences(trained: dict[str, Any], given: dict[str, Any]) -> set[str]:
+    """The names of the parts (nested one level, e.g. ``feature_key.resolution``) that differ."""
+    out = set()
+    for name in set(trained) | set(given):
+        a, b = trained.get(name), given.get(name)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out |= {f"{name}.{k}" for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        elif a != b:
+            out.add(name)
+    return out
+
+
 def score_run(run_dir: str, *, split: str = "test", data: str | None = None, batch_size: int = 256,
               private_diagnostics: bool = False) -> tuple[Scores, str]:
     """Score the run in ``run_dir`` on ``split`` of its data (or of ``data``); save the scores in the run.
@@ -62,7 +74,11 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
         raise InvalidConfigError(
             f"split {split!r} is the run's private training data: its scores are exact statistics that "
             "epsilon does not cover; pass --private-diagnostics to compute them anyway (kept to a 0600 file)")
-    model = build_train_model(data or spec.data, spec.training)
+    model = build_train_model(spec.data_path(data), spec.training)
+    if data is not None and spec.inputs and model.inputs != spec.inputs:
+        differ = sorted(_differences(spec.inputs, model.inputs))
+        raise DataError(f"{data!r} is not made like the data the run trained on ({', '.join(differ)} differ: other "
+                        "backbone or preprocessing); featurize it with the run's backbone and preprocessing")
     trained = run.load_params()
     state = trained.get("model_state", {})
     inputs, labels = model.eval_inputs(split, state)  # transformed as in training (e.g. the saved mean)

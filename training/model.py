@@ -66,6 +66,9 @@ class TrainModel:
     # None: the state is ``model_state``. The privacy cost is in the run's releases.
     private_state: Callable[[int], PyTree] | None = None
     releases: tuple[float, ...] = ()  # noise multipliers of those releases, for the accountant
+    # What the inputs are made of besides the data (features: backbone, preprocessing, classes);
+    # the run records it, and evaluation refuses other data whose inputs differ.
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def state_for(self, seed: int) -> PyTree:
         return self.model_state if self.private_state is None else self.private_state(seed)
@@ -224,7 +227,14 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
         clipped_sum_fn=lambda clip_norm: softmax_regression_clipped_sum(clip_norm=clip_norm),
         private_state=mean_state if feature_normalization.needs_mean(kind) else None,
         releases=feature_normalization.releases(kind, sigma_mean, private=private),
+        inputs=feature_inputs(store),
     )
+
+
+def feature_inputs(store: Any) -> dict[str, Any]:
+    """What a feature entry's rows mean: its key without the data's identity, and its classes."""
+    key = {k: v for k, v in store.key.as_dict().items() if k != "data_identity"}
+    return {"feature_key": key, "class_names": list(store.class_names)}
 
 
 def build_train_model(data: str, config: TrainingConfig) -> TrainModel:

@@ -1,6 +1,7 @@
 """The files of one training run directory: the only code that reads or writes them.
 
-    run_dir/config.json     what the run is: its data, its ``TrainingConfig`` and its ``PrivacyPlan``
+    run_dir/config.json     what the run is: its data, its ``TrainingConfig``, its ``PrivacyPlan`` and what
+                            its inputs are made of (feature mode: the backbone and preprocessing)
     run_dir/seed.json       secrets (mode 0600): the seed, and a keyed identity of the data, so a
                             killed run can resume exactly; deleted when the run completes
     run_dir/ledger.json     the privacy ledger (``privacy.plan.Ledger``): sigma, q, T, epsilon spent
@@ -8,8 +9,17 @@
     run_dir/diagnostics.NOT-PRIVATE.jsonl   per step, private diagnostics (only if asked for; 0600)
     run_dir/checkpoints/    orbax checkpoints of the whole ``TrainState`` (newest two)
     run_dir/params/         orbax checkpoint: params, EMA params, frozen model state (a finished run)
+    run_dir/params.sha256.json   the sha256 of every file of params/ at save time: damage is one line
     run_dir/metrics.json    the last evaluation's scores on a split outside the private training data
     run_dir/metrics.<split>.NOT-PRIVATE.json   scores on the private training rows (0600)
+    run_dir/run.lock        flock'ed by the process training in the directory (released when it dies)
+
+A run directory is self-contained and relocatable: every file is found relative to the
+directory the command names, never through a path stored inside it; the data (and a
+pretrained backbone) are stored as absolute paths, so they resolve from any working
+directory, and the keyed data identity says whether they are still the same data. A run is
+written only after everything about it was validated, so a start that fails leaves no run
+behind and the directory can be used again.
 
 JSON files are written to a temporary name and renamed, so a crash never leaves a
 half-written ledger. A directory that already holds a run is never overwritten.
@@ -27,7 +37,10 @@ during a save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -47,8 +60,15 @@ LEDGER = "ledger.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 PARAMS = "params"
+PARAMS_DIGESTS = "params.sha256.json"
 SCORES = "metrics.json"
+LOCK = "run.lock"
 T = TypeVar("T")
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute, so a stored reference resolves from any directory; URLs as given."""
+    return path if "://" in path else os.path.abspath(path)
 
 
 def write_json_atomic(path: str, payload: Any, *, mode: int = 0o644) -> None:
@@ -63,19 +83,50 @@ def write_json_atomic(path: str, payload: Any, *, mode: int = 0o644) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """What ``config.json`` holds: everything needed to rebuild the run (but the seed)."""
+    """What ``config.json`` holds: everything needed to rebuild the run (but the seed).
+
+    ``inputs`` says what the run's inputs are made of besides the data itself (feature mode:
+    the cache key's backbone and preprocessing parts), so evaluation on other data can refuse
+    features that the classifier was not trained on.
+    """
 
     data: str
     training: TrainingConfig
     plan: PrivacyPlan
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def new(cls, data: str, training: TrainingConfig, plan: PrivacyPlan, inputs: dict[str, Any]) -> RunSpec:
+        """The spec of a new run, with its data (and a backbone directory) as absolute paths."""
+        backbone = training.images.backbone
+        if backbone and os.path.exists(backbone):
+            training = dataclasses.replace(training, images=dataclasses.replace(training.images,
+                                                                                 backbone=_absolute(backbone)))
+        return cls(data=_absolute(data), training=training, plan=plan, inputs=dict(inputs))
 
     def to_json(self) -> dict[str, Any]:
-        return {"data": self.data, "training": self.training.to_json(), "plan": dataclasses.asdict(self.plan)}
+        return {"data": self.data, "training": self.training.to_json(), "plan": dataclasses.asdict(self.plan),
+                "inputs": self.inputs}
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> RunSpec:
+        unknown = sorted(set(payload) - {"data", "training", "plan", "inputs"})
+        if unknown:
+            raise DataError(f"unknown keys {unknown}")
         return cls(data=str(payload["data"]), training=TrainingConfig.from_json(payload["training"]),
-                   plan=PrivacyPlan(**payload["plan"]))
+                   plan=PrivacyPlan(**payload["plan"]), inputs=dict(payload.get("inputs") or {}))
+
+    def data_path(self, override: str | None = None) -> str:
+        """The data to read: ``override`` if given, else the run's own, which must still be there."""
+        if override is not None:
+            return override
+        if "://" in self.data or os.path.exists(self.data):
+            return self.data
+        if not os.path.isabs(self.data):
+            raise DataError(f"the run's data {self.data!r} is a relative path (stored by an older dpscale) and "
+                            f"does not exist from {os.getcwd()!r}: run the command from the directory the run "
+                            "was started in")
+        raise DataError(f"the run's data {self.data!r} does not exist (moved or deleted?)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +140,38 @@ class RunSecrets:
 
     seed: int
     data_identity: str
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``run.lock``: one process trains in a directory at a time.
+
+    The kernel drops the lock when its file descriptor closes, so it is released even when
+    the process is killed (kill -9) and a stale lock file never blocks a resume.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self._fd, 64).decode(errors="replace").strip() or "?"
+            self.release()
+            raise DataError(f"{os.path.dirname(path)!r} is in use: another process (pid {holder}) is training in "
+                            "it; wait for it to finish or stop it") from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class Checkpoints:
@@ -122,13 +205,28 @@ class RunDirectory:
     path: str
 
     @classmethod
-    def create(cls, path: str) -> RunDirectory:
-        """A new run directory; refuses one that already holds a run."""
-        path = os.path.abspath(path)
-        if os.path.exists(os.path.join(path, CONFIG)):
-            raise DataError(f"{path!r} already holds a run; choose a new run directory")
-        os.makedirs(path, exist_ok=True)
-        return cls(path)
+    def new(cls, path: str) -> RunDirectory:
+        """Where a new run will go (nothing is written yet); refuses a directory that holds a run."""
+        run = cls(os.path.abspath(path))
+        run._check_free()
+        return run
+
+    def _check_free(self) -> None:
+        if os.path.exists(self.file(CONFIG)):
+            raise DataError(f"{self.path!r} already holds a run; choose a new run directory")
+
+    def begin(self, spec: RunSpec, secrets: RunSecrets) -> RunLock:
+        """Create the run, locked (``lock``): its secrets, then ``config.json`` (what makes it a run)."""
+        os.makedirs(self.path, exist_ok=True)
+        lock = self.lock()
+        try:
+            self._check_free()  # again, under the lock: another start may have won the race
+            self.write_secrets(secrets)
+            write_json_atomic(self.file(CONFIG), spec.to_json())
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     @classmethod
     def existing(cls, path: str) -> RunDirectory:
@@ -137,13 +235,14 @@ class RunDirectory:
             raise DataError(f"{path!r} is not a run directory (no {CONFIG})")
         return cls(path)
 
+    def lock(self) -> RunLock:
+        """Hold the run for this process (``RunLock``); ``DataError`` if another one trains in it."""
+        return RunLock(self.file(LOCK))
+
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     # -- what the run is ------------------------------------------------------------------
-
-    def write_spec(self, spec: RunSpec) -> None:
-        write_json_atomic(self.file(CONFIG), spec.to_json())
 
     def _read(self, name: str, parse: Callable[[Any], T], *, hint: str = "") -> T:
         """``parse`` of the JSON file ``name``; one ``DataError`` line if it is missing or malformed."""
@@ -151,7 +250,8 @@ class RunDirectory:
             with open(self.file(name)) as f:
                 return parse(json.load(f))
         except (OSError, ValueError, KeyError, TypeError, DpscaleError) as exc:
-            raise DataError(f"{self.path!r}: unreadable {name} ({exc}){hint}") from None
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise DataError(f"{self.path!r}: unreadable {name} ({reason}){hint}") from None
 
     def read_spec(self) -> RunSpec:
         return self._read(CONFIG, RunSpec.from_json)
@@ -221,8 +321,36 @@ class RunDirectory:
         return os.path.isdir(self.file(PARAMS))
 
     def save_params(self, **trees: Any) -> None:
+        """Save the trees (every process: orbax coordinates them), then the sha256 of each file."""
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(self.file(PARAMS), trees, force=True)
+        if jax.process_index() == 0:
+            write_json_atomic(self.file(PARAMS_DIGESTS), self._params_digests())
+
+    def _params_digests(self) -> dict[str, str]:
+        """sha256 of every file under ``params/``, by relative path (the parameters are a released output)."""
+        root = self.file(PARAMS)
+        digests = {}
+        for folder, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(folder, name)
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(block)
+                digests[os.path.relpath(path, root)] = digest.hexdigest()
+        return dict(sorted(digests.items()))
+
+    def _check_params(self) -> None:
+        """Refuse damaged parameters before orbax reads them (its failures are tracebacks from threads)."""
+        if not os.path.exists(self.file(PARAMS_DIGESTS)):
+            return  # saved by an older dpscale: orbax's own errors are all there is
+        recorded = self._read(PARAMS_DIGESTS, lambda payload: {str(k): str(v) for k, v in payload.items()})
+        found = self._params_digests()
+        for name, digest in recorded.items():
+            if found.get(name) != digest:
+                problem = "missing" if name not in found else "corrupt (its sha256 differs from the one saved)"
+                raise DataError(f"{self.path!r}: its saved parameters are damaged: {PARAMS}/{name} is {problem}")
 
     def load_params(self) -> dict[str, Any]:
         """The saved trees, on this process's first device.
@@ -231,12 +359,23 @@ class RunDirectory:
         not exist when evaluating a multi-device or multi-host run elsewhere.
         """
         if not self.has_params:
-            raise DataError(f"{self.path!r} has no saved parameters ({PARAMS}/)")
+            resume = (f": its training did not finish; continue it with `dpscale train --resume {self.path}`"
+                      if os.path.exists(self.file(SEED_FILE)) else "")
+            raise DataError(f"{self.path!r} has no saved parameters ({PARAMS}/){resume}")
+        self._check_params()
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        with ocp.StandardCheckpointer() as checkpointer:
-            saved = checkpointer.metadata(self.file(PARAMS)).item_metadata.tree
-            target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
-            return checkpointer.restore(self.file(PARAMS), target)
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                metadata = checkpointer.metadata(self.file(PARAMS))
+                if metadata is None:
+                    raise ValueError("no readable checkpoint metadata")
+                saved = metadata.item_metadata.tree
+                target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                                                saved)
+                return checkpointer.restore(self.file(PARAMS), target)
+        except Exception as exc:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
+            reason = " ".join(str(exc).split())[:120] or type(exc).__name__
+            raise DataError(f"{self.path!r}: its saved parameters ({PARAMS}/) are damaged ({reason})") from None
 
     def scores_file(self, split: str, *, diagnostic: bool) -> str:
         """``metrics.json``, or for scores on private training rows ``metrics.<split>.NOT-PRIVATE.json``."""

@@ -14,11 +14,11 @@ global mesh; only process 0 writes the run's files and shows progress.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
-import os
 import time
 
 import jax
@@ -35,7 +35,7 @@ from dpscale.progress import progress_bar
 from dpscale.training.config import TrainingConfig
 from dpscale.training import release
 from dpscale.training.model import HOLDOUT_SPLIT, TrainModel, build_train_model
-from dpscale.training.run_directory import RunDirectory, RunSecrets, RunSpec
+from dpscale.training.run_directory import Checkpoints, RunDirectory, RunLock, RunSecrets, RunSpec
 
 _log = logging.getLogger(__name__)
 
@@ -86,8 +86,15 @@ class Trainer:
                                  optimizer=optimizer, mesh=mesh, ema_decay=config.ema_decay)
         self.feed = model.make_feed(stream_key(seed, Stream.AUGMENTATION), distributed.BatchPlacement(mesh),
                                     self.model_state)
-        every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
-        self.checkpoints = run.checkpoints(every=every)
+        self._every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
+        self._checkpoints: Checkpoints | None = None
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        """Opened on first use: building a trainer (validation) writes nothing into the run directory."""
+        if self._checkpoints is None:
+            self._checkpoints = self.run.checkpoints(every=self._every)
+        return self._checkpoints
 
     @property
     def diagnostics(self) -> bool:
@@ -168,36 +175,43 @@ def _check_processes_agree(spec: RunSpec, model: TrainModel) -> None:
         "the training configuration or data")
 
 
+def _locked(lock: RunLock | None) -> contextlib.AbstractContextManager:
+    return lock if lock is not None else contextlib.nullcontext()
+
+
 def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
-    """A fresh run; with several processes, call it on every one with the same arguments."""
+    """A fresh run; with several processes, call it on every one with the same arguments.
+
+    Everything is built and validated before the run directory is written, and it is
+    written (secrets, then config.json) under the run's lock, held until the run ends.
+    """
+    run = RunDirectory.new(run_dir)
     model = build_train_model(data, config)
     plan = plan_for(config, model)
     # The seed, even a fixed one, lives only in the run's secrets: config.json is a released file.
-    spec = RunSpec(data=data, training=dataclasses.replace(config, seed=None), plan=plan)
+    spec = RunSpec.new(data, dataclasses.replace(config, seed=None), plan, inputs=model.inputs)
     _check_processes_agree(spec, model)
     seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
-
-    def create_files() -> RunDirectory:  # process 0 only
-        run = RunDirectory.create(run_dir)
-        run.write_secrets(RunSecrets(seed=seed, data_identity=keyed_identity(seed_secret(seed), model.data_hash)))
-        run.write_spec(spec)
-        return run
-
-    distributed.run_on_primary(create_files)
-    run = RunDirectory(os.path.abspath(run_dir))
     trainer = Trainer(run, spec, seed, model)
-    state = trainer.step.init(model.init_params(seed), trainer.model_state)
-    trainer.write_ledger(0)
-    state, metrics, seconds = trainer.loop(state, 0)
-    return trainer.finish(state, metrics, seconds)
+    secrets = RunSecrets(seed=seed, data_identity=keyed_identity(seed_secret(seed), model.data_hash))
+    with _locked(distributed.run_on_primary(lambda: run.begin(spec, secrets))):
+        state = trainer.step.init(model.init_params(seed), trainer.model_state)
+        trainer.write_ledger(0)
+        state, metrics, seconds = trainer.loop(state, 0)
+        return trainer.finish(state, metrics, seconds)
 
 
 def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
-    """Continue a killed run from its newest checkpoint, with its original seed and plan."""
+    """Continue a killed run in ``run_dir`` (wherever it is now) from its newest checkpoint."""
     run = RunDirectory.existing(run_dir)
+    with _locked(distributed.run_on_primary(run.lock)):
+        return _resume(run, show_progress=show_progress)
+
+
+def _resume(run: RunDirectory, *, show_progress: bool) -> TrainResult:
     spec = run.read_spec()
     spec = dataclasses.replace(spec, training=dataclasses.replace(spec.training, show_progress=show_progress))
-    model = build_train_model(spec.data, spec.training)
+    model = build_train_model(spec.data_path(), spec.training)
     _check_processes_agree(spec, model)
 
     def read_secrets() -> int:  # process 0 only
@@ -215,6 +229,6 @@ def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
     state = trainer.step.replicate(trainer.checkpoints.restore(first, fresh)) if first else fresh
     if trainer.primary:
         run.truncate_metrics(after_step=first)
-    _log.info("resuming %s at step %d of %d", run_dir, first, spec.plan.steps)
+    _log.info("resuming %s at step %d of %d", run.path, first, spec.plan.steps)
     state, metrics, seconds = trainer.loop(state, first)
     return trainer.finish(state, metrics, seconds)
