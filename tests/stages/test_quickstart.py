@@ -15,7 +15,8 @@ from dpscale.stages import quickstart
 def _quickstart(args):
     result = CliRunner().invoke(cli, ["quickstart", *args])
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout.strip().splitlines()[-1])  # the last line is the JSON result
+    assert result.stdout.count("\n") == 1  # stdout holds only the JSON result
+    return json.loads(result.stdout)
 
 
 def test_digits_end_to_end_then_a_rerun_reuses_the_backbone_and_features(tmp_path):
