@@ -352,7 +352,7 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
 @click.argument("data", type=click.Path(file_okay=False))
 @click.option("--backbone", required=True,
               help="efficientnet-lite0 (imported weights) or a backbone directory.")
-@click.option("--cache-dir", default=None,
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Feature cache root (default: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).")
 @click.option("--resolution", type=COUNT, default=None, help="Resize to this (default: the backbone's).")
 @click.option("--resize-method", type=click.Choice(RESIZE_METHODS), default="bilinear", show_default=True,
@@ -618,7 +618,7 @@ def _privacy_line(result: Any) -> str:
 @cli.command("quickstart")
 @click.option("--data", default="digits", show_default=True,
               help="Any ingest source: digits (bundled, offline), idx:DIR, folder:PATH, tfds:NAME.")
-@click.option("--work-dir", default="dpscale-quickstart", show_default=True,
+@click.option("--work-dir", type=click.Path(file_okay=False), default="dpscale-quickstart", show_default=True,
               help="Where the ingested data, backbone, feature cache and run directories go.")
 @click.option("--public-classes", cls=ListOption,
               help="Class names used as public data (default: the first half).")
@@ -667,7 +667,7 @@ def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...]
 
 @cli.command("audit")
 @click.argument("data", type=click.Path(file_okay=False))
-@click.option("--out-dir", default=None, help="Write audit.json and audit.md here.")
+@click.option("--out-dir", type=click.Path(file_okay=False), default=None, help="Write audit.json and audit.md here.")
 @click.option("--epsilons", "--epsilon", "epsilons", cls=ListOption, type=CommaList(POSITIVE), default="1,2,4,8",
               help="Nominal epsilons, one row each.")
 @delta_option()

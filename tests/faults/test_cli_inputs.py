@@ -251,6 +251,9 @@ def test_a_label_outside_named_classes_is_rejected_reported_and_summarised(tmp_p
 def test_an_output_that_is_a_file_or_holds_other_files_is_refused(tmp_path):
     (tmp_path / "a-file").write_text("keep me")
     _refused(_dpscale("ingest", "digits", tmp_path / "a-file"), "existing file")
+    for command in (["featurize", "data", "--backbone", "x", "--cache-dir"], ["quickstart", "--work-dir"],
+                    ["audit", "data", "--out-dir"], ["sweep", "data"], ["train", "data"]):
+        _refused(CliRunner().invoke(cli, [*command, str(tmp_path / "a-file")]), "is a file")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
