@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from dpscale.cache.keys import RESIZE_METHODS
 from dpscale.errors import DpscaleError
 
 
@@ -39,6 +40,117 @@ class _DpscaleGroup(click.Group):
             click.echo(f"dpscale: error: {message}", err=True)
             sys.exit(2)
         sys.exit(0)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float in a range, NaN refused (click's ranges let it through) and ``inf`` only where allowed."""
+
+    name = "float"
+
+    def __init__(self, min: float | None = None, max: float | None = None, *,  # noqa: A002
+                 min_open: bool = False, max_open: bool = False, allow_inf: bool = False) -> None:
+        super().__init__(min=min, max=max, min_open=min_open, max_open=max_open)
+        self.allow_inf = allow_inf
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        number = click.FLOAT.convert(value, param, ctx)
+        if math.isnan(number) or (math.isinf(number) and not (self.allow_inf and number > 0)):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return super().convert(number, param, ctx)
+
+    def _describe_range(self) -> str:
+        return super()._describe_range() + (" or inf" if self.allow_inf else "")
+
+
+def floats(min: float | None = None, max: float | None = None, *, min_open: bool = False,  # noqa: A002
+           max_open: bool = False, allow_inf: bool = False) -> click.ParamType:
+    """A float flag's type: finite (or ``inf`` when allowed), within the given bounds."""
+    return FiniteFloat(min, max, min_open=min_open, max_open=max_open, allow_inf=allow_inf)
+
+
+def ints(min: int | None = None, max: int | None = None) -> click.ParamType:  # noqa: A002
+    """An integer flag's type within the given bounds (shown as INTEGER in --help)."""
+    kind = click.IntRange(min=min, max=max)
+    kind.name = "integer"
+    return kind
+
+
+POSITIVE = floats(0, min_open=True)  # finite and > 0
+FRACTION = floats(0, 1, max_open=True)  # [0, 1)
+COUNT = ints(1)  # a positive integer
+SEED = ints(0)
+
+
+class CommaList(click.ParamType):
+    """A comma-separated list (``1,2,4``): every list flag of every command is written this way.
+
+    An empty item (``1,,2`` or ``,``) is an error, not silently dropped; ``''`` is the empty
+    list only where ``allow_empty`` (a flag whose default means "all" is simply left out).
+    """
+
+    name = "list"
+
+    def __init__(self, item: click.ParamType = click.STRING, *, allow_empty: bool = False) -> None:
+        self.item, self.allow_empty = item, allow_empty
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        if not text:
+            if self.allow_empty:
+                return ()
+            self.fail("an empty list: give comma-separated values, or leave the flag out", param, ctx)
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):
+            self.fail(f"{text!r} has an empty item: give comma-separated values, e.g. a,b", param, ctx)
+        return tuple(self.item.convert(part, param, ctx) for part in parts)
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return f"{self.item.name.upper()},..."
+
+
+class ListOption(click.Option):
+    """A list flag: ``--flag a,b`` and repeats (``--flag a --flag b``) give one flat tuple.
+
+    Names after the first are deprecated spellings: accepted, but left out of ``--help``
+    and of error messages.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("type", CommaList())
+        default = kwargs.pop("default", None)
+        if default is not None:
+            kwargs["default"] = (default,)
+            kwargs["help"] = f"{kwargs.get('help', '')}  [default: {default or chr(39) * 2}]".strip()
+        super().__init__(*args, multiple=True, **kwargs)
+
+    def type_cast_value(self, ctx: Any, value: Any) -> Any:
+        lists = super().type_cast_value(ctx, value)
+        return tuple(item for items in lists for item in items) if lists else ()
+
+    def _primary(self) -> list[str]:
+        return self.opts[:1]
+
+    def get_help_record(self, ctx: Any) -> Any:
+        opts, self.opts = self.opts, self._primary()
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+    def get_error_hint(self, ctx: Any) -> str:
+        return f"'{self.opts[0]}'"
+
+
+_DELTA_HELP = ("delta of (epsilon, delta)-DP; every command defaults to 1e-5. Keep it well below 1/N "
+               "(the command warns when delta >= 1/N).")
+
+
+def delta_option() -> Any:
+    """``--delta``: the same type, default and help in every command."""
+    return click.option("--delta", type=floats(0, 1, min_open=True, max_open=True), default=1e-5,
+                        show_default=True, help=_DELTA_HELP)
 
 
 def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
@@ -73,10 +185,22 @@ def cli() -> None:
     _quiet_library_logs()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (the CLI's stderr, also when the CLI is called in-process)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _show_stage_progress(log: logging.Logger) -> None:
     """Print a Beam stage's progress lines (one per stage and split) once, with a timestamp."""
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -88,19 +212,19 @@ def _show_stage_progress(log: logging.Logger) -> None:
                                          "allow_extra_args": True})
 @click.argument("source")
 @click.argument("output")
-@click.option("--validation-fraction", type=float, default=0.0, show_default=True,
+@click.option("--validation-fraction", type=FRACTION, default=0.0, show_default=True,
               help="Carve this fraction of train into a validation split (by content hash).")
-@click.option("--examples-per-shard", type=int, default=10_000, show_default=True)
+@click.option("--examples-per-shard", type=COUNT, default=10_000, show_default=True)
 @click.option("--image-encoding", type=click.Choice(["raw", "png"]), default="raw",
               show_default=True, help="How pixels are stored in each record.")
 @click.option("--tfds-data-dir", default=None, help="TFDS data_dir for tfds: sources.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing ingested dataset.")
-@click.option("--classes", default="",
-              help="Keep only these comma-separated class names (relabelled 0..k-1 in the "
-                   "source's order), e.g. 0,1,2,3,4 of digits as public data.")
+@click.option("--classes", cls=ListOption,
+              help="Keep only these class names (relabelled 0..k-1 in the source's order), e.g. "
+                   "0,1,2,3,4 of digits as public data. Default: every class.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def ingest(source: str, output: str, validation_fraction: float, examples_per_shard: int,
-           image_encoding: str, tfds_data_dir: str | None, overwrite: bool, classes: str,
+           image_encoding: str, tfds_data_dir: str | None, overwrite: bool, classes: tuple[str, ...],
            pipeline_args: tuple[str, ...]) -> None:
     """Read SOURCE (tfds:NAME[:SPLIT], folder:PATH, idx:DIR, digits) into OUTPUT.
 
@@ -114,18 +238,24 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
                                 examples_per_shard=examples_per_shard,
                                 image_encoding=image_encoding, tfds_data_dir=tfds_data_dir,
                                 overwrite=overwrite, pipeline_args=tuple(pipeline_args),
-                                classes=tuple(c.strip() for c in classes.split(",") if c.strip()))
+                                classes=classes)
     result = stage.run(config)
+    manifest = result.manifest
     for split, count in result.num_examples.items():
-        click.echo(f"{split}: {count} examples")
-    class_filter = result.manifest.class_filter
+        _note(f"{split}: {count} examples")
+    class_filter = manifest.class_filter
     if class_filter is not None:
-        kept = result.manifest.class_names
-        click.echo(f"classes: kept {len(kept)} of {len(class_filter.source_class_names)} ({', '.join(kept)}); "
-                   f"{class_filter.num_excluded} inputs of other classes left out")
-    click.echo(f"rejected: {result.num_rejected} (see report.json)")
-    click.echo(f"content hash: {result.manifest.content_hash}")
-    click.echo(f"wrote {result.output_dir} in {result.seconds:.1f} s")
+        kept = manifest.class_names
+        _note(f"classes: kept {len(kept)} of {len(class_filter.source_class_names)} ({', '.join(kept)}); "
+              f"{class_filter.num_excluded} inputs of other classes left out")
+    reasons = ", ".join(f"{n} {reason}" for reason, n in manifest.rejected_by_reason.items())
+    _note(f"rejected: {result.num_rejected}{f' ({reasons})' if reasons else ''} (see report.json)")
+    _note(f"content hash: {manifest.content_hash}")
+    _note(f"wrote {result.output_dir} in {result.seconds:.1f} s")
+    _print_json_line({"output_dir": result.output_dir, "num_examples": result.num_examples,
+                      "num_classes": manifest.num_classes, "num_rejected": result.num_rejected,
+                      "rejected_by_reason": dict(manifest.rejected_by_reason),
+                      "content_hash": manifest.content_hash, "seconds": round(result.seconds, 3)})
 
 
 @cli.command("dedup", context_settings={"ignore_unknown_options": True,
@@ -133,29 +263,30 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("public")
 @click.argument("private")
 @click.argument("output")
-@click.option("--threshold", type=float, default=0.25, show_default=True,
+@click.option("--threshold", type=floats(0, 1, min_open=True, max_open=True), default=0.25, show_default=True,
               help="Distance at or below which a public image counts as a duplicate.")
-@click.option("--verify-threshold", type=float, default=0.15, show_default=True,
+@click.option("--verify-threshold", type=floats(0, 2, max_open=True), default=0.15, show_default=True,
               help="Cut on the finer second check of each match (0 = no second check).")
-@click.option("--bands", type=int, default=8, show_default=True, help="LSH bands.")
-@click.option("--bits-per-band", type=int, default=8, show_default=True)
-@click.option("--crop-scales", default="0.95,0.9,0.85,0.8,0.75,0.7", show_default=True,
+@click.option("--bands", type=COUNT, default=8, show_default=True, help="LSH bands.")
+@click.option("--bits-per-band", type=ints(1, 63), default=8, show_default=True)
+@click.option("--crop-scales", cls=ListOption, type=CommaList(floats(0.3, 1, max_open=True), allow_empty=True),
+              default="0.95,0.9,0.85,0.8,0.75,0.7",
               help="Crop sizes (share of each side) of the private views; '' = none.")
-@click.option("--public-split", "public_splits", multiple=True,
-              help="Only these splits of PUBLIC (repeatable; default all).")
-@click.option("--private-split", "private_splits", multiple=True,
-              help="Only these splits of PRIVATE (repeatable; default all).")
+@click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
+              help="Only these splits of PUBLIC (default: all).")
+@click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
+              help="Only these splits of PRIVATE (default: all).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(public: str, private: str, output: str, threshold: float, verify_threshold: float,
           bands: int,
-          bits_per_band: int, crop_scales: str, public_splits: tuple[str, ...],
+          bits_per_band: int, crop_scales: tuple[float, ...], public_splits: tuple[str, ...],
           private_splits: tuple[str, ...], overwrite: bool,
           pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
 
     PUBLIC and PRIVATE are ingested datasets (may be one dataset with disjoint splits:
-    --public-split train --private-split test); flipped, cropped/rescaled and re-encoded
+    --public-splits train --private-splits test); flipped, cropped/rescaled and re-encoded
     copies count as duplicates. OUTPUT is a new ingested dataset plus dedup_report.json.
     Other options (--runner DataflowRunner ...) go to Beam.
     """
@@ -163,22 +294,19 @@ def dedup(public: str, private: str, output: str, threshold: float, verify_thres
     from dpscale.stages import dedup as stage
 
     _show_stage_progress(stage.log)
-    try:
-        scales = tuple(float(s) for s in crop_scales.split(",") if s.strip())
-    except ValueError:
-        raise click.BadParameter(f"not a comma-separated list of numbers: {crop_scales!r}",
-                                 param_hint="--crop-scales") from None
     result = stage.run(stage.DedupConfig(
         public, private, output, threshold=threshold, verify_threshold=verify_threshold,
         bands=bands,
-        bits_per_band=bits_per_band, crop_scales=scales, public_splits=public_splits,
+        bits_per_band=bits_per_band, crop_scales=crop_scales, public_splits=public_splits,
         private_splits=private_splits, overwrite=overwrite,
         pipeline_args=tuple(pipeline_args)))
     report = result.report
-    click.echo(f"removed {result.num_removed} of {report['public']['num_examples']} public "
-               f"examples ({report['num_candidate_pairs']} candidate pairs checked)")
-    click.echo(f"content hash: {result.manifest.content_hash}")
-    click.echo(f"wrote {result.output_dir} (+ {REPORT}) in {result.seconds:.1f} s")
+    _note(f"removed {result.num_removed} of {report['public']['num_examples']} public "
+          f"examples ({report['num_candidate_pairs']} candidate pairs checked)")
+    _note(f"content hash: {result.manifest.content_hash}")
+    _note(f"wrote {result.output_dir} (+ {REPORT}) in {result.seconds:.1f} s")
+    _print_json_line({"output_dir": result.output_dir, "report": REPORT,
+                      "content_hash": result.manifest.content_hash, "seconds": round(result.seconds, 3)})
 
 
 @cli.command("import-weights")
@@ -226,15 +354,16 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
 @click.argument("data", type=click.Path(file_okay=False))
 @click.option("--backbone", required=True,
               help="efficientnet-lite0 (imported weights) or a backbone directory.")
-@click.option("--cache-dir", default=None,
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Feature cache root (default: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).")
-@click.option("--resolution", type=int, default=None, help="Resize to this (default: the backbone's).")
-@click.option("--resize-method", default="bilinear", show_default=True)
+@click.option("--resolution", type=COUNT, default=None, help="Resize to this (default: the backbone's).")
+@click.option("--resize-method", type=click.Choice(RESIZE_METHODS), default="bilinear", show_default=True,
+              help="How images are resized to the backbone's resolution.")
 @click.option("--flip-average", is_flag=True,
               help="Store the mean of each image's features and its mirror image's (no privacy cost: "
                    "one example at a time; twice the forward passes).")
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Images per forward pass.")
-@click.option("--chunk-rows", type=int, default=1024, show_default=True,
+@click.option("--batch-size", type=COUNT, default=64, show_default=True, help="Images per forward pass.")
+@click.option("--chunk-rows", type=COUNT, default=1024, show_default=True,
               help="Rows per Zarr chunk: one worker task, and the unit of resume.")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def featurize_command(data: str, backbone: str, cache_dir: str | None, resolution: int | None,
@@ -256,8 +385,11 @@ def featurize_command(data: str, backbone: str, cache_dir: str | None, resolutio
     status = ("cache hit" if result.cache_hit else
               f"computed {result.chunks_computed} of {result.chunks_total} chunks")
     counts = ", ".join(f"{s}: {n}" for s, n in result.num_examples.items())
-    click.echo(f"{status} ({counts}) in {result.seconds:.1f} s")
-    click.echo(result.path)
+    _note(f"{status} ({counts}) in {result.seconds:.1f} s")
+    _note(f"entry: {result.path}")
+    _print_json_line({"path": result.path, "cache_hit": result.cache_hit, "chunks_computed": result.chunks_computed,
+                      "chunks_total": result.chunks_total, "num_examples": dict(result.num_examples),
+                      "seconds": round(result.seconds, 3)})
 
 
 @cli.command("models")
@@ -288,6 +420,8 @@ def _print_json_line(payload: dict) -> None:
             return str(value)
         if isinstance(value, dict):
             return {k: strict(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [strict(v) for v in value]
         return value
 
     click.echo(json.dumps(strict(payload), sort_keys=True, default=str, allow_nan=False))
@@ -310,36 +444,37 @@ _TRAINING_OPTIONS = _options(
     click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode)."),
     click.option("--backbone", default=None,
                  help="Fine-tune a pretrained backbone (imported name or directory) instead of --model."),
-    click.option("--delta", type=float, default=1e-5, show_default=True, help="Target delta."),
-    click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B."),
-    click.option("--steps", type=int, default=None, help="Number of optimiser steps T."),
+    delta_option(),
+    click.option("--batch-size", type=COUNT, default=None, help="Expected (Poisson) batch size B."),
+    click.option("--steps", type=COUNT, default=None, help="Number of optimiser steps T."),
     click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True),
     click.option("--sampling", type=click.Choice(["poisson", "shuffle"]), default="poisson", show_default=True,
                  help="`shuffle` is NOT what the accountant assumes: for baselines only (warns)."),
-    click.option("--clip-norm", type=float, default=1.0, show_default=True),
-    click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP)."),
-    click.option("--weight-decay", type=float, default=0.0, show_default=True, help="Recipe: 0 under DP."),
-    click.option("--augmult", type=int, default=1, show_default=True,
+    click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True,
+                 help="Per-example gradient norm bound C."),
+    click.option("--momentum", type=FRACTION, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP)."),
+    click.option("--weight-decay", type=floats(0), default=0.0, show_default=True, help="Recipe: 0 under DP."),
+    click.option("--augmult", type=COUNT, default=1, show_default=True,
                  help="K augmented views per example, averaged before clipping."),
-    click.option("--augment-pad", type=int, default=4, show_default=True, help="Reflect padding of random crops."),
+    click.option("--augment-pad", type=ints(0), default=4, show_default=True, help="Reflect padding of random crops."),
     click.option("--no-flip", is_flag=True, help="Do not flip views horizontally."),
-    click.option("--microbatch-size", type=int, default=None,
+    click.option("--microbatch-size", type=COUNT, default=None,
                  help="Physical batch; the logical batch is accumulated over micro-batches "
                       "(default: 64 images, 4096 feature rows)."),
-    click.option("--ema-decay", type=float, default=0.999, show_default=True),
-    click.option("--holdout", type=int, default=0, show_default=True,
+    click.option("--ema-decay", type=FRACTION, default=0.999, show_default=True),
+    click.option("--holdout", type=ints(0), default=0, show_default=True,
                  help="features mode: do not train on the last N training rows; score them with "
                       "`dpscale evaluate RUN_DIR --split holdout`."),
     click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
                  show_default=True,
                  help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
                       "unit again (the mean's cost is in epsilon)."),
-    click.option("--feature-mean-noise-multiplier", type=float, default=20.0, show_default=True,
+    click.option("--feature-mean-noise-multiplier", type=POSITIVE, default=20.0, show_default=True,
                  help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1)."),
-    click.option("--feature-scale", type=float, default=1.0, show_default=True,
+    click.option("--feature-scale", type=POSITIVE, default=1.0, show_default=True,
                  help="l2 / center-l2: norm of the normalised rows (sets the bias's step relative to the kernel's)."),
-    click.option("--checkpoint-every", type=int, default=None, help="Steps between checkpoints (default: ~20 per run)."),
-    click.option("--devices", type=int, default=None,
+    click.option("--checkpoint-every", type=COUNT, default=None, help="Steps between checkpoints (default: ~20 per run)."),
+    click.option("--devices", type=COUNT, default=None,
                  help="Data-parallel devices (default: all local; all global ones in a multi-host run)."),
     click.option("--private-diagnostics", is_flag=True,
                  help="Also write statistics of the private batches that epsilon does NOT cover (loss, gradient "
@@ -374,18 +509,19 @@ def _training_config(data: str, options: dict[str, Any], **given: Any) -> Any:
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
               help="Continue the killed run in this directory from its last checkpoint (no other arguments).")
-@click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon; `inf` = non-private.")
-@click.option("--noise-multiplier", type=float, default=None, help="sigma; calibrated when left out.")
-@click.option("--learning-rate", type=float, default=2.0, show_default=True,
+@click.option("--epsilon", type=floats(0, min_open=True, allow_inf=True), default=8.0, show_default=True,
+              help="Target epsilon; `inf` = non-private.")
+@click.option("--noise-multiplier", type=POSITIVE, default=None, help="sigma; calibrated when left out.")
+@click.option("--learning-rate", type=POSITIVE, default=2.0, show_default=True,
               help="SGD step size on the C-normalised gradient (constant).")
 @_TRAINING_OPTIONS
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=SEED, default=None,
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
 @click.option("--coordinator-address", default=None, metavar="HOST:PORT",
               help="Multi-host: process 0's address; give it with --num-processes and --process-id, "
                    "the same on every host (see README, Multi-host).")
-@click.option("--num-processes", type=int, default=None, help="Multi-host: number of processes (hosts).")
-@click.option("--process-id", type=int, default=None, help="Multi-host: this process's index, 0 to N-1.")
+@click.option("--num-processes", type=COUNT, default=None, help="Multi-host: number of processes (hosts).")
+@click.option("--process-id", type=ints(0), default=None, help="Multi-host: this process's index, 0 to N-1.")
 @click.option("--distributed", "auto_distributed", is_flag=True,
               help="Multi-host with the cluster detected by JAX (Cloud TPU pods, Slurm, Open MPI).")
 def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, epsilon: float,
@@ -456,25 +592,20 @@ def evaluate_command(run_dir: str, split: str, data: str | None, private_diagnos
     _print_json_line(result.as_dict())
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
-
-
 @cli.command("sweep")
 @click.argument("data", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--epsilons", default="1,2,4,8", show_default=True, help="Comma-separated target epsilons.")
-@click.option("--learning-rates", default="2", show_default=True, help="Comma-separated DP learning rates.")
-@click.option("--repeats", type=int, default=3, show_default=True,
+@click.option("--epsilons", cls=ListOption, type=CommaList(POSITIVE), default="1,2,4,8",
+              help="Target epsilons of the grid.")
+@click.option("--learning-rates", cls=ListOption, type=CommaList(POSITIVE), default="2",
+              help="DP learning rates of the grid.")
+@click.option("--repeats", type=COUNT, default=3, show_default=True,
               help="Runs per grid point, each with a fresh secret seed (median and spread are reported).")
 @click.option("--no-baseline", is_flag=True, help="Skip the non-private baseline runs.")
-@click.option("--baseline-learning-rate", type=float, default=0.5, show_default=True)
-@click.option("--baseline-momentum", type=float, default=0.9, show_default=True)
+@click.option("--baseline-learning-rate", type=POSITIVE, default=0.5, show_default=True)
+@click.option("--baseline-momentum", type=FRACTION, default=0.9, show_default=True)
 @_TRAINING_OPTIONS
-def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, repeats: int, no_baseline: bool,
+def sweep_command(data: str, out_dir: str, epsilons: tuple[float, ...], learning_rates: tuple[float, ...], repeats: int, no_baseline: bool,
                   baseline_learning_rate: float, baseline_momentum: float, **options: Any) -> None:
     """Train a grid over epsilon x learning rate (x repeats) on the same DATA; write tables and a plot.
 
@@ -485,16 +616,15 @@ def sweep_command(data: str, out_dir: str, epsilons: str, learning_rates: str, r
     """
     from dpscale.stages import sweep
 
-    rates = _floats(learning_rates)
-    training = _training_config(data, options, learning_rate=rates[0] if rates else 2.0)
-    config = sweep.SweepConfig(data=data, out_dir=out_dir, training=training, epsilons=_floats(epsilons),
-                               learning_rates=rates, repeats=repeats, baseline=not no_baseline,
+    training = _training_config(data, options, learning_rate=learning_rates[0])
+    config = sweep.SweepConfig(data=data, out_dir=out_dir, training=training, epsilons=epsilons,
+                               learning_rates=learning_rates, repeats=repeats, baseline=not no_baseline,
                                baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum)
     result = sweep.run(config)
     _echo_warnings(result.warnings)
     click.echo(f"dpscale: {_privacy_line(result)}", err=True)
-    for row in result.summary:
-        _print_json_line(row)
+    _print_json_line({"out_dir": result.out_dir, "composed_epsilon": result.composed_epsilon, "delta": result.delta,
+                      "covered_by_epsilon": result.covered_by_epsilon, "summary": list(result.summary)})
 
 
 def _privacy_line(result: Any) -> str:
@@ -505,24 +635,24 @@ def _privacy_line(result: Any) -> str:
 @cli.command("quickstart")
 @click.option("--data", default="digits", show_default=True,
               help="Any ingest source: digits (bundled, offline), idx:DIR, folder:PATH, tfds:NAME.")
-@click.option("--work-dir", default="dpscale-quickstart", show_default=True,
+@click.option("--work-dir", type=click.Path(file_okay=False), default="dpscale-quickstart", show_default=True,
               help="Where the ingested data, backbone, feature cache and run directories go.")
-@click.option("--public-classes", default="",
-              help="Comma-separated class names used as public data (default: the first half).")
+@click.option("--public-classes", cls=ListOption,
+              help="Class names used as public data (default: the first half).")
 @click.option("--no-dedup", is_flag=True, help="Skip removing public near duplicates of private images.")
 @click.option("--model", default="cnn-small", show_default=True, help="Architecture pre-trained on the public classes.")
-@click.option("--pretrain-steps", type=int, default=200, show_default=True)
-@click.option("--pretrain-batch-size", type=int, default=128, show_default=True)
-@click.option("--pretrain-learning-rate", type=float, default=0.03, show_default=True)
-@click.option("--epsilon", type=float, default=8.0, show_default=True, help="Target epsilon of the private training.")
-@click.option("--delta", type=float, default=1e-5, show_default=True)
-@click.option("--batch-size", type=int, default=512, show_default=True, help="Expected batch size of the DP last-layer training.")
-@click.option("--steps", type=int, default=1000, show_default=True, help="Steps of the DP last-layer training.")
-@click.option("--learning-rate", type=float, default=1.0, show_default=True, help="Of the DP last-layer training.")
-@click.option("--seed", type=int, default=None, help="Fix the secret seed (debugging only).")
+@click.option("--pretrain-steps", type=COUNT, default=200, show_default=True)
+@click.option("--pretrain-batch-size", type=COUNT, default=128, show_default=True)
+@click.option("--pretrain-learning-rate", type=POSITIVE, default=0.03, show_default=True)
+@click.option("--epsilon", type=POSITIVE, default=8.0, show_default=True, help="Target epsilon of the private training.")
+@delta_option()
+@click.option("--batch-size", type=COUNT, default=512, show_default=True, help="Expected batch size of the DP last-layer training.")
+@click.option("--steps", type=COUNT, default=1000, show_default=True, help="Steps of the DP last-layer training.")
+@click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True, help="Of the DP last-layer training.")
+@click.option("--seed", type=SEED, default=None, help="Fix the secret seed (debugging only).")
 @click.option("--private-diagnostics", is_flag=True,
               help="Also report how many public images dedup removed (depends on the private data; NOT covered).")
-def quickstart_command(data: str, work_dir: str, public_classes: str, no_dedup: bool, model: str,
+def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...], no_dedup: bool, model: str,
                        pretrain_steps: int, pretrain_batch_size: int, pretrain_learning_rate: float, epsilon: float,
                        delta: float, batch_size: int, steps: int, learning_rate: float, seed: int | None,
                        private_diagnostics: bool) -> None:
@@ -539,7 +669,6 @@ def quickstart_command(data: str, work_dir: str, public_classes: str, no_dedup: 
     from dpscale.stages import quickstart
 
     _show_stage_progress(quickstart.log)
-    classes = tuple(c.strip() for c in public_classes.split(",") if c.strip())
     base = quickstart.QuickstartConfig()
     pretrain = dataclasses.replace(base.pretrain, steps=pretrain_steps, batch_size=pretrain_batch_size,
                                    learning_rate=pretrain_learning_rate, seed=seed,
@@ -547,7 +676,7 @@ def quickstart_command(data: str, work_dir: str, public_classes: str, no_dedup: 
     private = dataclasses.replace(base.private, target=PrivacyTarget(epsilon=epsilon, delta=delta),
                                   batch_size=batch_size, steps=steps, learning_rate=learning_rate, seed=seed)
     result = quickstart.run(quickstart.QuickstartConfig(
-        data=data, work_dir=work_dir, public_classes=classes, dedup=not no_dedup, pretrain=pretrain,
+        data=data, work_dir=work_dir, public_classes=public_classes, dedup=not no_dedup, pretrain=pretrain,
         private=private, private_diagnostics=private_diagnostics))
     _echo_warnings(result.warnings)
     _print_json_line(dataclasses.asdict(result))
@@ -555,27 +684,27 @@ def quickstart_command(data: str, work_dir: str, public_classes: str, no_dedup: 
 
 @cli.command("audit")
 @click.argument("data", type=click.Path(file_okay=False))
-@click.option("--out-dir", default=None, help="Write audit.json and audit.md here.")
-@click.option("--epsilon", "epsilons", type=float, multiple=True, default=(1.0, 2.0, 4.0, 8.0),
-              show_default=True, help="Nominal epsilon of one row (repeat the flag).")
-@click.option("--delta", type=float, default=1e-5, show_default=True)
-@click.option("--num-examples", type=int, default=1000, show_default=True, help="|D|: a random subset.")
-@click.option("--batch-size", type=int, default=100, show_default=True)
-@click.option("--steps", type=int, default=50, show_default=True)
-@click.option("--learning-rate", type=float, default=1.0, show_default=True)
-@click.option("--clip-norm", type=float, default=1.0, show_default=True)
+@click.option("--out-dir", type=click.Path(file_okay=False), default=None, help="Write audit.json and audit.md here.")
+@click.option("--epsilons", "--epsilon", "epsilons", cls=ListOption, type=CommaList(POSITIVE), default="1,2,4,8",
+              help="Nominal epsilons, one row each.")
+@delta_option()
+@click.option("--num-examples", type=COUNT, default=1000, show_default=True, help="|D|: a random subset.")
+@click.option("--batch-size", type=COUNT, default=100, show_default=True)
+@click.option("--steps", type=COUNT, default=50, show_default=True)
+@click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True)
+@click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--model", type=click.Choice(["linear", "mlp"]), default="linear", show_default=True)
-@click.option("--hidden", type=int, default=32, show_default=True, help="MLP hidden units.")
-@click.option("--num-models", type=int, default=1000, show_default=True,
+@click.option("--hidden", type=COUNT, default=32, show_default=True, help="MLP hidden units.")
+@click.option("--num-models", type=ints(8), default=1000, show_default=True,
               help="Models per row, half of them trained with the canary.")
-@click.option("--holdout-fraction", type=float, default=0.5, show_default=True,
+@click.option("--holdout-fraction", type=floats(0, 1, min_open=True, max_open=True), default=0.5, show_default=True,
               help="Models used only to choose the threshold.")
-@click.option("--confidence", type=float, default=0.999, show_default=True,
+@click.option("--confidence", type=floats(0, 1, min_open=True, max_open=True), default=0.999, show_default=True,
               help="Confidence level of the Clopper-Pearson bounds.")
 @click.option("--canary", type=click.Choice(["ood", "mislabelled"]), default="ood", show_default=True)
-@click.option("--one-run-canaries", type=int, default=0, show_default=True,
+@click.option("--one-run-canaries", type=ints(0), default=0, show_default=True,
               help="Also run the one-run audit (Steinke et al. 2023) with this many canaries.")
-@click.option("--seed", type=int, default=None, help="Fix the audit seed (reproducible audits).")
+@click.option("--seed", type=SEED, default=None, help="Fix the audit seed (reproducible audits).")
 def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
     """Empirical lower bounds on epsilon for DP-SGD on a subset of the ingested DATA.
 
@@ -588,7 +717,7 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
     from dpscale.stages import audit
 
     result = audit.run(audit.AuditConfig(data=data, epsilons=epsilons, **options))
-    click.echo(markdown_table(result.rows), nl=False)
+    click.echo(markdown_table(result.rows), nl=False, err=True)
     _print_json_line(result.as_dict())
     if any(row["violation"] for row in result.rows):
         click.echo("dpscale: AUDIT FAILED: a lower bound exceeds the nominal epsilon", err=True)
@@ -598,18 +727,23 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
 _ACCOUNTANT_HELP = "pld: tight numerical accountant (default); rdp: looser upper bound, faster."
 
 
+def _note(line: str) -> None:
+    """A line for the reader: on stderr, so stdout holds only the command's JSON result."""
+    click.echo(line, err=True)
+
+
 def _echo_warnings(warnings: tuple[str, ...]) -> None:
     for warning in warnings:
         click.echo(f"dpscale: warning: {warning}", err=True)
 
 
 @cli.command("epsilon")
-@click.option("--noise-multiplier", type=float, required=True,
+@click.option("--noise-multiplier", type=POSITIVE, required=True,
               help="sigma: noise standard deviation divided by the clip norm.")
-@click.option("--steps", type=int, required=True, help="Number of DP-SGD steps T.")
-@click.option("--batch-size", type=int, required=True, help="Expected (Poisson) batch size B.")
-@click.option("--num-examples", type=int, required=True, help="Training set size N; q = B/N.")
-@click.option("--delta", type=float, required=True, help="delta of (epsilon, delta)-DP; keep it << 1/N.")
+@click.option("--steps", type=COUNT, required=True, help="Number of DP-SGD steps T.")
+@click.option("--batch-size", type=COUNT, required=True, help="Expected (Poisson) batch size B.")
+@click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
+@delta_option()
 @click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True,
               help=_ACCOUNTANT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
@@ -624,7 +758,7 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
     \b
     Example (an ImageNet-sized run):
       dpscale epsilon --noise-multiplier 2.5 --steps 71589 --batch-size 16384 \\
-                      --num-examples 1281167 --delta 8e-7
+                      --num-examples 1281167 --delta 5e-7
     """
     from dpscale.stages import epsilon as stage
 
@@ -641,15 +775,15 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
 
 
 @cli.command("calibrate")
-@click.option("--epsilon", type=float, required=True, help="Target epsilon: the result never exceeds it.")
-@click.option("--delta", type=float, required=True, help="delta of (epsilon, delta)-DP; keep it << 1/N.")
-@click.option("--num-examples", type=int, required=True, help="Training set size N; q = B/N.")
-@click.option("--batch-size", type=int, default=None, help="Expected (Poisson) batch size B; solved for if left out.")
-@click.option("--steps", type=int, default=None, help="Number of DP-SGD steps T; solved for if left out.")
-@click.option("--noise-multiplier", type=float, default=None, help="sigma; solved for if left out.")
+@click.option("--epsilon", type=POSITIVE, required=True, help="Target epsilon: the result never exceeds it.")
+@delta_option()
+@click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
+@click.option("--batch-size", type=COUNT, default=None, help="Expected (Poisson) batch size B; solved for if left out.")
+@click.option("--steps", type=COUNT, default=None, help="Number of DP-SGD steps T; solved for if left out.")
+@click.option("--noise-multiplier", type=POSITIVE, default=None, help="sigma; solved for if left out.")
 @click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True,
               help=_ACCOUNTANT_HELP)
-@click.option("--rtol", type=float, default=1e-3, show_default=True,
+@click.option("--rtol", type=floats(0, 1, min_open=True, max_open=True), default=1e-3, show_default=True,
               help="Relative tolerance on a solved noise multiplier (steps and batch size are exact).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_size: int | None,
@@ -663,7 +797,7 @@ def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_siz
 
     \b
     Example: the noise for an ImageNet-sized run at epsilon 8
-      dpscale calibrate --epsilon 8 --delta 8e-7 --num-examples 1281167 \\
+      dpscale calibrate --epsilon 8 --delta 5e-7 --num-examples 1281167 \\
                         --batch-size 16384 --steps 71589
     """
     from dpscale.stages import calibrate as stage

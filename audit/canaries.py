@@ -63,7 +63,8 @@ def load_data(data: str, *, split: str, num_examples: int, kind: CanaryKind, can
     rows = InMemorySplit.load(dataset, split)
     spare = canaries if kind == "mislabelled" else 0
     if num_examples + spare > len(rows):
-        raise DataError(f"split has {len(rows)} examples, need {num_examples + spare}")
+        raise DataError(f"split {split!r} has {len(rows)} examples, fewer than --num-examples {num_examples}"
+                        + (f" plus {spare} for the mislabelled canaries" if spare else ""))
     order = rng.permutation(len(rows))[: num_examples + spare]
     images, labels = rows.take(order)
     features = images.reshape(len(order), -1).astype(np.float32) / 255.0

@@ -55,14 +55,43 @@ def _find_idx_pairs(directory: str) -> dict[str, tuple[str, str]]:
     return pairs
 
 
-def _read_idx_labels(path: str) -> np.ndarray:
+def _idx_labels_header(path: str) -> tuple[int, int]:
+    """(header size, number of labels) of an IDX label file: one dimension, at least one label."""
     header, dims = _idx_header(path)
+    if len(dims) != 1:
+        raise DataError(f"{path!r}: an IDX label file has 1 dimension, this one has {len(dims)} {list(dims)}")
+    if dims[0] == 0:
+        raise DataError(f"{path!r} holds 0 labels (an empty split)")
+    return header, dims[0]
+
+
+def _read_idx_labels(path: str) -> np.ndarray:
+    header, count = _idx_labels_header(path)
     with open_maybe_gz(path) as f:
         f.seek(header)
         labels = np.frombuffer(f.read(), dtype=np.uint8)
-    if len(dims) != 1 or labels.size != dims[0]:
-        raise DataError(f"{path!r}: expected {dims[0]} labels, found {labels.size}")
+    if labels.size != count:
+        raise DataError(f"{path!r}: expected {count} labels, found {labels.size}")
     return labels
+
+
+def _classes_from_labels(path: str) -> tuple[str, ...]:
+    """Classes ``0..max label`` of a training label file, refused when some of them have no example.
+
+    IDX carries no class names; one corrupt label (255) would otherwise make 256 classes,
+    most of them empty, and a model with that many outputs.
+    """
+    labels = _read_idx_labels(path)
+    counts = np.bincount(labels)
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        top = int(labels.max())
+        raise DataError(
+            f"{path!r}: labels run 0..{top} but {empty.size} of those {top + 1} classes have no example "
+            f"(e.g. {', '.join(map(str, empty[:3]))}; {int(counts[top])} example(s) labelled {top}): a corrupt "
+            "label? Name the classes in classes.txt (one per line) beside the IDX files; other labels are then "
+            "rejected and listed in report.json")
+    return tuple(str(i) for i in range(counts.size))
 
 
 def plan_idx(spec: SourceSpec, chunk_size: int) -> SourcePlan:
@@ -78,13 +107,15 @@ def plan_idx(spec: SourceSpec, chunk_size: int) -> SourcePlan:
             classes = tuple(line.strip() for line in f if line.strip())
     else:  # IDX carries no names: classes are 0..max label of the training split
         fit = pairs.get("train") or next(iter(pairs.values()))
-        classes = tuple(str(i) for i in range(int(_read_idx_labels(fit[1]).max()) + 1))
+        classes = _classes_from_labels(fit[1])
     tasks, sizes = [], {}
     for split, (images, labels) in sorted(pairs.items()):
         header, dims = _idx_header(images)
         if len(dims) not in (3, 4):
-            raise DataError(f"{images!r}: expected [N,H,W] or [N,H,W,C] images, got {dims}")
-        n_labels = _idx_header(labels)[1][0]
+            raise DataError(f"{images!r}: expected [N,H,W] or [N,H,W,C] images, got {list(dims)}")
+        if 0 in dims:
+            raise DataError(f"{images!r} holds no images (dimensions {list(dims)})")
+        n_labels = _idx_labels_header(labels)[1]
         if n_labels != dims[0]:
             raise DataError(f"{images!r} has {dims[0]} images but {labels!r} {n_labels} labels")
         sizes[split] = dims[0]

@@ -57,6 +57,7 @@ def plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
         try:
             with tarfile.open(path) as archive:
                 files = [m for m in archive if m.isfile() and not _hidden(m.name)]
+                _check_end_of_archive(archive, path)
             names = [m.name for m in files]
             spans = {m.name: (m.offset_data, m.size) for m in files}
         except (tarfile.TarError, OSError, EOFError) as exc:
@@ -88,6 +89,26 @@ def plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
     for split, _, _ in members:
         sizes[split] = sizes.get(split, 0) + 1
     return SourcePlan(spec, tuple(classes), tasks, sizes)
+
+
+def _check_end_of_archive(archive: tarfile.TarFile, path: str) -> None:
+    """Refuse an archive that stops without tar's end-of-archive marker (a zero block).
+
+    ``tarfile`` ends its listing quietly at a missing or unreadable header, so an archive cut
+    at a member boundary (an interrupted download or copy) would ingest as a smaller data set.
+    """
+    try:
+        archive.fileobj.seek(archive.offset)
+        block = archive.fileobj.read(tarfile.BLOCKSIZE)
+    except (OSError, EOFError) as exc:
+        block = b""
+        reason = str(exc)
+    else:
+        reason = "no end-of-archive marker" if len(block) < tarfile.BLOCKSIZE else "an unreadable header"
+    if len(block) < tarfile.BLOCKSIZE or block.count(0) != tarfile.BLOCKSIZE:
+        raise DataError(f"archive {path!r} is truncated or damaged: {reason} after {len(archive.getmembers())} "
+                        f"members (byte {archive.offset}); a cut download or copy? Ingesting it would leave the "
+                        "rest out silently")
 
 
 def _hidden(name: str) -> bool:

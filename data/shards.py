@@ -116,15 +116,43 @@ def build_manifest(summaries: Sequence[dict[str, Any]], *, source: str,
         num_rejected=len(rejections), rejected_by_reason=dict(sorted(reasons.items())))
 
 
-def prepare_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> None:
-    """Refuse to mix runs in one directory; with ``overwrite`` clear the old outputs first."""
+def _unrelated_files(output_dir: str, patterns: Sequence[str]) -> list[str]:
+    """Names in a local ``output_dir`` that no output of this command matches (shards, manifest, reports, temps)."""
+    import fnmatch
+
+    if not is_local(output_dir) or not os.path.isdir(output_dir):
+        return []
+    ours = (*patterns, ".*.tmp")
+    return sorted(name for name in os.listdir(output_dir) if not any(fnmatch.fnmatch(name, p) for p in ours))
+
+
+def check_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> list[str]:
+    """The outputs of a previous run in ``output_dir`` (to replace); refuses what must not be mixed into.
+
+    The output must be a new or empty directory, or hold only a previous output of the same
+    command (replaced only with ``overwrite``): anything else (a file, a directory of other
+    files) is refused. Cheap, so commands call it before any work.
+    """
     patterns = ("*.array_record", MANIFEST, REPORT, *extra_files)
+    if is_local(output_dir) and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise DataError(f"output {output_dir!r} is an existing file, not a directory: give a new directory")
+    unrelated = _unrelated_files(output_dir, patterns)
+    if unrelated:
+        shown = ", ".join(unrelated[:3]) + (f" and {len(unrelated) - 3} more" if len(unrelated) > 3 else "")
+        raise DataError(f"output {output_dir!r} holds files that are not an output of this command ({shown}): "
+                        "give a new or empty directory")
     existing = [m.path for pattern in patterns
                 for r in FileSystems.match([join(output_dir, pattern)])
                 for m in r.metadata_list]
     if existing and not overwrite:
         raise DataError(f"output {output_dir!r} already holds a dataset or the remains of a "
                         "failed run (use --overwrite to replace it)")
+    return existing
+
+
+def prepare_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> None:
+    """Refuse to mix runs in one directory (``check_output``); with ``overwrite`` clear the old outputs first."""
+    existing = check_output(output_dir, overwrite=overwrite, extra_files=extra_files)
     if existing:
         FileSystems.delete(existing)
     if is_local(output_dir):

@@ -74,6 +74,7 @@ def run(config: IngestConfig) -> IngestResult:
     from dpscale.pipelines.runner import run_pipeline
 
     start = time.perf_counter()
+    shards.check_output(config.output_dir, overwrite=config.overwrite)  # before any work
     plan = plan_source(parse_source(config.source), tfds_data_dir=config.tfds_data_dir)
     if config.validation_fraction > 0 and "validation" in plan.split_sizes:
         raise InvalidConfigError("the source already has a validation split; "

@@ -41,7 +41,7 @@ from dpscale.privacy.bookkeeping import UnsupportedModelError, make_bookkeeping_
 from dpscale.privacy.dpsgd import ClippedSumFn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
-from dpscale.training import feature_normalization
+from dpscale.training import feature_normalization, memory
 from dpscale.training.config import ImageSettings, TrainingConfig
 from dpscale.training.feeds import FeatureFeed, ImageFeed, resize_views
 
@@ -151,6 +151,7 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         _log.info("per-example gradients: book-keeping (one batched backward)")
         return fn
 
+    _check_memory(config, loss_fn, init_params, model_state, input_shape)
     return TrainModel(
         num_examples=dataset.num_examples(config.train_split),
         num_classes=len(dataset.class_names),
@@ -163,6 +164,21 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         eval_inputs=eval_inputs,
         clipped_sum_fn=bookkeeping_clipped_sum,
     )
+
+
+def _check_memory(config: TrainingConfig, loss_fn: Callable[..., jax.Array], init_params: Callable[[int], PyTree],
+                  model_state: PyTree, input_shape: tuple[int, ...]) -> None:
+    """Refuse, before anything compiles, a network and micro-batch whose estimate exceeds the memory."""
+    settings = config.images
+    views = {"image": jax.ShapeDtypeStruct((settings.augmult, *input_shape), jnp.float32),
+             "label": jax.ShapeDtypeStruct((settings.augmult,), jnp.int32)}
+    on_cpu = jax.local_devices()[0].platform == "cpu"  # host devices share one RAM
+    devices = config.devices or jax.device_count()
+    examples = config.physical_batch if on_cpu else max(1, config.physical_batch // devices)
+    found = memory.estimate(loss_fn, jax.eval_shape(lambda: init_params(0)), model_state, views,
+                            examples=examples, momentum=bool(config.momentum))
+    memory.check_fits(found, model=settings.backbone or settings.model, microbatch_size=config.physical_batch,
+                      devices=1 if on_cpu else devices)
 
 
 HOLDOUT_SPLIT = "holdout"

@@ -75,7 +75,8 @@ class Trainer:
         if config.physical_batch % count:
             processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
             raise InvalidConfigError(
-                f"microbatch_size {config.physical_batch} must be divisible by the {count} devices{processes}")
+                f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes} "
+                "(or set --devices)")
         self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch)
         optimizer = optax.chain(
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),

@@ -90,4 +90,4 @@ def test_cli_writes_json_and_markdown_with_one_run(ingested_digits, tmp_path):
     assert 0 <= row["one_run_epsilon_lower_bound"] <= row["nominal_epsilon"]
     table = (out / "audit.md").read_text()
     assert table.startswith("| |D| | nominal eps |") and "| 150 |" in table
-    assert table in result.output
+    assert table in result.stderr and len(json.loads(result.stdout)["rows"]) == 1  # stdout: the JSON only

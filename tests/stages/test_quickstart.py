@@ -17,7 +17,8 @@ def _quickstart(args, *, stderr=None):
     assert result.exit_code == 0, result.output
     if stderr is not None:
         stderr.append(result.stderr)
-    return json.loads(result.stdout.strip().splitlines()[-1])  # the last line is the JSON result
+    assert result.stdout.count("\n") == 1  # stdout holds only the JSON result
+    return json.loads(result.stdout)
 
 
 def test_digits_end_to_end_then_a_rerun_reuses_the_backbone_and_features(tmp_path):
