@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 from typing import Any
 
 import click
 
-from dpscale.errors import DpscaleError
+from dpscale.errors import DpscaleError, PipelineStalledError
 
 
 class _DpscaleGroup(click.Group):
@@ -35,6 +36,10 @@ class _DpscaleGroup(click.Group):
         except DpscaleError as exc:
             message = " ".join(str(exc).split())
             click.echo(f"dpscale: error: {message}", err=True)
+            if isinstance(exc, PipelineStalledError):  # Beam's stuck threads would block exit
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(2)
             sys.exit(2)
         sys.exit(0)
 
@@ -96,10 +101,11 @@ def _show_stage_progress(log: logging.Logger) -> None:
 @click.option("--classes", default="",
               help="Keep only these comma-separated class names (relabelled 0..k-1 in the "
                    "source's order), e.g. 0,1,2,3,4 of digits as public data.")
+@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def ingest(source: str, output: str, validation_fraction: float, examples_per_shard: int,
            image_encoding: str, tfds_data_dir: str | None, overwrite: bool, classes: str,
-           pipeline_args: tuple[str, ...]) -> None:
+           verbose: bool, pipeline_args: tuple[str, ...]) -> None:
     """Read SOURCE (tfds:NAME[:SPLIT], folder:PATH, idx:DIR, digits) into OUTPUT.
 
     Writes ArrayRecord shards, manifest.json and report.json. Other options (e.g. after
@@ -112,7 +118,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
                                 examples_per_shard=examples_per_shard,
                                 image_encoding=image_encoding, tfds_data_dir=tfds_data_dir,
                                 overwrite=overwrite, pipeline_args=tuple(pipeline_args),
-                                classes=tuple(c.strip() for c in classes.split(",") if c.strip()))
+                                verbose=verbose, classes=tuple(c.strip() for c in classes.split(",") if c.strip()))
     result = stage.run(config)
     for split, count in result.num_examples.items():
         click.echo(f"{split}: {count} examples")
@@ -234,10 +240,11 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Images per forward pass.")
 @click.option("--chunk-rows", type=int, default=1024, show_default=True,
               help="Rows per Zarr chunk: one worker task, and the unit of resume.")
+@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def featurize_command(data: str, backbone: str, cache_dir: str | None, resolution: int | None,
                       resize_method: str, flip_average: bool, batch_size: int, chunk_rows: int,
-                      pipeline_args: tuple[str, ...]) -> None:
+                      verbose: bool, pipeline_args: tuple[str, ...]) -> None:
     """Frozen-backbone features of the ingested DATA into the Zarr feature cache.
 
     A second run with the same data, weights and preprocessing is a cache hit; an
@@ -250,7 +257,7 @@ def featurize_command(data: str, backbone: str, cache_dir: str | None, resolutio
     result = stage.run(stage.FeaturizeConfig(
         data, backbone, cache_dir=cache_dir, resolution=resolution, resize_method=resize_method,
         flip_average=flip_average, batch_size=batch_size, chunk_rows=chunk_rows,
-        pipeline_args=tuple(pipeline_args)))
+        verbose=verbose, pipeline_args=tuple(pipeline_args)))
     status = ("cache hit" if result.cache_hit else
               f"computed {result.chunks_computed} of {result.chunks_total} chunks")
     counts = ", ".join(f"{s}: {n}" for s, n in result.num_examples.items())
