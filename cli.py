@@ -137,52 +137,43 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("public")
 @click.argument("private")
 @click.argument("output")
-@click.option("--threshold", type=float, default=0.25, show_default=True,
-              help="Distance at or below which a public image counts as a duplicate.")
-@click.option("--verify-threshold", type=float, default=0.15, show_default=True,
-              help="Cut on the finer second check of each match (0 = no second check).")
-@click.option("--bands", type=int, default=8, show_default=True, help="LSH bands.")
-@click.option("--bits-per-band", type=int, default=8, show_default=True)
-@click.option("--crop-scales", default="0.95,0.9,0.85,0.8,0.75,0.7", show_default=True,
-              help="Crop sizes (share of each side) of the private views; '' = none.")
+@click.option("--threshold", type=float, default=0.05, show_default=True,
+              help="Aligned-correlation distance at or below which a candidate is a duplicate.")
+@click.option("--k", "k", type=int, default=10, show_default=True,
+              help="Nearest public images per private image that get verified.")
+@click.option("--min-similarity", type=float, default=0.75, show_default=True,
+              help="Descriptor similarity a neighbour needs to be verified at all.")
 @click.option("--public-split", "public_splits", multiple=True,
               help="Only these splits of PUBLIC (repeatable; default all).")
 @click.option("--private-split", "private_splits", multiple=True,
               help="Only these splits of PRIVATE (repeatable; default all).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
+@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
-def dedup(public: str, private: str, output: str, threshold: float, verify_threshold: float,
-          bands: int,
-          bits_per_band: int, crop_scales: str, public_splits: tuple[str, ...],
-          private_splits: tuple[str, ...], overwrite: bool,
+def dedup(public: str, private: str, output: str, threshold: float, k: int,
+          min_similarity: float, public_splits: tuple[str, ...],
+          private_splits: tuple[str, ...], overwrite: bool, verbose: bool,
           pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
 
     PUBLIC and PRIVATE are ingested datasets (may be one dataset with disjoint splits:
-    --public-split train --private-split test); flipped, cropped/rescaled and re-encoded
-    copies count as duplicates. OUTPUT is a new ingested dataset plus dedup_report.json.
-    Other options (--runner DataflowRunner ...) go to Beam.
+    --public-split train --private-split test); shifted, rescaled, cropped, mirrored,
+    recoloured and re-encoded copies count as duplicates. OUTPUT is a new ingested dataset
+    plus dedup_report.NOT-PRIVATE.json: a private diagnostic (it describes the private
+    data). OUTPUT itself depends on the private data (which images are gone). Other options
+    (--runner DataflowRunner ...) go to Beam.
     """
-    from dpscale.dedup.output import REPORT
     from dpscale.stages import dedup as stage
+    from dpscale.training import release
 
     _show_stage_progress(stage.log)
-    try:
-        scales = tuple(float(s) for s in crop_scales.split(",") if s.strip())
-    except ValueError:
-        raise click.BadParameter(f"not a comma-separated list of numbers: {crop_scales!r}",
-                                 param_hint="--crop-scales") from None
     result = stage.run(stage.DedupConfig(
-        public, private, output, threshold=threshold, verify_threshold=verify_threshold,
-        bands=bands,
-        bits_per_band=bits_per_band, crop_scales=scales, public_splits=public_splits,
-        private_splits=private_splits, overwrite=overwrite,
-        pipeline_args=tuple(pipeline_args)))
-    report = result.report
-    click.echo(f"removed {result.num_removed} of {report['public']['num_examples']} public "
-               f"examples ({report['num_candidate_pairs']} candidate pairs checked)")
+        public, private, output, threshold=threshold, k=k, min_similarity=min_similarity,
+        public_splits=public_splits, private_splits=private_splits, overwrite=overwrite,
+        verbose=verbose, pipeline_args=tuple(pipeline_args)))
+    click.echo(release.warning(result.report_path), err=True)
     click.echo(f"content hash: {result.manifest.content_hash}")
-    click.echo(f"wrote {result.output_dir} (+ {REPORT}) in {result.seconds:.1f} s")
+    click.echo(f"wrote {result.output_dir} in {result.seconds:.1f} s")
 
 
 @cli.command("import-weights")
