@@ -14,7 +14,9 @@ from dpscale.dedup import descriptor, verify
 
 DESCRIPTION = (
     f"descriptor: {descriptor.LUMA}x{descriptor.LUMA} luma + {descriptor.CHROMA}x"
-    f"{descriptor.CHROMA} chroma Gaussian thumbnails, zero-mean unit-length; private side as "
+    f"{descriptor.CHROMA} chroma Gaussian thumbnails, zero-mean unit-length, lowest "
+    f"{descriptor.LUMA_KEEP}x{descriptor.LUMA_KEEP} / {descriptor.CHROMA_KEEP}x"
+    f"{descriptor.CHROMA_KEEP} DCT frequencies; private side as "
     f"{descriptor.NUM_VIEWS} views (whole + 5 crops keeping {descriptor.CROP:.0%} of each side, "
     "each mirrored); exact k nearest public images per private image by blocked matrix "
     "products; verification: 1 - normalised luma correlation of the public centre window "
@@ -24,8 +26,8 @@ DESCRIPTION = (
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    k: int = 10
-    min_similarity: float = 0.75
+    k: int = 5
+    min_similarity: float = 0.8
     threshold: float = verify.THRESHOLD
     near_factor: float = 2.0
 

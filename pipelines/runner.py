@@ -197,6 +197,8 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
                     f"stopped; {TRY_IN_MEMORY}{where}")
     error = outcome.get("error")
     if error is None:
+        if log_path:
+            os.unlink(log_path)
         return
     if isinstance(error, KeyboardInterrupt):
         raise error
