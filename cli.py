@@ -137,9 +137,9 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("public")
 @click.argument("private")
 @click.argument("output")
-@click.option("--threshold", type=float, default=0.05, show_default=True,
+@click.option("--threshold", type=float, default=0.12, show_default=True,
               help="Aligned-correlation distance at or below which a candidate is a duplicate.")
-@click.option("--k", "k", type=int, default=5, show_default=True,
+@click.option("--k", "k", type=int, default=10, show_default=True,
               help="Nearest public images per private image that get verified.")
 @click.option("--min-similarity", type=float, default=0.8, show_default=True,
               help="Descriptor similarity a neighbour needs to be verified at all.")

@@ -26,7 +26,7 @@ DESCRIPTION = (
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    k: int = 5
+    k: int = 10
     min_similarity: float = 0.8
     threshold: float = verify.THRESHOLD
     near_factor: float = 2.0
