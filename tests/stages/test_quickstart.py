@@ -56,7 +56,8 @@ def _folder_source(root):
 def test_folder_source_without_test_split_dedups_public_against_private(tmp_path):
     source = _folder_source(tmp_path / "src")
     out = _quickstart(["--data", source, "--work-dir", str(tmp_path / "work"), "--pretrain-steps", "5",
-                       "--pretrain-batch-size", "8", "--batch-size", "8", "--steps", "5", "--seed", "0"])
+                       "--pretrain-batch-size", "8", "--batch-size", "8", "--steps", "5", "--seed", "0",
+                       "--private-diagnostics"])  # the removed count describes the private data
     assert out["public_classes"] == ["a", "b"] and out["private_classes"] == ["c", "d"]
     assert out["public_removed_by_dedup"] >= 1  # the planted copy of a private image
     assert out["test_split"] == "validation" and out["test_examples"] > 0
