@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from dpscale.cache.keys import RESIZE_METHODS
-from dpscale.errors import DpscaleError
+from dpscale.errors import DpscaleError, PipelineStalledError
 
 
 class _DpscaleGroup(click.Group):
@@ -38,6 +38,10 @@ class _DpscaleGroup(click.Group):
         except DpscaleError as exc:
             message = " ".join(str(exc).split())
             click.echo(f"dpscale: error: {message}", err=True)
+            if isinstance(exc, PipelineStalledError):  # Beam's stuck threads would block exit
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(2)
             sys.exit(2)
         sys.exit(0)
 
@@ -222,10 +226,11 @@ def _show_stage_progress(log: logging.Logger) -> None:
 @click.option("--classes", cls=ListOption,
               help="Keep only these class names (relabelled 0..k-1 in the source's order), e.g. "
                    "0,1,2,3,4 of digits as public data. Default: every class.")
+@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def ingest(source: str, output: str, validation_fraction: float, examples_per_shard: int,
            image_encoding: str, tfds_data_dir: str | None, overwrite: bool, classes: tuple[str, ...],
-           pipeline_args: tuple[str, ...]) -> None:
+           verbose: bool, pipeline_args: tuple[str, ...]) -> None:
     """Read SOURCE (tfds:NAME[:SPLIT], folder:PATH, idx:DIR, digits) into OUTPUT.
 
     Writes ArrayRecord shards, manifest.json and report.json. Other options (e.g. after
@@ -238,7 +243,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
                                 examples_per_shard=examples_per_shard,
                                 image_encoding=image_encoding, tfds_data_dir=tfds_data_dir,
                                 overwrite=overwrite, pipeline_args=tuple(pipeline_args),
-                                classes=classes)
+                                verbose=verbose, classes=classes)
     result = stage.run(config)
     manifest = result.manifest
     for split, count in result.num_examples.items():
@@ -263,50 +268,45 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("public")
 @click.argument("private")
 @click.argument("output")
-@click.option("--threshold", type=floats(0, 1, min_open=True, max_open=True), default=0.25, show_default=True,
-              help="Distance at or below which a public image counts as a duplicate.")
-@click.option("--verify-threshold", type=floats(0, 2, max_open=True), default=0.15, show_default=True,
-              help="Cut on the finer second check of each match (0 = no second check).")
-@click.option("--bands", type=COUNT, default=8, show_default=True, help="LSH bands.")
-@click.option("--bits-per-band", type=ints(1, 63), default=8, show_default=True)
-@click.option("--crop-scales", cls=ListOption, type=CommaList(floats(0.3, 1, max_open=True), allow_empty=True),
-              default="0.95,0.9,0.85,0.8,0.75,0.7",
-              help="Crop sizes (share of each side) of the private views; '' = none.")
+@click.option("--threshold", type=floats(0, 2, max_open=True), default=0.12, show_default=True,
+              help="Aligned-correlation distance at or below which a candidate is a duplicate.")
+@click.option("--k", "k", type=COUNT, default=10, show_default=True,
+              help="Nearest public images per private image that get verified.")
+@click.option("--min-similarity", type=floats(-1, 1), default=0.8, show_default=True,
+              help="Descriptor similarity a neighbour needs to be verified at all.")
 @click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
               help="Only these splits of PUBLIC (default: all).")
 @click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
               help="Only these splits of PRIVATE (default: all).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
+@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
-def dedup(public: str, private: str, output: str, threshold: float, verify_threshold: float,
-          bands: int,
-          bits_per_band: int, crop_scales: tuple[float, ...], public_splits: tuple[str, ...],
-          private_splits: tuple[str, ...], overwrite: bool,
+def dedup(public: str, private: str, output: str, threshold: float, k: int,
+          min_similarity: float, public_splits: tuple[str, ...],
+          private_splits: tuple[str, ...], overwrite: bool, verbose: bool,
           pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
 
     PUBLIC and PRIVATE are ingested datasets (may be one dataset with disjoint splits:
-    --public-splits train --private-splits test); flipped, cropped/rescaled and re-encoded
-    copies count as duplicates. OUTPUT is a new ingested dataset plus dedup_report.json.
-    Other options (--runner DataflowRunner ...) go to Beam.
+    --public-splits train --private-splits test); shifted, rescaled, cropped, mirrored,
+    recoloured and re-encoded copies count as duplicates. OUTPUT is a new ingested dataset
+    plus dedup_report.NOT-PRIVATE.json: a private diagnostic (it describes the private
+    data). OUTPUT itself depends on the private data (which images are gone). Other options
+    (--runner DataflowRunner ...) go to Beam.
     """
-    from dpscale.dedup.output import REPORT
     from dpscale.stages import dedup as stage
+    from dpscale.training import release
 
     _show_stage_progress(stage.log)
     result = stage.run(stage.DedupConfig(
-        public, private, output, threshold=threshold, verify_threshold=verify_threshold,
-        bands=bands,
-        bits_per_band=bits_per_band, crop_scales=crop_scales, public_splits=public_splits,
-        private_splits=private_splits, overwrite=overwrite,
-        pipeline_args=tuple(pipeline_args)))
-    report = result.report
-    _note(f"removed {result.num_removed} of {report['public']['num_examples']} public "
-          f"examples ({report['num_candidate_pairs']} candidate pairs checked)")
+        public, private, output, threshold=threshold, k=k, min_similarity=min_similarity,
+        public_splits=public_splits, private_splits=private_splits, overwrite=overwrite,
+        verbose=verbose, pipeline_args=tuple(pipeline_args)))
+    _note(release.warning(result.report_path))
     _note(f"content hash: {result.manifest.content_hash}")
-    _note(f"wrote {result.output_dir} (+ {REPORT}) in {result.seconds:.1f} s")
-    _print_json_line({"output_dir": result.output_dir, "report": REPORT,
-                      "content_hash": result.manifest.content_hash, "seconds": round(result.seconds, 3)})
+    _note(f"wrote {result.output_dir} in {result.seconds:.1f} s")
+    _print_json_line({"output_dir": result.output_dir, "content_hash": result.manifest.content_hash,
+                      "seconds": round(result.seconds, 3)})
 
 
 @cli.command("import-weights")
@@ -365,10 +365,11 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
 @click.option("--batch-size", type=COUNT, default=64, show_default=True, help="Images per forward pass.")
 @click.option("--chunk-rows", type=COUNT, default=1024, show_default=True,
               help="Rows per Zarr chunk: one worker task, and the unit of resume.")
+@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def featurize_command(data: str, backbone: str, cache_dir: str | None, resolution: int | None,
                       resize_method: str, flip_average: bool, batch_size: int, chunk_rows: int,
-                      pipeline_args: tuple[str, ...]) -> None:
+                      verbose: bool, pipeline_args: tuple[str, ...]) -> None:
     """Frozen-backbone features of the ingested DATA into the Zarr feature cache.
 
     A second run with the same data, weights and preprocessing is a cache hit; an
@@ -381,7 +382,7 @@ def featurize_command(data: str, backbone: str, cache_dir: str | None, resolutio
     result = stage.run(stage.FeaturizeConfig(
         data, backbone, cache_dir=cache_dir, resolution=resolution, resize_method=resize_method,
         flip_average=flip_average, batch_size=batch_size, chunk_rows=chunk_rows,
-        pipeline_args=tuple(pipeline_args)))
+        verbose=verbose, pipeline_args=tuple(pipeline_args)))
     status = ("cache hit" if result.cache_hit else
               f"computed {result.chunks_computed} of {result.chunks_total} chunks")
     counts = ", ".join(f"{s}: {n}" for s, n in result.num_examples.items())

@@ -19,3 +19,11 @@ class InfeasiblePrivacyTargetError(DpscaleError, ValueError):
 
 class DataError(DpscaleError):
     """Input data is missing, corrupt, or does not match what the run expects."""
+
+
+class PipelineError(DpscaleError, RuntimeError):
+    """A Beam pipeline failed (or lost data); the message says what to try next."""
+
+
+class PipelineStalledError(PipelineError):
+    """A local Beam pipeline made no progress and was stopped instead of hanging."""

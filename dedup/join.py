@@ -1,31 +1,33 @@
-"""Per-element work of ``dpscale dedup``: signatures into LSH buckets, and the bucket join.
+"""Per-element work of ``dpscale dedup``: descriptors, nearest neighbours, verification.
 
-Plain functions over small numpy batches, so ``pipelines.dedup`` only wires them:
+Plain functions over numpy arrays, so ``pipelines.dedup`` only wires them:
 
-* ``signature_entries``: one read task (a range of one split) -> its images' embeddings
-  (public: one per image; private: every view), cut into batches keyed by
-  ``(band, partition)``. A partition is a hash of the band value modulo the number of
-  partitions, so one group holds many buckets and Beam moves a few thousand arrays
-  instead of one element per image and band; at 300M images the partitions grow with
-  the data and the groups stay small.
-* ``join_group``: within one group, public and private entries that share a band value
-  are candidates; only those get the exact distance, and pairs under the threshold
-  come out. No worker ever compares all pairs.
+* ``embed_task``: one read task (a range of one split) -> its descriptors (public: the whole
+  image; private: every view) in one ``.npy`` file under the run's work directory. Only the
+  task comes back through Beam, so the data plane carries kilobytes, not descriptors.
+* ``knn_task``: one private task against a group of public tasks -> for each private image
+  its ``k`` most similar public images (blocked matrix products, ``dedup.knn``).
+* ``verify_candidates``: a batch of (public, private, view) candidates -> the decision of
+  ``dedup.verify`` on the images themselves.
+
+Work grows with images (private views x public images), not with candidate pairs: each
+private image keeps ``k`` candidates, whatever the data size.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+import io
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+from apache_beam.io.filesystems import FileSystems
 
-from dpscale.dedup import image_hash as ih
+from dpscale.dedup import descriptor, knn, verify
+from dpscale.data.shards import join as path_join
 
 PUBLIC, PRIVATE = "public", "private"
-_BLOCK = 2048  # public rows per distance block
-_MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing spreads SimHash values evenly
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,24 +40,14 @@ class ReadTask:
     stop: int
     shard: int = 0
 
-
-@dataclasses.dataclass(frozen=True)
-class Entries:
-    """Embeddings of one side in one group: parallel arrays, one row per (image, view)."""
-
-    side: str
-    split: str
-    index: np.ndarray  # int64 example index within the split
-    shard: np.ndarray  # int32 public shard of the example (0 for private)
-    view: np.ndarray  # int16 view number (0 for public)
-    value: np.ndarray  # uint64 band value
-    vector: np.ndarray  # float16 [n, DIM]
-    mean: np.ndarray  # float32 mean luma
+    @property
+    def name(self) -> str:
+        return f"{self.side}-{self.split}-{self.start:012d}-{self.stop:012d}.npy"
 
 
 @dataclasses.dataclass(frozen=True)
-class Match:
-    """A public example within the threshold of a private one (through ``view``)."""
+class Candidate:
+    """A public image among the ``k`` nearest of a private image (by its best view)."""
 
     public_split: str
     public_index: int
@@ -63,103 +55,90 @@ class Match:
     private_split: str
     private_index: int
     view: int
-    distance: float
-    fine_distance: float = -1.0  # verification distance; -1 = not verified yet
+    similarity: float
 
 
-def partition_of(values: np.ndarray, partitions: int) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return ((values * _MIX) >> np.uint64(40)) % np.uint64(partitions)
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """A verified candidate: ``accepted`` when ``fine_distance <= threshold``."""
+
+    candidate: Candidate
+    coarse_distance: float
+    fine_distance: float  # inf: failed the coarse pass
+    accepted: bool
 
 
-def entries_by_group(task: ReadTask, indices: np.ndarray, vectors: np.ndarray,
-                     means: np.ndarray, config: ih.HashConfig, *,
-                     partitions: int) -> Iterator[tuple[tuple[int, int], Entries]]:
-    """Embeddings [n, views, DIM] of ``indices`` -> ((band, partition), Entries) batches."""
-    n, views, _ = vectors.shape
-    flat = vectors.reshape(n * views, -1)
-    values = ih.band_values(flat, config)  # [n * views, bands]
-    index = np.repeat(indices.astype(np.int64), views)
-    view = np.tile(np.arange(views, dtype=np.int16), n)
-    mean = np.repeat(means.astype(np.float32), views)
-    shard = np.full(n * views, task.shard, dtype=np.int32)
-    half = flat.astype(np.float16)
-    for band in range(config.bands):
-        part = partition_of(values[:, band], partitions)
-        for p in np.unique(part):
-            rows = np.flatnonzero(part == p)
-            yield (band, int(p)), Entries(task.side, task.split, index[rows], shard[rows],
-                                          view[rows], values[rows, band], half[rows],
-                                          mean[rows])
-
-
-def signature_entries(task: ReadTask, dataset: Any, config: ih.HashConfig, *,
-                      partitions: int) -> Iterator[tuple[tuple[int, int], Entries]]:
-    """Read ``task``'s images from ``dataset`` (an ``IngestedDataset``) and bucket them."""
-    indices = np.arange(task.start, task.stop)
-    images, _ = dataset.get(task.split, indices)
+def embed_task(task: ReadTask, dataset: Any, work_dir: str) -> int:
+    """Write ``task``'s descriptors to ``work_dir``; returns the rows written (images)."""
+    images, _ = dataset.get(task.split, np.arange(task.start, task.stop))
     if task.side == PRIVATE:
-        vectors, means = ih.embed_views(images, config)
+        d = descriptor.describe_views(images)  # [V, n, D]
     else:
-        vectors, means = ih.embed(images)
-        vectors = vectors[:, None]
-    yield from entries_by_group(task, indices, vectors, means, config, partitions=partitions)
+        d = descriptor.describe(images)[None]
+    buf = io.BytesIO()
+    np.save(buf, d.astype(np.float32))
+    with FileSystems.create(path_join(work_dir, task.name)) as f:
+        f.write(buf.getvalue())
+    return len(images)
 
 
-def _concat(batches: Iterable[Entries]) -> tuple[Entries, np.ndarray] | None:
-    """One Entries of all ``batches`` plus each row's split (batches come per split)."""
-    batches = list(batches)
-    if not batches:
-        return None
-    split = np.concatenate([np.full(len(b.index), b.split, dtype=object) for b in batches])
-    return Entries(batches[0].side, "", np.concatenate([b.index for b in batches]),
-                   np.concatenate([b.shard for b in batches]),
-                   np.concatenate([b.view for b in batches]),
-                   np.concatenate([b.value for b in batches]),
-                   np.concatenate([b.vector for b in batches]),
-                   np.concatenate([b.mean for b in batches])), split
+def _load(task: ReadTask, work_dir: str) -> np.ndarray:
+    with FileSystems.open(path_join(work_dir, task.name)) as f:
+        d = np.load(io.BytesIO(f.read()))
+    if d.shape[1] != task.stop - task.start:  # a partial file would silently drop images
+        raise RuntimeError(f"descriptor file {task.name} holds {d.shape[1]} rows, expected "
+                           f"{task.stop - task.start}")
+    return d
 
 
-def join_group(public: Iterable[Entries], private: Iterable[Entries], *,
-               threshold: float) -> tuple[list[Match], int]:
-    """Exact distances for entries sharing a band value; matches and the candidate count."""
-    pub, priv = _concat(public), _concat(private)
-    if pub is None or priv is None:
-        return [], 0
-    (pub, pub_split), (priv, priv_split) = pub, priv
-    p_order = np.argsort(pub.value, kind="stable")
-    q_order = np.argsort(priv.value, kind="stable")
-    p_vals, q_vals = pub.value[p_order], priv.value[q_order]
-    shared = np.intersect1d(p_vals, q_vals)
-    matches, candidates = [], 0
-    for value in shared:
-        p_rows = p_order[np.searchsorted(p_vals, value):np.searchsorted(p_vals, value, "right")]
-        q_rows = q_order[np.searchsorted(q_vals, value):np.searchsorted(q_vals, value, "right")]
-        for block in range(0, len(p_rows), _BLOCK):  # a hot bucket stays in memory bounds
-            rows = p_rows[block:block + _BLOCK]
-            d = ih.distances(pub.vector[rows], pub.mean[rows], priv.vector[q_rows],
-                             priv.mean[q_rows])
-            candidates += d.size
-            for i, j in zip(*np.nonzero(d <= threshold)):
-                p, q = rows[i], q_rows[j]
-                matches.append(Match(str(pub_split[p]), int(pub.index[p]), int(pub.shard[p]),
-                                     str(priv_split[q]), int(priv.index[q]),
-                                     int(priv.view[q]), float(d[i, j])))
-    return matches, candidates
+def knn_task(private: ReadTask, public: Sequence[ReadTask], work_dir: str, *, k: int,
+             min_similarity: float) -> list[Candidate]:
+    """The ``k`` nearest public images (of the ``public`` tasks) of each image of ``private``."""
+    views = _load(private, work_dir)
+    best = None
+    offsets, start = [], 0
+    for t in public:
+        offsets.append(start)
+        top = knn.search(views, _load(t, work_dir)[0], k, offset=start)
+        best = top if best is None else knn.merge(best, top, k)
+        start += t.stop - t.start
+    if best is None:
+        return []
+    offsets_arr = np.array(offsets)
+    out = []
+    for row, col in zip(*np.nonzero(best.similarity >= min_similarity)):
+        g = int(best.public[row, col])
+        which = int(np.searchsorted(offsets_arr, g, "right") - 1)
+        t = public[which]
+        out.append(Candidate(t.split, t.start + g - offsets[which], t.shard,
+                             private.split, private.start + int(row),
+                             int(best.view[row, col]), round(float(best.similarity[row, col]), 5)))
+    return out
 
 
-def verify(match: Match, public: Any, private: Any, config: ih.HashConfig) -> Match | None:
-    """Re-check a match on the images themselves (``IngestedDataset``s); None if it fails."""
-    if config.verify_threshold <= 0:
-        return match
-    (a,) = public.examples(match.public_split, [match.public_index])
-    (b,) = private.examples(match.private_split, [match.private_index])
-    fine = ih.fine_distance(a.image, b.image, match.view, config)
-    if fine > config.verify_threshold:
-        return None
-    return dataclasses.replace(match, fine_distance=round(fine, 5))
+def _images(dataset: Any, keys: Sequence[tuple[str, int]]) -> np.ndarray:
+    """Images of (split, index) ``keys`` in order, one read per split."""
+    out = np.zeros((len(keys), *dataset.image_shape), np.uint8)
+    for split in {s for s, _ in keys}:
+        slots = [i for i, (s, _) in enumerate(keys) if s == split]
+        out[slots] = dataset.get(split, np.array([keys[i][1] for i in slots]))[0]
+    return out
+
+
+def verify_candidates(candidates: Sequence[Candidate], public: Any, private: Any, *,
+                      threshold: float) -> list[Match]:
+    """Decide a batch of candidates on the images (``IngestedDataset``s)."""
+    if not candidates:
+        return []
+    a = _images(public, [(c.public_split, c.public_index) for c in candidates])
+    b = _images(private, [(c.private_split, c.private_index) for c in candidates])
+    mirrored = np.array([descriptor.view_of(c.view)[1] for c in candidates])
+    coarse, fine = verify.distances(a, b, mirrored)
+    return [Match(c, round(float(co), 5), round(float(fi), 5) if np.isfinite(fi) else float("inf"),
+                  bool(fi <= threshold)) for c, co, fi in zip(candidates, coarse, fine)]
 
 
 def closest(matches: Iterable[Match]) -> Match:
-    """The closest private match of one public example (ties: lowest private index)."""
-    return min(matches, key=lambda m: (m.distance, m.private_split, m.private_index, m.view))
+    """The closest accepted private match of one public example (ties: lowest private index)."""
+    return min(matches, key=lambda m: (m.fine_distance, m.candidate.private_split,
+                                       m.candidate.private_index, m.candidate.view))

@@ -1,14 +1,21 @@
 """What a dedup run writes: the filtered public shards, the report, and the manifest last.
 
 Per-element work of the Beam graph in ``pipelines.dedup``: ``filter_shard`` copies one
-public shard without its removed examples; ``write_outputs`` checks that every signature
-row and every public example is accounted for (a runner that lost data is refused), then
-writes ``dedup_report.json`` and the new dataset's manifest.
+public shard without its removed examples; ``write_outputs`` checks that every image was
+described and every public example is accounted for (a runner that lost data is refused),
+then writes the report and the new dataset's manifest.
+
+The report describes the PRIVATE data (which private images have public twins, how many),
+without noise: it is a private diagnostic, written 0600 under a name holding NOT-PRIVATE.
+The output dataset itself depends on the private data too (which images are missing);
+that is the purpose of dedup, and documented rather than hidden.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,14 +23,12 @@ from dpscale.data import shards
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.examples import Encoded, decode_record
 from dpscale.data.manifest import DedupProvenance, Manifest
-from dpscale.dedup.image_hash import HashConfig, view_name
+from dpscale.dedup.descriptor import view_name
 from dpscale.dedup.join import PRIVATE, PUBLIC, Match
+from dpscale.dedup.method import DESCRIPTION, Method
 
-REPORT = "dedup_report.json"
-METHOD = ("YCbCr 32x32 area thumbnail -> low DCT (6x6 luma w/o DC + 3x3 per chroma), unit "
-          "length; private side as whole + 5x5-grid crops at several scales + mirrors; "
-          "SimHash LSH bands for candidates; Euclidean distance <= threshold; then a finer "
-          "check (12x12 luma DCT + chroma, refined alignment) <= verify_threshold")
+REPORT = "dedup_report.NOT-PRIVATE.json"
+NEAR_LISTED = 200  # rejected candidates closest to the cut listed in the report
 
 
 def filter_shard(public_path: str, output_dir: str, split: str, shard: int,
@@ -34,7 +39,7 @@ def filter_shard(public_path: str, output_dir: str, split: str, shard: int,
     Returns the new shard's summary and the removed examples (index, id, key).
     """
     start, stop, num_shards = span
-    drop = {m.public_index for m in removed}
+    drop = {m.candidate.public_index for m in removed}
     kept, gone = [], []
     with IngestedDataset(public_path) as ds:
         for index, record in zip(range(start, stop), ds.records(split, range(start, stop))):
@@ -50,35 +55,53 @@ def filter_shard(public_path: str, output_dir: str, split: str, shard: int,
     return summary, gone
 
 
+def _pair(m: Match, public: IngestedDataset, private: IngestedDataset) -> dict[str, Any]:
+    c = m.candidate
+    (pub,) = public.examples(c.public_split, [c.public_index])
+    (priv,) = private.examples(c.private_split, [c.private_index])
+    return {"public_split": c.public_split, "public_index": c.public_index,
+            "public_id": pub.id, "public_key": pub.key,
+            "private_split": c.private_split, "private_index": c.private_index,
+            "private_id": priv.id, "private_key": priv.key,
+            "distance": m.fine_distance, "coarse_distance": m.coarse_distance,
+            "similarity": c.similarity, "view": view_name(c.view)}
+
+
+def _write_private(path: str, payload: Any) -> None:
+    """A private diagnostic: mode 0600 when local (a remote store has its own ACLs)."""
+    if shards.is_local(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
+    else:
+        shards.write_json(path, payload)
+
+
 def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: str,
                   summaries: Sequence[dict[str, Any]], removed: Sequence[dict[str, Any]],
-                  matches: Sequence[Match], candidates: int, rejected_by_verification: int,
-                  config: HashConfig, num_public: int, num_private: int,
-                  received: dict[str, int] | None = None) -> Manifest:
+                  matches: Sequence[Match], near: Sequence[Match], described: dict[str, int],
+                  num_candidates: int, num_verified: int, method: Method,
+                  num_public: int, num_private: int, public_splits: Sequence[str],
+                  private_splits: Sequence[str]) -> Manifest:
     """Report first, manifest last (a manifest means complete); refuse a lossy run.
 
-    ``received`` counts the signature rows that reached the bucket join per side: every
-    image gives ``bands`` rows per view, so a runner that lost signatures (and would
-    silently remove nothing) is caught here.
+    ``described`` counts the images whose descriptors were written per side and
+    ``num_verified`` the candidates that came out of verification: a runner that lost
+    elements anywhere (and would silently remove nothing) is caught here.
     """
-    expected = {PUBLIC: num_public * config.bands,
-                PRIVATE: num_private * config.num_views * config.bands}
-    got = {side: (received or {}).get(side, 0) for side in expected}
-    if got != expected:
-        raise RuntimeError(f"dedup: the bucket join received {got} signature rows, expected "
-                           f"{expected}; the runner lost or duplicated data, no manifest written")
+    expected = {PUBLIC: num_public, PRIVATE: num_private}
+    got = {side: described.get(side, 0) for side in expected}
+    if got != expected or num_verified != num_candidates:
+        raise RuntimeError(f"dedup: described {got} images (expected {expected}) and verified "
+                           f"{num_verified} of {num_candidates} candidates; the runner lost or "
+                           "duplicated data, no manifest written")
     public, private = IngestedDataset(public_path), IngestedDataset(private_path)
-    by_public = {(m.public_split, m.public_index): m for m in matches}
-    pairs = []
-    for r in sorted(removed, key=lambda r: (r["split"], r["index"])):
-        m = by_public[(r["split"], r["index"])]
-        (priv,) = private.examples(m.private_split, [m.private_index])
-        pairs.append({"public_split": r["split"], "public_index": r["index"],
-                      "public_id": r["id"], "public_key": r["key"],
-                      "private_split": m.private_split, "private_index": m.private_index,
-                      "private_id": priv.id, "private_key": priv.key,
-                      "distance": round(m.distance, 5), "fine_distance": m.fine_distance,
-                      "view": view_name(m.view, config)})
+    by_public = {(m.candidate.public_split, m.candidate.public_index): m for m in matches}
+    pairs = [_pair(by_public[(r["split"], r["index"])], public, private)
+             for r in sorted(removed, key=lambda r: (r["split"], r["index"]))]
+    near_sorted = sorted(near, key=lambda m: (m.fine_distance, m.candidate.public_index))
     manifest = shards.build_manifest(
         summaries, source=f"dedup:{public.manifest.source}",
         class_names=public.class_names, image_shape=public.image_shape, rejections=[],
@@ -93,23 +116,24 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
     for p in pairs:
         removed_by_split[p["public_split"]] = removed_by_split.get(p["public_split"], 0) + 1
     report = {
-        "method": METHOD, "threshold": config.threshold,
-        "verify_threshold": config.verify_threshold,
-        "distance": "Euclidean between unit embeddings (0 = same, ~1.4 = unrelated)",
-        "hash_config": dataclasses.asdict(config), "num_views": config.num_views,
+        "private_diagnostic": "describes the private data without noise; keep it to yourself",
+        "method": DESCRIPTION, "settings": dataclasses.asdict(method),
+        "distance": "1 - best aligned luma correlation (0 = same image; unrelated ~0.1-0.5)",
         "public": {"path": public_path, "content_hash": public.content_hash,
-                   "num_examples": num_public},
-        "private": {"path": private_path,
+                   "splits": list(public_splits), "num_examples": num_public},
+        "private": {"path": private_path, "splits": list(private_splits),
                     "num_examples": num_private},
-        "num_candidate_pairs": candidates,
-        "num_rejected_by_verification": rejected_by_verification,
+        "num_candidate_pairs": num_candidates,
         "num_removed": len(pairs), "num_kept": kept,
+        "num_private_matched": len({(p["private_split"], p["private_index"]) for p in pairs}),
         "removed_by_split": removed_by_split, "removed": pairs,
+        "near_threshold_rejected": [_pair(m, public, private)
+                                    for m in near_sorted[:NEAR_LISTED]],
     }
-    shards.write_json(shards.join(output_dir, REPORT), report)
+    _write_private(shards.join(output_dir, REPORT), report)
     shards.write_json(shards.join(output_dir, shards.REPORT), {"num_rejected": 0, "rejected": []})
     manifest = dataclasses.replace(manifest, num_inputs=num_public, dedup=DedupProvenance(
         public_content_hash=public.content_hash,
-        threshold=config.threshold, num_removed=len(pairs), report=REPORT))
+        threshold=method.threshold, num_removed=len(pairs), report=REPORT))
     shards.write_manifest(output_dir, manifest)
     return manifest

@@ -1,21 +1,21 @@
-"""How dedup cuts its work: which splits, which index ranges, how many LSH groups.
+"""How dedup cuts its work: which splits, which index ranges, which blocks meet.
 
 Planning runs once where the pipeline is launched, from the manifests alone (no image is
 read): read tasks never straddle a public shard, so each shard's removals can be written
-by one worker; the number of partitions per band keeps every group of the bucket join
-near ``GROUP_TARGET`` entries however large the data grows.
+by one worker; nearest-neighbour tasks pair one private task with a group of public tasks
+of about ``PUBLIC_PER_KNN_TASK`` images, so a task's memory is bounded and their number
+grows with (private images x public images) / (block sizes): the blocking a cluster
+spreads over its workers.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from dpscale.data.dataset import IngestedDataset
-from dpscale.dedup.image_hash import HashConfig
-from dpscale.dedup.join import ReadTask
+from dpscale.dedup.join import PRIVATE, PUBLIC, ReadTask
 
-GROUP_TARGET = 50_000  # entries per (band, partition) group the planner aims for
+PUBLIC_PER_KNN_TASK = 25_000  # public images one nearest-neighbour task searches
 
 
 def select_splits(dataset: IngestedDataset, wanted: Sequence[str]) -> list[str]:
@@ -52,7 +52,16 @@ def shard_ranges(dataset: IngestedDataset,
     return ranges
 
 
-def partitions_per_band(num_public: int, num_private: int, config: HashConfig) -> int:
-    """Groups per band so a group holds about GROUP_TARGET entries (>= 1)."""
-    entries = num_public + num_private * config.num_views
-    return max(1, math.ceil(entries / GROUP_TARGET))
+def knn_tasks(tasks: Sequence[ReadTask],
+              public_per_task: int = PUBLIC_PER_KNN_TASK) -> list[tuple[ReadTask, tuple[ReadTask, ...]]]:
+    """Every private task paired with every group of consecutive public tasks."""
+    private = [t for t in tasks if t.side == PRIVATE]
+    groups: list[list[ReadTask]] = [[]]
+    size = 0
+    for t in (t for t in tasks if t.side == PUBLIC):
+        if groups[-1] and size + t.stop - t.start > public_per_task:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.stop - t.start
+    return [(p, tuple(g)) for p in private for g in groups if g]

@@ -1,12 +1,14 @@
 """The Beam graph of ``dpscale dedup``.
 
-    read tasks -> signatures keyed by (LSH band, partition)  [public and private]
-      -> CoGroupByKey -> exact distance on candidates -> closest private match per public
+    read tasks -> descriptors, one file per task          [public and private]
+      -> (private task x public group) k-nearest-neighbour tasks -> top k per private image
+      -> verification of each candidate on the images -> closest accepted private per public
       -> CoGroupByKey with the public shards -> filtered shards -> report + manifest
 
 Only wiring lives here; the per-element work is in ``dedup.join`` and ``dedup.output``.
-Matches are grouped by public shard, so each shard writer sees only its own removals (no
-side input that grows with the data).
+Descriptors travel through files in the run's work directory, not through Beam's data
+plane, so what Beam shuffles is tasks and at most k candidates per private image.
+Matches are grouped by public shard, so each shard writer sees only its own removals.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from typing import Any
 import apache_beam as beam
 
 from dpscale.dedup import join, output
-from dpscale.dedup.image_hash import HashConfig
+from dpscale.dedup.method import Method
 from dpscale.pipelines.ingest import SMALL_DATA
 from dpscale.pipelines.progress import mark
 
+VERIFY_BATCH = 256  # candidates verified per call
+
 
 def parallel(num_public: int, num_private: int) -> bool:
-    """Whether two local worker processes pay off (a private image's views cost about 10 public images)."""
+    """Whether two local worker processes pay off."""
     return num_public + num_private * 10 >= SMALL_DATA
 
 
@@ -32,20 +36,21 @@ class GraphSettings:
     public: str
     private: str
     output_dir: str
-    hash_config: HashConfig
+    work_dir: str
+    method: Method
     tasks: tuple[join.ReadTask, ...]
+    knn_tasks: tuple[tuple[join.ReadTask, tuple[join.ReadTask, ...]], ...]
     shard_ranges: dict[tuple[str, int], tuple[int, int, int]]
     num_public: int
     num_private: int
     num_classes: int
     image_shape: tuple[int, ...]
-    partitions: int
+    public_splits: tuple[str, ...] = ()
+    private_splits: tuple[str, ...] = ()
     progress_dir: str | None = None
 
 
-class _Signatures(beam.DoFn):
-    """A read task -> ((band, partition), Entries) for its side."""
-
+class _WithDatasets(beam.DoFn):
     def __init__(self, settings: GraphSettings) -> None:
         self.settings = settings
         self.datasets: dict[str, Any] = {}
@@ -56,55 +61,42 @@ class _Signatures(beam.DoFn):
         self.datasets = {join.PUBLIC: IngestedDataset(self.settings.public),
                          join.PRIVATE: IngestedDataset(self.settings.private)}
 
-    def process(self, task: join.ReadTask):
-        s = self.settings
-        for key, entries in join.signature_entries(task, self.datasets[task.side],
-                                                   s.hash_config, partitions=s.partitions):
-            yield beam.pvalue.TaggedOutput(task.side, (key, entries))
-        mark(s.progress_dir, task.stop - task.start)
-
     def teardown(self) -> None:
         for ds in self.datasets.values():
             ds.close()
 
 
-def _join(group: tuple[Any, dict[str, list[join.Entries]]], *, threshold: float):
-    _, sides = group
-    for side in (join.PUBLIC, join.PRIVATE):  # counted, so a lossy runner cannot pass
-        rows = sum(len(e.index) for e in sides[side])
-        yield beam.pvalue.TaggedOutput("received", (side, rows))
-    matches, candidates = join.join_group(sides[join.PUBLIC], sides[join.PRIVATE],
-                                          threshold=threshold)
-    yield beam.pvalue.TaggedOutput("candidates", candidates)
-    for m in matches:
-        yield (m.public_split, m.public_index, m.private_split, m.private_index), m
+class _Describe(_WithDatasets):
+    """A read task -> its descriptors on disk; (side, images) counted for the report."""
+
+    def process(self, task: join.ReadTask):
+        s = self.settings
+        rows = join.embed_task(task, self.datasets[task.side], s.work_dir)
+        mark(s.progress_dir, rows)
+        yield task.side, rows
 
 
-class _Verify(beam.DoFn):
-    """Best view of each (public, private) pair -> the pair if the fine check agrees."""
+def _knn(pair: tuple[join.ReadTask, tuple[join.ReadTask, ...]], *, settings: GraphSettings,
+         _done: Any = None):
+    private, public = pair
+    m = settings.method
+    for c in join.knn_task(private, public, settings.work_dir, k=m.k,
+                           min_similarity=m.min_similarity):
+        yield (c.private_split, c.private_index), c
+    mark(settings.progress_dir, (private.stop - private.start) * sum(
+        t.stop - t.start for t in public) // max(settings.num_public, 1))
 
-    def __init__(self, settings: GraphSettings) -> None:
-        self.settings = settings
-        self.datasets: tuple[Any, ...] = ()
-        self.rejected = beam.metrics.Metrics.counter("dedup", "rejected_by_verification")
 
-    def setup(self) -> None:
-        from dpscale.data.dataset import IngestedDataset
-
-        self.datasets = (IngestedDataset(self.settings.public),
-                         IngestedDataset(self.settings.private))
-
-    def process(self, match: join.Match):
-        checked = join.verify(match, *self.datasets, self.settings.hash_config)
-        if checked is None:
-            self.rejected.inc()
-            yield beam.pvalue.TaggedOutput("rejected", 1)
-            return
-        yield (checked.public_split, checked.public_index), checked
-
-    def teardown(self) -> None:
-        for ds in self.datasets:
-            ds.close()
+class _Verify(_WithDatasets):
+    def process(self, batch: list[join.Candidate]):
+        s = self.settings
+        for m in join.verify_candidates(batch, self.datasets[join.PUBLIC],
+                                        self.datasets[join.PRIVATE], threshold=s.method.threshold):
+            yield beam.pvalue.TaggedOutput("verified", 1)
+            if m.accepted:
+                yield (m.candidate.public_split, m.candidate.public_index), m
+            elif m.fine_distance <= s.method.threshold * s.method.near_factor:
+                yield beam.pvalue.TaggedOutput("near", m)
 
 
 def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
@@ -121,35 +113,46 @@ def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
     yield summary
 
 
+def _rank(c: join.Candidate) -> tuple[float, int]:
+    """Order of candidates of one private image: similarity, then the lower public index."""
+    return c.similarity, -c.public_index
+
+
 def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
     """Add the dedup graph to ``pipeline``."""
-    signatures = (pipeline
-                  | "Tasks" >> beam.Create(list(settings.tasks))
-                  | "SpreadTasks" >> beam.Reshuffle()
-                  | "Signatures" >> beam.ParDo(_Signatures(settings))
-                                        .with_outputs(join.PUBLIC, join.PRIVATE))
-    joined = ({join.PUBLIC: signatures[join.PUBLIC], join.PRIVATE: signatures[join.PRIVATE]}
-              | "GroupBuckets" >> beam.CoGroupByKey()
-              | "ExactDistance" >> beam.FlatMap(_join, threshold=settings.hash_config.threshold)
-                                       .with_outputs("candidates", "received", main="pairs"))
-    verified = (joined.pairs
-                | "BestViewPerPair" >> beam.CombinePerKey(join.closest)
-                | "PairMatches" >> beam.Values()
-                | "Verify" >> beam.ParDo(_Verify(settings)).with_outputs("rejected",
-                                                                        main="matches"))
-    closest = (verified.matches
+    described = (pipeline
+                 | "Tasks" >> beam.Create(list(settings.tasks))
+                 | "SpreadTasks" >> beam.Reshuffle()
+                 | "Describe" >> beam.ParDo(_Describe(settings)))
+    described_count = described | "CountDescribed" >> beam.CombinePerKey(sum)
+    # the neighbour search starts once every descriptor file exists (side input barrier)
+    candidates = (pipeline
+                  | "KnnTasks" >> beam.Create(list(settings.knn_tasks))
+                  | "AfterDescribe" >> beam.Map(lambda t, _: t,
+                                                beam.pvalue.AsDict(described_count))
+                  | "SpreadKnn" >> beam.Reshuffle()
+                  | "Neighbours" >> beam.FlatMap(_knn, settings=settings)
+                  | "TopKPerPrivate" >> beam.combiners.Top.PerKey(settings.method.k,
+                                                                   key=_rank)
+                  | "Candidates" >> beam.FlatMap(lambda kv: kv[1]))
+    num_candidates = candidates | "CountCandidates" >> beam.combiners.Count.Globally()
+    verified = (candidates
+                | "SpreadCandidates" >> beam.Reshuffle()
+                | "Batch" >> beam.BatchElements(min_batch_size=VERIFY_BATCH,
+                                                max_batch_size=VERIFY_BATCH)
+                | "Verify" >> beam.ParDo(_Verify(settings)).with_outputs(
+                    "verified", "near", main="accepted"))
+    num_verified = verified.verified | "CountVerified" >> beam.CombineGlobally(sum)
+    closest = (verified.accepted
                | "ClosestPrivate" >> beam.CombinePerKey(join.closest)
-               | "ByShard" >> beam.Map(lambda kv: ((kv[1].public_split, kv[1].public_shard),
-                                                   kv[1])))
+               | "ByShard" >> beam.Map(lambda kv: ((kv[1].candidate.public_split,
+                                                    kv[1].candidate.public_shard), kv[1])))
     shard_keys = (pipeline
                   | "Shards" >> beam.Create([(k, None) for k in sorted(settings.shard_ranges)]))
     written = ({"shard": shard_keys, "matches": closest}
                | "GroupShard" >> beam.CoGroupByKey()
                | "WriteShards" >> beam.FlatMap(_filter_shard, settings=settings)
                                       .with_outputs("removed", main="summaries"))
-    candidates = joined.candidates | "CountCandidates" >> beam.CombineGlobally(sum)
-    rejected = verified.rejected | "CountRejected" >> beam.CombineGlobally(sum)
-    received = joined.received | "CountReceived" >> beam.CombinePerKey(sum)
     _ = (pipeline
          | "Finish" >> beam.Create([None])
          | "WriteReport" >> beam.Map(
@@ -158,8 +161,10 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
              summaries=beam.pvalue.AsList(written.summaries),
              removed=beam.pvalue.AsList(written.removed),
              matches=beam.pvalue.AsList(closest | "Matches" >> beam.Values()),
-             candidates=beam.pvalue.AsSingleton(candidates),
-             rejected_by_verification=beam.pvalue.AsSingleton(rejected),
-             received=beam.pvalue.AsDict(received),
-             config=settings.hash_config, num_public=settings.num_public,
-             num_private=settings.num_private))
+             near=beam.pvalue.AsList(verified.near),
+             described=beam.pvalue.AsDict(described_count),
+             num_candidates=beam.pvalue.AsSingleton(num_candidates),
+             num_verified=beam.pvalue.AsSingleton(num_verified),
+             method=settings.method, num_public=settings.num_public,
+             num_private=settings.num_private, public_splits=settings.public_splits,
+             private_splits=settings.private_splits))

@@ -3,20 +3,45 @@
 ``run_pipeline`` is what every data stage (ingest, dedup, featurize) calls: it turns the
 command line's pipeline arguments into Beam options, adds local defaults only where the user
 gave none, shows progress when the workers share this machine's disk, and runs the graph.
+
+Local runs are guarded against two failure modes of Beam's local runner:
+
+* **Lost rows.** The FnApiRunner gives each gRPC worker connection a *time-based*
+  buffered output stream (``worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 1000``). Its timer
+  thread flushes the buffer into a bounded send queue (100 MB since Beam 2.74) and then
+  clears it; while the flush blocks on a full queue the runner thread keeps appending a
+  bundle's input, and the clear drops those bytes without any error (Beam defect; minimal
+  reproducer without a pipeline: ``benchmarks/beam_flush_race.py``). With the limit at 0
+  the streams flush by size, only from the writing thread: nothing is dropped.
+* **Stalls.** A worker blocked on a full queue while the runner blocks sending it more
+  input never finishes. A watchdog stops a local run whose processes used no CPU for
+  ``stall_seconds`` and raises one clear error instead of hanging.
+
+Beam's own logging (and its worker processes' stderr) goes to a log file unless
+``verbose``; a failure names that file and the next thing to try.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
+from dpscale.errors import PipelineError, PipelineStalledError
 from dpscale.pipelines.progress import LocalProgress
 
 DEFAULT_RUNNER = "FnApiRunner"
 _LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner", "bundlebaseddirectrunner")
+STALL_SECONDS = 300.0  # no CPU used by any local process for this long = stalled
+_IDLE_CPU = 0.02  # CPU-seconds per second below which the process tree counts as idle
+TRY_IN_MEMORY = "re-run with `-- --direct_running_mode=in_memory` (one process)"
 
 
 def pipeline_options(args: Sequence[str], *, parallel: bool) -> PipelineOptions:
@@ -48,17 +73,138 @@ def is_local_runner(options: PipelineOptions) -> bool:
     return str(options.view_as(StandardOptions).runner or "").lower() in _LOCAL_RUNNERS
 
 
+def avoid_flush_race() -> None:
+    """Size-based data-plane streams for the local runner (see the module docstring).
+
+    Read by the runner when it starts its gRPC data service, so it must run in the
+    launching process before the pipeline does.
+    """
+    from apache_beam.runners.portability.fn_api_runner import worker_handlers
+
+    worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 0
+
+
+@contextlib.contextmanager
+def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
+    """Send file descriptor 2 (Beam, gRPC, worker processes) to a log file unless ``verbose``.
+
+    dpscale's own messages keep the terminal: ``sys.stderr`` and every logging handler that
+    wrote to it are pointed at a duplicate of the original stderr for the duration.
+    """
+    if verbose:
+        yield None
+        return
+    fd, path = tempfile.mkstemp(prefix="dpscale-beam-", suffix=".log")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    terminal = os.fdopen(os.dup(saved), "w", buffering=1)
+    old_stderr = sys.stderr
+    handlers = [h for name in (None, *logging.root.manager.loggerDict)
+                for h in getattr(logging.getLogger(name), "handlers", [])
+                if isinstance(h, logging.StreamHandler) and h.stream is old_stderr]
+    beam_logger = logging.getLogger("apache_beam")
+    old_level = beam_logger.level
+    beam_logger.setLevel(logging.ERROR)
+    os.dup2(fd, 2)
+    sys.stderr = terminal
+    for h in handlers:
+        h.setStream(terminal)
+    try:
+        yield path
+    finally:
+        terminal.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+        sys.stderr = old_stderr
+        for h in handlers:
+            h.setStream(old_stderr)
+        terminal.close()
+        beam_logger.setLevel(old_level)
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU time of this process and all its descendants (Beam's worker processes)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system + getattr(t, "children_user", 0.0)
+    return total
+
+
+def _stop_children() -> None:
+    """Kill the worker processes this process started (a stalled run cannot be resumed)."""
+    import psutil
+
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def _one_line(exc: BaseException) -> str:
+    """The last meaningful line of an error Beam wrapped around a worker's traceback."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ("Error" in ln or "Exception" in ln) and ":" in ln]
+    text = (errors or lines or [type(exc).__name__])[-1]
+    return text if len(text) < 300 else text[:297] + "..."
+
+
 def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel: bool,
-                 progress_total: int, progress_label: str, log: logging.Logger) -> None:
+                 progress_total: int, progress_label: str, log: logging.Logger,
+                 verbose: bool = False, stall_seconds: float = STALL_SECONDS) -> None:
     """Build the graph with ``build(pipeline, progress_dir)`` and run it to completion.
 
     ``progress_dir`` is where workers ``mark`` finished work (None on a remote runner, whose
-    own monitoring takes over).
+    own monitoring takes over). A failure raises ``PipelineError`` and a local stall
+    ``PipelineStalledError``: one line each, with what to try.
     """
     import apache_beam as beam
 
     options = pipeline_options(args, parallel=parallel)
-    progress = (LocalProgress(progress_total, label=progress_label, log=log)
-                if is_local_runner(options) else None)
-    with progress or contextlib.nullcontext(), beam.Pipeline(options=options) as pipeline:
-        build(pipeline, progress.directory if progress else None)
+    local = is_local_runner(options)
+    if local:
+        avoid_flush_race()
+    progress = LocalProgress(progress_total, label=progress_label, log=log) if local else None
+    outcome: dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            with beam.Pipeline(options=options) as pipeline:
+                build(pipeline, progress.directory if progress else None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+
+    with beam_log_to_file(verbose) as log_path, progress or contextlib.nullcontext():
+        thread = threading.Thread(target=target, name="beam-pipeline", daemon=True)
+        thread.start()
+        last_cpu, last_busy = _tree_cpu_seconds() if local else 0.0, time.monotonic()
+        while thread.is_alive():
+            thread.join(timeout=min(5.0, stall_seconds / 4))
+            if not local or not thread.is_alive():
+                continue
+            cpu, now = _tree_cpu_seconds(), time.monotonic()
+            if cpu - last_cpu > _IDLE_CPU * (now - last_busy):
+                last_cpu, last_busy = cpu, now
+            elif now - last_busy > stall_seconds:
+                _stop_children()
+                where = f"; Beam's log: {log_path}" if log_path else ""
+                raise PipelineStalledError(
+                    f"the Beam pipeline stalled (no CPU used for {stall_seconds:.0f} s) and was "
+                    f"stopped; {TRY_IN_MEMORY}{where}")
+    error = outcome.get("error")
+    if error is None:
+        if log_path:
+            os.unlink(log_path)
+        return
+    if isinstance(error, KeyboardInterrupt):
+        raise error
+    if verbose:
+        log.error("Beam pipeline failed", exc_info=error)
+    where = f" (Beam's log: {log_path})" if log_path else ""
+    hint = (TRY_IN_MEMORY if local else "see the runner's job log")
+    raise PipelineError(f"the Beam pipeline failed: {_one_line(error)}{where}; {hint}, "
+                        "or add --verbose for the full trace") from error

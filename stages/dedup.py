@@ -1,14 +1,14 @@
 """The dedup stage: public ingested data minus every near duplicate of a private image.
 
 ``run(config)`` opens both ingested datasets (a bad path fails at once with a one-line
-``DataError``), plans read tasks along the public shards, runs the Beam graph of
-``pipelines.dedup`` and reads back what it wrote into ``output_dir``: a new ingested
-dataset (same format, own manifest and content hash, readable by ``IngestedDataset``)
-plus ``dedup_report.json`` (every removed public example with its closest private
-example, the distance, the view that matched, the threshold and the method). The
-private dataset is only read. How images are compared: ``dedup.image_hash``; how
-candidates are found without all pairs: ``dedup.join``; the work plan: ``dedup.planning``;
-what is written: ``dedup.output``.
+``DataError``), plans read and neighbour tasks, runs the Beam graph of ``pipelines.dedup``
+and reads back what it wrote into ``output_dir``: a new ingested dataset (same format, own
+manifest and content hash, readable by ``IngestedDataset``) plus the report
+``dedup_report.NOT-PRIVATE.json`` (removed pairs, near-threshold rejections, distances,
+views). The report is a private diagnostic (it describes the private data, 0600); the output
+dataset depends on the private data too, by design. The private dataset is only read.
+How images are compared: ``dedup.descriptor`` and ``dedup.verify``; nearest neighbours:
+``dedup.knn``; the work plan: ``dedup.planning``; what is written: ``dedup.output``.
 """
 
 from __future__ import annotations
@@ -16,19 +16,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from typing import Any
+
+from apache_beam.io.filesystems import FileSystems
 
 from dpscale.data import shards
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.manifest import Manifest
-from dpscale.dedup.image_hash import HashConfig
 from dpscale.dedup.join import PRIVATE, PUBLIC
+from dpscale.dedup.method import Method
 from dpscale.dedup.output import REPORT
-from dpscale.dedup.planning import partitions_per_band, read_tasks, select_splits, shard_ranges
+from dpscale.dedup.planning import knn_tasks, read_tasks, select_splits, shard_ranges
 from dpscale.errors import DataError, InvalidConfigError
 
 log = logging.getLogger(__name__)
+WORK = "_dedup_work"  # descriptor files of a running dedup, inside the output directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,24 +42,24 @@ class DedupConfig:
     public: str
     private: str
     output_dir: str
-    threshold: float = HashConfig.threshold
-    verify_threshold: float = HashConfig.verify_threshold
-    bands: int = HashConfig.bands
-    bits_per_band: int = HashConfig.bits_per_band
-    crop_scales: tuple[float, ...] = HashConfig.crop_scales  # () = whole image + mirror only
+    threshold: float = Method.threshold
+    k: int = Method.k
+    min_similarity: float = Method.min_similarity
     public_splits: tuple[str, ...] = ()  # empty: every split
     private_splits: tuple[str, ...] = ()
-    examples_per_task: int = 1_000
+    examples_per_task: int = 2_000
     overwrite: bool = False
+    verbose: bool = False
     pipeline_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         try:
-            self.hash_config
+            self.method
         except ValueError as exc:
             raise InvalidConfigError(str(exc)) from None
         if self.examples_per_task < 1:
             raise InvalidConfigError("examples per task must be at least 1")
+
         def norm(p: str) -> str:
             return os.path.normpath(p) if shards.is_local(p) else p.rstrip("/")
 
@@ -68,18 +72,16 @@ class DedupConfig:
                                      "--public-split and --private-split")
 
     @property
-    def hash_config(self) -> HashConfig:
-        return HashConfig(threshold=self.threshold, verify_threshold=self.verify_threshold,
-                          bands=self.bands,
-                          bits_per_band=self.bits_per_band,
-                          crop_scales=tuple(self.crop_scales))
+    def method(self) -> Method:
+        return Method(k=self.k, min_similarity=self.min_similarity, threshold=self.threshold)
 
 
 @dataclasses.dataclass(frozen=True)
 class DedupResult:
     output_dir: str
     manifest: Manifest
-    report: dict[str, Any]
+    report: dict[str, Any]  # a private diagnostic: never print it
+    report_path: str
     seconds: float
 
     @property
@@ -91,6 +93,13 @@ class DedupResult:
         return int(self.report["num_kept"])
 
 
+def _remove_work(work_dir: str) -> None:
+    if shards.is_local(work_dir):
+        shutil.rmtree(work_dir, ignore_errors=True)
+    elif FileSystems.exists(work_dir):
+        FileSystems.delete([work_dir])
+
+
 def run(config: DedupConfig) -> DedupResult:
     """Write ``config.public`` minus near duplicates of ``config.private`` to the output."""
     from dpscale.pipelines import dedup as graph
@@ -100,34 +109,42 @@ def run(config: DedupConfig) -> DedupResult:
     public, private = IngestedDataset(config.public), IngestedDataset(config.private)
     if not public.image_shape:
         raise DataError(f"public dataset {config.public!r} holds no examples")
-    hash_config = config.hash_config
     public_splits = select_splits(public, config.public_splits)
     private_splits = select_splits(private, config.private_splits)
     num_public = sum(public.num_examples(s) for s in public_splits)
     num_private = sum(private.num_examples(s) for s in private_splits)
     tasks = (read_tasks(public, PUBLIC, config.examples_per_task, public_splits)
-             + read_tasks(private, PRIVATE, max(1, config.examples_per_task // 10),
-                          private_splits))
+             + read_tasks(private, PRIVATE, config.examples_per_task, private_splits))
+    pairs = knn_tasks(tasks)
     shards.prepare_output(config.output_dir, overwrite=config.overwrite, extra_files=(REPORT,))
-    partitions = partitions_per_band(num_public, num_private, hash_config)
-    log.info("dedup: %d public vs %d private examples (%d views each), %d read tasks, "
-             "%d bands x %d partitions", num_public, num_private, hash_config.num_views,
-             len(tasks), hash_config.bands, partitions)
+    work_dir = shards.join(config.output_dir, WORK)
+    _remove_work(work_dir)
+    if shards.is_local(work_dir):
+        os.makedirs(work_dir)
+    log.info("dedup: %d public vs %d private examples (%s vs %s), %d read tasks, %d "
+             "neighbour tasks", num_public, num_private, ",".join(public_splits),
+             ",".join(private_splits), len(tasks), len(pairs))
 
     def build(pipeline: object, progress_dir: str | None) -> None:
         graph.build(pipeline, graph.GraphSettings(
             public=config.public, private=config.private, output_dir=config.output_dir,
-            hash_config=hash_config, tasks=tuple(tasks),
+            work_dir=work_dir, method=config.method, tasks=tuple(tasks), knn_tasks=tuple(pairs),
             shard_ranges=shard_ranges(public, public_splits), num_public=num_public,
-            num_private=num_private, num_classes=public.num_classes, image_shape=public.image_shape,
-            partitions=partitions, progress_dir=progress_dir))
+            num_private=num_private, num_classes=public.num_classes,
+            image_shape=public.image_shape, public_splits=tuple(public_splits),
+            private_splits=tuple(private_splits), progress_dir=progress_dir))
 
-    run_pipeline(build, args=config.pipeline_args,
-                 parallel=graph.parallel(num_public, num_private),
-                 progress_total=num_public + num_private, progress_label="dedup: signatures", log=log)
+    try:
+        run_pipeline(build, args=config.pipeline_args,
+                     parallel=graph.parallel(num_public, num_private),
+                     progress_total=num_public + 2 * num_private,
+                     progress_label="dedup: describe + neighbours", log=log,
+                     verbose=config.verbose)
+    finally:
+        _remove_work(work_dir)
     manifest = shards.read_manifest(config.output_dir)
-    report = shards.read_json(shards.join(config.output_dir, REPORT))
+    report_path = shards.join(config.output_dir, REPORT)
+    report = shards.read_json(report_path)
     seconds = time.perf_counter() - start
-    log.info("dedup: removed %d of %d public examples (%d candidate pairs checked) in %.1f s",
-             report["num_removed"], num_public, report["num_candidate_pairs"], seconds)
-    return DedupResult(config.output_dir, manifest, report, seconds)
+    log.info("dedup: finished in %.1f s", seconds)
+    return DedupResult(config.output_dir, manifest, report, report_path, seconds)

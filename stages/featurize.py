@@ -48,6 +48,7 @@ class FeaturizeConfig:
     batch_size: int = 64
     chunk_rows: int = 1024
     pipeline_args: tuple[str, ...] = ()
+    verbose: bool = False  # Beam's own logging on stderr (else in a log file)
 
     def __post_init__(self) -> None:
         if self.resolution is not None and self.resolution < 1:
@@ -126,4 +127,5 @@ def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,
 
     run_pipeline(build, args=config.pipeline_args,
                  parallel=graph.parallel(len(chunks)),
-                 progress_total=rows, progress_label="featurize", log=log)
+                 progress_total=rows, progress_label="featurize", log=log,
+                 verbose=config.verbose)

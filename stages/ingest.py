@@ -36,6 +36,7 @@ class IngestConfig:
     tfds_data_dir: str | None = None
     overwrite: bool = False
     pipeline_args: tuple[str, ...] = ()
+    verbose: bool = False  # Beam's own logging on stderr (else in a log file)
     classes: tuple[str, ...] = ()  # keep only these class names (relabelled 0..k-1); () = all
 
     def __post_init__(self) -> None:
@@ -97,7 +98,8 @@ def run(config: IngestConfig) -> IngestResult:
             class_names=kept, label_map=label_map))
 
     run_pipeline(build, args=config.pipeline_args, parallel=graph.parallel(total),
-                 progress_total=total, progress_label="ingest: read+decode", log=log)
+                 progress_total=total, progress_label="ingest: read+decode", log=log,
+                 verbose=config.verbose)
     manifest = shards.read_manifest(config.output_dir)
     seconds = time.perf_counter() - start
     for split, entry in manifest.splits.items():

@@ -7,8 +7,9 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, StandardOpt
 from PIL import Image
 
 from dpscale.data.dataset import IngestedDataset
-from dpscale.dedup.image_hash import HashConfig
+from dpscale.dedup.method import Method
 from dpscale.dedup.join import PRIVATE, PUBLIC, ReadTask
+from dpscale.dedup.planning import knn_tasks
 from dpscale.pipelines import dedup as graph
 from dpscale.pipelines.runner import pipeline_options
 from dpscale.stages import dedup as stage
@@ -40,9 +41,9 @@ def dataset(tmp_path_factory):
 
 def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
     config = config_from_cli(stage, [
-        "dedup", "pub", "priv", str(tmp_path / "o"), "--threshold", "0.2",
+        "dedup", "pub", "priv", str(tmp_path / "o"), "--threshold", "0.04",
         "--runner", "DataflowRunner", "--project", "p", "--", "--temp_location", "gs://b/t"])
-    assert (config.public, config.private, config.threshold) == ("pub", "priv", 0.2)
+    assert (config.public, config.private, config.threshold) == ("pub", "priv", 0.04)
     options = pipeline_options(config.pipeline_args, parallel=False)
     assert options.view_as(StandardOptions).runner == "DataflowRunner"
     assert options.view_as(GoogleCloudOptions).project == "p"
@@ -51,20 +52,20 @@ def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
 
 def test_graph_builds_for_remote_paths_without_running():
     """Graph construction touches no files, so gs:// paths need no credentials here."""
+    tasks = (ReadTask(PUBLIC, "train", 0, 10), ReadTask(PRIVATE, "test", 0, 3))
     settings = graph.GraphSettings(
         public="gs://b/pub", private="gs://b/priv", output_dir="gs://b/out",
-        hash_config=HashConfig(), num_public=10, num_private=3, num_classes=2,
-        image_shape=(32, 32, 3), partitions=2,
-        tasks=(ReadTask(PUBLIC, "train", 0, 10), ReadTask(PRIVATE, "test", 0, 3)),
+        work_dir="gs://b/out/_dedup_work", method=Method(), num_public=10, num_private=3,
+        num_classes=2, image_shape=(32, 32, 3), tasks=tasks, knn_tasks=tuple(knn_tasks(tasks)),
         shard_ranges={("train", 0): (0, 10, 1)})
     pipeline = beam.Pipeline(options=pipeline_options([], parallel=False))
     graph.build(pipeline, settings)
     labels = {t.unique_name for t in pipeline.to_runner_api().components.transforms.values()}
-    assert {"Signatures", "GroupBuckets", "ExactDistance", "ClosestPrivate", "GroupShard",
-            "WriteShards", "WriteReport"} <= labels
+    assert {"Describe", "Neighbours", "TopKPerPrivate", "Verify", "ClosestPrivate",
+            "GroupShard", "WriteShards", "WriteReport"} <= labels
 
 
-def test_plans_follow_shards_and_partitions_grow_with_data(dataset):
+def test_plans_follow_shards_and_neighbour_tasks_grow_with_images(dataset):
     ds = IngestedDataset(dataset)
     tasks = stage.read_tasks(ds, PUBLIC, 3, ["train"])
     ranges = stage.shard_ranges(ds, ["train"])
@@ -72,8 +73,13 @@ def test_plans_follow_shards_and_partitions_grow_with_data(dataset):
     for t in tasks:  # a task never straddles its shard
         start, stop, _ = ranges[("train", t.shard)]
         assert start <= t.start < t.stop <= stop
-    assert stage.partitions_per_band(1000, 10, HashConfig()) == 1
-    assert stage.partitions_per_band(300_000_000, 1_300_000, HashConfig()) > 10_000
+    private = [ReadTask(PRIVATE, "test", s, s + 2) for s in (0, 2)]
+    pairs = knn_tasks(tasks + private, public_per_task=6)
+    assert len(pairs) == 2 * 2  # 2 private tasks x 2 public groups of <= 6 images
+    for p, group in pairs:  # every public image is searched once per private task
+        assert p.side == PRIVATE and all(t.side == PUBLIC for t in group)
+    assert sorted(t.start for p, g in pairs if p == private[0] for t in g) == [
+        t.start for t in tasks]
 
 
 def test_two_worker_processes_give_the_same_result_as_one(dataset, tmp_path):
