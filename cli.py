@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from dpscale.cache.keys import RESIZE_METHODS
+from dpscale.dedup.verify import COARSE_CUT
 from dpscale.errors import DpscaleError, PipelineStalledError
 
 
@@ -268,7 +269,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("public")
 @click.argument("private")
 @click.argument("output")
-@click.option("--threshold", type=floats(0, 2, max_open=True), default=0.12, show_default=True,
+@click.option("--threshold", type=floats(0, COARSE_CUT, min_open=True, max_open=True), default=0.12, show_default=True,
               help="Aligned-correlation distance at or below which a candidate is a duplicate.")
 @click.option("--k", "k", type=COUNT, default=10, show_default=True,
               help="Nearest public images per private image that get verified.")

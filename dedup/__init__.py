@@ -1,1 +1,1 @@
-"""Near-duplicate detection of public images against private ones: signatures, candidate join, outputs."""
+"""Near-duplicate detection of public images against private ones: descriptors, nearest neighbours, verification, outputs."""

@@ -39,6 +39,11 @@ def ok(capfd, *args):
     return out
 
 
+def featurized(capfd, *args) -> dict:
+    """``dpscale featurize``'s result: the one JSON line on stdout."""
+    return json.loads(ok(capfd, *args))
+
+
 def refused(capfd, *args, saying=()):
     """The command exits 2 with one ``dpscale: error:`` line containing every string of ``saying``."""
     code, out, err = dpscale(capfd, *args)
@@ -156,22 +161,22 @@ def test_featurize_repairs_only_the_damaged_chunks_and_is_no_cache_hit_on_damage
     data, backbone = digits
     args = ["featurize", data, "--backbone", backbone, "--cache-dir", tmp_path / "c", "--chunk-rows", 512,
             "--", *IN_MEMORY]
-    path = ok(capfd, *args).strip().splitlines()[-1]
+    path = featurized(capfd, *args)["path"]
     whole = fstore.open_features(path)
     before = {s: (whole.features(s)[:], whole.labels(s)) for s in whole.splits}
-    assert "cache hit" in ok(capfd, *args)
+    assert featurized(capfd, *args)["cache_hit"]
     os.remove(chunk_file(path, "train", "labels", 1))
     flip_byte(chunk_file(path, "train", "features", 2))
     message = refused(capfd, "train", path, tmp_path / "r", *TRAIN)
     repair = message.split("`")[1]  # the command the message gives repairs the entry, from any directory
     assert repair.startswith("dpscale featurize ") and os.path.abspath(data) in repair
-    out = ok(capfd, *repair.split()[1:], "--", *IN_MEMORY)
-    assert "cache hit" not in out and "computed 2 of 4 chunks" in out
+    out = featurized(capfd, *repair.split()[1:], "--", *IN_MEMORY)
+    assert not out["cache_hit"] and (out["chunks_computed"], out["chunks_total"]) == (2, 4)
     repaired = fstore.open_features(path, verify=True)
     for split, (features, labels) in before.items():
         np.testing.assert_array_equal(repaired.features(split)[:], features)
         np.testing.assert_array_equal(repaired.labels(split), labels)
-    assert "cache hit" in ok(capfd, *args)
+    assert featurized(capfd, *args)["cache_hit"]
 
 
 # --- 2. evaluate on features made otherwise ---------------------------------------------------

@@ -184,8 +184,10 @@ def test_cli_prints_the_entry_and_errors_are_one_line(env, done):
     ok = CliRunner().invoke(cli, ["featurize", env["data"], "--backbone", env["backbone"],
                                   "--cache-dir", str(cache)])
     assert ok.exit_code == 0, ok.output
-    assert ok.output.strip().splitlines()[-1] == first.path
-    assert "cache hit" in ok.output
+    assert json.loads(ok.stdout) | {"seconds": 0} == {"path": first.path, "cache_hit": True, "chunks_computed": 0,
+                                                      "chunks_total": 0, "num_examples": first.num_examples,
+                                                      "seconds": 0}
+    assert "cache hit" in ok.stderr
     bad = CliRunner().invoke(cli, ["featurize", str(cache / "nowhere"), "--backbone", env["backbone"]])
     assert bad.exit_code == 2
     assert bad.output.count("\n") == 1 and bad.output.startswith("dpscale: error: ")
