@@ -80,17 +80,20 @@ class WhiteBoxSetup:
 
 
 def with_gradient_canary(base_fn: Callable, v: PyTree, *, clip_norm: float) -> Callable:
-    """``base_fn`` for rows whose ``batch["canary"]`` is 0; rows flagged 1 have per-example gradient ``v``."""
+    """``base_fn`` for rows whose ``batch["canary"]`` is 0; the row flagged 1 has per-example gradient ``v``.
+
+    A micro-batch holds at most one canary row (the audit's layout), so the canary's
+    clipped sum is over one per-example gradient, present when that row is.
+    """
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
         is_canary = batch["canary"] > 0
         rest = {key: x for key, x in batch.items() if key != "canary"}
         data_part = base_fn(params, model_state, rest, jnp.where(is_canary, 0.0, mask))
-        grads = jax.tree_util.tree_map(
-            lambda leaf: jnp.where(is_canary.reshape((-1,) + (1,) * leaf.ndim), leaf[None], 0.0), v)
+        present = jnp.sum(jnp.where(is_canary, mask, 0.0))[None]
+        grads = jax.tree_util.tree_map(lambda leaf: leaf[None], v)
         # Looked up at call time, so tests can swap the library's clipping for a broken one.
-        canary_part = clipping.clipped_sum_from_gradients(grads, jnp.where(is_canary, mask, 0.0),
-                                                          clip_norm=clip_norm)
+        canary_part = clipping.clipped_sum_from_gradients(grads, present, clip_norm=clip_norm)
         return data_part.plus(canary_part)
 
     clipped_sum.sensitivity = base_fn.sensitivity
