@@ -69,6 +69,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("nominal_epsilon", "best_estimator", "best_lower_bound",
                                               "epsilon_lower_bound", "wall_seconds", "load_after")}), flush=True)
+        print(markdown_table([row]), flush=True)  # a killed run still leaves its finished rows
 
     flagged = [r["violation"] for r in rows]
     ok = all(flagged) if args.bug != "none" else not any(flagged)
