@@ -13,7 +13,10 @@ training code does, so an audit result above the nominal epsilon proves a bug:
   and out (the white-box statistic of ``audit.whitebox`` is), the mechanism is at least
   mu-GDP with mu = (mean_in - mean_out) / std. A confidence bound on mu from the two score
   samples (``mu_lower_bound``) is converted to epsilon at the run's delta (``gdp_epsilon``).
-  Its sample-size limit is soft, while Clopper-Pearson can never certify more than
+  Without the Gaussian-score assumption, a mechanism that is mu-GDP (DP-SGD at q = 1 is, and
+  so is anything computed from its output) forces FNR >= Phi(Phi^-1(1 - FPR) - mu) at every
+  threshold, so Clopper-Pearson bounds on the two rates give mu >= Phi^-1(1 - FPR) - Phi^-1(FNR)
+  (``gdp_epsilon_from_rates``). Its sample-size limit is soft, while Clopper-Pearson can never certify more than
   ``cp_max_certifiable_epsilon`` however separable the scores are.
 * One-run auditing (Steinke, Nasr and Jagielski 2023): m canaries enter a single
   training run independently with probability 1/2; r guesses with v correct are
@@ -266,3 +269,19 @@ def gdp_epsilon_lower_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, de
     return {"mu_estimate": estimate, "mu_lower_bound": lower,
             "gdp_epsilon_estimate": gdp_epsilon(max(estimate, 0.0), delta),
             "gdp_epsilon_lower_bound": gdp_epsilon(lower, delta)}
+
+
+def gdp_epsilon_from_rates(
+    *, false_positives: int, negatives: int, false_negatives: int, positives: int, delta: float,
+    confidence: float,
+) -> float:
+    """Epsilon at ``delta`` of the smallest mu that allows these counts, for a mu-GDP mechanism.
+
+    Valid only for mechanisms that are mu-GDP for some mu (DP-SGD with full batches); the
+    rates' Clopper-Pearson bounds hold together at ``confidence``, as in ``epsilon_lower_bound``.
+    """
+    alpha = (1 - confidence) / 2
+    fpr = clopper_pearson_upper(false_positives, negatives, alpha=alpha)
+    fnr = clopper_pearson_upper(false_negatives, positives, alpha=alpha)
+    mu = float(stats.norm.isf(fpr) - stats.norm.ppf(fnr))
+    return gdp_epsilon(max(mu, 0.0), delta)

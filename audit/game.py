@@ -84,6 +84,11 @@ def audit_setting(
     )[:, 0]
     stats = game_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
                             holdout_fraction=holdout_fraction)
+    if setup.plan.batch_size == setup.plan.num_examples:  # q = 1: the run is mu-GDP, so the rates bound it
+        stats["gdp_rates_epsilon_lower_bound"] = audit_bounds.gdp_epsilon_from_rates(
+            false_positives=stats["false_positives"], negatives=stats["negatives"],
+            false_negatives=stats["false_negatives"], positives=stats["positives"], delta=delta,
+            confidence=confidence)
     row = {
         "threat_model": "black-box", "num_examples": data.num_examples, "nominal_epsilon": nominal_epsilon, "delta": delta,
         "noise_multiplier": setup.plan.noise_multiplier, "batch_size": setup.plan.batch_size,
@@ -104,6 +109,8 @@ def finish_row(row: dict) -> dict:
     row["estimators"] = {"clopper-pearson": row["epsilon_lower_bound"]}
     if "gdp_epsilon_lower_bound" in row:
         row["estimators"]["gdp"] = row["gdp_epsilon_lower_bound"]
+    if "gdp_rates_epsilon_lower_bound" in row:
+        row["estimators"]["gdp-rates"] = row["gdp_rates_epsilon_lower_bound"]
     row["best_estimator"], row["best_lower_bound"] = max(row["estimators"].items(), key=lambda kv: kv[1])
     row["cp_max_certifiable_epsilon"] = audit_bounds.cp_max_certifiable_epsilon(
         positives=row["positives"], negatives=row["negatives"], delta=row["delta"], confidence=row["confidence"])
@@ -136,6 +143,7 @@ _COLUMNS = (("threat model", "threat_model", "s"), ("model", "model", "s"), ("|D
             ("T", "steps", "d"), ("nominal eps", "nominal_epsilon", ".3f"), ("delta", "delta", ".0e"),
             ("sigma", "noise_multiplier", ".3f"), ("models", "num_models", "d"),
             ("GDP eps lower bound", "gdp_epsilon_lower_bound", ".3f"),
+            ("GDP-rates eps lower bound", "gdp_rates_epsilon_lower_bound", ".3f"),
             ("CP eps lower bound", "epsilon_lower_bound", ".3f"),
             ("CP max certifiable", "cp_max_certifiable_epsilon", ".2f"),
             ("mu nominal", "mu_nominal", ".3f"), ("mu estimate", "mu_estimate", ".3f"),
@@ -149,8 +157,8 @@ def row_note(row: dict) -> str:
     if row.get("violation"):
         notes.append(f"VIOLATION ({row['best_estimator']})")
     if row.get("cp_cannot_detect"):
-        notes.append("CP: this row cannot detect a violation" + ("" if "gdp_epsilon_lower_bound" in row else
-                                                                  " (no other estimator)"))
+        others = len(row.get("estimators", {})) > 1
+        notes.append("CP: this row cannot detect a violation" + ("" if others else " (no other estimator)"))
     return "; ".join(notes)
 
 

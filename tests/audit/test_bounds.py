@@ -125,3 +125,15 @@ def test_cp_ceiling_is_the_bound_of_a_perfect_test():
     assert ceiling == pytest.approx(4.18, abs=0.01)
     assert epsilon_lower_bound(false_positives=1, negatives=500, false_negatives=0, positives=500, delta=1e-5,
                                confidence=0.999) < ceiling
+
+
+def test_gdp_rates_bound_is_below_the_true_mu_and_above_cp_for_a_separable_test():
+    from dpscale.audit.bounds import gdp_epsilon, gdp_epsilon_from_rates
+
+    # Scores N(mu, 1) vs N(0, 1), threshold mu / 2: rates Phi(-mu / 2) each.
+    rng = np.random.default_rng(1)
+    mu, n = 2.0, 5000
+    fn, fp = int(np.sum(rng.normal(mu, 1, n) < mu / 2)), int(np.sum(rng.normal(0, 1, n) >= mu / 2))
+    counts = dict(false_positives=fp, negatives=n, false_negatives=fn, positives=n, delta=1e-5, confidence=0.999)
+    gdp = gdp_epsilon_from_rates(**counts)
+    assert ab.epsilon_lower_bound(**counts) < gdp < gdp_epsilon(mu, 1e-5)
