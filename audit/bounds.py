@@ -26,6 +26,7 @@ training code does, so an audit result above the nominal epsilon proves a bug:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 from scipy import optimize, special, stats
@@ -93,9 +94,12 @@ def advantage_bound(epsilon: float, delta: float) -> float:
 
 
 def best_threshold(
-    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float
+    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float,
+    estimator: Callable[..., float] | None = None,
 ) -> float:
     """The threshold ("member if score >= t") with the largest bound on these scores.
+
+    ``estimator`` takes the counts as ``epsilon_lower_bound`` does (its default).
 
     Meant for the *held-out* models: the threshold chosen here must be evaluated on
     other models, or the bound would be optimistically biased.
@@ -107,7 +111,7 @@ def best_threshold(
     false_neg = np.searchsorted(in_scores, candidates, side="left")
     best_t, best_eps = float(candidates[0]), -1.0
     for t, fp, fn in zip(candidates, false_pos, false_neg):
-        eps = epsilon_lower_bound(
+        eps = (estimator or epsilon_lower_bound)(
             false_positives=int(fp), negatives=len(out_scores), false_negatives=int(fn),
             positives=len(in_scores), delta=delta, confidence=confidence,
         )

@@ -53,6 +53,19 @@ def game_statistics(
     }
 
 
+def gdp_rates_statistics(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float,
+                         holdout_fraction: float) -> dict[str, float]:
+    """``audit_bounds.gdp_epsilon_from_rates`` at its own best threshold on the held-out models."""
+    n_in, n_out = int(len(in_scores) * holdout_fraction), int(len(out_scores) * holdout_fraction)
+    threshold = audit_bounds.best_threshold(in_scores[:n_in], out_scores[:n_out], delta=delta, confidence=confidence,
+                                            estimator=audit_bounds.gdp_epsilon_from_rates)
+    test_in, test_out = in_scores[n_in:], out_scores[n_out:]
+    bound = audit_bounds.gdp_epsilon_from_rates(
+        false_positives=int(np.sum(test_out >= threshold)), negatives=len(test_out),
+        false_negatives=int(np.sum(test_in < threshold)), positives=len(test_in), delta=delta, confidence=confidence)
+    return {"gdp_rates_epsilon_lower_bound": bound, "gdp_rates_threshold": threshold}
+
+
 def one_run_statistics(scores: np.ndarray, member: np.ndarray, *, delta: float, confidence: float,
                        guess_fraction: float) -> dict[str, float]:
     """Guess the top scores in and the bottom scores out; bound from Steinke et al. (2023)."""
@@ -85,12 +98,11 @@ def audit_setting(
     stats = game_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
                             holdout_fraction=holdout_fraction)
     if setup.plan.batch_size == setup.plan.num_examples:  # q = 1: the run is mu-GDP, so the rates bound it
-        stats["gdp_rates_epsilon_lower_bound"] = audit_bounds.gdp_epsilon_from_rates(
-            false_positives=stats["false_positives"], negatives=stats["negatives"],
-            false_negatives=stats["false_negatives"], positives=stats["positives"], delta=delta,
-            confidence=confidence)
+        stats |= gdp_rates_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
+                                      holdout_fraction=holdout_fraction)
     row = {
-        "threat_model": "black-box", "num_examples": data.num_examples, "nominal_epsilon": nominal_epsilon, "delta": delta,
+        "threat_model": "black-box", "num_examples": data.num_examples, "nominal_epsilon": nominal_epsilon,
+        "delta": delta,
         "noise_multiplier": setup.plan.noise_multiplier, "batch_size": setup.plan.batch_size,
         "steps": setup.plan.steps, "model": setup.model, "num_models": num_models,
         "confidence": confidence, **stats,

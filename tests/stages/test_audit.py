@@ -121,3 +121,13 @@ def test_cli_white_box_rejects_subsampling(ingested_digits):
                                       "--num-examples", "50", "--batch-size", "10"])
     assert result.exit_code == 2
     assert "full batches" in result.output and "Traceback" not in result.output
+
+
+def test_black_box_full_batch_rows_add_the_gdp_rates_bound(ingested_digits):
+    from dpscale.stages import audit
+
+    config = audit.AuditConfig(data=ingested_digits, epsilons=(4.0,), num_examples=40, batch_size=40, steps=3,
+                               num_models=200, seed=0, show_progress=False)
+    (row,) = audit.run(config).rows
+    assert set(row["estimators"]) == {"clopper-pearson", "gdp-rates"}
+    assert 0 <= row["gdp_rates_epsilon_lower_bound"] <= row["nominal_epsilon"] and not row["violation"]
