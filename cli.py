@@ -691,18 +691,29 @@ def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...]
               help="Nominal epsilons, one row each.")
 @delta_option()
 @click.option("--num-examples", type=COUNT, default=1000, show_default=True, help="|D|: a random subset.")
-@click.option("--batch-size", type=COUNT, default=100, show_default=True)
+@click.option("--batch-size", type=COUNT, default=None,
+              help="Expected batch size [black-box: 100; white-box: |D|, the only one it takes].")
 @click.option("--steps", type=COUNT, default=50, show_default=True)
 @click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True)
-@click.option("--model", type=click.Choice(["linear", "mlp"]), default="linear", show_default=True)
+@click.option("--threat-model", type=click.Choice(["black-box", "white-box"]), default="black-box",
+              show_default=True, help="black-box: the adversary sees the final model and a canary input; "
+              "white-box: a gradient canary, and the adversary sees every update.")
+@click.option("--model", type=click.Choice(["linear", "mlp", "cnn"]), default="linear", show_default=True,
+              help="black-box: linear or mlp; white-box: linear or cnn.")
+@click.option("--microbatches", type=COUNT, default=2, show_default=True,
+              help="White-box: micro-batches per step.")
+@click.option("--canary-norm", type=floats(1), default=10.0, show_default=True,
+              help="White-box: norm of the canary gradient in units of the clip norm (>= 1).")
+@click.option("--per-example", type=click.Choice(["vmap", "bookkeeping"]), default="vmap", show_default=True,
+              help="White-box CNN: how per-example gradients are computed.")
 @click.option("--hidden", type=COUNT, default=32, show_default=True, help="MLP hidden units.")
 @click.option("--num-models", type=ints(8), default=1000, show_default=True,
               help="Models per row, half of them trained with the canary.")
 @click.option("--holdout-fraction", type=floats(0, 1, min_open=True, max_open=True), default=0.5, show_default=True,
               help="Models used only to choose the threshold.")
 @click.option("--confidence", type=floats(0, 1, min_open=True, max_open=True), default=0.999, show_default=True,
-              help="Confidence level of the Clopper-Pearson bounds.")
+              help="Confidence level of the Clopper-Pearson and Gaussian-DP bounds.")
 @click.option("--canary", type=click.Choice(["ood", "mislabelled"]), default="ood", show_default=True)
 @click.option("--one-run-canaries", type=ints(0), default=0, show_default=True,
               help="Also run the one-run audit (Steinke et al. 2023) with this many canaries.")
@@ -712,7 +723,8 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
 
     Trains many small models with the same update as `dpscale train`, half of them
     with a canary, and prints a Markdown table (and one JSON line) of the lower
-    bound, AUC and advantage next to the nominal epsilon. Exit code 1 if a lower
+    bounds (which estimator gave which), the largest epsilon Clopper-Pearson could
+    certify with that many models, and the nominal epsilon. Exit code 1 if a lower
     bound exceeds its nominal epsilon (a DP bug).
     """
     from dpscale.audit.game import markdown_table

@@ -8,6 +8,16 @@ training code does, so an audit result above the nominal epsilon proves a bug:
   ``FPR + e^eps FNR >= 1 - delta`` and ``FNR + e^eps FPR >= 1 - delta``. With
   Clopper-Pearson upper bounds on the FPR and FNR measured on fresh models, the
   smallest eps consistent with both is a lower bound on the true epsilon.
+* Gaussian DP (Dong, Roth and Su 2019; Nasr et al. 2023, "Tight Auditing of Differentially
+  Private Machine Learning"): when each model's score is Gaussian with the same variance in
+  and out (the white-box statistic of ``audit.whitebox`` is), the mechanism is at least
+  mu-GDP with mu = (mean_in - mean_out) / std. A confidence bound on mu from the two score
+  samples (``mu_lower_bound``) is converted to epsilon at the run's delta (``gdp_epsilon``).
+  Without the Gaussian-score assumption, a mechanism that is mu-GDP (DP-SGD at q = 1 is, and
+  so is anything computed from its output) forces FNR >= Phi(Phi^-1(1 - FPR) - mu) at every
+  threshold, so Clopper-Pearson bounds on the two rates give mu >= Phi^-1(1 - FPR) - Phi^-1(FNR)
+  (``gdp_epsilon_from_rates``). Its sample-size limit is soft, while Clopper-Pearson can never certify more than
+  ``cp_max_certifiable_epsilon`` however separable the scores are.
 * One-run auditing (Steinke, Nasr and Jagielski 2023): m canaries enter a single
   training run independently with probability 1/2; r guesses with v correct are
   unlikely under (eps, delta)-DP when v is large. See ``one_run_p_value``.
@@ -16,9 +26,10 @@ training code does, so an audit result above the nominal epsilon proves a bug:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, special, stats
 
 from dpscale.errors import InvalidConfigError
 
@@ -83,9 +94,12 @@ def advantage_bound(epsilon: float, delta: float) -> float:
 
 
 def best_threshold(
-    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float
+    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float,
+    estimator: Callable[..., float] | None = None,
 ) -> float:
     """The threshold ("member if score >= t") with the largest bound on these scores.
+
+    ``estimator`` takes the counts as ``epsilon_lower_bound`` does (its default).
 
     Meant for the *held-out* models: the threshold chosen here must be evaluated on
     other models, or the bound would be optimistically biased.
@@ -97,7 +111,7 @@ def best_threshold(
     false_neg = np.searchsorted(in_scores, candidates, side="left")
     best_t, best_eps = float(candidates[0]), -1.0
     for t, fp, fn in zip(candidates, false_pos, false_neg):
-        eps = epsilon_lower_bound(
+        eps = (estimator or epsilon_lower_bound)(
             false_positives=int(fp), negatives=len(out_scores), false_negatives=int(fn),
             positives=len(in_scores), delta=delta, confidence=confidence,
         )
@@ -164,3 +178,114 @@ def one_run_epsilon_lower_bound(
         mid = (low + high) / 2
         low, high = (mid, high) if rejected(mid) else (low, mid)
     return low
+
+
+def cp_max_certifiable_epsilon(*, positives: int, negatives: int, delta: float, confidence: float) -> float:
+    """The largest epsilon ``epsilon_lower_bound`` can give with these counts: that of a perfect test.
+
+    A row whose nominal epsilon is at or above this cannot detect a violation with
+    Clopper-Pearson, whatever the code does.
+    """
+    return epsilon_lower_bound(false_positives=0, negatives=negatives, false_negatives=0, positives=positives,
+                               delta=delta, confidence=confidence)
+
+
+def gdp_delta(epsilon: float, mu: float) -> float:
+    """delta(epsilon) of mu-GDP: Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Dong et al., Cor. 2.13).
+
+    In log space, so a large epsilon or a small mu does not cancel to garbage.
+    """
+    if mu <= 0:
+        return 0.0
+    if math.isinf(mu):
+        return 1.0
+    first = float(special.log_ndtr(-epsilon / mu + mu / 2))
+    second = epsilon + float(special.log_ndtr(-epsilon / mu - mu / 2))
+    return 0.0 if second >= first else math.exp(first) * -math.expm1(second - first)
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """The smallest epsilon >= 0 with ``gdp_delta(epsilon, mu) <= delta`` (delta falls as epsilon grows)."""
+    if mu <= 0 or gdp_delta(0.0, mu) <= delta:
+        return 0.0
+    if math.isinf(mu):
+        return math.inf
+    high = 1.0
+    while gdp_delta(high, mu) > delta:
+        high *= 2
+    return float(optimize.brentq(lambda e: gdp_delta(e, mu) - delta, 0.0, high, xtol=1e-12))
+
+
+def gdp_mu(epsilon: float, delta: float) -> float:
+    """The mu whose ``gdp_epsilon`` at ``delta`` is ``epsilon`` (the inverse of ``gdp_epsilon``)."""
+    if epsilon <= 0:
+        return 0.0
+    high = 1.0
+    while gdp_epsilon(high, delta) < epsilon:
+        high *= 2
+    return float(optimize.brentq(lambda m: gdp_epsilon(m, delta) - epsilon, 1e-9, high, xtol=1e-12))
+
+
+def mu_estimate(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
+    """(mean_in - mean_out) / pooled standard deviation."""
+    x, y = np.asarray(in_scores, float), np.asarray(out_scores, float)
+    pooled = ((len(x) - 1) * x.var(ddof=1) + (len(y) - 1) * y.var(ddof=1)) / (len(x) + len(y) - 2)
+    diff = x.mean() - y.mean()
+    if pooled == 0:
+        return math.inf if diff > 0 else 0.0
+    return float(diff / math.sqrt(pooled))
+
+
+def mu_lower_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, confidence: float) -> float:
+    """One-sided lower confidence bound on mu, exact when both samples are Gaussian with one variance.
+
+    The two-sample t statistic has a noncentral t distribution with n + m - 2 degrees of
+    freedom and noncentrality mu / sqrt(1/n + 1/m); the bound is the noncentrality whose
+    upper tail at the observed t is ``1 - confidence`` (the tail grows with it), rescaled.
+    """
+    alpha = 1 - confidence
+    _check_alpha(alpha)
+    n, m = len(in_scores), len(out_scores)
+    if n < 2 or m < 2:
+        raise InvalidConfigError(f"need at least 2 scores on each side, got {n} and {m}")
+    scale, df = math.sqrt(1 / n + 1 / m), n + m - 2
+    estimate = mu_estimate(in_scores, out_scores)
+    if math.isinf(estimate):
+        return math.inf
+    observed = estimate / scale
+    if stats.t.sf(observed, df) >= alpha:  # mu = 0 explains the scores
+        return 0.0
+
+    def excess(noncentrality: float) -> float:
+        return float(stats.nct.sf(observed, df, noncentrality)) - alpha
+
+    high = max(observed, 1.0)
+    while excess(high) < 0:
+        high *= 2
+    return float(optimize.brentq(excess, 0.0, high, xtol=1e-10)) * scale
+
+
+def gdp_epsilon_lower_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float,
+                            confidence: float) -> dict[str, float]:
+    """Epsilon at ``delta`` of the mu lower bound, with the point estimate beside it."""
+    estimate = mu_estimate(in_scores, out_scores)
+    lower = mu_lower_bound(in_scores, out_scores, confidence=confidence)
+    return {"mu_estimate": estimate, "mu_lower_bound": lower,
+            "gdp_epsilon_estimate": gdp_epsilon(max(estimate, 0.0), delta),
+            "gdp_epsilon_lower_bound": gdp_epsilon(lower, delta)}
+
+
+def gdp_epsilon_from_rates(
+    *, false_positives: int, negatives: int, false_negatives: int, positives: int, delta: float,
+    confidence: float,
+) -> float:
+    """Epsilon at ``delta`` of the smallest mu that allows these counts, for a mu-GDP mechanism.
+
+    Valid only for mechanisms that are mu-GDP for some mu (DP-SGD with full batches); the
+    rates' Clopper-Pearson bounds hold together at ``confidence``, as in ``epsilon_lower_bound``.
+    """
+    alpha = (1 - confidence) / 2
+    fpr = clopper_pearson_upper(false_positives, negatives, alpha=alpha)
+    fnr = clopper_pearson_upper(false_negatives, positives, alpha=alpha)
+    mu = float(stats.norm.isf(fpr) - stats.norm.ppf(fnr))
+    return gdp_epsilon(max(mu, 0.0), delta)

@@ -30,6 +30,7 @@ class Data:
     features: np.ndarray
     labels: np.ndarray
     num_examples: int
+    image_shape: tuple[int, ...] | None = None  # of one row before flattening (the white-box CNN needs it)
 
     @property
     def canary_rows(self) -> np.ndarray:
@@ -68,8 +69,9 @@ def load_data(data: str, *, split: str, num_examples: int, kind: CanaryKind, can
     order = rng.permutation(len(rows))[: num_examples + spare]
     images, labels = rows.take(order)
     features = images.reshape(len(order), -1).astype(np.float32) / 255.0
-    return build_data(features, labels.astype(np.int32), num_examples=num_examples, canaries=canaries,
-                      kind=kind, num_classes=dataset.num_classes, rng=rng), dataset.num_classes
+    data = build_data(features, labels.astype(np.int32), num_examples=num_examples, canaries=canaries,
+                      kind=kind, num_classes=dataset.num_classes, rng=rng)
+    return dataclasses.replace(data, image_shape=tuple(images.shape[1:])), dataset.num_classes
 
 
 def build_data(

@@ -53,6 +53,19 @@ def game_statistics(
     }
 
 
+def gdp_rates_statistics(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float,
+                         holdout_fraction: float) -> dict[str, float]:
+    """``audit_bounds.gdp_epsilon_from_rates`` at its own best threshold on the held-out models."""
+    n_in, n_out = int(len(in_scores) * holdout_fraction), int(len(out_scores) * holdout_fraction)
+    threshold = audit_bounds.best_threshold(in_scores[:n_in], out_scores[:n_out], delta=delta, confidence=confidence,
+                                            estimator=audit_bounds.gdp_epsilon_from_rates)
+    test_in, test_out = in_scores[n_in:], out_scores[n_out:]
+    bound = audit_bounds.gdp_epsilon_from_rates(
+        false_positives=int(np.sum(test_out >= threshold)), negatives=len(test_out),
+        false_negatives=int(np.sum(test_in < threshold)), positives=len(test_in), delta=delta, confidence=confidence)
+    return {"gdp_rates_epsilon_lower_bound": bound, "gdp_rates_threshold": threshold}
+
+
 def one_run_statistics(scores: np.ndarray, member: np.ndarray, *, delta: float, confidence: float,
                        guess_fraction: float) -> dict[str, float]:
     """Guess the top scores in and the bottom scores out; bound from Steinke et al. (2023)."""
@@ -84,15 +97,37 @@ def audit_setting(
     )[:, 0]
     stats = game_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
                             holdout_fraction=holdout_fraction)
+    if setup.plan.batch_size == setup.plan.num_examples:  # q = 1: the run is mu-GDP, so the rates bound it
+        stats |= gdp_rates_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
+                                      holdout_fraction=holdout_fraction)
     row = {
-        "num_examples": data.num_examples, "nominal_epsilon": nominal_epsilon, "delta": delta,
+        "threat_model": "black-box", "num_examples": data.num_examples, "nominal_epsilon": nominal_epsilon,
+        "delta": delta,
         "noise_multiplier": setup.plan.noise_multiplier, "batch_size": setup.plan.batch_size,
         "steps": setup.plan.steps, "model": setup.model, "num_models": num_models,
         "confidence": confidence, **stats,
         "advantage_bound": audit_bounds.advantage_bound(nominal_epsilon, delta),
         "seconds": time.perf_counter() - started,
     }
-    row["violation"] = bool(row["epsilon_lower_bound"] > nominal_epsilon)
+    return finish_row(row)
+
+
+def finish_row(row: dict) -> dict:
+    """Which estimator gave which bound, the Clopper-Pearson ceiling of the row, and the verdict.
+
+    ``cp_max_certifiable_epsilon`` is what a perfect test on this row's test models would
+    certify; at or above it, Clopper-Pearson cannot detect a violation (GDP has no such ceiling).
+    """
+    row["estimators"] = {"clopper-pearson": row["epsilon_lower_bound"]}
+    if "gdp_epsilon_lower_bound" in row:
+        row["estimators"]["gdp"] = row["gdp_epsilon_lower_bound"]
+    if "gdp_rates_epsilon_lower_bound" in row:
+        row["estimators"]["gdp-rates"] = row["gdp_rates_epsilon_lower_bound"]
+    row["best_estimator"], row["best_lower_bound"] = max(row["estimators"].items(), key=lambda kv: kv[1])
+    row["cp_max_certifiable_epsilon"] = audit_bounds.cp_max_certifiable_epsilon(
+        positives=row["positives"], negatives=row["negatives"], delta=row["delta"], confidence=row["confidence"])
+    row["cp_cannot_detect"] = bool(row["nominal_epsilon"] >= row["cp_max_certifiable_epsilon"])
+    row["violation"] = bool(row["best_lower_bound"] > row["nominal_epsilon"])
     return row
 
 
@@ -116,22 +151,37 @@ def one_run(data: Data, setup: TrainingSetup, *, delta: float, confidence: float
                               guess_fraction=guess_fraction)
 
 
-_COLUMNS = (("|D|", "num_examples", "d"), ("nominal eps", "nominal_epsilon", ".3f"),
-            ("delta", "delta", ".0e"), ("sigma", "noise_multiplier", ".3f"),
-            ("models", "num_models", "d"), ("eps lower bound", "epsilon_lower_bound", ".3f"),
-            ("AUC", "auc", ".3f"), ("advantage", "advantage", ".3f"),
-            ("advantage bound", "advantage_bound", ".3f"), ("seconds", "seconds", ".1f"))
+_COLUMNS = (("threat model", "threat_model", "s"), ("model", "model", "s"), ("|D|", "num_examples", "d"),
+            ("T", "steps", "d"), ("nominal eps", "nominal_epsilon", ".3f"), ("delta", "delta", ".0e"),
+            ("sigma", "noise_multiplier", ".3f"), ("models", "num_models", "d"),
+            ("GDP eps lower bound", "gdp_epsilon_lower_bound", ".3f"),
+            ("GDP-rates eps lower bound", "gdp_rates_epsilon_lower_bound", ".3f"),
+            ("CP eps lower bound", "epsilon_lower_bound", ".3f"),
+            ("CP max certifiable", "cp_max_certifiable_epsilon", ".2f"),
+            ("mu nominal", "mu_nominal", ".3f"), ("mu estimate", "mu_estimate", ".3f"),
+            ("AUC", "auc", ".3f"), ("seconds", "seconds", ".1f"),
+            ("one-run eps lower bound", "one_run_epsilon_lower_bound", ".3f"))
+
+
+def row_note(row: dict) -> str:
+    """The verdict of a row in words."""
+    notes = []
+    if row.get("violation"):
+        notes.append(f"VIOLATION ({row['best_estimator']})")
+    if row.get("cp_cannot_detect"):
+        others = len(row.get("estimators", {})) > 1
+        notes.append("CP: this row cannot detect a violation" + ("" if others else " (no other estimator)"))
+    return "; ".join(notes)
 
 
 def markdown_table(rows: tuple[dict, ...] | list[dict]) -> str:
-    columns = list(_COLUMNS)
-    if any("one_run_epsilon_lower_bound" in r for r in rows):
-        columns.append(("one-run eps lower bound", "one_run_epsilon_lower_bound", ".3f"))
-    lines = ["| " + " | ".join(c[0] for c in columns) + " |",
-             "|" + "---|" * len(columns)]
+    """Only the columns some row has, plus the verdict of each row."""
+    columns = [c for c in _COLUMNS if any(c[1] in r for r in rows)]
+    lines = ["| " + " | ".join(c[0] for c in columns) + " | note |",
+             "|" + "---|" * (len(columns) + 1)]
     for row in rows:
         cells = [format(row[key], fmt) if key in row else "" for _, key, fmt in columns]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + [row_note(row)]) + " |")
     return "\n".join(lines) + "\n"
 
 

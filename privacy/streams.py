@@ -14,6 +14,7 @@ Stream constants only need to be distinct; they are part of no file format.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -36,6 +37,24 @@ def stream_key(seed: int, stream: Stream, *path: int | jax.Array) -> jax.Array:
     for part in path:
         key = jax.random.fold_in(key, part)
     return key
+
+
+class ModelKeys(NamedTuple):
+    """The keys of one of many models trained side by side (audits, quick searches).
+
+    Each is ``stream_key(seed, stream, model)``: the stream is folded in before the model
+    index, so model m's init key can never equal model m''s noise or sampling key.
+    Per step, ``sampling`` and ``noise`` are folded with the step number.
+    """
+
+    init: jax.Array
+    sampling: jax.Array
+    noise: jax.Array
+
+
+def model_keys(seed: int, model: int | jax.Array) -> ModelKeys:
+    """The init, sampling and noise keys of model ``model`` (traceable in ``model``)."""
+    return ModelKeys(*(stream_key(seed, s, model) for s in (Stream.INIT, Stream.SAMPLING, Stream.NOISE)))
 
 
 def stream_rng(seed: int, stream: Stream, *path: int) -> np.random.Generator:

@@ -6,6 +6,10 @@ are trained on a subset D of the data, with and without a canary (``audit.canari
 plan's own DP step (``training.vmapped``), and the distinguishing game and optionally the
 one-run audit turn their scores into lower bounds (``audit.game``, ``audit.bounds``).
 
+``threat_model="white-box"`` instead inserts a gradient canary into the real step and lets the
+adversary see every update (``audit.whitebox``); its Gaussian-DP bound is close to the nominal
+epsilon for correct code, so a broken privatiser shows up above it.
+
 A lower bound above the nominal epsilon is a bug in the DP code (or the audit): the result
 says so loudly.
 """
@@ -14,16 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Literal
 
-from dpscale.audit.canaries import CanaryKind, load_data
+from dpscale.audit.canaries import CanaryKind, Data, load_data
 from dpscale.audit.game import audit_setting, one_run, write_reports
+from dpscale.audit.whitebox import PerExample, WhiteBoxSetup, white_box_row
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 from dpscale.privacy.seeds import resolve_seed
 from dpscale.privacy.streams import Stream, stream_rng
 from dpscale.progress import progress_bar
-from dpscale.training.vmapped import ModelKind, StepClass, TrainingSetup
+from dpscale.training.vmapped import StepClass, TrainingSetup
+
+ThreatModel = Literal["black-box", "white-box"]
 
 _log = logging.getLogger(__name__)
 
@@ -37,11 +45,11 @@ class AuditConfig:
     epsilons: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     delta: float = 1e-5
     num_examples: int = 1000  # |D|
-    batch_size: int = 100
+    batch_size: int | None = None  # black-box: 100; white-box: |D| (full batches, the only kind it takes)
     steps: int = 50
     learning_rate: float = 1.0
     clip_norm: float = 1.0
-    model: ModelKind = "linear"
+    model: str = "linear"  # black-box: linear, mlp; white-box: linear, cnn
     hidden: int = 32
     num_models: int = 1000
     holdout_fraction: float = 0.5  # models used only to choose the threshold
@@ -53,6 +61,10 @@ class AuditConfig:
     seed: int | None = None
     split: str = "train"
     show_progress: bool = True
+    threat_model: ThreatModel = "black-box"
+    microbatches: int = 2  # white-box: micro-batches per step (accumulation is audited too)
+    canary_norm: float = 10.0  # white-box: |canary gradient| / C
+    per_example: PerExample = "vmap"  # white-box CNN: vmap or book-keeping per-example gradients
 
     def __post_init__(self) -> None:
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
@@ -67,6 +79,22 @@ class AuditConfig:
             raise InvalidConfigError(f"canary must be 'ood' or 'mislabelled', got {self.canary!r}")
         if not 0 < self.one_run_guess_fraction <= 1:
             raise InvalidConfigError("one_run_guess_fraction must be in (0, 1]")
+        if self.threat_model not in ("black-box", "white-box"):
+            raise InvalidConfigError(f"threat_model must be 'black-box' or 'white-box', got {self.threat_model!r}")
+        models = ("linear", "mlp") if self.threat_model == "black-box" else ("linear", "cnn")
+        if self.model not in models:
+            raise InvalidConfigError(f"the {self.threat_model} audit supports models {models}, got {self.model!r}")
+        if self.threat_model == "white-box" and self.batch_size not in (None, self.num_examples):
+            raise InvalidConfigError("the white-box audit uses full batches: --batch-size must be |D| "
+                                     f"({self.num_examples}) or left out")
+        if self.threat_model == "white-box" and self.one_run_canaries:
+            raise InvalidConfigError("the one-run audit is black-box only")
+
+    @property
+    def effective_batch_size(self) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        return self.num_examples if self.threat_model == "white-box" else 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +117,11 @@ def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResul
     rows = []
     for epsilon in config.epsilons:
         plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, config.delta), num_examples=config.num_examples,
-                                     batch_size=config.batch_size, steps=config.steps)
+                                     batch_size=config.effective_batch_size, steps=config.steps)
         nominal = plan.epsilon()
+        if config.threat_model == "white-box":
+            rows.append(_white_box(config, data, plan, nominal, seed, step_class))
+            continue
         setup = TrainingSetup(plan=plan, learning_rate=config.learning_rate, clip_norm=config.clip_norm,
                               model=config.model, hidden=config.hidden)
         with progress_bar(f"audit eps={epsilon:g}", total=config.num_models, enabled=config.show_progress) as bar:
@@ -103,7 +134,8 @@ def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResul
             row |= one_run(data, setup, delta=config.delta, confidence=config.confidence,
                            guess_fraction=config.one_run_guess_fraction, seed=seed, rng=rng,
                            step_class=step_class)
-        row["violation"] |= row.get("one_run_epsilon_lower_bound", 0.0) > nominal
+            row["estimators"]["one-run"] = row["one_run_epsilon_lower_bound"]
+            row["violation"] |= row["one_run_epsilon_lower_bound"] > nominal
         if row["violation"]:
             _log.error("AUDIT VIOLATION: lower bound above the nominal epsilon %.3f: %s", nominal, row)
         rows.append(row)
@@ -111,3 +143,21 @@ def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResul
     if config.out_dir:
         write_reports(result.as_dict(), rows, config.out_dir)
     return result
+
+
+def _white_box(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: float, seed: int,
+               step_class: StepClass) -> dict:
+    setup = WhiteBoxSetup(plan=plan, model=config.model, per_example=config.per_example,
+                          learning_rate=config.learning_rate, clip_norm=config.clip_norm,
+                          microbatches=config.microbatches, canary_norm=config.canary_norm)
+    n = config.num_examples
+    with progress_bar(f"white-box audit eps={plan.epsilon():.3g}", total=config.num_models,
+                      enabled=config.show_progress) as bar:
+        row = white_box_row(data.features[:n], data.labels[:n], int(data.labels.max()) + 1, setup=setup,
+                            nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
+                            confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
+                            image_shape=data.image_shape, step_class=step_class, chunk_size=config.chunk_size,
+                            bar=bar)
+    if row["violation"]:
+        _log.error("AUDIT VIOLATION: lower bound above the nominal epsilon %.3f: %s", nominal, row)
+    return row

@@ -10,7 +10,8 @@ models is only what DP-SGD randomises and the caller controls:
   (``privacy.sampling.poisson_slots``, from ``Stream.SAMPLING`` at (model, step));
 * the noise: ``Stream.NOISE`` at (model, step).
 
-All models start from the same parameters (``Stream.INIT``). A Poisson batch has a random
+Keys come from ``privacy.streams.model_keys``. All models start from the same parameters
+(``Stream.INIT`` without a model index: the black-box adversary knows the initialisation). A Poisson batch has a random
 size; to keep shapes static it is gathered into ``batch_capacity`` slots (padding has mask
 0), and a batch that would not fit is counted and fails the call instead of being
 truncated silently.
@@ -32,7 +33,7 @@ from dpscale.privacy.dpsgd import DpsgdStep, TrainState
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.sampling import batch_capacity, poisson_slots
-from dpscale.privacy.streams import Stream, stream_key
+from dpscale.privacy.streams import Stream, model_keys, stream_key
 
 PyTree = Any
 ModelKind = Literal["linear", "mlp"]
@@ -126,13 +127,13 @@ def train_models(
     capacity = batch_capacity(num_rows, rate)
 
     def one_step(state: Any, model_index: jax.Array, rows_present: jax.Array, step: jax.Array):
-        key = stream_key(seed, Stream.SAMPLING, model_index, step)
-        index, mask, overflow = poisson_slots(key, rate, rows_present, capacity)
+        keys = model_keys(seed, model_index)
+        index, mask, overflow = poisson_slots(jax.random.fold_in(keys.sampling, step), rate, rows_present, capacity)
         batch = {"features": features[index], "label": labels[index]}
         if setup.model == "mlp":  # the generic path wants a view axis (augmult K = 1)
             batch = jax.tree_util.tree_map(lambda x: x[:, None], batch)
         total = dp_step.accumulate_pure(state.params, dp_step.zero_sum(state), batch, mask, state.model_state)
-        state, _ = dp_step.apply_pure(state, total, stream_key(seed, Stream.NOISE, model_index))
+        state, _ = dp_step.apply_pure(state, total, keys.noise)
         return state, overflow
 
     @jax.jit

@@ -97,3 +97,43 @@ def test_one_run_bound_is_sound_and_powerful_on_randomised_response():
                                                      delta=0.0, confidence=0.95))
     assert max(bounds) <= eps
     assert np.median(bounds) > 1.5
+
+
+def test_gdp_epsilon_matches_the_gaussian_mechanism_and_inverts():
+    from dpscale.audit.bounds import gdp_delta, gdp_epsilon, gdp_mu
+
+    # One Gaussian mechanism with sigma = 1 is 1-GDP: the analytic (eps, delta) curve of Balle & Wang.
+    assert gdp_delta(1.0, 1.0) == pytest.approx(0.12693, abs=1e-4)
+    for epsilon in (0.5, 2.0, 8.0):
+        assert gdp_epsilon(gdp_mu(epsilon, 1e-5), 1e-5) == pytest.approx(epsilon, rel=1e-6)
+    assert gdp_epsilon(0.0, 1e-5) == 0.0
+
+
+def test_mu_lower_bound_covers_the_true_mu_at_its_confidence():
+    from dpscale.audit.bounds import mu_lower_bound
+
+    rng = np.random.default_rng(0)
+    misses = sum(mu_lower_bound(rng.normal(0.7, 2.0, 300) + 5, rng.normal(0.0, 2.0, 300) + 5, confidence=0.9)
+                 > 0.35 for _ in range(400))
+    assert 20 <= misses <= 62  # 10% of 400 is 40; mu = 0.7 / 2 = 0.35
+
+
+def test_cp_ceiling_is_the_bound_of_a_perfect_test():
+    from dpscale.audit.bounds import cp_max_certifiable_epsilon, epsilon_lower_bound
+
+    ceiling = cp_max_certifiable_epsilon(positives=500, negatives=500, delta=1e-5, confidence=0.999)
+    assert ceiling == pytest.approx(4.18, abs=0.01)
+    assert epsilon_lower_bound(false_positives=1, negatives=500, false_negatives=0, positives=500, delta=1e-5,
+                               confidence=0.999) < ceiling
+
+
+def test_gdp_rates_bound_is_below_the_true_mu_and_above_cp_for_a_separable_test():
+    from dpscale.audit.bounds import gdp_epsilon, gdp_epsilon_from_rates
+
+    # Scores N(mu, 1) vs N(0, 1), threshold mu / 2: rates Phi(-mu / 2) each.
+    rng = np.random.default_rng(1)
+    mu, n = 2.0, 5000
+    fn, fp = int(np.sum(rng.normal(mu, 1, n) < mu / 2)), int(np.sum(rng.normal(0, 1, n) >= mu / 2))
+    counts = dict(false_positives=fp, negatives=n, false_negatives=fn, positives=n, delta=1e-5, confidence=0.999)
+    gdp = gdp_epsilon_from_rates(**counts)
+    assert ab.epsilon_lower_bound(**counts) < gdp < gdp_epsilon(mu, 1e-5)

@@ -89,5 +89,45 @@ def test_cli_writes_json_and_markdown_with_one_run(ingested_digits, tmp_path):
     assert row["one_run_canaries"] == 40 and row["one_run_guesses"] == 8
     assert 0 <= row["one_run_epsilon_lower_bound"] <= row["nominal_epsilon"]
     table = (out / "audit.md").read_text()
-    assert table.startswith("| |D| | nominal eps |") and "| 150 |" in table
+    assert table.startswith("| threat model | model | |D| |") and "| black-box | mlp | 150 |" in table
     assert table in result.stderr and len(json.loads(result.stdout)["rows"]) == 1  # stdout: the JSON only
+    assert row["estimators"] == {"clopper-pearson": row["epsilon_lower_bound"],
+                                 "one-run": row["one_run_epsilon_lower_bound"]}
+    # 64 models cannot certify epsilon 2 with Clopper-Pearson, and the row says so.
+    assert row["cp_max_certifiable_epsilon"] < row["nominal_epsilon"] and row["cp_cannot_detect"]
+    assert "cannot detect a violation" in table
+
+
+@pytest.mark.parametrize("model", ["linear", "cnn"])
+def test_cli_white_box_rows_name_their_estimators(ingested_digits, tmp_path, model):
+    out = tmp_path / "audit"
+    args = ["audit", ingested_digits, "--out-dir", str(out), "--threat-model", "white-box", "--model", model,
+            "--epsilon", "4", "--num-examples", "20", "--steps", "3", "--num-models", "400", "--seed", "0"]
+    if model == "cnn":
+        args += ["--per-example", "bookkeeping", "--num-models", "40"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((out / "audit.json").read_text())["rows"]
+    assert row["threat_model"] == "white-box" and row["batch_size"] == 20 and row["microbatches"] == 2
+    assert set(row["estimators"]) == {"clopper-pearson", "gdp"}
+    assert row["gdp_epsilon_lower_bound"] <= row["nominal_epsilon"] and not row["violation"]
+    if model == "linear":  # 200 models per side are enough for a bound well above 0
+        assert row["gdp_epsilon_lower_bound"] > 1.0
+    assert "| white-box |" in result.output
+
+
+def test_cli_white_box_rejects_subsampling(ingested_digits):
+    result = CliRunner().invoke(cli, ["audit", ingested_digits, "--threat-model", "white-box",
+                                      "--num-examples", "50", "--batch-size", "10"])
+    assert result.exit_code == 2
+    assert "full batches" in result.output and "Traceback" not in result.output
+
+
+def test_black_box_full_batch_rows_add_the_gdp_rates_bound(ingested_digits):
+    from dpscale.stages import audit
+
+    config = audit.AuditConfig(data=ingested_digits, epsilons=(4.0,), num_examples=40, batch_size=40, steps=3,
+                               num_models=200, seed=0, show_progress=False)
+    (row,) = audit.run(config).rows
+    assert set(row["estimators"]) == {"clopper-pearson", "gdp-rates"}
+    assert 0 <= row["gdp_rates_epsilon_lower_bound"] <= row["nominal_epsilon"] and not row["violation"]
