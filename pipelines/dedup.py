@@ -49,13 +49,13 @@ class GraphSettings:
     num_private: int
     num_classes: int
     image_shape: tuple[int, ...]
+    #: public task name -> first row among all public rows (``planning.public_positions``)
+    public_positions: dict[str, int]
+    #: ((private split, block), images) for every verification block (``planning.verify_blocks``)
+    verify_blocks: tuple[tuple[tuple[str, int], int], ...]
     public_splits: tuple[str, ...] = ()
     private_splits: tuple[str, ...] = ()
     progress_dir: str | None = None
-    #: public task name -> first row among all public rows (``planning.public_positions``)
-    public_positions: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: ((private split, block), images) for every verification block (``planning.verify_blocks``)
-    verify_blocks: tuple[tuple[tuple[str, int], int], ...] = ()
     private_per_block: int = planning.PRIVATE_PER_VERIFY_TASK
 
 
