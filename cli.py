@@ -321,7 +321,11 @@ def import_weights(name: str, output: str | None, force: bool) -> None:
 
     result = stage.run(stage.ImportWeightsConfig(name, output=output, force=force))
     status = "already imported, skipped (use --force to redo)" if result.skipped else "imported"
-    click.echo(f"{name}: {status}: {result.directory} (weights sha256 {result.metadata.weights_sha256[:16]}...)")
+    _note(f"{name}: {status}: {result.directory}")
+    meta = result.metadata
+    _print_json_line({"name": name, "directory": str(result.directory), "skipped": result.skipped,
+                      "model": meta.model, "resolution": meta.preprocessing.resolution,
+                      "weights_sha256": meta.weights_sha256})
 
 
 @cli.command("export-backbone")
@@ -346,8 +350,10 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
         click.echo("dpscale: warning: non-private run: this backbone carries no privacy guarantee "
                    "for the data it was trained on", err=True)
     meta = result.metadata
-    click.echo(f"{meta.model} ({result.parameters} parameters, {meta.preprocessing.resolution} px, "
-               f"weights sha256 {meta.weights_sha256[:16]}...) -> {result.output_dir}")
+    _note(f"{meta.model} ({result.parameters} parameters, {meta.preprocessing.resolution} px) -> {result.output_dir}")
+    _print_json_line({"output_dir": result.output_dir, "model": meta.model, "parameters": result.parameters,
+                      "resolution": meta.preprocessing.resolution, "private": result.private,
+                      "epsilon": result.epsilon, "delta": result.delta, "weights_sha256": meta.weights_sha256})
 
 
 @cli.command("featurize", context_settings={"ignore_unknown_options": True,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -92,8 +92,12 @@ def _load(task: ReadTask, work_dir: str) -> np.ndarray:
 
 
 def knn_task(private: ReadTask, public: Sequence[ReadTask], work_dir: str, *, k: int,
-             min_similarity: float) -> list[Candidate]:
-    """The ``k`` nearest public images (of the ``public`` tasks) of each image of ``private``."""
+             min_similarity: float,
+             searched: Callable[[ReadTask], None] | None = None) -> list[Candidate]:
+    """The ``k`` nearest public images (of the ``public`` tasks) of each image of ``private``.
+
+    ``searched(t)`` is called after each public task ``t`` (progress within a long task).
+    """
     views = _load(private, work_dir)
     best = None
     offsets, start = [], 0
@@ -102,6 +106,8 @@ def knn_task(private: ReadTask, public: Sequence[ReadTask], work_dir: str, *, k:
         top = knn.search(views, _load(t, work_dir)[0], k, offset=start)
         best = top if best is None else knn.merge(best, top, k)
         start += t.stop - t.start
+        if searched is not None:
+            searched(t)
     if best is None:
         return []
     offsets_arr = np.array(offsets)

@@ -16,6 +16,7 @@ from dpscale.data.dataset import IngestedDataset
 from dpscale.dedup.join import PRIVATE, PUBLIC, ReadTask
 
 PUBLIC_PER_KNN_TASK = 25_000  # public images one nearest-neighbour task searches
+PRIVATE_PER_VERIFY_TASK = 256  # private images whose candidates one verification task checks
 
 
 def select_splits(dataset: IngestedDataset, wanted: Sequence[str]) -> list[str]:
@@ -65,3 +66,31 @@ def knn_tasks(tasks: Sequence[ReadTask],
         groups[-1].append(t)
         size += t.stop - t.start
     return [(p, tuple(g)) for p in private for g in groups if g]
+
+
+def public_positions(tasks: Sequence[ReadTask]) -> dict[str, int]:
+    """Public task name -> its first row in the concatenation of all public tasks.
+
+    The neighbour search reports progress as (private rows x public rows searched) / public
+    rows; cumulative positions make each private task's marks add up to its rows exactly.
+    """
+    positions, start = {}, 0
+    for t in (t for t in tasks if t.side == PUBLIC):
+        positions[t.name] = start
+        start += t.stop - t.start
+    return positions
+
+
+def verify_blocks(dataset: IngestedDataset, splits: Sequence[str],
+                  per_block: int = PRIVATE_PER_VERIFY_TASK) -> list[tuple[tuple[str, int], int]]:
+    """((split, block), private images in it) for every block of ``per_block`` private images.
+
+    Verification runs one task per block, including blocks without candidates, so its
+    progress counts planned images only: how many candidates there are (a count computed
+    from the private data) never shows on the progress bar.
+    """
+    blocks = []
+    for split in splits:
+        n = dataset.num_examples(split)
+        blocks += [((split, b), min(per_block, n - b * per_block)) for b in range(-(-n // per_block))]
+    return blocks

@@ -226,6 +226,10 @@ def efficientnet_lite(name: str, *, num_classes: int = 1000, dtype: Any = jnp.fl
     return ImageClassifier(backbone=backbone, head=Classifier(num_classes))
 
 
+#: Trainable parameters at 1000 classes (``ModelSpec.params``; a registry test recomputes them).
+_PARAMS = {"efficientnet-lite0": 4_652_008, "efficientnet-lite1": 5_416_680, "efficientnet-lite2": 6_092_072}
+
+
 def _register() -> None:
     """List the variants in the model registry (it imports this module lazily)."""
     from dpscale.models import registry
@@ -240,6 +244,7 @@ def _register() -> None:
                 feature_dim=HEAD_CHANNELS,
                 pretrained=True,  # dpscale import-weights NAME
                 description=f"EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), {variant.resolution}px",
+                params=_PARAMS[name],
             )
         )
 

@@ -6,9 +6,10 @@ names are registered below; WRN-d-k also resolves for any valid ``wrn-D-K`` on d
 
 Adding models from another module (e.g. EfficientNet-Lite): call ``register(ModelSpec(...))``
 at import time of that module, and list the module in ``_PROVIDER_MODULES`` so the registry
-imports it the first time anyone asks for a name. Parameter counts are computed with
-``jax.eval_shape`` (no arrays are allocated), so listing even the 255M-parameter NFNet-F3 is
-cheap.
+imports it the first time anyone asks for a name. Each spec carries its parameter count as a
+constant (``tests/models/test_registry.py`` recomputes every one with ``jax.eval_shape``):
+tracing all models takes 10-20 s, too slow for ``dpscale models``. Other class counts and
+on-demand WRNs are traced when asked.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class ModelSpec:
     #: True if ``features`` has no parameters (a fixed transform): ``featurize --backbone NAME``
     #: then needs no weights (``models.pretrained`` builds the backbone directory itself).
     parameter_free_backbone: bool = False
+    #: Trainable parameters at the default ``num_classes`` and ``input_shape``; a constant so
+    #: listing models needs no tracing (a test checks it against the code). None: traced on demand.
+    params: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_shape) != 3:
@@ -81,9 +85,19 @@ def _wrn_spec(depth: int, width: int) -> ModelSpec:
     )
 
 
+#: Parameter counts of the built-in models (default classes and input); see ``ModelSpec.params``.
+_PARAMS = {
+    "wrn-16-4": 2_748_890, "wrn-40-4": 8_949_210, "wrn-28-10": 36_479_194,
+    "nf-resnet-50": 25_557_048, "nf-resnet-101": 44_549_193, "nf-resnet-152": 60_192_858,
+    "nf-resnet-200": 64_673_898,
+    "nfnet-f0": 71_489_284, "nfnet-f1": 132_634_256, "nfnet-f2": 193_779_228, "nfnet-f3": 254_924_200,
+    "cnn-small": 98_682, "scatternet-linear": 39_700, "scatternet-cnn": 84_426,
+}
+
+
 def _register_builtins() -> None:
     for depth, width in ((16, 4), (40, 4), (28, 10)):
-        register(_wrn_spec(depth, width))
+        register(dataclasses.replace(_wrn_spec(depth, width), params=_PARAMS[f"wrn-{depth}-{width}"]))
     for depth in nf_resnet.NF_RESNET_DEPTHS:
         register(ModelSpec(
             name=f"nf-resnet-{depth}",
@@ -92,6 +106,7 @@ def _register_builtins() -> None:
             input_shape=(224, 224, 3),
             feature_dim=nf_resnet.NF_RESNET_FEATURE_DIM,
             description=f"Normalizer-Free ResNet-{depth} (Brock et al. 2021a)",
+            params=_PARAMS[f"nf-resnet-{depth}"],
         ))
     for variant, row in nfnet.NFNET_VARIANTS.items():
         register(ModelSpec(
@@ -101,6 +116,7 @@ def _register_builtins() -> None:
             input_shape=(row.train_size, row.train_size, 3),
             feature_dim=nfnet.NFNET_FEATURE_DIM,
             description=f"NFNet-{variant} (Brock et al. 2021b), train resolution {row.train_size}",
+            params=_PARAMS[f"nfnet-{variant.lower()}"],
         ))
     register(ModelSpec(
         name="cnn-small",
@@ -109,6 +125,7 @@ def _register_builtins() -> None:
         input_shape=(28, 28, 1),
         feature_dim=cnn.DEFAULT_CHANNELS[-1],
         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
+        params=_PARAMS["cnn-small"],
     ))
     scatter_maps = scattering.num_channels(2, 8)  # J=2, L=8: 81 maps of 7x7 per grey channel
     register(ModelSpec(
@@ -119,6 +136,7 @@ def _register_builtins() -> None:
         feature_dim=scatter_maps * 7 * 7,
         description="Softmax regression on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
         parameter_free_backbone=True,
+        params=_PARAMS["scatternet-linear"],
     ))
     register(ModelSpec(
         name="scatternet-cnn",
@@ -127,6 +145,7 @@ def _register_builtins() -> None:
         input_shape=(28, 28, 1),
         feature_dim=64,
         description="GroupNorm + WS CNN on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
+        params=_PARAMS["scatternet-cnn"],
     ))
 
 
@@ -178,9 +197,20 @@ def abstract_variables(name: str, *, num_classes: int | None = None,
     return jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct(shape, jnp.float32))
 
 
-@functools.lru_cache(maxsize=None)
 def param_count(name: str, *, num_classes: int | None = None) -> int:
-    """Number of trainable parameters (the ``params`` collection) of the named model."""
+    """Number of trainable parameters (the ``params`` collection) of the named model.
+
+    The spec's constant when it has one for these classes; traced otherwise.
+    """
+    spec = get_spec(name)
+    if spec.params is not None and (num_classes is None or int(num_classes) == spec.num_classes):
+        return spec.params
+    return traced_param_count(spec.name, num_classes=num_classes)
+
+
+@functools.lru_cache(maxsize=None)
+def traced_param_count(name: str, *, num_classes: int | None = None) -> int:
+    """``param_count`` from the model code itself (``jax.eval_shape``: seconds for the big models)."""
     variables = abstract_variables(name, num_classes=num_classes)
     return int(sum(leaf.size for leaf in jax.tree.leaves(variables.get("params", {}))))
 

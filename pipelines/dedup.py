@@ -2,13 +2,17 @@
 
     read tasks -> descriptors, one file per task          [public and private]
       -> (private task x public group) k-nearest-neighbour tasks -> top k per private image
-      -> verification of each candidate on the images -> closest accepted private per public
+      -> verification of each candidate on the images, one task per block of private images
+      -> closest accepted private per public
       -> CoGroupByKey with the public shards -> filtered shards -> report + manifest
 
 Only wiring lives here; the per-element work is in ``dedup.join`` and ``dedup.output``.
 Descriptors travel through files in the run's work directory, not through Beam's data
 plane, so what Beam shuffles is tasks and at most k candidates per private image.
 Matches are grouped by public shard, so each shard writer sees only its own removals.
+Progress (local runs): rows described, then (private x public rows searched) / public rows,
+then k per private image verified; all planned from the manifests, so the bar never shows a
+count computed from the private data (such as the number of candidates).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import apache_beam as beam
 
-from dpscale.dedup import join, output
+from dpscale.dedup import join, output, planning
 from dpscale.dedup.method import Method
 from dpscale.pipelines.ingest import SMALL_DATA
 from dpscale.pipelines.progress import mark
@@ -45,9 +49,19 @@ class GraphSettings:
     num_private: int
     num_classes: int
     image_shape: tuple[int, ...]
+    #: public task name -> first row among all public rows (``planning.public_positions``)
+    public_positions: dict[str, int]
+    #: ((private split, block), images) for every verification block (``planning.verify_blocks``)
+    verify_blocks: tuple[tuple[tuple[str, int], int], ...]
     public_splits: tuple[str, ...] = ()
     private_splits: tuple[str, ...] = ()
     progress_dir: str | None = None
+    private_per_block: int = planning.PRIVATE_PER_VERIFY_TASK
+
+
+def progress_total(num_public: int, num_private: int, k: int) -> int:
+    """Units of local progress: describe (every image), neighbours, verification (k per private)."""
+    return (num_public + num_private) + num_private + k * num_private
 
 
 class _WithDatasets(beam.DoFn):
@@ -80,23 +94,37 @@ def _knn(pair: tuple[join.ReadTask, tuple[join.ReadTask, ...]], *, settings: Gra
          _done: Any = None):
     private, public = pair
     m = settings.method
+    rows, total = private.stop - private.start, max(settings.num_public, 1)
+
+    def searched(t: join.ReadTask) -> None:
+        # cumulative floors: one private task's marks over all public rows sum to its rows
+        start = settings.public_positions[t.name]
+        mark(settings.progress_dir, rows * (start + t.stop - t.start) // total - rows * start // total)
+
     for c in join.knn_task(private, public, settings.work_dir, k=m.k,
-                           min_similarity=m.min_similarity):
+                           min_similarity=m.min_similarity, searched=searched):
         yield (c.private_split, c.private_index), c
-    mark(settings.progress_dir, (private.stop - private.start) * sum(
-        t.stop - t.start for t in public) // max(settings.num_public, 1))
 
 
 class _Verify(_WithDatasets):
-    def process(self, batch: list[join.Candidate]):
+    """One block of private images: verify all its candidates, then mark its planned images."""
+
+    def process(self, group: tuple[tuple[str, int], dict[str, list[Any]]]):
         s = self.settings
-        for m in join.verify_candidates(batch, self.datasets[join.PUBLIC],
-                                        self.datasets[join.PRIVATE], threshold=s.method.threshold):
-            yield beam.pvalue.TaggedOutput("verified", 1)
-            if m.accepted:
-                yield (m.candidate.public_split, m.candidate.public_index), m
-            elif m.fine_distance <= s.method.threshold * s.method.near_factor:
-                yield beam.pvalue.TaggedOutput("near", m)
+        block, parts = group
+        images = list(parts["images"])
+        if len(images) != 1:  # a candidate outside the planned blocks: a bug, not data
+            raise RuntimeError(f"verification block {block} planned {len(images)} times")
+        candidates = list(parts["candidates"])
+        for i in range(0, len(candidates), VERIFY_BATCH):
+            for m in join.verify_candidates(candidates[i:i + VERIFY_BATCH], self.datasets[join.PUBLIC],
+                                            self.datasets[join.PRIVATE], threshold=s.method.threshold):
+                yield beam.pvalue.TaggedOutput("verified", 1)
+                if m.accepted:
+                    yield (m.candidate.public_split, m.candidate.public_index), m
+                elif m.fine_distance <= s.method.threshold * s.method.near_factor:
+                    yield beam.pvalue.TaggedOutput("near", m)
+        mark(s.progress_dir, s.method.k * images[0])
 
 
 def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
@@ -136,10 +164,13 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
                                                                    key=_rank)
                   | "Candidates" >> beam.FlatMap(lambda kv: kv[1]))
     num_candidates = candidates | "CountCandidates" >> beam.combiners.Count.Globally()
-    verified = (candidates
-                | "SpreadCandidates" >> beam.Reshuffle()
-                | "Batch" >> beam.BatchElements(min_batch_size=VERIFY_BATCH,
-                                                max_batch_size=VERIFY_BATCH)
+    per_block = settings.private_per_block
+    by_block = candidates | "ByBlock" >> beam.Map(
+        lambda c: ((c.private_split, c.private_index // per_block), c))
+    blocks = pipeline | "VerifyBlocks" >> beam.Create(list(settings.verify_blocks))
+    verified = ({"images": blocks, "candidates": by_block}
+                | "GroupBlock" >> beam.CoGroupByKey()
+                | "SpreadBlocks" >> beam.Reshuffle()
                 | "Verify" >> beam.ParDo(_Verify(settings)).with_outputs(
                     "verified", "near", main="accepted"))
     num_verified = verified.verified | "CountVerified" >> beam.CombineGlobally(sum)

@@ -28,7 +28,15 @@ from dpscale.data.manifest import Manifest
 from dpscale.dedup.join import PRIVATE, PUBLIC
 from dpscale.dedup.method import Method
 from dpscale.dedup.output import REPORT
-from dpscale.dedup.planning import knn_tasks, read_tasks, select_splits, shard_ranges
+from dpscale.dedup.planning import (
+    PRIVATE_PER_VERIFY_TASK,
+    knn_tasks,
+    public_positions,
+    read_tasks,
+    select_splits,
+    shard_ranges,
+    verify_blocks,
+)
 from dpscale.errors import DataError, InvalidConfigError
 
 log = logging.getLogger(__name__)
@@ -132,13 +140,16 @@ def run(config: DedupConfig) -> DedupResult:
             shard_ranges=shard_ranges(public, public_splits), num_public=num_public,
             num_private=num_private, num_classes=public.num_classes,
             image_shape=public.image_shape, public_splits=tuple(public_splits),
-            private_splits=tuple(private_splits), progress_dir=progress_dir))
+            private_splits=tuple(private_splits), progress_dir=progress_dir,
+            public_positions=public_positions(tasks),
+            verify_blocks=tuple(verify_blocks(private, private_splits, PRIVATE_PER_VERIFY_TASK)),
+            private_per_block=PRIVATE_PER_VERIFY_TASK))
 
     try:
         run_pipeline(build, args=config.pipeline_args,
                      parallel=graph.parallel(num_public, num_private),
-                     progress_total=num_public + 2 * num_private,
-                     progress_label="dedup: describe + neighbours", log=log,
+                     progress_total=graph.progress_total(num_public, num_private, config.method.k),
+                     progress_label="dedup: describe, neighbours, verify", log=log,
                      verbose=config.verbose)
     finally:
         _remove_work(work_dir)

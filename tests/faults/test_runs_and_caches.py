@@ -347,4 +347,4 @@ def test_export_backbone_of_a_moved_image_run_from_another_directory(digits, tmp
     (tmp_path / "img").rename(tmp_path / "moved")
     monkeypatch.chdir(tmp_path)
     out = ok(capfd, "export-backbone", "moved", "bb")
-    assert "cnn-small" in out and (tmp_path / "bb").is_dir()
+    assert json.loads(out)["model"] == "cnn-small" and (tmp_path / "bb").is_dir()

@@ -9,6 +9,7 @@ padding, no SE, ReLU6, BatchNorm eps 1e-3 in eval mode, fixed stem/head).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -129,10 +130,12 @@ def test_import_is_done_once_and_redone_with_force(lite0_backbone):
     before = meta_file.stat().st_mtime_ns
     runner = CliRunner()
     again = runner.invoke(cli, ["import-weights", "efficientnet-lite0", "--output", str(lite0_backbone)])
-    assert again.exit_code == 0 and "skipped" in again.output
+    assert again.exit_code == 0 and json.loads(again.stdout)["skipped"] is True
+    assert "skipped" in again.stderr
     assert meta_file.stat().st_mtime_ns == before
     forced = runner.invoke(cli, ["import-weights", "efficientnet-lite0", "--output", str(lite0_backbone), "--force"])
-    assert forced.exit_code == 0 and "skipped" not in forced.output
+    assert forced.exit_code == 0 and json.loads(forced.stdout)["skipped"] is False
+    assert json.loads(forced.stdout)["weights_sha256"] == pretrained.read_metadata(lite0_backbone).weights_sha256
     assert meta_file.stat().st_mtime_ns != before
     meta = pretrained.read_metadata(lite0_backbone)
     assert meta.model == "efficientnet-lite0" and meta.preprocessing.resolution == 224

@@ -1,6 +1,8 @@
 """NFNet-F0..F3 and NF-ResNet-50..200: published parameter counts and the NF block maths.
 
-The big models are only traced (``jax.eval_shape``): no weights are allocated.
+The big models are only traced (``jax.eval_shape``): no weights are allocated. The counts
+checked against the papers are the registry's constants, which
+``tests/models/test_registry.py`` recomputes from the code (tracing them twice costs ~10 s).
 """
 
 import jax
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from dpscale.errors import InvalidConfigError
+from dpscale.models.registry import param_count
 from dpscale.models.nf_resnet import NFResBlock, block_betas, nf_resnet
 from dpscale.models.nfnet import NFBlock, nfnet
 
@@ -23,21 +26,21 @@ PUBLISHED_NFNET = {"F0": 71.5e6, "F1": 132.6e6, "F2": 193.8e6, "F3": 254.9e6}
 PUBLISHED_NF_RESNET = {50: 25.6e6, 101: 44.5e6, 152: 60.2e6, 200: 64.7e6}
 
 
-def _count(model, size):
-    variables = jax.eval_shape(model.init, jax.random.key(0),
-                               jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32))
-    assert set(variables) == {"params"}  # no normalisation statistics
-    return sum(leaf.size for leaf in jax.tree.leaves(variables["params"]))
-
-
 @pytest.mark.parametrize("variant", sorted(PUBLISHED_NFNET))
 def test_nfnet_param_count_matches_paper(variant):
-    assert _count(nfnet(variant), 192) == pytest.approx(PUBLISHED_NFNET[variant], rel=0.01)
+    assert param_count(f"nfnet-{variant.lower()}") == pytest.approx(PUBLISHED_NFNET[variant], rel=0.01)
 
 
 @pytest.mark.parametrize("depth", sorted(PUBLISHED_NF_RESNET))
 def test_nf_resnet_param_count_matches_published(depth):
-    assert _count(nf_resnet(depth), 224) == pytest.approx(PUBLISHED_NF_RESNET[depth], rel=0.01)
+    assert param_count(f"nf-resnet-{depth}") == pytest.approx(PUBLISHED_NF_RESNET[depth], rel=0.01)
+
+
+@pytest.mark.parametrize("model", [nfnet("F0"), nf_resnet(50)], ids=["nfnet-f0", "nf-resnet-50"])
+def test_nf_models_keep_no_normalisation_statistics(model):
+    variables = jax.eval_shape(model.init, jax.random.key(0),
+                               jax.ShapeDtypeStruct((1, 192, 192, 3), jnp.float32))
+    assert set(variables) == {"params"}
 
 
 def test_nfnet_feature_and_logit_shapes():

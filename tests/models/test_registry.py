@@ -29,6 +29,21 @@ def test_spec_matches_the_model(name):
     assert feats.shape == (2, spec.feature_dim)
 
 
+@pytest.mark.parametrize("name", list_models())
+def test_stored_param_count_matches_the_model_code(name):
+    """The constants that keep ``dpscale models`` fast must follow any change to a model."""
+    spec = get_spec(name)
+    assert spec.params is not None, f"{name}: give its ModelSpec a params count"
+    assert spec.params == registry.traced_param_count(name)
+
+
+def test_param_count_traces_what_has_no_constant():
+    # Other class counts and on-demand WRNs have no constant; they are traced.
+    assert get_spec("wrn-22-2").params is None
+    assert param_count("wrn-22-2") == registry.traced_param_count("wrn-22-2") > 0
+    assert param_count("wrn-16-4", num_classes=11) - param_count("wrn-16-4") == 256 + 1
+
+
 def test_param_count_counts_real_parameters():
     model = get_model("cnn-small")
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))

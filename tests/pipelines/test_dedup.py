@@ -9,7 +9,7 @@ from PIL import Image
 from dpscale.data.dataset import IngestedDataset
 from dpscale.dedup.method import Method
 from dpscale.dedup.join import PRIVATE, PUBLIC, ReadTask
-from dpscale.dedup.planning import knn_tasks
+from dpscale.dedup.planning import knn_tasks, public_positions
 from dpscale.pipelines import dedup as graph
 from dpscale.pipelines.runner import pipeline_options
 from dpscale.stages import dedup as stage
@@ -57,7 +57,8 @@ def test_graph_builds_for_remote_paths_without_running():
         public="gs://b/pub", private="gs://b/priv", output_dir="gs://b/out",
         work_dir="gs://b/out/_dedup_work", method=Method(), num_public=10, num_private=3,
         num_classes=2, image_shape=(32, 32, 3), tasks=tasks, knn_tasks=tuple(knn_tasks(tasks)),
-        shard_ranges={("train", 0): (0, 10, 1)})
+        shard_ranges={("train", 0): (0, 10, 1)}, public_positions=public_positions(tasks),
+        verify_blocks=((("test", 0), 3),))
     pipeline = beam.Pipeline(options=pipeline_options([], parallel=False))
     graph.build(pipeline, settings)
     labels = {t.unique_name for t in pipeline.to_runner_api().components.transforms.values()}

@@ -244,3 +244,37 @@ def test_a_runner_that_lost_data_fails_loudly(data, tmp_path):
                                               "private": len(PLANTED) + 2},
                              num_candidates=10, num_verified=9, **common)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_progress_covers_verification_and_counts_only_planned_rows(data, tmp_path, monkeypatch):
+    """Progress runs to exactly 100% through neighbours and verification, in planned units."""
+    from dpscale.pipelines import dedup as graph
+    from dpscale.pipelines import progress, runner
+
+    finished = {}
+
+    class Recording(progress.LocalProgress):
+        def __exit__(self, *exc):
+            finished["done"], finished["total"] = progress._done(self.directory), self.total
+            super().__exit__(*exc)
+
+    monkeypatch.setattr(runner, "LocalProgress", Recording)
+    monkeypatch.setattr(stage, "PRIVATE_PER_VERIFY_TASK", 3)  # several verification blocks
+    public, private, _, _ = data
+    stage.run(stage.DedupConfig(public, private, str(tmp_path / "out"), examples_per_task=4,
+                                pipeline_args=FAST))
+    num_public, num_private = len(PLANTED) + 24, len(PLANTED) + 2
+    # the total is fixed by the image counts, not by how many candidates the private data yields
+    assert finished["total"] == graph.progress_total(num_public, num_private, k=10)
+    assert finished["done"] == finished["total"]
+
+
+def test_verification_blocks_and_public_positions_are_planned_from_counts(data):
+    from dpscale.dedup import planning
+
+    public, private, _, _ = data
+    blocks = planning.verify_blocks(IngestedDataset(private), ["test"], per_block=3)
+    assert blocks == [(("test", 0), 3), (("test", 1), 3), (("test", 2), 2)]
+    tasks = planning.read_tasks(IngestedDataset(public), "public", 7, ["train"])
+    positions = planning.public_positions(tasks)
+    assert [positions[t.name] for t in tasks] == [0, 7, 14, 21, 28][:len(tasks)]

@@ -73,10 +73,14 @@ def test_cli_last_iterate_and_non_private_warning(runs, tmp_path):
     run_dir = runs["public"].run_dir
     out = CliRunner().invoke(cli, ["export-backbone", run_dir, str(tmp_path / "bb"), "--last"])
     assert out.exit_code == 0, out.output
-    assert "no privacy guarantee" in out.stderr and "last parameters" in out.stdout
+    assert "no privacy guarantee" in out.stderr and "last parameters" in out.stderr
+    line = json.loads(out.stdout)  # exactly one JSON line on stdout, like every command
+    assert out.stdout.count("\n") == 1
+    assert line["parameters"] == "last" and line["private"] is False and line["epsilon"] == "inf"
+    assert line["output_dir"] == str(tmp_path / "bb") and line["model"] == "cnn-small"
     trained = RunDirectory(run_dir).load_params()
     meta = pretrained.read_metadata(str(tmp_path / "bb"))
-    assert meta.weights_sha256 == pretrained.variables_sha256({"params": trained["params"]})
+    assert meta.weights_sha256 == pretrained.variables_sha256({"params": trained["params"]}) == line["weights_sha256"]
     assert meta.weights_sha256 != pretrained.variables_sha256({"params": trained["ema_params"]})
     assert "NON-PRIVATE" in meta.source
     again = CliRunner().invoke(cli, ["export-backbone", run_dir, str(tmp_path / "bb")])
