@@ -10,11 +10,14 @@ releases (``gaussian_release``) draw from a stream of their own. The seed comes 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.custom_batching import custom_vmap
 
 PyTree = Any
 
@@ -55,12 +58,54 @@ GRID_BITS = 16
 
 
 def standard_normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """N(0, 1) as the sum of ``SUMMANDS`` independent draws, halved (added in a fixed order)."""
-    keys = jax.random.split(key, SUMMANDS)
-    total = jax.random.normal(keys[0], shape, dtype)
-    for k in keys[1:]:
-        total = total + jax.random.normal(k, shape, dtype)
-    return total * jnp.asarray(1 / np.sqrt(SUMMANDS), dtype)
+    """N(0, 1) as the sum of ``SUMMANDS`` independent draws, halved (added in a fixed order).
+
+    Each draw is what ``jax.random.normal`` computes for float32 (23 uniform bits through
+    ``erf_inv``), but its bits come from XLA's native threefry generator (``_native_bits``):
+    JAX's threefry, written as array operations, made the four draws cost 2.6x one draw on
+    CPU, the native generator makes them cost about one (``benchmarks/noise_cost.py``).
+    """
+    bits = _native_bits(jax.random.bits(key, (4,), jnp.uint32), (SUMMANDS, *shape))
+    total = _normal_from_bits(bits[0])
+    for i in range(1, SUMMANDS):
+        total = total + _normal_from_bits(bits[i])
+    return (total * np.float32(1 / np.sqrt(SUMMANDS))).astype(dtype)
+
+
+def _normal_from_bits(bits: jax.Array) -> jax.Array:
+    """float32 N(0, 1) from uint32 words, exactly as ``jax.random.normal`` maps its bits."""
+    one = lax.bitcast_convert_type((bits >> 9) | np.uint32(0x3F800000), jnp.float32)
+    lo = np.nextafter(np.float32(-1), np.float32(0))
+    uniform = jnp.maximum(lo, (one - np.float32(1)) * (np.float32(1) - lo) + lo)
+    return np.float32(np.sqrt(2)) * lax.erf_inv(uniform)
+
+
+def _native_bits(state: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 words of ``shape`` from XLA's threefry seeded with the 128-bit ``state``.
+
+    A deterministic function of ``state`` alone, also under ``vmap``: JAX batches
+    ``rng_bit_generator`` by keeping only the *first* state and drawing one larger block,
+    so vmapped models (the privacy audit trains thousands) would silently ignore their
+    own keys. The rule below draws each model's words from its own state instead.
+    """
+    return _bits_for(shape)(state)
+
+
+@functools.lru_cache(maxsize=None)
+def _bits_for(shape: tuple[int, ...]):
+    """One ``custom_vmap`` function per output shape (the shape must stay static)."""
+
+    @custom_vmap
+    def draw(state: jax.Array) -> jax.Array:
+        return lax.rng_bit_generator(state, shape, jnp.uint32, algorithm=lax.RandomAlgorithm.RNG_THREE_FRY)[1]
+
+    @draw.def_vmap
+    def _each_state_its_own(axis_size: int, in_batched: list[bool], state: jax.Array):
+        if not in_batched[0]:
+            return draw(state), False
+        return lax.map(draw, state), True
+
+    return draw
 
 
 def add_gaussian_noise(tree: PyTree, key: jax.Array, *, std: float | jax.Array) -> PyTree:
