@@ -91,7 +91,7 @@ def _native_bits(state: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _bits_for(shape)(state)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bits_for(shape: tuple[int, ...]):
     """One ``custom_vmap`` function per output shape (the shape must stay static)."""
 

@@ -4,9 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
-
 from dpscale.privacy.noise import add_gaussian_noise, standard_normal
+from scipy import stats
 
 
 def test_standard_normal_is_unit_gaussian():
