@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ from dpscale.data.manifest import DedupProvenance, Manifest
 from dpscale.dedup.descriptor import view_name
 from dpscale.dedup.join import PRIVATE, PUBLIC, Match
 from dpscale.dedup.method import DESCRIPTION, Method
+from dpscale.files import open_for_writing
 
 REPORT = "dedup_report.NOT-PRIVATE.json"
 NEAR_LISTED = 200  # rejected candidates closest to the cut listed in the report
@@ -70,9 +70,7 @@ def _pair(m: Match, public: IngestedDataset, private: IngestedDataset) -> dict[s
 def _write_private(path: str, payload: Any) -> None:
     """A private diagnostic: mode 0600 when local (a remote store has its own ACLs)."""
     if shards.is_local(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as f:
+        with open_for_writing(path, private=True) as f:
             json.dump(payload, f, indent=1)
             f.write("\n")
     else:

@@ -32,12 +32,13 @@ import statistics
 from typing import Any
 
 from dpscale.errors import InvalidConfigError
+from dpscale.files import open_for_writing, write_json_atomic
 from dpscale.privacy.plan import composed_epsilon
 from dpscale.stages import evaluate, train
 from dpscale.training import release
 from dpscale.training.config import TrainingConfig
 from dpscale.training.model import HOLDOUT_SPLIT
-from dpscale.training.run_directory import CONFIG, RunDirectory, write_json_atomic
+from dpscale.training.run_directory import CONFIG, RunDirectory
 
 RUNS_CSV = "runs.csv"
 SUMMARY_CSV = "summary.csv"
@@ -166,8 +167,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _open(out_dir: str, name: str, *, diagnostic: bool, newline: str | None = None) -> Any:
     """A table file of the sweep; private diagnostics get their name and mode 0600."""
     path = os.path.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if diagnostic else 0o644), "w",
-                     newline=newline)
+    return open_for_writing(path, private=diagnostic, newline=newline)
 
 
 def _privacy_note(privacy: dict[str, Any]) -> str:
@@ -226,10 +226,9 @@ def _plot(out_dir: str, summary: list[dict[str, Any]], *, split: str, diagnostic
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = os.path.join(out_dir, release.diagnostic_name(PLOT) if diagnostic else PLOT)
-    fig.savefig(path)
+    with open_for_writing(path, private=diagnostic, binary=True) as f:  # 0600 before any pixel
+        fig.savefig(f, format="png")
     plt.close(fig)
-    if diagnostic:
-        os.chmod(path, 0o600)
 
 
 def run(config: SweepConfig) -> SweepResult:

@@ -37,7 +37,6 @@ during a save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -48,8 +47,8 @@ from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
-
 from dpscale.errors import DataError, DpscaleError
+from dpscale.files import open_for_writing, write_atomic, write_json_atomic
 from dpscale.privacy.plan import Ledger, PrivacyPlan
 from dpscale.training.config import TrainingConfig
 from dpscale.training.release import DIAGNOSTICS_FILE, diagnostic_name
@@ -69,16 +68,6 @@ T = TypeVar("T")
 def _absolute(path: str) -> str:
     """A local path made absolute, so a stored reference resolves from any directory; URLs as given."""
     return path if "://" in path else os.path.abspath(path)
-
-
-def write_json_atomic(path: str, payload: Any, *, mode: int = 0o644) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename (never half a file)."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +246,7 @@ class RunDirectory:
         return self._read(CONFIG, RunSpec.from_json)
 
     def write_secrets(self, secrets: RunSecrets) -> None:
-        write_json_atomic(self.file(SEED_FILE), dataclasses.asdict(secrets), mode=0o600)
+        write_json_atomic(self.file(SEED_FILE), dataclasses.asdict(secrets), private=True)
 
     def read_secrets(self) -> RunSecrets:
         if not os.path.exists(self.file(SEED_FILE)) and self.has_params:
@@ -280,8 +269,7 @@ class RunDirectory:
     def append_metrics(self, metrics: dict[str, Any], *, diagnostic: bool = False) -> None:
         """One step's covered metrics (``metrics.jsonl``), or its private diagnostics (0600)."""
         name = DIAGNOSTICS_FILE if diagnostic else METRICS
-        fd = os.open(self.file(name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600 if diagnostic else 0o644)
-        with os.fdopen(fd, "a") as f:
+        with open_for_writing(self.file(name), private=diagnostic, append=True) as f:
             f.write(json.dumps(metrics, sort_keys=True) + "\n")
 
     def read_metrics(self, *, diagnostic: bool = False) -> list[dict[str, Any]]:
@@ -305,11 +293,7 @@ class RunDirectory:
                 continue
             kept = [json.dumps(r, sort_keys=True) + "\n" for r in self.read_metrics(diagnostic=diagnostic)
                     if r.get("step", 0) <= after_step]
-            fd = os.open(self.file(name) + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                         0o600 if diagnostic else 0o644)
-            with os.fdopen(fd, "w") as f:
-                f.writelines(kept)
-            os.replace(self.file(name) + ".tmp", self.file(name))
+            write_atomic(self.file(name), lambda f, lines=kept: f.writelines(lines), private=diagnostic)
 
     def checkpoints(self, *, every: int) -> Checkpoints:
         return Checkpoints(self.file(CHECKPOINTS), every=every)
@@ -383,7 +367,7 @@ class RunDirectory:
 
     def write_scores(self, scores: dict[str, Any], *, diagnostic: bool = False) -> str:
         name = self.scores_file(scores["split"], diagnostic=diagnostic)
-        write_json_atomic(self.file(name), scores, mode=0o600 if diagnostic else 0o644)
+        write_json_atomic(self.file(name), scores, private=diagnostic)
         return self.file(name)
 
     def read_scores(self, split: str = "test", *, diagnostic: bool = False) -> dict[str, Any] | None:
