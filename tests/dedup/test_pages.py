@@ -1,7 +1,6 @@
 """Crowded expansion: the next page is verified only after a crowded one."""
 
 import pytest
-
 from dpscale.dedup import pages
 from dpscale.dedup.join import Candidate, Match
 
