@@ -167,7 +167,10 @@ def planted(data: str, work: str) -> dict:
                "recall": sum(v[1] for v in per.values()) / (1000 * len(names)),
                "unrelated_removed": len(fps), "unrelated_total": 10_000,
                "fp_pairs": [(p["public_key"], p["private_key"], p["distance"]) for p in fps],
-               "planted_rejected_near_cut": len(missed)}
+               "planted_rejected_near_cut": len(missed),
+               "private_expanded": res.report["num_private_expanded"],
+               "candidates": res.report["num_candidate_pairs"],
+               "verified": res.report["num_verified_pairs"]}
     print(json.dumps(summary, indent=1))
     return summary
 

@@ -6,12 +6,13 @@ Plain functions over numpy arrays, so ``pipelines.dedup`` only wires them:
   image; private: every view) in one ``.npy`` file under the run's work directory. Only the
   task comes back through Beam, so the data plane carries kilobytes, not descriptors.
 * ``knn_task``: one private task against a group of public tasks -> for each private image
-  its ``k`` most similar public images (blocked matrix products, ``dedup.knn``).
+  its ``k`` most similar public images (blocked matrix products, ``dedup.knn``; the
+  pipeline asks for ``k * max_pages``, which pages get verified is ``dedup.pages``).
 * ``verify_candidates``: a batch of (public, private, view) candidates -> the decision of
   ``dedup.verify`` on the images themselves.
 
 Work grows with images (private views x public images), not with candidate pairs: each
-private image keeps ``k`` candidates, whatever the data size.
+private image keeps a fixed number of candidates, whatever the data size.
 """
 
 from __future__ import annotations

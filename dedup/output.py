@@ -80,21 +80,23 @@ def _write_private(path: str, payload: Any) -> None:
 def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: str,
                   summaries: Sequence[dict[str, Any]], removed: Sequence[dict[str, Any]],
                   matches: Sequence[Match], near: Sequence[Match], described: dict[str, int],
-                  num_candidates: int, num_verified: int, method: Method,
+                  num_candidates: int, num_verified: int, num_skipped: int,
+                  num_expanded: int, method: Method,
                   num_public: int, num_private: int, public_splits: Sequence[str],
                   private_splits: Sequence[str]) -> Manifest:
     """Report first, manifest last (a manifest means complete); refuse a lossy run.
 
-    ``described`` counts the images whose descriptors were written per side and
-    ``num_verified`` the candidates that came out of verification: a runner that lost
-    elements anywhere (and would silently remove nothing) is caught here.
+    ``described`` counts the images whose descriptors were written per side;
+    ``num_verified`` + ``num_skipped`` (pages left unverified: not crowded) must be every
+    candidate the search kept: a runner that lost elements anywhere (and would silently
+    remove nothing) is caught here.
     """
     expected = {PUBLIC: num_public, PRIVATE: num_private}
     got = {side: described.get(side, 0) for side in expected}
-    if got != expected or num_verified != num_candidates:
+    if got != expected or num_verified + num_skipped != num_candidates:
         raise RuntimeError(f"dedup: described {got} images (expected {expected}) and verified "
-                           f"{num_verified} of {num_candidates} candidates; the runner lost or "
-                           "duplicated data, no manifest written")
+                           f"{num_verified} + left {num_skipped} of {num_candidates} candidates; "
+                           "the runner lost or duplicated data, no manifest written")
     public, private = IngestedDataset(public_path), IngestedDataset(private_path)
     by_public = {(m.candidate.public_split, m.candidate.public_index): m for m in matches}
     pairs = [_pair(by_public[(r["split"], r["index"])], public, private)
@@ -121,7 +123,8 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
                    "splits": list(public_splits), "num_examples": num_public},
         "private": {"path": private_path, "splits": list(private_splits),
                     "num_examples": num_private},
-        "num_candidate_pairs": num_candidates,
+        "num_candidate_pairs": num_candidates, "num_verified_pairs": num_verified,
+        "num_private_expanded": num_expanded,
         "num_removed": len(pairs), "num_kept": kept,
         "num_private_matched": len({(p["private_split"], p["private_index"]) for p in pairs}),
         "removed_by_split": removed_by_split, "removed": pairs,

@@ -1,14 +1,16 @@
 """The Beam graph of ``dpscale dedup``.
 
     read tasks -> descriptors, one file per task          [public and private]
-      -> (private task x public group) k-nearest-neighbour tasks -> top k per private image
-      -> verification of each candidate on the images, one task per block of private images
+      -> (private task x public group) nearest-neighbour tasks -> top k * max_pages per private
+      -> verification on the images, one task per block of private images: page 1 (ranks
+         1..k) of every private image, the next page only where the last was crowded
+         with accepted duplicates (``dedup.pages``)
       -> closest accepted private per public
       -> CoGroupByKey with the public shards -> filtered shards -> report + manifest
 
 Only wiring lives here; the per-element work is in ``dedup.join`` and ``dedup.output``.
 Descriptors travel through files in the run's work directory, not through Beam's data
-plane, so what Beam shuffles is tasks and at most k candidates per private image.
+plane, so what Beam shuffles is tasks and at most k * max_pages candidates per private image.
 Matches are grouped by public shard, so each shard writer sees only its own removals.
 Progress (local runs): rows described, then (private x public rows searched) / public rows,
 then k per private image verified; all planned from the manifests, so the bar never shows a
@@ -22,7 +24,7 @@ from typing import Any
 
 import apache_beam as beam
 
-from dpscale.dedup import join, output, planning
+from dpscale.dedup import join, output, pages, planning
 from dpscale.dedup.method import Method
 from dpscale.pipelines.ingest import SMALL_DATA
 from dpscale.pipelines.progress import mark
@@ -101,13 +103,17 @@ def _knn(pair: tuple[join.ReadTask, tuple[join.ReadTask, ...]], *, settings: Gra
         start = settings.public_positions[t.name]
         mark(settings.progress_dir, rows * (start + t.stop - t.start) // total - rows * start // total)
 
-    for c in join.knn_task(private, public, settings.work_dir, k=m.k,
+    for c in join.knn_task(private, public, settings.work_dir, k=m.neighbours,
                            min_similarity=m.min_similarity, searched=searched):
         yield (c.private_split, c.private_index), c
 
 
 class _Verify(_WithDatasets):
-    """One block of private images: verify all its candidates, then mark its planned images."""
+    """One block of private images: verify its candidates page by page, then mark its images.
+
+    Side outputs count what the completeness check and the report need: candidates verified,
+    candidates left unverified (uncrowded pages) and private images expanded.
+    """
 
     def process(self, group: tuple[tuple[str, int], dict[str, list[Any]]]):
         s = self.settings
@@ -115,16 +121,27 @@ class _Verify(_WithDatasets):
         images = list(parts["images"])
         if len(images) != 1:  # a candidate outside the planned blocks: a bug, not data
             raise RuntimeError(f"verification block {block} planned {len(images)} times")
-        candidates = list(parts["candidates"])
-        for i in range(0, len(candidates), VERIFY_BATCH):
-            for m in join.verify_candidates(candidates[i:i + VERIFY_BATCH], self.datasets[join.PUBLIC],
-                                            self.datasets[join.PRIVATE], threshold=s.method.threshold):
-                yield beam.pvalue.TaggedOutput("verified", 1)
-                if m.accepted:
-                    yield (m.candidate.public_split, m.candidate.public_index), m
-                elif m.fine_distance <= s.method.threshold * s.method.near_factor:
-                    yield beam.pvalue.TaggedOutput("near", m)
-        mark(s.progress_dir, s.method.k * images[0])
+        method = s.method
+
+        def verify(cs: list[join.Candidate]) -> list[join.Match]:
+            return [m for i in range(0, len(cs), VERIFY_BATCH)
+                    for m in join.verify_candidates(cs[i:i + VERIFY_BATCH], self.datasets[join.PUBLIC],
+                                                    self.datasets[join.PRIVATE],
+                                                    threshold=method.threshold)]
+
+        matches, skipped, expanded = pages.verify_by_page(
+            list(parts["candidates"]), verify, k=method.k, max_pages=method.max_pages,
+            crowded_fraction=method.crowded_fraction)
+        for m in matches:
+            if m.accepted:
+                yield (m.candidate.public_split, m.candidate.public_index), m
+            elif m.fine_distance <= method.threshold * method.near_factor:
+                yield beam.pvalue.TaggedOutput("near", m)
+        yield beam.pvalue.TaggedOutput("verified", len(matches))
+        yield beam.pvalue.TaggedOutput("skipped", skipped)
+        yield beam.pvalue.TaggedOutput("expanded", expanded)
+        # planned (k per image), never the expanded count: that is computed from private data
+        mark(s.progress_dir, method.k * images[0])
 
 
 def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
@@ -160,7 +177,7 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
                                                 beam.pvalue.AsDict(described_count))
                   | "SpreadKnn" >> beam.Reshuffle()
                   | "Neighbours" >> beam.FlatMap(_knn, settings=settings)
-                  | "TopKPerPrivate" >> beam.combiners.Top.PerKey(settings.method.k,
+                  | "TopKPerPrivate" >> beam.combiners.Top.PerKey(settings.method.neighbours,
                                                                    key=_rank)
                   | "Candidates" >> beam.FlatMap(lambda kv: kv[1]))
     num_candidates = candidates | "CountCandidates" >> beam.combiners.Count.Globally()
@@ -172,8 +189,10 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
                 | "GroupBlock" >> beam.CoGroupByKey()
                 | "SpreadBlocks" >> beam.Reshuffle()
                 | "Verify" >> beam.ParDo(_Verify(settings)).with_outputs(
-                    "verified", "near", main="accepted"))
+                    "verified", "skipped", "expanded", "near", main="accepted"))
     num_verified = verified.verified | "CountVerified" >> beam.CombineGlobally(sum)
+    num_skipped = verified.skipped | "CountSkipped" >> beam.CombineGlobally(sum)
+    num_expanded = verified.expanded | "CountExpanded" >> beam.CombineGlobally(sum)
     closest = (verified.accepted
                | "ClosestPrivate" >> beam.CombinePerKey(join.closest)
                | "ByShard" >> beam.Map(lambda kv: ((kv[1].candidate.public_split,
@@ -196,6 +215,8 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
              described=beam.pvalue.AsDict(described_count),
              num_candidates=beam.pvalue.AsSingleton(num_candidates),
              num_verified=beam.pvalue.AsSingleton(num_verified),
+             num_skipped=beam.pvalue.AsSingleton(num_skipped),
+             num_expanded=beam.pvalue.AsSingleton(num_expanded),
              method=settings.method, num_public=settings.num_public,
              num_private=settings.num_private, public_splits=settings.public_splits,
              private_splits=settings.private_splits))

@@ -53,6 +53,8 @@ class DedupConfig:
     threshold: float = Method.threshold
     k: int = Method.k
     min_similarity: float = Method.min_similarity
+    max_pages: int = Method.max_pages
+    crowded_fraction: float = Method.crowded_fraction
     public_splits: tuple[str, ...] = ()  # empty: every split
     private_splits: tuple[str, ...] = ()
     examples_per_task: int = 2_000
@@ -81,7 +83,8 @@ class DedupConfig:
 
     @property
     def method(self) -> Method:
-        return Method(k=self.k, min_similarity=self.min_similarity, threshold=self.threshold)
+        return Method(k=self.k, min_similarity=self.min_similarity, threshold=self.threshold,
+                      max_pages=self.max_pages, crowded_fraction=self.crowded_fraction)
 
 
 @dataclasses.dataclass(frozen=True)

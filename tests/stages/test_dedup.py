@@ -175,6 +175,10 @@ def test_config_errors():
         stage.DedupConfig("/a", "/b", "/c", threshold=1.5)
     with pytest.raises(InvalidConfigError, match="k must"):
         stage.DedupConfig("/a", "/b", "/c", k=0)
+    with pytest.raises(InvalidConfigError, match="max pages"):
+        stage.DedupConfig("/a", "/b", "/c", max_pages=0)
+    with pytest.raises(InvalidConfigError, match="crowded fraction"):
+        stage.DedupConfig("/a", "/b", "/c", crowded_fraction=0.0)
 
 
 def test_cli_runs_and_errors_are_one_line_exit_2(data, tmp_path):
@@ -238,11 +242,13 @@ def test_a_runner_that_lost_data_fails_loudly(data, tmp_path):
                   public_splits=["train"], private_splits=["test"])
     with pytest.raises(RuntimeError, match="lost or duplicated"):
         output.write_outputs(None, described={"public": len(PLANTED) + 24, "private": 0},
-                             num_candidates=0, num_verified=0, **common)
+                             num_candidates=0, num_verified=0, num_skipped=0, num_expanded=0,
+                             **common)
     with pytest.raises(RuntimeError, match="lost or duplicated"):
         output.write_outputs(None, described={"public": len(PLANTED) + 24,
                                               "private": len(PLANTED) + 2},
-                             num_candidates=10, num_verified=9, **common)
+                             num_candidates=10, num_verified=8, num_skipped=1, num_expanded=0,
+                             **common)
     assert not (tmp_path / "manifest.json").exists()
 
 
@@ -278,3 +284,32 @@ def test_verification_blocks_and_public_positions_are_planned_from_counts(data):
     tasks = planning.read_tasks(IngestedDataset(public), "public", 7, ["train"])
     positions = planning.public_positions(tasks)
     assert [positions[t.name] for t in tasks] == [0, 7, 14, 21, 28][:len(tasks)]
+
+
+def test_a_photo_held_many_times_in_public_is_removed_every_time(tmp_path):
+    """25 copies of one private image: the first 10 crowd page 1, so pages 2 and 3 follow."""
+    root = tmp_path / "src"
+    private = [smooth_image(4000 + i) for i in range(3)]
+    for i, im in enumerate(private):
+        _save(root, "test", "a", f"p{i}", im)
+    for c in range(25):
+        _save(root, "train", "a", f"copy{c:02d}", private[0])
+    _save(root, "train", "a", "single", PLANTED["jpeg"](private[1]))
+    for j in range(8):
+        _save(root, "train", "a", f"other{j}", smooth_image(5000 + j))
+    both = _ingest(root, tmp_path / "both")
+
+    def removed(**kw):
+        res = stage.run(stage.DedupConfig(both, both, str(tmp_path / f"out{len(kw)}"),
+                                          public_splits=("train",), private_splits=("test",),
+                                          pipeline_args=FAST, **kw))
+        return res, sorted((p["public_key"], p["private_key"]) for p in res.report["removed"])
+
+    res, pairs = removed()
+    assert pairs == sorted([(f"train/a/copy{c:02d}.png", "test/a/p0.png") for c in range(25)]
+                           + [("train/a/single.png", "test/a/p1.png")])
+    assert res.report["num_private_expanded"] == 1
+    assert res.report["num_verified_pairs"] <= res.report["num_candidate_pairs"]
+    assert IngestedDataset(str(tmp_path / "out0")).num_examples("train") == 8
+    res, pairs = removed(max_pages=1)  # k only (the behaviour before expansion)
+    assert len(pairs) == 11 and res.report["num_private_expanded"] == 0
