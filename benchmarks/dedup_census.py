@@ -8,12 +8,19 @@ The decision is made by eye, not by the embedding: the ranked pairs are drawn as
 (test | train, 3x) and judged top down; the labels live in a small CSV this script reads.
 
     D=/tmp/w17/data/cifar10 W=/tmp/w20/census
-    python benchmarks/dedup_census.py embed $D $W --resolution 96      # features.npz
+    R=/tmp/w17/out2/dedup_report.NOT-PRIVATE.json L=benchmarks/results/dedup_census_labels.csv
+    python benchmarks/dedup_census.py embed $D $W --resolution 96      # features.npz, 925 s
     python benchmarks/dedup_census.py rank $D $W                       # ranking.csv
-    python benchmarks/dedup_census.py montage $D $W --start 0 --count 50      # ranks 0-49
-    python benchmarks/dedup_census.py montage $D $W --sample-below 900 --count 100 --seed 0
-    python benchmarks/dedup_census.py count $W benchmarks/results/dedup_census_labels.csv \\
-        --dedup-report /tmp/w17/out2/dedup_report.NOT-PRIVATE.json
+    python benchmarks/dedup_census.py montage $D $W --start 0 --count 50   # ranks 0-49, ... 950
+    python benchmarks/dedup_census.py montage $D $W --sample-below 400 --count 100 --seed 0
+    python benchmarks/dedup_census.py montage $D $W --sample-below 1000 --sample-until 3000 \\
+        --count 150 --seed 1
+    python benchmarks/dedup_census.py montage $D $W --sample-below 3000 --count 100 --seed 2
+    python benchmarks/dedup_census.py disagreements $D $W $L $R        # the two montages
+    python benchmarks/dedup_census.py count $W $L --judged-until 1000 --strata 3000 \\
+        --dedup-report $R --dedup-only-labels benchmarks/results/dedup_census_dedup_only_labels.csv
+
+(``--test-indices`` redraws a sample's pairs 50 per sheet.)
 
 Labels (``rank,test_index,train_index,label,note``; label ``dup`` / ``unsure`` / ``diff``)
 cover a judged top block (every rank < ``--judged-until``) plus a random sample below it
@@ -157,11 +164,12 @@ def montage(data: str, rows: Sequence[dict], path: str, *, columns: int = 5,
     sheet.save(path, optimize=True)
 
 
-def sample_below(ranking: Sequence[dict], start: int, count: int, seed: int) -> list[dict]:
-    """A uniform random sample (without replacement) of the ranks >= ``start``, rank order."""
+def sample_below(ranking: Sequence[dict], start: int, count: int, seed: int,
+                 stop: int | None = None) -> list[dict]:
+    """A uniform random sample (without replacement) of the ranks in [start, stop), rank order."""
+    stop = len(ranking) if stop is None else min(stop, len(ranking))
     rng = np.random.default_rng(seed)
-    pick = np.sort(rng.choice(len(ranking) - start, min(count, len(ranking) - start),
-                              replace=False)) + start
+    pick = np.sort(rng.choice(stop - start, min(count, stop - start), replace=False)) + start
     return [ranking[i] for i in pick]
 
 
@@ -192,51 +200,93 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def census(labels: Sequence[dict], *, judged_until: int, total: int,
-           matched: Iterable[int] = ()) -> dict:
+           strata: Sequence[int] = (), matched: Iterable[int] = ()) -> dict:
     """Counts from the labels: top block (every rank < ``judged_until`` judged) + sampled tail.
 
-    ``total`` is the number of ranked test images; ``matched`` the test indices dedup matched.
+    The tail (ranks >= ``judged_until``) is cut at the ``strata`` ranks into strata; the
+    labelled rows in a stratum are taken as a uniform random sample of it, and its
+    duplicates are estimated as size x sampled rate. The 95% range adds up the strata's
+    Wilson bounds (conservative). ``total`` is the number of ranked test images;
+    ``matched`` the test indices dedup matched.
     """
     top = [r for r in labels if r["rank"] < judged_until]
     if sorted(r["rank"] for r in top) != list(range(judged_until)):
         missing = sorted(set(range(judged_until)) - {r["rank"] for r in top})
         raise ValueError(f"ranks below {judged_until} not all judged; missing e.g. {missing[:5]}")
-    tail = [r for r in labels if r["rank"] >= judged_until]
-    tail_size = total - judged_until
+    cuts = [judged_until, *sorted(c for c in strata if judged_until < c < total), total]
     by = {lab: [r for r in top if r["label"] == lab] for lab in LABELS}
-    tail_dup = sum(r["label"] == "dup" for r in tail)
-    tail_unsure = sum(r["label"] == "unsure" for r in tail)
-    lo, hi = wilson(tail_dup, len(tail))
-    lo_u, hi_u = wilson(tail_dup + tail_unsure, len(tail))
-    last_dup = max((r["rank"] for r in by["dup"]), default=-1)
-    matched = set(matched)
+    tail_rows = [r for r in labels if r["rank"] >= judged_until]
+    layers = []
+    for lo_rank, hi_rank in zip(cuts[:-1], cuts[1:]):
+        rows = [r for r in tail_rows if lo_rank <= r["rank"] < hi_rank]
+        size, n = hi_rank - lo_rank, len(rows)
+        dup = sum(r["label"] == "dup" for r in rows)
+        unsure = sum(r["label"] == "unsure" for r in rows)
+        lo, hi = wilson(dup, n)
+        _, hi_u = wilson(dup + unsure, n)
+        layers.append({"ranks": [lo_rank, hi_rank], "size": size, "sampled": n, "dup": dup,
+                       "unsure": unsure,
+                       "estimate": size * dup / n if n else float("nan"),
+                       "estimate_with_unsure": size * (dup + unsure) / n if n else float("nan"),
+                       "ci95": [size * lo, size * hi], "ci95_hi_with_unsure": size * hi_u})
     dup_tests = {r["test_index"] for r in by["dup"]}
     unsure_tests = {r["test_index"] for r in by["unsure"]}
+    tail_est = sum(s["estimate"] for s in layers)
+    last_dup = max((r["rank"] for r in by["dup"]), default=-1)
     out = {
         "judged_until": judged_until, "total": total,
         "top": {lab: len(v) for lab, v in by.items()},
-        "last_dup_rank": last_dup, "dups_after_last_dup": judged_until - 1 - last_dup,
-        "tail": {"size": tail_size, "sampled": len(tail), "dup": tail_dup, "unsure": tail_unsure,
-                 "estimate": tail_size * tail_dup / len(tail) if tail else float("nan"),
-                 "ci95": [tail_size * lo, tail_size * hi],
-                 "ci95_with_unsure": [tail_size * lo_u, tail_size * hi_u]},
+        "last_dup_rank": last_dup, "ranks_after_last_dup": judged_until - 1 - last_dup,
+        "tail": layers,
+        "count": {"clear": len(dup_tests), "clear_plus_unsure": len(dup_tests | unsure_tests),
+                  "tail_estimate": tail_est,
+                  "tail_estimate_with_unsure": sum(s["estimate_with_unsure"] for s in layers),
+                  "with_tail_estimate": len(dup_tests) + tail_est,
+                  "range_95": [len(dup_tests) + sum(s["ci95"][0] for s in layers),
+                               len(dup_tests | unsure_tests)
+                               + sum(s["ci95_hi_with_unsure"] for s in layers)]},
     }
-    out["count"] = {"clear": len(dup_tests), "clear_plus_unsure": len(dup_tests | unsure_tests),
-                    "with_tail_estimate": len(dup_tests) + out["tail"]["estimate"],
-                    "range_95": [len(dup_tests) + tail_size * lo,
-                                 len(dup_tests | unsure_tests) + tail_size * hi_u]}
+    matched = set(matched)
     if matched:
+        tail_dups = {r["test_index"] for r in tail_rows if r["label"] == "dup"}
         hit = dup_tests & matched
         out["dedup"] = {
             "matched": len(matched),
-            "recall_on_clear": len(hit) / len(dup_tests) if dup_tests else float("nan"),
             "clear_found": len(hit),
+            "recall_on_clear": len(hit) / len(dup_tests) if dup_tests else float("nan"),
             "unsure_found": len(unsure_tests & matched),
-            "tail_dups_found": sum(r["label"] == "dup" and r["test_index"] in matched for r in tail),
-            "tail_dups_sampled": tail_dup,
-            "matched_not_dup_in_census": sorted(
-                matched - dup_tests - {r["test_index"] for r in tail if r["label"] == "dup"}),
+            "tail_dups_sampled": len(tail_dups), "tail_dups_found": len(tail_dups & matched),
+            # recall over all real duplicates: found in the top block + tail estimate x
+            # the found fraction of the sampled tail duplicates, per stratum
+            "recall_with_tail_estimate": _recall_with_tail(hit, dup_tests, layers, tail_rows, matched),
+            "matched_not_dup_in_census": sorted(matched - dup_tests - tail_dups),
+            "matched_in_top_block_judged_diff": sorted(
+                {r["test_index"] for r in by["diff"]} & matched),
         }
+    return out
+
+
+def _recall_with_tail(hit: set, dup_tests: set, layers: Sequence[dict], tail_rows: Sequence[dict],
+                      matched: set) -> float:
+    found, real = float(len(hit)), float(len(dup_tests))
+    for s in layers:
+        rows = [r for r in tail_rows if s["ranks"][0] <= r["rank"] < s["ranks"][1]
+                and r["label"] == "dup"]
+        if rows:
+            real += s["estimate"]
+            found += s["estimate"] * sum(r["test_index"] in matched for r in rows) / len(rows)
+    return found / real if real else float("nan")
+
+
+def judged_sample(labels: Sequence[dict], population: int) -> dict:
+    """A by-eye judged random sample of ``population`` pairs -> counts and the extrapolation."""
+    n = len(labels)
+    out = {"population": population, "sampled": n}
+    for lab in LABELS:
+        k = sum(r["label"] == lab for r in labels)
+        lo, hi = wilson(k, n)
+        out[lab] = {"sampled": k, "estimate": population * k / n if n else float("nan"),
+                    "ci95": [population * lo, population * hi]}
     return out
 
 
@@ -245,6 +295,44 @@ def dedup_matched(report_path: str) -> set[int]:
     with open(report_path) as handle:
         report = json.load(handle)
     return {p["private_index"] for p in report["removed"] if p["private_split"] == "test"}
+
+
+def disagreements(data: str, work: str, labels_path: str, report_path: str, out_dir: str, *,
+                  count: int = 40, seed: int = 0) -> dict:
+    """Two montages where census and dedup disagree (random ``count`` of each, seeded):
+
+    ``dedup_census_dedup_only.png``: test images dedup matched that the census does not
+    count as duplicates, drawn with dedup's own pair (are they census misses or dedup false
+    positives?); ``dedup_census_missed.png``: census duplicates dedup did not match.
+    """
+    with open(report_path) as handle:
+        report = json.load(handle)
+    labels = read_labels(labels_path)
+    by_test = {r["test_index"]: r for r in read_ranking(work)}
+    dups = {r["test_index"] for r in labels if r["label"] == "dup"}
+    label_of = {r["test_index"]: r["label"] for r in labels}
+    pairs = {}
+    for p in sorted(report["removed"], key=lambda p: p["distance"]):
+        if p["private_split"] == "test":
+            pairs.setdefault(p["private_index"], p)  # the closest public twin
+    rng = np.random.default_rng(seed)
+    only = sorted(set(pairs) - dups)
+    pick = sorted(rng.choice(only, min(count, len(only)), replace=False).tolist(),
+                  key=lambda t: by_test[t]["rank"])
+    rows = [{"test_index": t, "train_index": pairs[t]["public_index"], "rank": by_test[t]["rank"],
+             "similarity": by_test[t]["similarity"], "mirrored": "mirrored" in pairs[t]["view"],
+             "tag": f"#{by_test[t]['rank']} {label_of.get(t, '-')[:2]} d={pairs[t]['distance']:.3f}"}
+            for t in pick]
+    montage(data, rows, os.path.join(out_dir, "dedup_census_dedup_only.png"))
+    missed = sorted(dups - set(pairs))
+    pick_m = sorted(rng.choice(missed, min(count, len(missed)), replace=False).tolist(),
+                    key=lambda t: by_test[t]["rank"])
+    montage(data, [by_test[t] for t in pick_m], os.path.join(out_dir, "dedup_census_missed.png"))
+    listing = {"dedup_only": [(r["rank"], r["test_index"], r["train_index"]) for r in rows],
+               "missed": [(by_test[t]["rank"], t, by_test[t]["train_index"]) for t in pick_m]}
+    with open(os.path.join(work, "disagreements.json"), "w") as handle:
+        json.dump(listing, handle)
+    return listing
 
 
 # ---------------------------------------------------------------- CLI
@@ -266,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     m.add_argument("work")
     m.add_argument("--start", type=int, default=0)
     m.add_argument("--count", type=int, default=50)
-    m.add_argument("--sample-below", type=int, default=None)
+    m.add_argument("--sample-below", type=int, default=None, help="sample ranks >= this")
+    m.add_argument("--sample-until", type=int, default=None, help="... and < this")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--test-indices", default=None, help="comma-separated: draw these test images' top pair")
     m.add_argument("--output", default=None)
@@ -274,7 +363,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("work")
     c.add_argument("labels")
     c.add_argument("--judged-until", type=int, required=True)
+    c.add_argument("--strata", default="", help="comma-separated ranks cutting the tail")
     c.add_argument("--dedup-report", default=None)
+    c.add_argument("--dedup-only-labels", default=None,
+                   help="by-eye labels of a random sample of dedup matches the census does not count")
+    g = sub.add_parser("disagreements")
+    g.add_argument("data")
+    g.add_argument("work")
+    g.add_argument("labels")
+    g.add_argument("dedup_report")
+    g.add_argument("--output-dir", default=RESULTS)
+    g.add_argument("--count", type=int, default=40)
     a = p.parse_args(argv)
     os.makedirs(getattr(a, "work", "."), exist_ok=True)
     if a.cmd == "embed":
@@ -290,8 +389,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows = [by_test[int(t)] for t in a.test_indices.split(",")][:a.count]
             name = "tests"
         elif a.sample_below is not None:
-            rows = sample_below(ranking, a.sample_below, a.count, a.seed)
-            name = f"sample{a.sample_below}_s{a.seed}"
+            rows = sample_below(ranking, a.sample_below, a.count, a.seed, a.sample_until)
+            name = f"sample{a.sample_below}-{a.sample_until or len(ranking)}_s{a.seed}"
         else:
             rows = ranking[a.start:a.start + a.count]
             name = f"ranks{a.start:05d}"
@@ -303,11 +402,22 @@ def main(argv: Sequence[str] | None = None) -> None:
             for k, row in enumerate(rows):
                 w.writerow([k, row["rank"], row["test_index"], row["train_index"], row["similarity"]])
         print(path)
+    elif a.cmd == "disagreements":
+        print(json.dumps(disagreements(a.data, a.work, a.labels, a.dedup_report, a.output_dir,
+                                       count=a.count)))
     else:
         ranking = read_ranking(a.work)
         matched = dedup_matched(a.dedup_report) if a.dedup_report else set()
-        print(json.dumps(census(read_labels(a.labels), judged_until=a.judged_until,
-                                total=len(ranking), matched=matched), indent=1))
+        strata = [int(x) for x in a.strata.split(",") if x]
+        out = census(read_labels(a.labels), judged_until=a.judged_until, total=len(ranking),
+                     strata=strata, matched=matched)
+        if a.dedup_only_labels and "dedup" in out:
+            only = out["dedup"]["matched_not_dup_in_census"]
+            out["dedup_only_sample"] = judged_sample(read_labels(a.dedup_only_labels), len(only))
+            rank_of = {r["test_index"]: r["rank"] for r in ranking}
+            out["dedup_only_sample"]["in_judged_block"] = sum(
+                rank_of[t] < a.judged_until for t in only)
+        print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ def test_counts_top_block_tail_estimate_and_recall():
     tail = [(10, "dup"), (20, "diff"), (30, "diff"), (40, "diff")]
     out = dc.census(_labels(top + tail), judged_until=6, total=46, matched={100, 102, 103, 110, 999})
     assert out["top"] == {"dup": 3, "unsure": 1, "diff": 2}
-    assert out["last_dup_rank"] == 3 and out["dups_after_last_dup"] == 2
-    assert out["tail"]["size"] == 40 and out["tail"]["sampled"] == 4
-    assert out["tail"]["estimate"] == pytest.approx(10.0)  # 1 of 4 sampled, 40 in the tail
+    assert out["last_dup_rank"] == 3 and out["ranks_after_last_dup"] == 2
+    (tail_stratum,) = out["tail"]
+    assert tail_stratum["size"] == 40 and tail_stratum["sampled"] == 4
+    assert tail_stratum["estimate"] == pytest.approx(10.0)  # 1 of 4 sampled, 40 in the tail
     assert out["count"]["clear"] == 3 and out["count"]["clear_plus_unsure"] == 4
     assert out["count"]["with_tail_estimate"] == pytest.approx(13.0)
     lo, hi = out["count"]["range_95"]
@@ -30,6 +31,9 @@ def test_counts_top_block_tail_estimate_and_recall():
     assert d["clear_found"] == 2 and d["recall_on_clear"] == pytest.approx(2 / 3)
     assert d["unsure_found"] == 1 and d["tail_dups_found"] == 1
     assert d["matched_not_dup_in_census"] == [102, 999]
+    assert d["matched_in_top_block_judged_diff"] == []
+    # 2 of 3 found in the block, the tail's 10 estimated duplicates all found (1 of 1 sampled)
+    assert d["recall_with_tail_estimate"] == pytest.approx((2 + 10) / (3 + 10))
 
 
 def test_an_unjudged_rank_in_the_top_block_is_refused():
@@ -80,3 +84,21 @@ def test_dedup_report_matched_test_indices(tmp_path):
         {"private_split": "test", "private_index": 3}, {"private_split": "test", "private_index": 3},
         {"private_split": "test", "private_index": 8}]}))
     assert dc.dedup_matched(str(path)) == {3, 8}
+
+
+def test_a_judged_sample_extrapolates_to_its_population():
+    rows = _labels([(0, "dup"), (1, "dup"), (2, "dup"), (3, "diff")])
+    out = dc.judged_sample(rows, 100)
+    assert out["dup"]["estimate"] == pytest.approx(75.0) and out["diff"]["sampled"] == 1
+    lo, hi = out["dup"]["ci95"]
+    assert lo < 75 < hi <= 100
+
+
+def test_strata_estimate_each_part_of_the_tail_from_its_own_sample():
+    top = [(0, "dup"), (1, "diff")]
+    tail = [(2, "dup"), (3, "diff"), (10, "diff"), (20, "diff"), (30, "dup"), (40, "diff")]
+    out = dc.census(_labels(top + tail), judged_until=2, total=52, strata=[10])
+    assert [s["ranks"] for s in out["tail"]] == [[2, 10], [10, 52]]
+    assert out["tail"][0]["estimate"] == pytest.approx(8 * 1 / 2)
+    assert out["tail"][1]["estimate"] == pytest.approx(42 * 1 / 4)
+    assert out["count"]["with_tail_estimate"] == pytest.approx(1 + 4 + 10.5)
