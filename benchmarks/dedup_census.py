@@ -16,7 +16,7 @@ The decision is made by eye, not by the embedding: the ranked pairs are drawn as
     python benchmarks/dedup_census.py montage $D $W --sample-below 1000 --sample-until 3000 \\
         --count 150 --seed 1
     python benchmarks/dedup_census.py montage $D $W --sample-below 3000 --count 100 --seed 2
-    python benchmarks/dedup_census.py disagreements $D $W $L $R        # the two montages
+    python benchmarks/dedup_census.py disagreements $D $W $L $R --judged-until 1000  # montages
     python benchmarks/dedup_census.py count $W $L --judged-until 1000 --strata 3000 \\
         --dedup-report $R --dedup-only-labels benchmarks/results/dedup_census_dedup_only_labels.csv
 
@@ -259,7 +259,9 @@ def census(labels: Sequence[dict], *, judged_until: int, total: int,
             # recall over all real duplicates: found in the top block + tail estimate x
             # the found fraction of the sampled tail duplicates, per stratum
             "recall_with_tail_estimate": _recall_with_tail(hit, dup_tests, layers, tail_rows, matched),
-            "matched_not_dup_in_census": sorted(matched - dup_tests - tail_dups),
+            # fixed once the block is judged (tail samples may grow): the population
+            # ``disagreements`` samples dedup's own pairs from
+            "matched_not_dup_in_judged_block": sorted(matched - dup_tests),
             "matched_in_top_block_judged_diff": sorted(
                 {r["test_index"] for r in by["diff"]} & matched),
         }
@@ -290,6 +292,16 @@ def judged_sample(labels: Sequence[dict], population: int) -> dict:
     return out
 
 
+def check_against_ranking(labels: Sequence[dict], ranking: Sequence[dict]) -> None:
+    """Labels are keyed by rank; refuse them if that rank now holds another pair (e.g. features
+    recomputed on another machine reordered near-ties), instead of counting the wrong images."""
+    bad = [r["rank"] for r in labels
+           if (ranking[r["rank"]]["test_index"], ranking[r["rank"]]["train_index"])
+           != (r["test_index"], r["train_index"])]
+    if bad:
+        raise ValueError(f"{len(bad)} labelled ranks hold other pairs in this ranking, e.g. {bad[:5]}")
+
+
 def dedup_matched(report_path: str) -> set[int]:
     """Test indices a ``dpscale dedup`` report says have a public twin."""
     with open(report_path) as handle:
@@ -298,18 +310,20 @@ def dedup_matched(report_path: str) -> set[int]:
 
 
 def disagreements(data: str, work: str, labels_path: str, report_path: str, out_dir: str, *,
-                  count: int = 40, seed: int = 0) -> dict:
+                  judged_until: int, count: int = 40, seed: int = 0) -> dict:
     """Two montages where census and dedup disagree (random ``count`` of each, seeded):
 
-    ``dedup_census_dedup_only.png``: test images dedup matched that the census does not
-    count as duplicates, drawn with dedup's own pair (are they census misses or dedup false
-    positives?); ``dedup_census_missed.png``: census duplicates dedup did not match.
+    ``dedup_census_dedup_only.png``: test images dedup matched that are not a clear duplicate
+    of the judged block (ranks < ``judged_until``), drawn with dedup's own pair (census misses
+    or dedup false positives?); ``dedup_census_missed.png``: clear duplicates of the judged
+    block dedup did not match. Only the judged block defines both, so growing the tail
+    samples later does not change what these draw.
     """
     with open(report_path) as handle:
         report = json.load(handle)
     labels = read_labels(labels_path)
     by_test = {r["test_index"]: r for r in read_ranking(work)}
-    dups = {r["test_index"] for r in labels if r["label"] == "dup"}
+    dups = {r["test_index"] for r in labels if r["label"] == "dup" and r["rank"] < judged_until}
     label_of = {r["test_index"]: r["label"] for r in labels}
     pairs = {}
     for p in sorted(report["removed"], key=lambda p: p["distance"]):
@@ -374,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     g.add_argument("dedup_report")
     g.add_argument("--output-dir", default=RESULTS)
     g.add_argument("--count", type=int, default=40)
+    g.add_argument("--judged-until", type=int, required=True)
     a = p.parse_args(argv)
     os.makedirs(getattr(a, "work", "."), exist_ok=True)
     if a.cmd == "embed":
@@ -404,15 +419,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(path)
     elif a.cmd == "disagreements":
         print(json.dumps(disagreements(a.data, a.work, a.labels, a.dedup_report, a.output_dir,
-                                       count=a.count)))
+                                       judged_until=a.judged_until, count=a.count)))
     else:
         ranking = read_ranking(a.work)
         matched = dedup_matched(a.dedup_report) if a.dedup_report else set()
         strata = [int(x) for x in a.strata.split(",") if x]
-        out = census(read_labels(a.labels), judged_until=a.judged_until, total=len(ranking),
+        labels = read_labels(a.labels)
+        check_against_ranking(labels, ranking)
+        out = census(labels, judged_until=a.judged_until, total=len(ranking),
                      strata=strata, matched=matched)
         if a.dedup_only_labels and "dedup" in out:
-            only = out["dedup"]["matched_not_dup_in_census"]
+            only = out["dedup"]["matched_not_dup_in_judged_block"]
             out["dedup_only_sample"] = judged_sample(read_labels(a.dedup_only_labels), len(only))
             rank_of = {r["test_index"]: r["rank"] for r in ranking}
             out["dedup_only_sample"]["in_judged_block"] = sum(

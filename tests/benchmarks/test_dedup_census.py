@@ -30,7 +30,7 @@ def test_counts_top_block_tail_estimate_and_recall():
     d = out["dedup"]
     assert d["clear_found"] == 2 and d["recall_on_clear"] == pytest.approx(2 / 3)
     assert d["unsure_found"] == 1 and d["tail_dups_found"] == 1
-    assert d["matched_not_dup_in_census"] == [102, 999]
+    assert d["matched_not_dup_in_judged_block"] == [102, 110, 999]
     assert d["matched_in_top_block_judged_diff"] == []
     # 2 of 3 found in the block, the tail's 10 estimated duplicates all found (1 of 1 sampled)
     assert d["recall_with_tail_estimate"] == pytest.approx((2 + 10) / (3 + 10))
@@ -102,3 +102,12 @@ def test_strata_estimate_each_part_of_the_tail_from_its_own_sample():
     assert out["tail"][0]["estimate"] == pytest.approx(8 * 1 / 2)
     assert out["tail"][1]["estimate"] == pytest.approx(42 * 1 / 4)
     assert out["count"]["with_tail_estimate"] == pytest.approx(1 + 4 + 10.5)
+
+
+def test_labels_that_no_longer_fit_the_ranking_are_refused():
+    ranking = [{"rank": r, "test_index": 100 + r, "train_index": r} for r in range(3)]
+    dc.check_against_ranking(_labels([(0, "dup"), (2, "diff")]), ranking)
+    moved = _labels([(1, "dup")])
+    moved[0]["test_index"] = 7
+    with pytest.raises(ValueError, match="other pairs"):
+        dc.check_against_ranking(moved, ranking)
