@@ -15,7 +15,11 @@ The decision is made by eye, not by the embedding: the ranked pairs are drawn as
     python benchmarks/dedup_census.py montage $D $W --sample-below 400 --count 100 --seed 0
     python benchmarks/dedup_census.py montage $D $W --sample-below 1000 --sample-until 3000 \\
         --count 150 --seed 1
+    python benchmarks/dedup_census.py montage $D $W --sample-below 1000 --sample-until 3000 \\
+        --count 100 --seed 4
     python benchmarks/dedup_census.py montage $D $W --sample-below 3000 --count 100 --seed 2
+    python benchmarks/dedup_census.py montage $D $W --sample-below 3000 --count 150 --seed 3
+    python benchmarks/dedup_census.py montage $D $W --sample-below 3000 --count 200 --seed 5
     python benchmarks/dedup_census.py disagreements $D $W $L $R --judged-until 1000  # montages
     python benchmarks/dedup_census.py count $W $L --judged-until 1000 --strata 3000 \\
         --dedup-report $R --dedup-only-labels benchmarks/results/dedup_census_dedup_only_labels.csv
@@ -23,11 +27,13 @@ The decision is made by eye, not by the embedding: the ranked pairs are drawn as
 (``--test-indices`` redraws a sample's pairs 50 per sheet.)
 
 Labels (``rank,test_index,train_index,label,note``; label ``dup`` / ``unsure`` / ``diff``)
-cover a judged top block (every rank < ``--judged-until``) plus a random sample below it
-(rows whose rank is >= that point, drawn by ``montage --sample-below``). ``count`` reports:
-clear duplicates in the top block, unsure as a range, and the tail estimate
-= (sample duplicates / sample size) x tail size, with a 95% Wilson interval on the rate.
+cover a judged top block (every rank < ``--judged-until``) plus random samples below it,
+per stratum (``--strata``; samples drawn by ``montage --sample-below/--sample-until``; the
+union of several uniform samples of a stratum is again uniform given its size). ``count``
+reports: clear duplicates in the top block, unsure as a range, and per stratum the estimate
+(sample duplicates / sample size) x stratum size, with a 95% Wilson interval on the rate.
 Recall of dedup = census duplicates whose test image dedup matched / census duplicates.
+Labels are keyed by rank and refused if the ranking now puts another pair there.
 """
 
 from __future__ import annotations
