@@ -61,15 +61,29 @@ def standard_normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = j
     """N(0, 1) as the sum of ``SUMMANDS`` independent draws, halved (added in a fixed order).
 
     Each draw is what ``jax.random.normal`` computes for float32 (23 uniform bits through
-    ``erf_inv``), but its bits come from XLA's native threefry generator (``_native_bits``):
-    JAX's threefry, written as array operations, made the four draws cost 2.6x one draw on
-    CPU, the native generator makes them cost about one (``benchmarks/noise_cost.py``).
+    ``erf_inv``), but its bits come from XLA's native threefry generator (``_native_bits``),
+    packed (``summand_bits``): JAX's threefry, written as array operations, made the four
+    draws cost 2.6x one draw; see ``benchmarks/results/noise_cost.md`` for what they cost now.
     """
-    bits = _native_bits(jax.random.bits(key, (4,), jnp.uint32), (SUMMANDS, *shape))
-    total = _normal_from_bits(bits[0])
-    for i in range(1, SUMMANDS):
-        total = total + _normal_from_bits(bits[i])
+    total = None
+    for bits in summand_bits(key, shape):
+        z = _normal_from_bits(bits)
+        total = z if total is None else total + z
     return (total * np.float32(1 / np.sqrt(SUMMANDS))).astype(dtype)
+
+
+def summand_bits(key: jax.Array, shape: tuple[int, ...]) -> list[jax.Array]:
+    """The uint32 words of the ``SUMMANDS`` draws; only the top 23 bits of each are used.
+
+    Four draws need 4 x 23 = 92 random bits per value, so three 32-bit words suffice: the
+    first three draws take the top 23 bits of one word each, the fourth is made of the three
+    words' otherwise unused low bits (9 + 9 + 5). The generator is what the noise costs, and
+    this draws 25% fewer words than one word per draw.
+    """
+    assert SUMMANDS == 4, "the packing below is written for four draws"
+    words = _native_bits(jax.random.bits(key, (4,), jnp.uint32), (3, *shape))
+    low = (words[0] & np.uint32(0x1FF)) | ((words[1] & np.uint32(0x1FF)) << 9) | ((words[2] & np.uint32(0x1F)) << 18)
+    return [words[0], words[1], words[2], low << 9]
 
 
 def _normal_from_bits(bits: jax.Array) -> jax.Array:

@@ -65,3 +65,21 @@ def test_added_noise_has_the_requested_std_per_leaf():
     # The leaves draw different noise (each its own key).
     assert not np.allclose(np.asarray(noisy["w"]).ravel()[:1000], np.asarray(noisy["b"])[:1000] - 3.0)
 
+
+
+def test_the_four_draws_get_independent_uniform_23_bit_integers():
+    # The fourth draw is packed from the spare low bits of the three words: each draw's
+    # 23 bits must be uniform and independent of the others' (a packing slip, e.g. reusing
+    # bits, shows up as correlation or a narrower range).
+    from dpscale.privacy.noise import summand_bits
+
+    draws = [np.asarray(b >> 9, np.float64) for b in summand_bits(jax.random.key(7), (300_000,))]
+    assert len(draws) == 4
+    for d in draws:
+        assert d.max() < 2**23 and d.max() > 2**23 * 0.999 and d.min() < 2**23 * 0.001
+        assert abs(d.mean() / 2**23 - 0.5) < 0.005
+        assert stats.kstest(d / 2**23, "uniform").pvalue > 1e-3
+        for bit in range(23):  # every bit is a fair coin
+            assert abs(np.mean((d.astype(np.int64) >> bit) & 1) - 0.5) < 0.006
+    corr = np.corrcoef(np.stack(draws))
+    assert np.all(np.abs(corr[~np.eye(4, dtype=bool)]) < 0.01)
