@@ -718,6 +718,8 @@ def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...]
               help="White-box: norm of the canary gradient in units of the clip norm (>= 1).")
 @click.option("--per-example", type=click.Choice(["vmap", "bookkeeping"]), default="vmap", show_default=True,
               help="White-box CNN: how per-example gradients are computed.")
+@click.option("--devices", type=COUNT, default=1, show_default=True,
+              help="White-box: data-parallel devices of the audited step (micro-batches sharded, sums psum'd).")
 @click.option("--hidden", type=COUNT, default=32, show_default=True, help="MLP hidden units.")
 @click.option("--num-models", type=ints(8), default=1000, show_default=True,
               help="Models per row, half of them trained with the canary.")

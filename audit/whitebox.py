@@ -11,7 +11,8 @@ hook: D's rows go through the model's real clipped sum (closed-form linear head,
 book-keeping per-example gradients), the canary row through ``clipping.clipped_sum_from_gradients``
 (the library's clip and weighted sum), and the two parts are joined by ``ClippedSum.plus``,
 the operator that accumulates micro-batches. Micro-batches, noise, division by B and the
-optimiser are ``DpsgdStep.accumulate_pure`` / ``apply_pure`` unchanged.
+optimiser are ``DpsgdStep.accumulate_traceable`` (one device, or ``shard_map`` over a data mesh) /
+``apply_pure`` unchanged.
 
 The score of a model is ``sum_t <p_t - p_{t+1}, u> B / lr - <S_D(p_t), u>``, where S_D is
 D's clipped sum at the observed p_t, recomputed by the adversary with the reference ``vmap``
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from dpscale.audit import bounds as audit_bounds
 from dpscale.audit.game import finish_row, game_statistics
@@ -183,11 +185,16 @@ def white_box_scores(
     features: np.ndarray, labels: np.ndarray, num_classes: int, member: np.ndarray, *,
     setup: WhiteBoxSetup, seed: int, image_shape: tuple[int, ...] | None = None,
     step_class: type[DpsgdStep] = DpsgdStep, chunk_size: int = 256,
-    on_chunk: Callable[[int], None] | None = None,
+    on_chunk: Callable[[int], None] | None = None, mesh: Mesh | None = None,
 ) -> np.ndarray:
     """One score per model (``member[i]``: model i has the canary); D = ``features``, ``labels``.
 
     Model i draws its initialisation and noise from ``privacy.streams.model_keys(seed, i)``.
+    With a ``mesh`` (``privacy.dpsgd.data_mesh``) the step is the multi-device one: each
+    micro-batch is split over the devices (the canary row lands on one of them), every device
+    clips its own rows, the sums are ``psum``ed under ``shard_map`` and the noise is added once.
+    The linear head's models are ``vmap``ped over that ``shard_map`` (its batching rule adds the
+    model axis to every device's block); the CNN's run sequentially (``lax.map``, see below).
     """
     n = len(labels)
     if n != setup.plan.num_examples:
@@ -196,9 +203,12 @@ def white_box_scores(
     v = jax.tree_util.tree_map(lambda u: u * setup.canary_norm * setup.clip_norm, task.direction)
     dp_step = setup.plan.dp_step(
         task.loss_fn, seed=seed, clip_norm=setup.clip_norm, learning_rate=setup.learning_rate,
-        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), step_class=step_class)
+        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), step_class=step_class,
+        mesh=mesh)
+    accumulate = dp_step.accumulate_traceable
     k = setup.microbatches
-    slots = -(-(n + 1) // k) * k  # D and the canary row, padded to k equal micro-batches
+    per = k * dp_step.num_devices
+    slots = -(-(n + 1) // per) * per  # D and the canary row, padded to k equal micro-batches, each split evenly
     index = np.minimum(np.arange(slots), n)
     real = np.arange(slots) <= n
     is_canary = real & (index == n)
@@ -216,7 +226,7 @@ def white_box_scores(
             for m in range(k):
                 part = slice(m * slots // k, (m + 1) * slots // k)
                 micro = jax.tree_util.tree_map(lambda leaf: leaf[part], batch)
-                total = dp_step.accumulate_pure(state.params, total, micro, mask[part], state.model_state)
+                total = accumulate(state.params, total, micro, mask[part], state.model_state)
             new_state, _ = dp_step.apply_pure(state, total, keys.noise)
             moved = jax.tree_util.tree_map(jnp.subtract, state.params, new_state.params)
             observed = _dot(moved, task.direction) * scale
@@ -227,7 +237,14 @@ def white_box_scores(
         (_, score), _ = jax.lax.scan(step, (state, jnp.zeros((), jnp.float32)), None, length=setup.plan.steps)
         return score
 
-    run_chunk = jax.jit(jax.vmap(one_model))
+    if mesh is not None and setup.model == "cnn":
+        # JAX cannot batch the per-example convolution gradients traced inside ``shard_map``
+        # (``conv_general_dilated``'s batching rule raises NotImplementedError for grouped
+        # convolutions with an output sharding), so the CNN's models run one after another,
+        # still in one compiled program per chunk.
+        run_chunk = jax.jit(lambda ids, inside: jax.lax.map(lambda pair: one_model(*pair), (ids, inside)))
+    else:
+        run_chunk = jax.jit(jax.vmap(one_model))
     num_models = len(member)
     size = min(chunk_size, num_models)
     scores = np.empty(num_models, np.float64)
@@ -246,14 +263,14 @@ def white_box_row(
     features: np.ndarray, labels: np.ndarray, num_classes: int, *, setup: WhiteBoxSetup, nominal_epsilon: float,
     delta: float, num_models: int, confidence: float, holdout_fraction: float, seed: int,
     image_shape: tuple[int, ...] | None = None, step_class: type[DpsgdStep] = DpsgdStep, chunk_size: int = 256,
-    bar: Bar | None = None,
+    bar: Bar | None = None, mesh: Mesh | None = None,
 ) -> dict:
     """One white-box row: scores of ``num_models`` models (half with the canary) -> both estimators."""
     member = np.arange(num_models) % 2 == 0
     started = time.perf_counter()
     scores = white_box_scores(features, labels, num_classes, member, setup=setup, seed=seed,
                               image_shape=image_shape, step_class=step_class, chunk_size=chunk_size,
-                              on_chunk=None if bar is None else bar.advance)
+                              on_chunk=None if bar is None else bar.advance, mesh=mesh)
     seconds = time.perf_counter() - started
     plan = setup.plan
     row = {
@@ -261,6 +278,7 @@ def white_box_row(
         f"cnn ({setup.per_example})", "num_examples": plan.num_examples, "nominal_epsilon": nominal_epsilon,
         "delta": delta, "noise_multiplier": plan.noise_multiplier, "batch_size": plan.batch_size,
         "steps": plan.steps, "microbatches": setup.microbatches, "num_models": num_models,
+        "devices": 1 if mesh is None else mesh.devices.size,
         "confidence": confidence, "mu_nominal": math.sqrt(plan.steps) / plan.noise_multiplier,
         **audit_bounds.gdp_epsilon_lower_bound(scores[member], scores[~member], delta=delta,
                                                confidence=confidence),

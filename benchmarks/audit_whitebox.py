@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--epsilons", default="1,2,4,8")
     parser.add_argument("--bug", default="none", choices=["none", "half-noise"])
     parser.add_argument("--chunk-size", type=int, default=500)
+    parser.add_argument("--devices", type=int, default=1, help="white-box: devices of the sharded step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "audit_runs.md"))
     args = parser.parse_args()
@@ -60,7 +61,8 @@ def main() -> None:
             data=args.data, epsilons=(epsilon,), num_examples=args.num_examples, batch_size=args.batch_size,
             steps=args.steps, model=args.model, num_models=args.num_models, confidence=args.confidence,
             canary=args.canary, seed=args.seed, threat_model=args.threat_model, microbatches=args.microbatches,
-            per_example=args.per_example, chunk_size=args.chunk_size, show_progress=False)
+            per_example=args.per_example, chunk_size=args.chunk_size, show_progress=False,
+            devices=args.devices)
         before = os.getloadavg()
         started, cpu = time.perf_counter(), time.process_time()
         (row,) = audit.run(config).rows
@@ -79,7 +81,7 @@ def main() -> None:
         f"load average (1/5/15 min) before {'/'.join(f'{x:.1f}' for x in r['load_before'])}, after "
         f"{'/'.join(f'{x:.1f}' for x in r['load_after'])}" for r in rows)
     text = "\n".join([
-        f"### {args.threat_model}, {args.model}, |D|={args.num_examples}, bug={args.bug}\n",
+        f"### {args.threat_model}, {args.model}, |D|={args.num_examples}, bug={args.bug}, devices={args.devices}\n",
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), jax {jax.__version__}.\n",
         markdown_table(rows),
@@ -91,7 +93,7 @@ def main() -> None:
     with open(args.out, "a") as f:
         f.write(text)
     stem = os.path.splitext(args.out)[0]
-    tag = f"{args.threat_model}_{args.model}_{args.num_examples}_{args.bug}"
+    tag = f"{args.threat_model}_{args.model}_{args.num_examples}_{args.bug}_{args.devices}dev"
     with open(f"{stem}_{tag}.json", "w") as f:
         json.dump({"command": command, "rows": rows}, f, indent=2, default=str)
     sys.exit(0 if ok else 1)

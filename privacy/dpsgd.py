@@ -126,7 +126,7 @@ class DpsgdStep:
         replicated = self._sharding(PartitionSpec())
         batch_sharded = self._sharding(PartitionSpec(DATA_AXIS))
         self._accumulate = jax.jit(
-            self.accumulate_pure if mesh is None else self._accumulate_sharded,
+            self.accumulate_traceable,
             donate_argnums=(1,),
             in_shardings=(
                 None if mesh is None else (replicated, replicated, batch_sharded, batch_sharded, replicated)
@@ -204,6 +204,14 @@ class DpsgdStep:
     ) -> ClippedSum:
         """``total`` plus the clipped sum of one micro-batch."""
         return total.plus(self._clipped_sum(params, model_state, batch, mask))
+
+    @property
+    def accumulate_traceable(self) -> Callable[..., ClippedSum]:
+        """The pure body ``accumulate`` jits: ``accumulate_pure`` on one device, else the ``shard_map``ped one.
+
+        For callers that ``vmap`` whole runs (the white-box audit) on this step's mesh.
+        """
+        return self.accumulate_pure if self.mesh is None else self._accumulate_sharded
 
     def _accumulate_sharded(
         self, params: PyTree, total: ClippedSum, batch: PyTree, mask: jax.Array, model_state: PyTree

@@ -22,6 +22,7 @@ from typing import Literal
 
 from dpscale.audit.canaries import CanaryKind, Data, load_data
 from dpscale.audit.game import audit_setting, one_run, write_reports
+from dpscale import distributed
 from dpscale.audit.whitebox import PerExample, WhiteBoxSetup, white_box_row
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.dpsgd import DpsgdStep
@@ -65,6 +66,7 @@ class AuditConfig:
     microbatches: int = 2  # white-box: micro-batches per step (accumulation is audited too)
     canary_norm: float = 10.0  # white-box: |canary gradient| / C
     per_example: PerExample = "vmap"  # white-box CNN: vmap or book-keeping per-example gradients
+    devices: int = 1  # white-box: data-parallel devices of the audited step (> 1: the shard_map path)
 
     def __post_init__(self) -> None:
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
@@ -87,6 +89,8 @@ class AuditConfig:
         if self.threat_model == "white-box" and self.batch_size not in (None, self.num_examples):
             raise InvalidConfigError("the white-box audit uses full batches: --batch-size must be |D| "
                                      f"({self.num_examples}) or left out")
+        if self.devices != 1 and self.threat_model != "white-box":
+            raise InvalidConfigError("only the white-box audit runs on several devices (--devices)")
         if self.threat_model == "white-box" and self.one_run_canaries:
             raise InvalidConfigError("the one-run audit is black-box only")
 
@@ -157,7 +161,7 @@ def _white_box(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: floa
                             nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
                             confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
                             image_shape=data.image_shape, step_class=step_class, chunk_size=config.chunk_size,
-                            bar=bar)
+                            bar=bar, mesh=None if config.devices == 1 else distributed.training_mesh(config.devices))
     if row["violation"]:
         _log.error("AUDIT VIOLATION: lower bound above the nominal epsilon %.3f: %s", nominal, row)
     return row

@@ -19,7 +19,7 @@ import pytest
 
 from dpscale.audit.whitebox import WhiteBoxSetup, white_box_row
 from dpscale.privacy import clipping, dpsgd
-from dpscale.privacy.dpsgd import DpsgdStep
+from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
 from dpscale.privacy.noise import add_gaussian_noise, step_key
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 
@@ -81,12 +81,12 @@ def tiny():
     return x, rng.integers(0, CLASSES, N).astype(np.int32)
 
 
-def _row(tiny, epsilon, step_class=DpsgdStep, seed=11):
+def _row(tiny, epsilon, step_class=DpsgdStep, seed=11, mesh=None):
     plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, DELTA), num_examples=N, batch_size=N, steps=STEPS)
     setup = WhiteBoxSetup(plan=plan, clip_norm=2.0, learning_rate=0.5, microbatches=MICRO)
     return white_box_row(*tiny, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(), delta=DELTA,
                          num_models=MODELS, confidence=CONFIDENCE, holdout_fraction=0.5, seed=seed,
-                         step_class=step_class, chunk_size=MODELS)
+                         step_class=step_class, chunk_size=MODELS, mesh=mesh)
 
 
 @pytest.mark.parametrize("epsilon", [2.0, 4.0])
@@ -107,3 +107,15 @@ def test_bug_is_flagged(tiny, epsilon, bug, monkeypatch):
     row = _row(tiny, epsilon, step_class=step_class)
     assert row["violation"], row
     assert row["gdp_epsilon_lower_bound"] > row["nominal_epsilon"]
+
+
+@pytest.mark.parametrize("bug", ["none", "half-noise"])
+def test_four_device_step_has_teeth(tiny, bug, monkeypatch):
+    """The sharded step (micro-batches split over 4 devices, clipped sums psum'd, noise added once)."""
+    if bug == "half-noise":
+        _half_noise(monkeypatch)
+    row = _row(tiny, 4.0, mesh=data_mesh(jax.devices()[:4]))
+    assert row["devices"] == 4
+    assert row["violation"] == (bug == "half-noise"), row
+    if bug == "none":
+        assert 0.6 * row["nominal_epsilon"] <= row["gdp_epsilon_lower_bound"] <= row["nominal_epsilon"]

@@ -105,15 +105,24 @@ def test_cli_white_box_rows_name_their_estimators(ingested_digits, tmp_path, mod
             "--epsilon", "4", "--num-examples", "20", "--steps", "3", "--num-models", "400", "--seed", "0"]
     if model == "cnn":
         args += ["--per-example", "bookkeeping", "--num-models", "40"]
+    else:  # the linear row runs on the 4-device sharded step
+        args += ["--devices", "4"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     (row,) = json.loads((out / "audit.json").read_text())["rows"]
     assert row["threat_model"] == "white-box" and row["batch_size"] == 20 and row["microbatches"] == 2
+    assert row["devices"] == (4 if model == "linear" else 1)
     assert set(row["estimators"]) == {"clopper-pearson", "gdp"}
     assert row["gdp_epsilon_lower_bound"] <= row["nominal_epsilon"] and not row["violation"]
     if model == "linear":  # 200 models per side are enough for a bound well above 0
         assert row["gdp_epsilon_lower_bound"] > 1.0
     assert "| white-box |" in result.output
+
+
+def test_cli_black_box_rejects_several_devices(ingested_digits):
+    result = CliRunner().invoke(cli, ["audit", ingested_digits, "--devices", "2"])
+    assert result.exit_code == 2
+    assert "white-box" in result.output and "Traceback" not in result.output
 
 
 def test_cli_white_box_rejects_subsampling(ingested_digits):
