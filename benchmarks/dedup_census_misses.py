@@ -202,7 +202,10 @@ def analyse(data: str, work: str, labels_path: str, report_path: str, *, ks: Seq
 
     for block in ("top", "tail"):
         new = [r for r in rows if r["block"] == block and not candidate(r) and r["verified"]]
-        out[f"change_union_{block}"] = dict(Counter(r["label"] for r in new))
+        res = Counter(f"{r['label']} accepted" for r in new)
+        res["missed dup now found"] = sum(r["label"] == "dup" and not r["dedup_matched"]
+                                          for r in new)
+        out[f"change_union_{block}"] = dict(sorted(res.items()))
 
     # changes 2-3 (aimed at d): a lower fine band / threshold, on pairs reaching the fine pass
     fine_rows = [i for i, r in enumerate(rows) if candidate(r) and r["coarse"] <= verify.COARSE_CUT]
