@@ -19,7 +19,8 @@ list of rejected pairs nearest the cut (every candidate, mostly unjudged).
     python benchmarks/dedup_census_misses.py /tmp/w17/data/cifar10 /tmp/w20/census \\
         benchmarks/results/dedup_census_labels.csv /tmp/w17/out2/dedup_report.NOT-PRIVATE.json \\
         --output /tmp/w20/census_misses.NOT-PRIVATE.json \\
-        --montage benchmarks/results/dedup_census_fine_misses.png      # 66 s, load ~6
+        --montage benchmarks/results/dedup_census_fine_misses.png \\
+        --near-montage benchmarks/results/dedup_census_near_0.14.png      # 66 s, load ~6
 """
 
 from __future__ import annotations
@@ -254,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--output", default=None, help="JSON with every row (private diagnostic)")
     p.add_argument("--montage", default=None,
                    help="PNG of every second top-block miss lost at the fine pass (by distance)")
+    p.add_argument("--near-montage", default=None,
+                   help="PNG of a seeded random 40 of the report's rejected pairs at 0.12-0.14 "
+                        "that are not census pairs (what the cut at 0.14 would add, unjudged)")
     a = p.parse_args(argv)
     out = analyse(a.data, a.work, a.labels, a.dedup_report, ks=a.ks)
     if a.montage:
@@ -269,6 +273,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         fd = os.open(a.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(out, handle, indent=1)
+    if a.near_montage:
+        with open(a.dedup_report) as handle:
+            near = json.load(handle)["near_threshold_rejected"]
+        judged = {(r["test_index"], r["train_index"]) for r in out["rows"]}
+        pool = [p for p in near if p["distance"] <= 0.14
+                and (p["private_index"], p["public_index"]) not in judged]
+        pick = np.random.default_rng(0).choice(len(pool), min(40, len(pool)), replace=False)
+        rows = [{"rank": -1, "test_index": pool[i]["private_index"],
+                 "train_index": pool[i]["public_index"],
+                 "tag": f"t{pool[i]['private_index']} f={pool[i]['distance']:.3f}",
+                 "similarity": pool[i]["similarity"], "mirrored": "mirrored" in pool[i]["view"]}
+                for i in sorted(pick)]
+        montage(a.data, rows, a.near_montage, scale=2)
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}, indent=1))
 
 
