@@ -101,6 +101,8 @@ def _native_bits(state: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     ``rng_bit_generator`` by keeping only the *first* state and drawing one larger block,
     so vmapped models (the privacy audit trains thousands) would silently ignore their
     own keys. The rule below draws each model's words from its own state instead.
+    XLA promises the same words for the same state on one backend and version, not across
+    them: a run resumed under another jax/XLA draws other (still fresh, never reused) noise.
     """
     return _bits_for(shape)(state)
 
