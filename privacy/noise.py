@@ -19,6 +19,8 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
+from dpscale.errors import InvalidConfigError
+
 PyTree = Any
 
 
@@ -125,11 +127,17 @@ def _bits_for(shape: tuple[int, ...]):
 
 
 def add_gaussian_noise(tree: PyTree, key: jax.Array, *, std: float | jax.Array) -> PyTree:
-    """``tree + N(0, std^2 I)`` leaf by leaf, rounded to multiples of ``std * 2^-GRID_BITS``."""
+    """``tree + N(0, std^2 I)`` leaf by leaf, rounded to multiples of ``std * 2^-GRID_BITS``.
+
+    The sum and the rounding are done in float32 whatever the leaf's dtype, then cast back:
+    in bfloat16 the grid is finer than the format (the rounding would do nothing and the
+    reachable outputs would depend on the data again) and in float16 the division overflows.
+    The final cast is post-processing of the rounded float32 value.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     keys = jax.random.split(key, len(leaves))
     unit = std * 2.0**-GRID_BITS
-    noisy = [jnp.round((x + std * standard_normal(k, x.shape, x.dtype)) / unit) * unit
+    noisy = [(jnp.round((x.astype(jnp.float32) + std * standard_normal(k, x.shape)) / unit) * unit).astype(x.dtype)
              for k, x in zip(keys, leaves)]
     return jax.tree_util.tree_unflatten(treedef, noisy)
 
@@ -141,6 +149,9 @@ def gaussian_release(value: np.ndarray, key: jax.Array, *, noise_multiplier: flo
     ``value`` must have L2 sensitivity ``sensitivity`` under adding or removing one
     example; the release's cost is the caller's to put in the run's ``releases``.
     """
+    if not (noise_multiplier > 0 and sensitivity > 0 and np.isfinite(noise_multiplier * sensitivity)):
+        raise InvalidConfigError(f"a Gaussian release needs a positive, finite noise scale, got "
+                                 f"noise_multiplier={noise_multiplier}, sensitivity={sensitivity}")
     value = np.asarray(value, np.float32)
     noisy = add_gaussian_noise(jnp.asarray(value), key, std=noise_multiplier * sensitivity)
     return np.asarray(noisy, np.float32)

@@ -83,3 +83,28 @@ def test_the_four_draws_get_independent_uniform_23_bit_integers():
             assert abs(np.mean((d.astype(np.int64) >> bit) & 1) - 0.5) < 0.006
     corr = np.corrcoef(np.stack(draws))
     assert np.all(np.abs(corr[~np.eye(4, dtype=bool)]) < 0.01)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_leaves_get_finite_noise_with_no_data_dependent_gaps(dtype):
+    # The sum and the grid rounding happen in float32 and only the result is cast: done in
+    # bfloat16 the grid would be finer than the format (outputs whose last mantissa bit is
+    # odd were unreachable from x = -1 but not from x = 0); in float16 the division overflowed.
+    odd = {}
+    for x in (0.0, -1.0):
+        leaf = jnp.full((200_000,), x, dtype)
+        noisy = add_gaussian_noise({"w": leaf}, jax.random.key(8), std=1.0)["w"]
+        assert noisy.dtype == dtype and bool(jnp.all(jnp.isfinite(noisy)))
+        out = np.asarray(noisy.astype(jnp.float32))
+        window = out[(out >= 0.5) & (out < 1.0)]
+        mantissa = window.view(np.uint32) >> (16 if dtype == jnp.bfloat16 else 13)
+        odd[x] = np.mean(mantissa & 1)
+    assert abs(odd[0.0] - 0.5) < 0.05 and abs(odd[-1.0] - 0.5) < 0.05
+
+
+def test_a_gaussian_release_refuses_a_zero_noise_scale():
+    from dpscale.errors import InvalidConfigError
+    from dpscale.privacy.noise import gaussian_release
+
+    with pytest.raises(InvalidConfigError):
+        gaussian_release(np.ones(3), jax.random.key(9), noise_multiplier=0.0)
