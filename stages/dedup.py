@@ -131,7 +131,7 @@ def run(config: DedupConfig) -> DedupResult:
     work_dir = shards.join(config.output_dir, WORK)
     _remove_work(work_dir)
     if shards.is_local(work_dir):
-        os.makedirs(work_dir)
+        os.makedirs(work_dir, mode=0o700)  # private images' descriptors: owner-only
     log.info("dedup: %d public vs %d private examples (%s vs %s), %d read tasks, %d "
              "neighbour tasks", num_public, num_private, ",".join(public_splits),
              ",".join(private_splits), len(tasks), len(pairs))
