@@ -114,6 +114,12 @@ def test_update_is_the_same_on_one_and_four_devices(toy):
         for _ in range(2):
             pieces = toy.split(data, [8, 8])
             state, _ = step.update(state, [(p, jnp.ones(8)) for p in pieces])
+        # Every device must hold the same noisy parameters (np.asarray reads one copy only).
+        for leaf in jax.tree_util.tree_leaves(state.params):
+            copies = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+            assert len(copies) == len(devices)
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy, copies[0])
         results.append((toy.flat(state.params), toy.flat(state.ema_params)))
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
