@@ -49,6 +49,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
+from dpscale.files import open_for_writing
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 NAME = "efficientnet-lite0"
 LABELS = ("dup", "unsure", "diff")
@@ -350,7 +352,8 @@ def disagreements(data: str, work: str, labels_path: str, report_path: str, out_
     montage(data, [by_test[t] for t in pick_m], os.path.join(out_dir, "dedup_census_missed.png"))
     listing = {"dedup_only": [(r["rank"], r["test_index"], r["train_index"]) for r in rows],
                "missed": [(by_test[t]["rank"], t, by_test[t]["train_index"]) for t in pick_m]}
-    with open(os.path.join(work, "disagreements.json"), "w") as handle:
+    # which test images dedup matched comes from its private report: owner-only, like it
+    with open_for_writing(os.path.join(work, "disagreements.json"), private=True) as handle:
         json.dump(listing, handle)
     return listing
 

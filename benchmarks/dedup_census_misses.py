@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections import Counter
 from collections.abc import Sequence
 
@@ -37,6 +36,7 @@ from dpscale.benchmarks.dedup_census import dedup_matched, montage, read_labels,
 from dpscale.data.dataset import IngestedDataset
 from dpscale.dedup import descriptor, knn, verify
 from dpscale.dedup.method import Method
+from dpscale.files import open_for_writing
 
 # (pre-blur px, detail sigma px, shift step px) of the fine pass; the first is dedup's own
 FINE_VARIANTS = ((1.0, 3.0, 1.0), (1.0, 3.0, 0.5), (1.5, 3.0, 1.0), (2.0, 4.0, 1.0))
@@ -270,8 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                               mirrored="mirrored" in r["view"]) for r in d[::2]], a.montage,
                 scale=2)
     if a.output:  # per-pair rows of the private (test) images: 0600, like dedup's own report
-        fd = os.open(a.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
+        with open_for_writing(a.output, private=True) as handle:
             json.dump(out, handle, indent=1)
     if a.near_montage:
         with open(a.dedup_report) as handle:

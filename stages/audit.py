@@ -20,9 +20,9 @@ import dataclasses
 import logging
 from typing import Literal
 
+from dpscale import distributed
 from dpscale.audit.canaries import CanaryKind, Data, load_data
 from dpscale.audit.game import audit_setting, one_run, write_reports
-from dpscale import distributed
 from dpscale.audit.whitebox import PerExample, WhiteBoxSetup, white_box_row
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.dpsgd import DpsgdStep
