@@ -279,6 +279,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Pages of k neighbours a private image can get verified (1: k only).")
 @click.option("--crowded-fraction", type=floats(0, 1, min_open=True), default=0.5, show_default=True,
               help="Accepted share of a page that gets the next page verified.")
+@click.option("--refine/--no-refine", default=True, show_default=True,
+              help="Give pairs the alignment grid rejects a second check by continuous (ECC) alignment.")
 @click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
               help="Only these splits of PUBLIC (default: all).")
 @click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
@@ -287,7 +289,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(public: str, private: str, output: str, threshold: float, k: int,
-          min_similarity: float, max_pages: int, crowded_fraction: float, public_splits: tuple[str, ...],
+          min_similarity: float, max_pages: int, crowded_fraction: float, refine: bool,
+          public_splits: tuple[str, ...],
           private_splits: tuple[str, ...], overwrite: bool, verbose: bool,
           pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
@@ -305,7 +308,7 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
     _show_stage_progress(stage.log)
     result = stage.run(stage.DedupConfig(
         public, private, output, threshold=threshold, k=k, min_similarity=min_similarity,
-        max_pages=max_pages, crowded_fraction=crowded_fraction,
+        max_pages=max_pages, crowded_fraction=crowded_fraction, refine=refine,
         public_splits=public_splits, private_splits=private_splits, overwrite=overwrite,
         verbose=verbose, pipeline_args=tuple(pipeline_args)))
     _note(release.warning(result.report_path))

@@ -9,7 +9,8 @@ Plain functions over numpy arrays, so ``pipelines.dedup`` only wires them:
   its ``k`` most similar public images (blocked matrix products, ``dedup.knn``; the
   pipeline asks for ``k * max_pages``, which pages get verified is ``dedup.pages``).
 * ``verify_candidates``: a batch of (public, private, view) candidates -> the decision of
-  ``dedup.verify`` on the images themselves.
+  ``dedup.verify`` on the images themselves, and of ``dedup.refine`` for the pairs the
+  alignment grid rejects.
 
 Work grows with images (private views x public images), not with candidate pairs: each
 private image keeps a fixed number of candidates, whatever the data size.
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 from apache_beam.io.filesystems import FileSystems
 
-from dpscale.dedup import descriptor, knn, verify
+from dpscale.dedup import descriptor, knn, refine, verify
 from dpscale.data.shards import join as path_join
 
 PUBLIC, PRIVATE = "public", "private"
@@ -61,12 +62,25 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    """A verified candidate: ``accepted`` when ``fine_distance <= threshold``."""
+    """A verified candidate: ``accepted`` when ``fine_distance <= threshold`` or refined.
+
+    ``ecc_distance`` / ``detail_distance``: ``dedup.refine``'s, for pairs the grid rejected
+    (inf: not refined, or ECC did not converge).
+    """
 
     candidate: Candidate
     coarse_distance: float
     fine_distance: float  # inf: failed the coarse pass
     accepted: bool
+    ecc_distance: float = float("inf")
+    detail_distance: float = float("inf")
+
+    @property
+    def decided_by(self) -> str:
+        """Which check accepted the pair: "grid", "refined", or "" (rejected)."""
+        if not self.accepted:
+            return ""
+        return "grid" if self.ecc_distance == float("inf") else "refined"
 
 
 def embed_task(task: ReadTask, dataset: Any, work_dir: str) -> int:
@@ -132,20 +146,35 @@ def _images(dataset: Any, keys: Sequence[tuple[str, int]]) -> np.ndarray:
     return out
 
 
+def _rounded(x: float) -> float:
+    return round(float(x), 5) if np.isfinite(x) else float("inf")
+
+
 def verify_candidates(candidates: Sequence[Candidate], public: Any, private: Any, *,
-                      threshold: float) -> list[Match]:
-    """Decide a batch of candidates on the images (``IngestedDataset``s)."""
+                      threshold: float, refine_rejected: bool = True) -> list[Match]:
+    """Decide a batch of candidates on the images (``IngestedDataset``s).
+
+    ``refine_rejected``: pairs over the grid's ``threshold`` get ``dedup.refine``'s decision.
+    """
     if not candidates:
         return []
     a = _images(public, [(c.public_split, c.public_index) for c in candidates])
     b = _images(private, [(c.private_split, c.private_index) for c in candidates])
     mirrored = np.array([descriptor.view_of(c.view)[1] for c in candidates])
     coarse, fine = verify.distances(a, b, mirrored)
-    return [Match(c, round(float(co), 5), round(float(fi), 5) if np.isfinite(fi) else float("inf"),
-                  bool(fi <= threshold)) for c, co, fi in zip(candidates, coarse, fine)]
+    out = [Match(c, _rounded(co), _rounded(fi), bool(fi <= threshold))
+           for c, co, fi in zip(candidates, coarse, fine)]
+    rejected = np.flatnonzero(~(fine <= threshold))
+    if refine_rejected and len(rejected):
+        r = refine.refine(a[rejected], b[rejected], mirrored[rejected])
+        for j, i in enumerate(rejected):
+            out[i] = dataclasses.replace(out[i], accepted=bool(r.accepted[j]),
+                                         ecc_distance=_rounded(r.ecc_distance[j]),
+                                         detail_distance=_rounded(r.detail_distance[j]))
+    return out
 
 
 def closest(matches: Iterable[Match]) -> Match:
     """The closest accepted private match of one public example (ties: lowest private index)."""
-    return min(matches, key=lambda m: (m.fine_distance, m.candidate.private_split,
+    return min(matches, key=lambda m: (m.fine_distance, m.detail_distance, m.candidate.private_split,
                                        m.candidate.private_index, m.candidate.view))

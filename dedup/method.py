@@ -12,13 +12,15 @@ Defaults: 0.5 (a majority of the page is the same photo; the realistic planted b
 plants 8 copies, and each copy that falls below rank 10 has 5-7 accepted siblings above it,
 while a look-alike-prone private image rarely has even 3 accepted); 3 pages = at most 30
 removals per private image for 3x the (private images x k) neighbour arrays.
+``refine``: a pair the grid rejects gets a second decision by continuous alignment
+(``dedup.refine``): re-cropped and zoomed real copies the grid cannot align.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from dpscale.dedup import descriptor, verify
+from dpscale.dedup import descriptor, refine, verify
 
 DESCRIPTION = (
     f"descriptor: {descriptor.LUMA}x{descriptor.LUMA} luma + {descriptor.CHROMA}x"
@@ -29,7 +31,10 @@ DESCRIPTION = (
     "each mirrored); exact k nearest public images per private image by blocked matrix "
     "products; verification: 1 - normalised luma correlation of the public centre window "
     "with the private image under the best of a grid of scales 0.78-1.12 and shifts, "
-    "coarse 16x16 then fine 32x32")
+    "coarse 16x16 then fine 32x32; pairs it rejects: affine ECC alignment (3 starts), accepted "
+    f"if ECC correlation >= {refine.MIN_ECC}, detail (DoG {refine.DETAIL_BAND[0]}-"
+    f"{refine.DETAIL_BAND[1]} px) correlation >= {refine.MIN_DETAIL}, warp scale "
+    f"{refine.SCALE_RANGE[0]}-{refine.SCALE_RANGE[1]}, anisotropy <= {refine.MAX_ANISOTROPY}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Method:
     near_factor: float = 2.0
     max_pages: int = 3
     crowded_fraction: float = 0.5
+    refine: bool = True
 
     def __post_init__(self) -> None:
         if self.k < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -63,8 +64,15 @@ def _pair(m: Match, public: IngestedDataset, private: IngestedDataset) -> dict[s
             "public_id": pub.id, "public_key": pub.key,
             "private_split": c.private_split, "private_index": c.private_index,
             "private_id": priv.id, "private_key": priv.key,
-            "distance": m.fine_distance, "coarse_distance": m.coarse_distance,
+            "distance": _finite(m.fine_distance), "coarse_distance": _finite(m.coarse_distance),
+            "decided_by": m.decided_by, "refined_ecc_distance": _finite(m.ecc_distance),
+            "refined_detail_distance": _finite(m.detail_distance),
             "similarity": c.similarity, "view": view_name(c.view)}
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: a pass not run (or failed) is ``null``."""
+    return float(x) if math.isfinite(x) else None
 
 
 def _write_private(path: str, payload: Any) -> None:
@@ -118,7 +126,10 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
     report = {
         "private_diagnostic": "describes the private data without noise; keep it to yourself",
         "method": DESCRIPTION, "settings": dataclasses.asdict(method),
-        "distance": "1 - best aligned luma correlation (0 = same image; unrelated ~0.1-0.5)",
+        "distance": "1 - best aligned luma correlation (0 = same image; unrelated ~0.1-0.5); "
+                    "null: failed the coarse pass",
+        "decided_by": "grid: accepted at distance <= threshold; refined: rejected by the grid, "
+                      "accepted after ECC alignment (refined_* = 1 - ECC / detail correlation)",
         "public": {"path": public_path, "content_hash": public.content_hash,
                    "splits": list(public_splits), "num_examples": num_public},
         "private": {"path": private_path, "splits": list(private_splits),

@@ -127,7 +127,8 @@ class _Verify(_WithDatasets):
             return [m for i in range(0, len(cs), VERIFY_BATCH)
                     for m in join.verify_candidates(cs[i:i + VERIFY_BATCH], self.datasets[join.PUBLIC],
                                                     self.datasets[join.PRIVATE],
-                                                    threshold=method.threshold)]
+                                                    threshold=method.threshold,
+                                                    refine_rejected=method.refine)]
 
         matches, skipped, expanded = pages.verify_by_page(
             list(parts["candidates"]), verify, k=method.k, max_pages=method.max_pages,

@@ -55,6 +55,7 @@ class DedupConfig:
     min_similarity: float = Method.min_similarity
     max_pages: int = Method.max_pages
     crowded_fraction: float = Method.crowded_fraction
+    refine: bool = Method.refine
     public_splits: tuple[str, ...] = ()  # empty: every split
     private_splits: tuple[str, ...] = ()
     examples_per_task: int = 2_000
@@ -84,7 +85,8 @@ class DedupConfig:
     @property
     def method(self) -> Method:
         return Method(k=self.k, min_similarity=self.min_similarity, threshold=self.threshold,
-                      max_pages=self.max_pages, crowded_fraction=self.crowded_fraction)
+                      max_pages=self.max_pages, crowded_fraction=self.crowded_fraction,
+                      refine=self.refine)
 
 
 @dataclasses.dataclass(frozen=True)

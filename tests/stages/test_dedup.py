@@ -128,8 +128,16 @@ def test_report_is_a_private_diagnostic_listing_pairs_distances_and_views(data, 
                                                      ["public_index"]])
     assert ids[0].id == by_key["train/a/planted_exact.png"]["public_id"]
     for p in report["removed"]:
-        assert 0 <= p["distance"] <= 0.12 and p["private_split"] == "test"
-        assert p["similarity"] >= 0.8
+        if p["decided_by"] == "grid":
+            assert 0 <= p["distance"] <= 0.12 and p["refined_ecc_distance"] is None
+        else:
+            assert p["decided_by"] == "refined" and p["refined_detail_distance"] <= 0.2
+        assert p["private_split"] == "test" and p["similarity"] >= 0.8
+
+    def no_infinity(name):
+        raise AssertionError(f"{name} in the report: not JSON")
+
+    json.loads(path.read_text(), parse_constant=no_infinity)
     for p in report["near_threshold_rejected"]:
         assert 0.12 < p["distance"] <= 0.24
 
