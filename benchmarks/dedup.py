@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance
 
 from dpscale.data.dataset import IngestedDataset
+from dpscale.dedup import refine
 from dpscale.stages import dedup as stage
 from dpscale.stages.ingest import IngestConfig
 from dpscale.stages.ingest import run as ingest
@@ -101,6 +102,19 @@ def _save(root: str, split: str, name: str, image: np.ndarray) -> None:
     Image.fromarray(image).save(os.path.join(root, split, "c", name + ".png"))
 
 
+def _caption(p: dict) -> str:
+    """Grid pairs: d = fine distance; refined pairs: r e = 1 - ECC, t = 1 - detail correlation."""
+    if p.get("decided_by") == "refined":
+        return f"r e{p['refined_ecc_distance']:.3f} t{p['refined_detail_distance']:.2f}"
+    return "d=-" if p["distance"] is None else f"d={p['distance']:.3f}"
+
+
+def refined_margin(p: dict) -> float:
+    """How far inside ``dedup.refine``'s cuts a refined pair is (0: on a cut, 1: perfect)."""
+    return min(1 - p["refined_ecc_distance"] / (1 - refine.MIN_ECC),
+               1 - p["refined_detail_distance"] / (1 - refine.MIN_DETAIL))
+
+
 def montage(pairs: list[dict], public: IngestedDataset, private: IngestedDataset, path: str,
             *, columns: int = 5, scale: int = 3) -> None:
     """private | public side by side, captioned with the distance and view."""
@@ -118,7 +132,7 @@ def montage(pairs: list[dict], public: IngestedDataset, private: IngestedDataset
             sheet.paste(Image.fromarray(im).resize((side, side), Image.Resampling.NEAREST),
                         (x0 + dx, y0))
         view = p["view"].replace(" crop", "").replace("mirrored", "m")
-        draw.text((x0, y0 + side + 1), f"{k}: d={p['distance']:.3f} {view}", fill="black")
+        draw.text((x0, y0 + side + 1), f"{k}: {_caption(p)} {view}", fill="black")
     sheet.save(path)
 
 
@@ -183,8 +197,17 @@ def montages(data: str, out: str) -> None:
     pick = [removed[i] for i in np.sort(rng.choice(len(removed), min(40, len(removed)),
                                                    replace=False))]
     montage(pick, ds, ds, os.path.join(RESULTS, "dedup_cifar_random40.png"))
-    closest = sorted(removed, key=lambda p: -p["distance"])[:40]
+    grid = [p for p in removed if p["decided_by"] == "grid"]
+    closest = sorted(grid, key=lambda p: -p["distance"])[:40]
     montage(closest, ds, ds, os.path.join(RESULTS, "dedup_cifar_removed_closest_to_cut.png"))
+    refined = [p for p in removed if p["decided_by"] == "refined"]
+    if refined:  # the pairs only the second decision accepted: a random 40 and the 40 nearest its cuts
+        rng = np.random.default_rng(1)  # its own seed: the sample that validated the cuts
+        pick = [refined[i] for i in np.sort(rng.choice(len(refined), min(40, len(refined)),
+                                                       replace=False))]
+        montage(pick, ds, ds, os.path.join(RESULTS, "dedup_cifar_refined_random40.png"))
+        montage(sorted(refined, key=refined_margin)[:40], ds, ds,
+                os.path.join(RESULTS, "dedup_cifar_refined_closest_to_cut.png"))
     montage(report["near_threshold_rejected"][:40], ds, ds,
             os.path.join(RESULTS, "dedup_cifar_rejected_closest_to_cut.png"))
     print(f"removed {len(removed)} public, {report['num_private_matched']} private matched, "
