@@ -270,7 +270,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("private")
 @click.argument("output")
 @click.option("--threshold", type=floats(0, COARSE_CUT, min_open=True, max_open=True), default=0.12, show_default=True,
-              help="Aligned-correlation distance at or below which a candidate is a duplicate.")
+              help="Grid-aligned correlation distance at or below which a candidate is a duplicate; "
+                   "pairs above it still get the refinement check unless --no-refine.")
 @click.option("--k", "k", type=COUNT, default=10, show_default=True,
               help="Nearest public images per private image that get verified (one page).")
 @click.option("--min-similarity", type=floats(-1, 1), default=0.8, show_default=True,

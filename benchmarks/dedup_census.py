@@ -334,7 +334,17 @@ def disagreements(data: str, work: str, labels_path: str, report_path: str, out_
     dups = {r["test_index"] for r in labels if r["label"] == "dup" and r["rank"] < judged_until}
     label_of = {r["test_index"]: r["label"] for r in labels}
     pairs = {}
-    for p in sorted(report["removed"], key=lambda p: p["distance"]):
+    def closeness(p: dict) -> tuple:
+        """Grid pairs by grid distance, then pairs only the refinement accepted (distance null or over the cut)."""
+        grid = p.get("decided_by", "grid") == "grid"
+        return (not grid, p["distance"] if grid else p["refined_detail_distance"])
+
+    def caption(p: dict) -> str:
+        if p.get("decided_by", "grid") == "grid":
+            return f"d={p['distance']:.3f}"
+        return f"r{p['refined_detail_distance']:.2f}"
+
+    for p in sorted(report["removed"], key=closeness):
         if p["private_split"] == "test":
             pairs.setdefault(p["private_index"], p)  # the closest public twin
     rng = np.random.default_rng(seed)
@@ -343,7 +353,7 @@ def disagreements(data: str, work: str, labels_path: str, report_path: str, out_
                   key=lambda t: by_test[t]["rank"])
     rows = [{"test_index": t, "train_index": pairs[t]["public_index"], "rank": by_test[t]["rank"],
              "similarity": by_test[t]["similarity"], "mirrored": "mirrored" in pairs[t]["view"],
-             "tag": f"#{by_test[t]['rank']} {label_of.get(t, '-')[:2]} d={pairs[t]['distance']:.3f}"}
+             "tag": f"#{by_test[t]['rank']} {label_of.get(t, '-')[:2]} {caption(pairs[t])}"}
             for t in pick]
     montage(data, rows, os.path.join(out_dir, "dedup_census_dedup_only.png"))
     missed = sorted(dups - set(pairs))

@@ -54,6 +54,7 @@ class DedupProvenance:
     threshold: float
     num_removed: int
     report: str
+    refine: bool = False  # the second decision (dedup.refine) ran; False in manifests from before it
 
 
 @dataclasses.dataclass(frozen=True)

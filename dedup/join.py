@@ -176,5 +176,8 @@ def verify_candidates(candidates: Sequence[Candidate], public: Any, private: Any
 
 def closest(matches: Iterable[Match]) -> Match:
     """The closest accepted private match of one public example (ties: lowest private index)."""
-    return min(matches, key=lambda m: (m.fine_distance, m.detail_distance, m.candidate.private_split,
-                                       m.candidate.private_index, m.candidate.view))
+    # grid decisions first (by grid distance), then refined ones by their own detail distance
+    return min(matches, key=lambda m: (m.decided_by != "grid",
+                                       m.fine_distance if m.decided_by == "grid" else m.detail_distance,
+                                       m.candidate.private_split, m.candidate.private_index,
+                                       m.candidate.view))

@@ -23,6 +23,7 @@ from dpscale.data import shards
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.examples import Encoded, decode_record
 from dpscale.data.manifest import DedupProvenance, Manifest
+from dpscale.dedup import refine
 from dpscale.dedup.descriptor import view_name
 from dpscale.dedup.join import PRIVATE, PUBLIC, Match
 from dpscale.dedup.method import DESCRIPTION, Method
@@ -79,7 +80,7 @@ def _write_private(path: str, payload: Any) -> None:
     """A private diagnostic: mode 0600 when local (a remote store has its own ACLs)."""
     if shards.is_local(path):
         with open_for_writing(path, private=True) as f:
-            json.dump(payload, f, indent=1)
+            json.dump(payload, f, indent=1, allow_nan=False)
             f.write("\n")
     else:
         shards.write_json(path, payload)
@@ -125,11 +126,15 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         removed_by_split[p["public_split"]] = removed_by_split.get(p["public_split"], 0) + 1
     report = {
         "private_diagnostic": "describes the private data without noise; keep it to yourself",
-        "method": DESCRIPTION, "settings": dataclasses.asdict(method),
+        "method": DESCRIPTION,
+        "settings": {**dataclasses.asdict(method),
+                     **({"opencv": refine.opencv_version()} if method.refine else {})},
         "distance": "1 - best aligned luma correlation (0 = same image; unrelated ~0.1-0.5); "
                     "null: failed the coarse pass",
         "decided_by": "grid: accepted at distance <= threshold; refined: rejected by the grid, "
-                      "accepted after ECC alignment (refined_* = 1 - ECC / detail correlation)",
+                      "accepted after ECC alignment (refined_* = 1 - blurred-luma / detail "
+                      "correlation after it; null: not refined, or ECC did not converge); "
+                      "empty: rejected by both",
         "public": {"path": public_path, "content_hash": public.content_hash,
                    "splits": list(public_splits), "num_examples": num_public},
         "private": {"path": private_path, "splits": list(private_splits),
@@ -146,6 +151,6 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
     shards.write_json(shards.join(output_dir, shards.REPORT), {"num_rejected": 0, "rejected": []})
     manifest = dataclasses.replace(manifest, num_inputs=num_public, dedup=DedupProvenance(
         public_content_hash=public.content_hash,
-        threshold=method.threshold, num_removed=len(pairs), report=REPORT))
+        threshold=method.threshold, refine=method.refine, num_removed=len(pairs), report=REPORT))
     shards.write_manifest(output_dir, manifest)
     return manifest

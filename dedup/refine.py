@@ -4,13 +4,14 @@ Real CIFAR-10 duplicates are often re-cropped or zoomed by more than the grid of
 ``dedup.verify`` covers (scales 0.78-1.12, whole-pixel shifts), or resampled anisotropically;
 the grid's best point then leaves the detail misaligned and the pair fails. Here the
 private image is aligned to the public one by an affine warp fitted by maximising the
-enhanced correlation coefficient (OpenCV's ``findTransformECC``, Evangelidis & Psarakis 2008)
-on blurred luma over the central window, from three starting scales; the pair is a
-duplicate only if
+enhanced correlation coefficient (OpenCV's ``findTransformECCWithMask``, Evangelidis &
+Psarakis 2008) on blurred luma over the public image's central window (the template mask: a
+re-crop's new border stays out), from three starting scales, each fit scored here at the warp
+it returns (OpenCV's own coefficient is that of the step before); the pair is a duplicate only if
 
 * the fitted warp is close to a similarity (singular-value ratio <= ``MAX_ANISOTROPY``,
   scale in ``SCALE_RANGE``): a copy is re-cropped, not sheared;
-* the blurred luma correlates almost perfectly (>= ``MIN_ECC``) after the warp; and
+* the blurred luma correlates almost perfectly over the window (>= ``MIN_ECC``) after the warp; and
 * the detail band (luma blurred at 0.7 px minus blurred at 3 px) correlates (>=
   ``MIN_DETAIL``): an aeroplane on an empty sky matches another one's outline, not its
   edges and texture.
@@ -79,37 +80,56 @@ def _correlation(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum() / den) if den > 1e-12 else 0.0
 
 
+def opencv_version() -> str:
+    """Recorded in the report: ECC's fit, so the decisions near a cut, can move between versions."""
+    import cv2
+
+    return cv2.__version__
+
+
+def _warp(image: np.ndarray, warp: np.ndarray) -> np.ndarray:
+    """``image`` resampled into the public frame: out(x) = image(warp @ [x, 1])."""
+    import cv2
+
+    return cv2.warpAffine(image, warp, (SIZE, SIZE), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                          borderMode=cv2.BORDER_REPLICATE)
+
+
 def _refine_one(public: np.ndarray, private: np.ndarray) -> tuple[float, float, float, float]:
     import cv2
 
     a, b = _luma(public), _luma(private)
-    n = SIZE
     lo, hi = WINDOW
-    mask = np.zeros((n, n), np.uint8)
-    mask[lo:hi, lo:hi] = 1
+    window = np.zeros((SIZE, SIZE), np.uint8)
+    window[lo:hi, lo:hi] = 1
+    everywhere = np.ones((SIZE, SIZE), np.uint8)
     ta = cv2.GaussianBlur(a, (0, 0), ECC_BLUR)
     tb = cv2.GaussianBlur(b, (0, 0), ECC_BLUR)
     criteria = (cv2.TERM_CRITERIA_EPS | cv2.TERM_CRITERIA_COUNT, ITERATIONS, EPSILON)
-    centre = (n - 1) / 2
+    centre = (SIZE - 1) / 2
     best, warp = -1.0, None
     for s in START_SCALES:
         start = np.array([[s, 0, centre - s * centre], [0, s, centre - s * centre]], np.float32)
-        try:
-            cc, w = cv2.findTransformECC(ta, tb, start, cv2.MOTION_AFFINE, criteria, mask, ECC_FILTER)
+        try:  # the criterion over the public window only (the template mask), as documented above
+            _, w = cv2.findTransformECCWithMask(ta, tb, window, everywhere, start, cv2.MOTION_AFFINE,
+                                                criteria, ECC_FILTER)
         except cv2.error:  # did not converge, or a flat image: no evidence from this start
             continue
-        if np.isfinite(cc) and cc > best:
-            best, warp = float(cc), w
+        if not np.all(np.isfinite(w)):
+            continue
+        # OpenCV's returned coefficient belongs to the warp before its last update: score the
+        # returned warp ourselves, on the same window, and pick the start by that score
+        cc = _correlation(ta[lo:hi, lo:hi], _warp(tb, w)[lo:hi, lo:hi])
+        if cc > best:
+            best, warp = cc, w
     if warp is None:
         return float("inf"), float("inf"), 0.0, float("inf")
-    warped = cv2.warpAffine(b, warp, (n, n), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
-                            borderMode=cv2.BORDER_REPLICATE)
 
     def band(y: np.ndarray) -> np.ndarray:
         fine, coarse = DETAIL_BAND
         return (cv2.GaussianBlur(y, (0, 0), fine) - cv2.GaussianBlur(y, (0, 0), coarse))[lo:hi, lo:hi]
 
-    detail = _correlation(band(a), band(warped))
+    detail = _correlation(band(a), band(_warp(b, warp)))
     sv = np.linalg.svd(warp[:, :2].astype(np.float64), compute_uv=False)
     anisotropy = float(sv[0] / sv[1]) if sv[1] > 1e-9 else float("inf")
     return 1.0 - best, 1.0 - detail, float(np.sqrt(sv[0] * sv[1])), anisotropy
@@ -119,9 +139,14 @@ def refine(public: np.ndarray, private: np.ndarray, mirrored: np.ndarray) -> Ref
     """Refine pairs (public[i], private[i]) (uint8 [n, H, W, C]); ``mirrored[i]``: flip private."""
     import cv2
 
-    # One thread: each call is a 32x32 problem, and the runner already runs a process per core.
+    # One thread: each call is a 32x32 problem, and the runner already runs a process per core;
+    # the caller's setting is restored (results do not depend on it).
+    threads = cv2.getNumThreads()
     cv2.setNumThreads(1)
-    rows = [_refine_one(a, b[:, ::-1] if m else b)
-            for a, b, m in zip(public, private, np.asarray(mirrored, bool))]
+    try:
+        rows = [_refine_one(a, b[:, ::-1] if m else b)
+                for a, b, m in zip(public, private, np.asarray(mirrored, bool), strict=True)]
+    finally:
+        cv2.setNumThreads(threads)
     cols = np.array(rows, np.float64).reshape(-1, 4).T
     return Refined(*(c.astype(np.float32) for c in cols))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpscale.dedup import refine, verify
+from dpscale.dedup import descriptor, refine, verify
 
 
 def scene(seed: int, size: int = 96, octaves=(4, 8, 16, 32, 64)) -> np.ndarray:
@@ -74,6 +74,22 @@ def test_a_strongly_sheared_copy_is_not_a_re_crop():
     assert r.anisotropy[0] > refine.MAX_ANISOTROPY and not r.accepted[0]
 
 
+def test_a_zoom_out_beyond_the_re_crop_limit_is_refused_by_the_scale_cut():
+    s = scene(0)
+    r = decide(view(s, 16, 16, 64), view(s, 0, 0, 96))  # the public image is 2/3 of the private
+    assert r.ecc_distance[0] <= 1 - refine.MIN_ECC and r.detail_distance[0] <= 1 - refine.MIN_DETAIL
+    assert r.scale[0] < refine.SCALE_RANGE[0] and not r.accepted[0]
+
+
+def test_a_strong_non_linear_contrast_change_is_refused_by_the_blurred_luma_cut():
+    """A known limit, kept on purpose: gamma 3 keeps the detail but not the blurred picture."""
+    s = scene(1)
+    b = (255 * (view(s, 18, 17, 60).astype(np.float32) / 255) ** 3.0).astype(np.uint8)
+    r = decide(view(s, 16, 16, 64), b)
+    assert r.detail_distance[0] <= 1 - refine.MIN_DETAIL and r.anisotropy[0] <= refine.MAX_ANISOTROPY
+    assert r.ecc_distance[0] > 1 - refine.MIN_ECC and not r.accepted[0]
+
+
 @pytest.mark.parametrize("value", [0, 128, 255])
 def test_flat_images_are_no_evidence(value):
     flat = np.full((32, 32, 3), value, np.uint8)
@@ -110,14 +126,35 @@ def test_verification_refines_only_what_the_grid_rejects_and_says_which_check_de
 
     s, other = scene(40), scene(41)
     public = _Images([view(s, 16, 16, 64), view(s, 16, 16, 64), view(other, 16, 16, 64)])
-    private = _Images([view(s, 17, 16, 62), view(s, 27, 22, 48)])  # a plain copy, a zoomed one
+    private = _Images([view(s, 17, 16, 62), view(s, 27, 22, 48), view(s, 27, 22, 48)[:, ::-1]])
+    mirrored_view = descriptor.NUM_VIEWS // 2  # the whole image, mirrored
     cands = [Candidate("train", 0, 0, "test", 0, 0, 0.9), Candidate("train", 1, 0, "test", 1, 0, 0.9),
-             Candidate("train", 2, 0, "test", 1, 0, 0.85)]
-    plain, zoomed, unrelated = verify_candidates(cands, public, private, threshold=verify.THRESHOLD)
+             Candidate("train", 2, 0, "test", 1, 0, 0.85),
+             Candidate("train", 1, 0, "test", 2, mirrored_view, 0.9),  # the zoomed copy, flipped
+             Candidate("train", 1, 0, "test", 2, 0, 0.9)]  # the same pair in the wrong mirror state
+    plain, zoomed, unrelated, flipped, wrong_state = verify_candidates(
+        cands, public, private, threshold=verify.THRESHOLD)
+    assert flipped.accepted and flipped.decided_by == "refined" and not wrong_state.accepted
     assert plain.accepted and plain.decided_by == "grid" and plain.ecc_distance == float("inf")
     assert zoomed.accepted and zoomed.decided_by == "refined"
     assert zoomed.fine_distance > verify.THRESHOLD and zoomed.detail_distance <= 1 - refine.MIN_DETAIL
     assert not unrelated.accepted and unrelated.decided_by == ""
-    _, zoomed_off, _ = verify_candidates(cands, public, private, threshold=verify.THRESHOLD,
-                                         refine_rejected=False)
+    _, zoomed_off, *_ = verify_candidates(cands, public, private, threshold=verify.THRESHOLD,
+                                          refine_rejected=False)
     assert not zoomed_off.accepted and zoomed_off.ecc_distance == float("inf")
+
+
+def test_closest_prefers_grid_decisions_then_the_best_refined_detail():
+    from dpscale.dedup.join import Candidate, Match, closest
+
+    def match(private_index, fine, detail, by_grid):
+        c = Candidate("train", 0, 0, "test", private_index, 0, 0.9)
+        if by_grid:
+            return Match(c, 0.05, fine, True)
+        return Match(c, 0.2, fine, True, ecc_distance=0.01, detail_distance=detail)
+
+    weak = match(0, 0.13, 0.199, False)
+    strong = match(1, float("inf"), 0.01, False)
+    grid = match(2, 0.11, float("inf"), True)
+    assert closest([weak, strong]) is strong
+    assert closest([weak, strong, grid]) is grid

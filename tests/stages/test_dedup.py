@@ -140,6 +140,37 @@ def test_report_is_a_private_diagnostic_listing_pairs_distances_and_views(data, 
     json.loads(path.read_text(), parse_constant=no_infinity)
     for p in report["near_threshold_rejected"]:
         assert 0.12 < p["distance"] <= 0.24
+    assert report["settings"]["refine"] is True and report["settings"]["opencv"]
+    assert res.manifest.dedup.refine is True
+
+
+def test_a_refined_pair_is_reported_with_null_grid_distance_and_its_own_distances(data):
+    from dpscale.dedup.join import Candidate, Match
+
+    public, private, planted, _ = data
+    pub, priv = IngestedDataset(public), IngestedDataset(private)
+    m = Match(Candidate("train", 0, 0, "test", 0, 6, 0.9), float("inf"), float("inf"), True,
+              ecc_distance=0.02, detail_distance=0.15)
+    pair = output._pair(m, pub, priv)
+    assert pair["decided_by"] == "refined" and pair["distance"] is None
+    assert pair["coarse_distance"] is None and pair["refined_detail_distance"] == 0.15
+    assert pair["view"] == "whole mirrored"
+    json.dumps(pair, allow_nan=False)
+
+
+def test_no_refine_is_passed_through_to_the_verification_and_recorded(data, tmp_path):
+    public, private, _, _ = data
+    res = stage.run(stage.DedupConfig(public, private, str(tmp_path / "plain"), refine=False,
+                                      pipeline_args=FAST))
+    assert res.report["settings"]["refine"] is False and "opencv" not in res.report["settings"]
+    assert res.manifest.dedup.refine is False
+    assert all(p["decided_by"] == "grid" and p["refined_ecc_distance"] is None
+               for p in res.report["removed"] + res.report["near_threshold_rejected"])
+    runner = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "cli"), "--no-refine",
+                                      *FAST])
+    assert runner.exit_code == 0, runner.output
+    manifest = json.loads((tmp_path / "cli" / "manifest.json").read_text())
+    assert manifest["dedup"]["refine"] is False
 
 
 def test_output_is_an_ingested_dataset_without_the_copies(data, result):
