@@ -64,8 +64,8 @@ class Candidate:
 class Match:
     """A verified candidate: ``accepted`` when ``fine_distance <= threshold`` or refined.
 
-    ``ecc_distance`` / ``detail_distance``: ``dedup.refine``'s, for pairs the grid rejected
-    (inf: not refined, or ECC did not converge).
+    ``ecc_distance`` / ``rank_distance`` / ``detail_distance``: ``dedup.refine``'s, for pairs
+    the grid rejected (inf: not refined, or ECC did not converge).
     """
 
     candidate: Candidate
@@ -73,6 +73,7 @@ class Match:
     fine_distance: float  # inf: failed the coarse pass
     accepted: bool
     ecc_distance: float = float("inf")
+    rank_distance: float = float("inf")
     detail_distance: float = float("inf")
 
     @property
@@ -170,6 +171,7 @@ def verify_candidates(candidates: Sequence[Candidate], public: Any, private: Any
         for j, i in enumerate(rejected):
             out[i] = dataclasses.replace(out[i], accepted=bool(r.accepted[j]),
                                          ecc_distance=_rounded(r.ecc_distance[j]),
+                                         rank_distance=_rounded(r.rank_distance[j]),
                                          detail_distance=_rounded(r.detail_distance[j]))
     return out
 

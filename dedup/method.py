@@ -32,7 +32,7 @@ DESCRIPTION = (
     "products; verification: 1 - normalised luma correlation of the public centre window "
     "with the private image under the best of a grid of scales 0.78-1.12 and shifts, "
     "coarse 16x16 then fine 32x32; pairs it rejects: affine ECC alignment (3 starts), accepted "
-    f"if ECC correlation >= {refine.MIN_ECC}, detail (DoG {refine.DETAIL_BAND[0]}-"
+    f"if the blurred luma's rank correlation >= {refine.MIN_RANK}, detail (DoG {refine.DETAIL_BAND[0]}-"
     f"{refine.DETAIL_BAND[1]} px) correlation >= {refine.MIN_DETAIL}, warp scale "
     f"{refine.SCALE_RANGE[0]}-{refine.SCALE_RANGE[1]}, anisotropy <= {refine.MAX_ANISOTROPY}")
 

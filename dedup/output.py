@@ -67,6 +67,7 @@ def _pair(m: Match, public: IngestedDataset, private: IngestedDataset) -> dict[s
             "private_id": priv.id, "private_key": priv.key,
             "distance": _finite(m.fine_distance), "coarse_distance": _finite(m.coarse_distance),
             "decided_by": m.decided_by, "refined_ecc_distance": _finite(m.ecc_distance),
+            "refined_rank_distance": _finite(m.rank_distance),
             "refined_detail_distance": _finite(m.detail_distance),
             "similarity": c.similarity, "view": view_name(c.view)}
 
@@ -132,8 +133,9 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         "distance": "1 - best aligned luma correlation (0 = same image; unrelated ~0.1-0.5); "
                     "null: failed the coarse pass",
         "decided_by": "grid: accepted at distance <= threshold; refined: rejected by the grid, "
-                      "accepted after ECC alignment (refined_* = 1 - blurred-luma / detail "
-                      "correlation after it; null: not refined, or ECC did not converge); "
+                      "accepted after ECC alignment (refined_* = 1 - the blurred luma's "
+                      "correlation, its rank correlation, the detail correlation after it; null: "
+                      "not refined, or ECC did not converge); "
                       "empty: rejected by both",
         "public": {"path": public_path, "content_hash": public.content_hash,
                    "splits": list(public_splits), "num_examples": num_public},

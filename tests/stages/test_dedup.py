@@ -150,10 +150,11 @@ def test_a_refined_pair_is_reported_with_null_grid_distance_and_its_own_distance
     public, private, planted, _ = data
     pub, priv = IngestedDataset(public), IngestedDataset(private)
     m = Match(Candidate("train", 0, 0, "test", 0, 6, 0.9), float("inf"), float("inf"), True,
-              ecc_distance=0.02, detail_distance=0.15)
+              ecc_distance=0.02, rank_distance=0.03, detail_distance=0.15)
     pair = output._pair(m, pub, priv)
     assert pair["decided_by"] == "refined" and pair["distance"] is None
     assert pair["coarse_distance"] is None and pair["refined_detail_distance"] == 0.15
+    assert pair["refined_rank_distance"] == 0.03 and pair["refined_ecc_distance"] == 0.02
     assert pair["view"] == "whole mirrored"
     json.dumps(pair, allow_nan=False)
 
