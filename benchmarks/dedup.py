@@ -103,15 +103,15 @@ def _save(root: str, split: str, name: str, image: np.ndarray) -> None:
 
 
 def _caption(p: dict) -> str:
-    """Grid pairs: d = fine distance; refined pairs: r e = 1 - ECC, t = 1 - detail correlation."""
+    """Grid pairs: d = fine distance; refined: r = 1 - rank correlation, t = 1 - detail correlation."""
     if p.get("decided_by") == "refined":
-        return f"r e{p['refined_ecc_distance']:.3f} t{p['refined_detail_distance']:.2f}"
+        return f"r{p['refined_rank_distance']:.3f} t{p['refined_detail_distance']:.2f}"
     return "d=-" if p["distance"] is None else f"d={p['distance']:.3f}"
 
 
 def refined_margin(p: dict) -> float:
     """How far inside ``dedup.refine``'s cuts a refined pair is (0: on a cut, 1: perfect)."""
-    return min(1 - p["refined_ecc_distance"] / (1 - refine.MIN_ECC),
+    return min(1 - p["refined_rank_distance"] / (1 - refine.MIN_RANK),
                1 - p["refined_detail_distance"] / (1 - refine.MIN_DETAIL))
 
 
