@@ -333,7 +333,7 @@ def disagreements(data: str, work: str, labels_path: str, report_path: str, out_
     by_test = {r["test_index"]: r for r in read_ranking(work)}
     dups = {r["test_index"] for r in labels if r["label"] == "dup" and r["rank"] < judged_until}
     label_of = {r["test_index"]: r["label"] for r in labels}
-    pairs = {}
+
     def closeness(p: dict) -> tuple:
         """Grid pairs by grid distance, then pairs only the refinement accepted (distance null or over the cut)."""
         grid = p.get("decided_by", "grid") == "grid"
@@ -344,6 +344,7 @@ def disagreements(data: str, work: str, labels_path: str, report_path: str, out_
             return f"d={p['distance']:.3f}"
         return f"r{p['refined_detail_distance']:.2f}"
 
+    pairs = {}
     for p in sorted(report["removed"], key=closeness):
         if p["private_split"] == "test":
             pairs.setdefault(p["private_index"], p)  # the closest public twin
