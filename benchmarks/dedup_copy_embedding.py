@@ -1,0 +1,390 @@
+"""Experiment: a learned copy-detection embedding for dedup, trained on the public images only.
+
+Why: on the by-eye labels of the CIFAR-10 census (``dedup_census.py``) the pixel checks of
+``dedup.verify`` and ``dedup.refine`` are saturated: a cross-validated classifier on every
+aligned-pair feature tried accepts no more real duplicates at the same number of look-alikes
+than the hand-set cuts (``benchmarks/results/dedup.md``). The duplicates they lose are copies
+whose pixels changed: strong recolouring, re-sharpening, zooms the affine fit cannot follow.
+A learned embedding can be taught those changes directly: a small CNN is trained so that an
+image and its re-crops / rescalings / recolourings / blurs land close together while other
+public images land apart (the contrastive NT-Xent loss of SimCLR, Chen et al. 2020, used for
+copy detection as in SSCD, Pizzi et al. 2022). Trained on the *public* split only: nothing
+private enters the model. Not part of ``dpscale dedup`` (yet): this script measures whether
+it would help, on the same labels as everything else.
+
+    D=/tmp/s5/cifar10 L=benchmarks/results/dedup_census_labels.csv
+    python benchmarks/dedup_copy_embedding.py train $D /tmp/s5/emb --epochs 12     # public split only
+    python benchmarks/dedup_copy_embedding.py census $D /tmp/s5/emb $L \\
+        benchmarks/results/dedup_refined_labels.csv
+    python benchmarks/dedup_copy_embedding.py search $D /tmp/s5/emb $L --dedup-report R \\
+        --threshold 0.9 --montage-dir benchmarks/results
+
+``census``: the census pairs' cosine (better mirror state) against their labels, alone and
+as a third check beside the grid and refinement. ``search``: every test image's nearest train
+image by the embedding (both mirror states, all 50,000), how many of the census duplicates that
+finds at each threshold, alone and added to a ``dpscale dedup`` report; the same for the nearest
+image used only as an extra candidate that dedup's pixel checks then decide; and montages of a
+seeded random 40 of the test images each adds to dedup's matches, for judging by eye.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+LABELS = ("dup", "unsure", "diff")
+THRESHOLDS = (0.8, 0.85, 0.9, 0.92, 0.94, 0.96)
+
+
+# ---------------------------------------------------------------- model and training (torch)
+
+def augment(x, generator):
+    """A batch of copy-like edits of float images in [0, 1] (n, 3, H, W): re-crop to 55-100% of a
+    side with aspect 0.74-1.35 and rescale back, per-channel gains, contrast, brightness,
+    saturation (10% grey), gamma, blur or sharpen, noise. The realistic copy edits of
+    ``benchmarks/dedup.py``'s planted set, made stronger; no mirroring (dedup compares both
+    mirror states itself)."""
+    import torch
+    import torch.nn.functional as F
+
+    n = x.shape[0]
+
+    def u(lo, hi, *shape):
+        return torch.empty(n, *shape).uniform_(lo, hi, generator=generator)
+
+    side, aspect = u(0.55, 1.0), torch.exp(u(-0.3, 0.3))
+    sx, sy = (side * aspect.sqrt()).clamp(max=1.0), (side / aspect.sqrt()).clamp(max=1.0)
+    theta = torch.zeros(n, 2, 3)
+    theta[:, 0, 0], theta[:, 1, 1] = sx, sy
+    theta[:, 0, 2], theta[:, 1, 2] = (1 - sx) * u(-1, 1), (1 - sy) * u(-1, 1)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    x = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    x = x * u(0.8, 1.2, 3, 1, 1)
+    mean = x.mean((1, 2, 3), keepdim=True)
+    x = (x - mean) * u(0.6, 1.4, 1, 1, 1) + mean * u(0.7, 1.3, 1, 1, 1)
+    grey = x.mean(1, keepdim=True)
+    saturation = u(0.3, 1.5, 1, 1, 1)
+    saturation[torch.rand(n, generator=generator) < 0.1] = 0.0
+    x = (grey + (x - grey) * saturation).clamp(0, 1) ** torch.exp(u(-0.4, 0.4, 1, 1, 1))
+    k = torch.tensor([1.0, 2.0, 1.0])
+    k = (k[:, None] * k[None]) / 16
+    blurred = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), k.expand(3, 1, 3, 3), groups=3)
+    x = x + u(-0.8, 1.0, 1, 1, 1) * (blurred - x)  # < 0: sharpen, > 0: blur
+    x = x + torch.randn(x.shape, generator=generator) * u(0.0, 0.03, 1, 1, 1)
+    return x.clamp(0, 1)
+
+
+def build(width: int = 32, dim: int = 128):
+    """Five 3x3 conv blocks (GroupNorm, ReLU; two stride-2), a 2x2 average pool that keeps the
+    coarse layout (a copy shares it, a look-alike often does not), a linear head, L2 norm."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    def block(i, o, stride):
+        return nn.Sequential(nn.Conv2d(i, o, 3, stride, 1, bias=False), nn.GroupNorm(8, o), nn.ReLU())
+
+    class CopyEmbedding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = width
+            self.features = nn.Sequential(block(3, w, 1), block(w, 2 * w, 2), block(2 * w, 2 * w, 1),
+                                          block(2 * w, 4 * w, 2), block(4 * w, 4 * w, 1))
+            self.head = nn.Linear(4 * w * 4, dim)
+
+        def forward(self, x):
+            h = F.adaptive_avg_pool2d(self.features((x - 0.5) / 0.25), 2).flatten(1)
+            return F.normalize(self.head(h), dim=1)
+
+    return CopyEmbedding()
+
+
+def nt_xent(z1, z2, temperature: float = 0.07):
+    """SimCLR's loss: each view must pick its partner among the 2n - 1 other views of the batch."""
+    import torch
+    import torch.nn.functional as F
+
+    n = z1.shape[0]
+    z = torch.cat([z1, z2])
+    sim = z @ z.T / temperature
+    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+    target = torch.cat([torch.arange(n) + n, torch.arange(n)])
+    return F.cross_entropy(sim, target)
+
+
+def _as_float(images: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255.0
+
+
+def train(images: np.ndarray, out: str, *, epochs: int, batch: int = 256, lr: float = 2e-3,
+          seed: int = 0, log_every: int = 50) -> dict:
+    """Train on ``images`` (uint8 [n, 32, 32, 3], the public split); writes weights.pt + train.json."""
+    import torch
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    x = _as_float(images)
+    net = build()
+    opt = torch.optim.AdamW(net.parameters(), lr, weight_decay=1e-4)
+    per_epoch = len(x) // batch
+    if per_epoch == 0:
+        raise ValueError(f"{len(x)} images < one batch of {batch}")
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * per_epoch)
+    start, losses = time.time(), []
+    for epoch in range(epochs):
+        order = torch.randperm(len(x), generator=generator)
+        for step in range(per_epoch):
+            xb = x[order[step * batch:(step + 1) * batch]]
+            loss = nt_xent(net(augment(xb, generator)), net(augment(xb, generator)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            schedule.step()
+            losses.append(loss.item())
+            if len(losses) % log_every == 0:
+                print(f"epoch {epoch} step {len(losses)}: loss {np.mean(losses[-log_every:]):.3f}, "
+                      f"{time.time() - start:.0f} s", flush=True)
+    os.makedirs(out, exist_ok=True)
+    torch.save(net.state_dict(), os.path.join(out, "weights.pt"))
+    info = {"images": len(x), "epochs": epochs, "batch": batch, "lr": lr, "seed": seed,
+            "seconds": round(time.time() - start, 1), "final_loss": float(np.mean(losses[-log_every:]))}
+    with open(os.path.join(out, "train.json"), "w") as handle:
+        json.dump(info, handle, indent=1)
+    return info
+
+
+def load(out: str):
+    import torch
+
+    net = build()
+    net.load_state_dict(torch.load(os.path.join(out, "weights.pt")))
+    return net.eval()
+
+
+def embed(net, images: np.ndarray, *, batch: int = 1000) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return np.concatenate([net(_as_float(images[i:i + batch])).numpy()
+                               for i in range(0, len(images), batch)]) if len(images) else np.zeros((0, 128))
+
+
+# ---------------------------------------------------------------- measurements
+
+def counts(accepted: np.ndarray, labels: np.ndarray) -> dict[str, int]:
+    return {label: int((accepted & (labels == label)).sum()) for label in LABELS}
+
+
+def pair_cosine(net, public: np.ndarray, private: np.ndarray) -> np.ndarray:
+    """Per pair, the better of the two mirror states of the private image."""
+    p = embed(net, public)
+    return np.maximum((p * embed(net, private)).sum(1), (p * embed(net, private[:, :, ::-1])).sum(1))
+
+
+def census_table(data: str, out: str, census_path: str, refined_path: str) -> dict:
+    from dpscale.data.dataset import IngestedDataset
+    from dpscale.dedup import refine, verify
+
+    ds = IngestedDataset(data)
+    net = load(out)
+    with open(census_path) as handle:
+        rows = list(csv.DictReader(handle))
+    pub = np.asarray(ds.get("train", np.array([int(r["train_index"]) for r in rows]))[0])
+    priv = np.asarray(ds.get("test", np.array([int(r["test_index"]) for r in rows]))[0])
+    labels = np.array([r["label"] for r in rows])
+    cos = pair_cosine(net, pub, priv)
+    off, on = np.zeros(len(pub), bool), np.ones(len(pub), bool)
+    grid = np.minimum(verify.distances(pub, priv, off)[1], verify.distances(pub, priv, on)[1])
+    r0, r1 = refine.refine(pub, priv, off), refine.refine(pub, priv, on)
+    pixel = (grid <= verify.THRESHOLD) | np.where(r1.ecc_distance < r0.ecc_distance, r1.accepted, r0.accepted)
+    table = {"total": counts(np.ones(len(labels), bool), labels), "grid + refine": counts(pixel, labels)}
+    for t in THRESHOLDS:
+        table[f"cosine >= {t}"] = counts(cos >= t, labels)
+        table[f"grid + refine + cosine >= {t}"] = counts(pixel | (cos >= t), labels)
+    for label in LABELS:
+        table[f"cosine percentiles 5/25/50/75/95, {label}"] = [
+            round(float(v), 3) for v in np.percentile(cos[labels == label], [5, 25, 50, 75, 95])]
+
+    with open(refined_path) as handle:
+        judged = list(csv.DictReader(handle))
+    pub = np.asarray(ds.get("train", np.array([int(x["public_index"]) for x in judged]))[0])
+    priv = np.asarray(ds.get("test", np.array([int(x["private_index"]) for x in judged]))[0])
+    mirrored = np.array(["mirrored" in x["view"] for x in judged])
+    priv = np.where(mirrored[:, None, None, None], priv[:, :, ::-1], priv)
+    jl = np.array([x["label"] for x in judged])
+    jcos = (embed(net, pub) * embed(net, priv)).sum(1)
+    refined = {"total": counts(np.ones(len(jl), bool), jl)}
+    for t in THRESHOLDS:
+        refined[f"cosine >= {t}"] = counts(jcos >= t, jl)
+    return {"census pairs": table, "refined pairs judged from dedup runs (candidate view)": refined}
+
+
+def nearest(test: np.ndarray, test_mirror: np.ndarray, train: np.ndarray, *, block: int = 2000):
+    """Per test embedding: best cosine to any train embedding over both mirror states, its index,
+    and whether the mirror won."""
+    best = np.empty(len(test), np.float32)
+    index = np.empty(len(test), np.int64)
+    mirrored = np.empty(len(test), bool)
+    for lo in range(0, len(test), block):
+        hi = min(len(test), lo + block)
+        s0, s1 = test[lo:hi] @ train.T, test_mirror[lo:hi] @ train.T
+        j0, j1 = s0.argmax(1), s1.argmax(1)
+        b0, b1 = s0[np.arange(hi - lo), j0], s1[np.arange(hi - lo), j1]
+        use1 = b1 > b0
+        best[lo:hi], index[lo:hi], mirrored[lo:hi] = np.where(use1, b1, b0), np.where(use1, j1, j0), use1
+    return best, index, mirrored
+
+
+def recall_table(best: np.ndarray, block_dup: set[int], dedup: set[int] | None) -> dict:
+    """Census block duplicates found at each threshold (a test image counts when it has *a*
+    train image at or above it), alone and added to dedup's matches."""
+    out: dict = {"census block duplicates": len(block_dup)}
+    if dedup is not None:
+        out["dedup"] = {"matched": len(dedup), "block duplicates found": len(block_dup & dedup)}
+    for t in THRESHOLDS:
+        hit = set(np.flatnonzero(best >= t).tolist())
+        row = {"matched": len(hit), "block duplicates found": len(block_dup & hit)}
+        if dedup is not None:
+            both = hit | dedup
+            row.update({"added to dedup": len(hit - dedup), "with dedup: matched": len(both),
+                        "with dedup: block duplicates found": len(block_dup & both)})
+        out[f"cosine >= {t}"] = row
+    return out
+
+
+def search(data: str, out: str, census_path: str, *, report: str | None, threshold: float,
+           montage_dir: str | None, seed: int = 0) -> dict:
+    from dpscale.data.dataset import IngestedDataset
+
+    ds = IngestedDataset(data)
+    net = load(out)
+    train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
+    test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+    start = time.time()
+    e_train = embed(net, train_images)
+    e_test, e_mirror = embed(net, test_images), embed(net, test_images[:, :, ::-1])
+    best, index, mirrored = nearest(e_test, e_mirror, e_train)
+    seconds = time.time() - start
+    with open(census_path) as handle:
+        block_dup = {int(r["test_index"]) for r in csv.DictReader(handle)
+                     if int(r["rank"]) < 1000 and r["label"] == "dup"}
+    dedup = None
+    if report is not None:
+        with open(report) as handle:
+            dedup = {p["private_index"] for p in json.load(handle)["removed"] if p["private_split"] == "test"}
+    result = {"embed and search seconds": round(seconds, 1), **recall_table(best, block_dup, dedup)}
+    # The embedding as a candidate source only: its nearest train image, decided by dedup's own
+    # pixel checks (grid, then refinement) in the mirror state the embedding chose.
+    verified = pixel_checks(train_images[index], test_images, mirrored)
+    found = set(np.flatnonzero(verified).tolist())
+    row = {"matched": len(found), "block duplicates found": len(block_dup & found)}
+    if dedup is not None:
+        row.update({"added to dedup": len(found - dedup), "with dedup: matched": len(found | dedup),
+                    "with dedup: block duplicates found": len(block_dup & (found | dedup))})
+    result["nearest by cosine, verified by grid + refine"] = row
+    if montage_dir is not None and dedup is not None:
+        sheets = {f"added_{threshold}": set(np.flatnonzero(best >= threshold).tolist()) - dedup,
+                  "verified_added": found - dedup}
+        result["montages"] = {}
+        for name, members in sheets.items():
+            added = np.array(sorted(members), np.int64)
+            pick = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
+            path = os.path.join(montage_dir, f"dedup_copy_embedding_{name}.png")
+            _montage(test_images[pick], train_images[index[pick]], best[pick], mirrored[pick], path)
+            write_label_sheet(path.replace(".png", ".csv"),
+                              [(int(t), int(index[t]), float(best[t]), bool(mirrored[t])) for t in pick])
+            result["montages"][path] = {"added": len(added), "drawn": len(pick)}
+    return result
+
+
+def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]]) -> None:
+    """The montage's pairs with an empty ``label`` column, to fill in by eye. A sheet that exists
+    is kept if it holds the same pairs (its labels survive a re-run) and refused if not."""
+    if os.path.exists(path):
+        with open(path) as handle:
+            old = [(int(r["test_index"]), int(r["train_index"])) for r in csv.DictReader(handle)]
+        if old != [(t, j) for t, j, _, _ in pairs]:
+            raise SystemExit(f"{path} holds other pairs (labelled by eye?): move it away to redraw")
+        return
+    with open(path, "w", newline="") as handle:
+        w = csv.writer(handle)
+        w.writerow(["position", "test_index", "train_index", "cosine", "mirrored", "label"])
+        for k, (t, j, c, m) in enumerate(pairs):
+            w.writerow([k, t, j, f"{c:.4f}", int(m), ""])
+
+
+def pixel_checks(public: np.ndarray, private: np.ndarray, mirrored: np.ndarray) -> np.ndarray:
+    """dedup's decision on given pairs: the grid's fine distance <= its cut, else refinement."""
+    from dpscale.dedup import refine, verify
+
+    accepted = verify.distances(public, private, mirrored)[1] <= verify.THRESHOLD
+    rest = np.flatnonzero(~accepted)
+    accepted[rest] = refine.refine(public[rest], private[rest], mirrored[rest]).accepted
+    return accepted
+
+
+def _montage(test, train, cosine, mirrored, path: str, *, columns: int = 5, scale: int = 3) -> None:
+    """test | train at ``scale``x, captioned with the position and the cosine."""
+    from PIL import Image, ImageDraw
+
+    side = 32 * scale
+    cw, ch = 2 * side + 4, side + 14
+    n_rows = max(1, -(-len(test) // columns))
+    sheet = Image.new("RGB", (columns * (cw + 10), n_rows * (ch + 6)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for k, (a, b) in enumerate(zip(test, train)):
+        y, x = divmod(k, columns)
+        x0, y0 = x * (cw + 10), y * (ch + 6)
+        for dx, im in ((0, a), (side + 4, b)):
+            sheet.paste(Image.fromarray(np.asarray(im)).resize((side, side), Image.Resampling.NEAREST),
+                        (x0 + dx, y0))
+        draw.text((x0, y0 + side + 1), f"#{k} c={cosine[k]:.3f}{' m' if mirrored[k] else ''}", fill="black")
+    sheet.save(path, optimize=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train on the public (train) split only")
+    t.add_argument("data")
+    t.add_argument("out")
+    t.add_argument("--epochs", type=int, default=12)
+    t.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("census", help="the census and refined pairs' cosines against their labels")
+    c.add_argument("data")
+    c.add_argument("out")
+    c.add_argument("census_labels")
+    c.add_argument("refined_labels")
+    s = sub.add_parser("search", help="nearest train image of every test image; recall; montage")
+    s.add_argument("data")
+    s.add_argument("out")
+    s.add_argument("census_labels")
+    s.add_argument("--dedup-report")
+    s.add_argument("--threshold", type=float, default=0.9)
+    s.add_argument("--montage-dir")
+    args = p.parse_args(argv)
+    if args.command == "train":
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        from dpscale.data.dataset import IngestedDataset
+
+        ds = IngestedDataset(args.data)
+        images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
+        print(json.dumps(train(images, args.out, epochs=args.epochs, seed=args.seed), indent=1))
+    elif args.command == "census":
+        print(json.dumps(census_table(args.data, args.out, args.census_labels, args.refined_labels), indent=1))
+    else:
+        print(json.dumps(search(args.data, args.out, args.census_labels, report=args.dedup_report,
+                                threshold=args.threshold, montage_dir=args.montage_dir), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The copy-embedding experiment: its edits, loss, training loop, search and counting."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dpscale.benchmarks import dedup_copy_embedding as ce
+
+
+def test_augment_edits_pixels_but_keeps_shape_and_range():
+    x = torch.rand(8, 3, 32, 32)
+    y = ce.augment(x, torch.Generator().manual_seed(0))
+    assert y.shape == x.shape
+    assert float(y.min()) >= 0.0 and float(y.max()) <= 1.0
+    assert float((y - x).abs().mean()) > 0.01
+    # seeded: the same generator state gives the same edits
+    assert torch.equal(y, ce.augment(x, torch.Generator().manual_seed(0)))
+
+
+def test_nt_xent_is_lower_when_each_view_finds_its_partner():
+    z = torch.nn.functional.normalize(torch.randn(16, 128), dim=1)
+    matched = ce.nt_xent(z, z)
+    shuffled = ce.nt_xent(z, z[torch.randperm(16, generator=torch.Generator().manual_seed(1))])
+    assert float(matched) < float(shuffled)
+
+
+def test_train_writes_weights_that_embed_to_unit_vectors(tmp_path):
+    images = np.random.default_rng(0).integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    info = ce.train(images, str(tmp_path), epochs=1, batch=32)
+    assert info["images"] == 64 and np.isfinite(info["final_loss"])
+    assert json.loads((tmp_path / "train.json").read_text())["epochs"] == 1
+    e = ce.embed(ce.load(str(tmp_path)), images[:5])
+    assert e.shape == (5, 128)
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, rtol=1e-5)
+
+
+def test_train_refuses_fewer_images_than_a_batch(tmp_path):
+    with pytest.raises(ValueError, match="one batch"):
+        ce.train(np.zeros((3, 32, 32, 3), np.uint8), str(tmp_path), epochs=1, batch=4)
+
+
+def test_nearest_takes_the_better_mirror_state():
+    train = np.eye(4, dtype=np.float32)
+    test = np.array([[1, 0, 0, 0], [0, 0.6, 0.8, 0]], np.float32)
+    mirror = np.array([[0, 0.1, 0, 0], [0, 0, 0, 1]], np.float32)
+    best, index, mirrored = ce.nearest(test, mirror, train, block=1)
+    np.testing.assert_allclose(best, [1.0, 1.0])
+    assert index.tolist() == [0, 3] and mirrored.tolist() == [False, True]
+
+
+def test_recall_table_counts_alone_and_added_to_dedup():
+    best = np.array([0.99, 0.91, 0.5, 0.95], np.float32)  # test images 0-3
+    table = ce.recall_table(best, block_dup={0, 1, 2}, dedup={2})
+    row = table["cosine >= 0.9"]
+    assert row == {"matched": 3, "block duplicates found": 2, "added to dedup": 3,
+                   "with dedup: matched": 4, "with dedup: block duplicates found": 3}
+    assert table["cosine >= 0.96"]["block duplicates found"] == 1
+    assert table["dedup"] == {"matched": 1, "block duplicates found": 1}
+
+
+def test_label_sheet_keeps_its_labels_and_refuses_other_pairs(tmp_path):
+    path = str(tmp_path / "sheet.csv")
+    ce.write_label_sheet(path, [(5, 7, 0.91, False), (6, 8, 0.95, True)])
+    text = (tmp_path / "sheet.csv").read_text().replace("0.9100,0,", "0.9100,0,dup")
+    (tmp_path / "sheet.csv").write_text(text)
+    ce.write_label_sheet(path, [(5, 7, 0.91, False), (6, 8, 0.95, True)])  # same pairs: kept
+    assert "dup" in (tmp_path / "sheet.csv").read_text()
+    with pytest.raises(SystemExit, match="other pairs"):
+        ce.write_label_sheet(path, [(5, 9, 0.91, False)])
+
+
+def test_pixel_checks_accept_a_copy_and_reject_an_unrelated_image():
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:32, 0:32]
+    scene = np.stack([np.sin(xx / 3.0) * 60 + yy * 3, np.cos(yy / 4.0) * 50 + xx * 2,
+                      (xx * yy) % 97], -1) + 80
+    scene = np.clip(scene + rng.normal(0, 4, scene.shape), 0, 255).astype(np.uint8)
+    other = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    public = np.stack([scene, other])
+    private = np.stack([scene[:, ::-1], scene])  # a mirrored copy; a pair with nothing in common
+    assert ce.pixel_checks(public, private, np.array([True, False])).tolist() == [True, False]
