@@ -37,6 +37,7 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+from dpscale.benchmarks.dedup_census import dedup_matched, montage, nearest
 
 LABELS = ("dup", "unsure", "diff")
 THRESHOLDS = (0.8, 0.85, 0.9, 0.92, 0.94, 0.96)
@@ -208,7 +209,7 @@ def census_table(data: str, out: str, census_path: str, refined_path: str) -> di
     for t in THRESHOLDS:
         table[f"cosine >= {t}"] = counts(cos >= t, labels)
         table[f"grid + refine + cosine >= {t}"] = counts(pixel | (cos >= t), labels)
-    for label in LABELS:
+    for label in sorted(set(labels), key=LABELS.index):
         table[f"cosine percentiles 5/25/50/75/95, {label}"] = [
             round(float(v), 3) for v in np.percentile(cos[labels == label], [5, 25, 50, 75, 95])]
 
@@ -224,22 +225,6 @@ def census_table(data: str, out: str, census_path: str, refined_path: str) -> di
     for t in THRESHOLDS:
         refined[f"cosine >= {t}"] = counts(jcos >= t, jl)
     return {"census pairs": table, "refined pairs judged from dedup runs (candidate view)": refined}
-
-
-def nearest(test: np.ndarray, test_mirror: np.ndarray, train: np.ndarray, *, block: int = 2000):
-    """Per test embedding: best cosine to any train embedding over both mirror states, its index,
-    and whether the mirror won."""
-    best = np.empty(len(test), np.float32)
-    index = np.empty(len(test), np.int64)
-    mirrored = np.empty(len(test), bool)
-    for lo in range(0, len(test), block):
-        hi = min(len(test), lo + block)
-        s0, s1 = test[lo:hi] @ train.T, test_mirror[lo:hi] @ train.T
-        j0, j1 = s0.argmax(1), s1.argmax(1)
-        b0, b1 = s0[np.arange(hi - lo), j0], s1[np.arange(hi - lo), j1]
-        use1 = b1 > b0
-        best[lo:hi], index[lo:hi], mirrored[lo:hi] = np.where(use1, b1, b0), np.where(use1, j1, j0), use1
-    return best, index, mirrored
 
 
 def recall_table(best: np.ndarray, block_dup: set[int], dedup: set[int] | None) -> dict:
@@ -275,10 +260,7 @@ def search(data: str, out: str, census_path: str, *, report: str | None, thresho
     with open(census_path) as handle:
         block_dup = {int(r["test_index"]) for r in csv.DictReader(handle)
                      if int(r["rank"]) < 1000 and r["label"] == "dup"}
-    dedup = None
-    if report is not None:
-        with open(report) as handle:
-            dedup = {p["private_index"] for p in json.load(handle)["removed"] if p["private_split"] == "test"}
+    dedup = None if report is None else dedup_matched(report)
     result = {"embed and search seconds": round(seconds, 1), **recall_table(best, block_dup, dedup)}
     # The embedding as a candidate source only: its nearest train image, decided by dedup's own
     # pixel checks (grid, then refinement) in the mirror state the embedding chose.
@@ -297,7 +279,9 @@ def search(data: str, out: str, census_path: str, *, report: str | None, thresho
             added = np.array(sorted(members), np.int64)
             pick = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
             path = os.path.join(montage_dir, f"dedup_copy_embedding_{name}.png")
-            _montage(test_images[pick], train_images[index[pick]], best[pick], mirrored[pick], path)
+            montage(data, [{"rank": k, "test_index": int(t), "train_index": int(index[t]),
+                            "similarity": float(best[t]), "mirrored": bool(mirrored[t])}
+                           for k, t in enumerate(pick)], path)
             write_label_sheet(path.replace(".png", ".csv"),
                               [(int(t), int(index[t]), float(best[t]), bool(mirrored[t])) for t in pick])
             result["montages"][path] = {"added": len(added), "drawn": len(pick)}
@@ -328,25 +312,6 @@ def pixel_checks(public: np.ndarray, private: np.ndarray, mirrored: np.ndarray) 
     rest = np.flatnonzero(~accepted)
     accepted[rest] = refine.refine(public[rest], private[rest], mirrored[rest]).accepted
     return accepted
-
-
-def _montage(test, train, cosine, mirrored, path: str, *, columns: int = 5, scale: int = 3) -> None:
-    """test | train at ``scale``x, captioned with the position and the cosine."""
-    from PIL import Image, ImageDraw
-
-    side = 32 * scale
-    cw, ch = 2 * side + 4, side + 14
-    n_rows = max(1, -(-len(test) // columns))
-    sheet = Image.new("RGB", (columns * (cw + 10), n_rows * (ch + 6)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for k, (a, b) in enumerate(zip(test, train)):
-        y, x = divmod(k, columns)
-        x0, y0 = x * (cw + 10), y * (ch + 6)
-        for dx, im in ((0, a), (side + 4, b)):
-            sheet.paste(Image.fromarray(np.asarray(im)).resize((side, side), Image.Resampling.NEAREST),
-                        (x0 + dx, y0))
-        draw.text((x0, y0 + side + 1), f"#{k} c={cosine[k]:.3f}{' m' if mirrored[k] else ''}", fill="black")
-    sheet.save(path, optimize=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

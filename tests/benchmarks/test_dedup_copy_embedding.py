@@ -44,15 +44,6 @@ def test_train_refuses_fewer_images_than_a_batch(tmp_path):
         ce.train(np.zeros((3, 32, 32, 3), np.uint8), str(tmp_path), epochs=1, batch=4)
 
 
-def test_nearest_takes_the_better_mirror_state():
-    train = np.eye(4, dtype=np.float32)
-    test = np.array([[1, 0, 0, 0], [0, 0.6, 0.8, 0]], np.float32)
-    mirror = np.array([[0, 0.1, 0, 0], [0, 0, 0, 1]], np.float32)
-    best, index, mirrored = ce.nearest(test, mirror, train, block=1)
-    np.testing.assert_allclose(best, [1.0, 1.0])
-    assert index.tolist() == [0, 3] and mirrored.tolist() == [False, True]
-
-
 def test_recall_table_counts_alone_and_added_to_dedup():
     best = np.array([0.99, 0.91, 0.5, 0.95], np.float32)  # test images 0-3
     table = ce.recall_table(best, block_dup={0, 1, 2}, dedup={2})
@@ -84,3 +75,56 @@ def test_pixel_checks_accept_a_copy_and_reject_an_unrelated_image():
     public = np.stack([scene, other])
     private = np.stack([scene[:, ::-1], scene])  # a mirrored copy; a pair with nothing in common
     assert ce.pixel_checks(public, private, np.array([True, False])).tolist() == [True, False]
+
+
+def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsys):
+    from PIL import Image
+
+    from dpscale.data.dataset import IngestedDataset
+    from dpscale.stages.ingest import IngestConfig
+    from dpscale.stages.ingest import run as ingest
+
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    test = np.concatenate([train[:4, :, ::-1], rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)])
+    for split, images in (("train", train), ("test", test)):
+        for i, image in enumerate(images):
+            path = tmp_path / "src" / split / ("a" if i % 2 else "b") / f"{i:02d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(path)
+    data = str(tmp_path / "data")
+    ingest(IngestConfig(f"folder:{tmp_path / 'src'}", data, pipeline_args=(
+        "--runner=FnApiRunner", "--direct_num_workers=1", "--direct_running_mode=in_memory")))
+    ds = IngestedDataset(data)
+    stored_train = np.asarray(ds.get("train", np.arange(64))[0])
+    stored_test = np.asarray(ds.get("test", np.arange(8))[0])
+    # where the ingested order put the mirrored copy of train[0], and an unrelated test image
+    t_copy = next(i for i in range(8) if np.array_equal(stored_test[i], train[0, :, ::-1]))
+    j_copy = next(j for j in range(64) if np.array_equal(stored_train[j], train[0]))
+    t_other = next(i for i in range(8) if not any(np.array_equal(stored_test[i], x[:, ::-1]) for x in train))
+    weights = str(tmp_path / "emb")
+    ce.train(train, weights, epochs=1, batch=32)
+    labels = tmp_path / "labels.csv"
+    labels.write_text(f"rank,test_index,train_index,label,note\n0,{t_copy},{j_copy},dup,\n"
+                      f"1,{t_other},{j_copy},diff,\n")
+    refined = tmp_path / "refined.csv"
+    refined.write_text("sample,position,public_index,private_index,view,label\n"
+                       f"s,0,{j_copy},{t_copy},whole mirrored,dup\n")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"removed": [{"private_index": t_other, "private_split": "test"}]}))
+    capsys.readouterr()
+
+    ce.main(["census", data, weights, str(labels), str(refined)])
+    table = json.loads(capsys.readouterr().out)["census pairs"]
+    assert table["total"] == {"dup": 1, "unsure": 0, "diff": 1}
+    assert table["grid + refine"] == {"dup": 1, "unsure": 0, "diff": 0}  # the mirrored copy only
+
+    ce.main(["search", data, weights, str(labels), "--dedup-report", str(report), "--threshold", "0.99",
+             "--montage-dir", str(tmp_path)])
+    found = json.loads(capsys.readouterr().out)
+    assert found["dedup"] == {"matched": 1, "block duplicates found": 0}
+    verified = found["nearest by cosine, verified by grid + refine"]
+    assert verified["block duplicates found"] == 1 and verified["with dedup: matched"] >= 2
+    for name in ("added_0.99", "verified_added"):
+        assert (tmp_path / f"dedup_copy_embedding_{name}.png").exists()
+        assert (tmp_path / f"dedup_copy_embedding_{name}.csv").read_text().startswith("position,")
