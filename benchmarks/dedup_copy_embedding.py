@@ -39,8 +39,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from dpscale.benchmarks.dedup_census import dedup_matched, montage, nearest
+from dpscale.benchmarks.dedup_refine_rules import (LABELS, better_mirror_state, counts,
+                                                   read_census_pairs, read_judged_pairs)
 
-LABELS = ("dup", "unsure", "diff")
 THRESHOLDS = (0.8, 0.85, 0.9, 0.92, 0.94, 0.96)
 
 
@@ -180,10 +181,6 @@ def embed(net, images: np.ndarray, *, batch: int = 1000) -> np.ndarray:
 
 # ---------------------------------------------------------------- measurements
 
-def counts(accepted: np.ndarray, labels: np.ndarray) -> dict[str, int]:
-    return {label: int((accepted & (labels == label)).sum()) for label in LABELS}
-
-
 def pair_cosine(net, public: np.ndarray, private: np.ndarray) -> np.ndarray:
     """Per pair, the better of the two mirror states of the private image."""
     p = embed(net, public)
@@ -192,20 +189,14 @@ def pair_cosine(net, public: np.ndarray, private: np.ndarray) -> np.ndarray:
 
 def census_table(data: str, out: str, census_path: str, refined_path: str) -> dict:
     from dpscale.data.dataset import IngestedDataset
-    from dpscale.dedup import refine, verify
+    from dpscale.dedup import verify
 
     ds = IngestedDataset(data)
     net = load(out)
-    with open(census_path) as handle:
-        rows = list(csv.DictReader(handle))
-    pub = np.asarray(ds.get("train", np.array([int(r["train_index"]) for r in rows]))[0])
-    priv = np.asarray(ds.get("test", np.array([int(r["test_index"]) for r in rows]))[0])
-    labels = np.array([r["label"] for r in rows])
+    pub, priv, labels = read_census_pairs(ds, census_path)
     cos = pair_cosine(net, pub, priv)
-    off, on = np.zeros(len(pub), bool), np.ones(len(pub), bool)
-    grid = np.minimum(verify.distances(pub, priv, off)[1], verify.distances(pub, priv, on)[1])
-    r0, r1 = refine.refine(pub, priv, off), refine.refine(pub, priv, on)
-    pixel = (grid <= verify.THRESHOLD) | np.where(r1.ecc_distance < r0.ecc_distance, r1.accepted, r0.accepted)
+    grid, refined_state = better_mirror_state(pub, priv)
+    pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
     table = {"total": counts(np.ones(len(labels), bool), labels), "grid + refine": counts(pixel, labels)}
     for t in THRESHOLDS:
         table[f"cosine >= {t}"] = counts(cos >= t, labels)
@@ -214,11 +205,7 @@ def census_table(data: str, out: str, census_path: str, refined_path: str) -> di
         table[f"cosine percentiles 5/25/50/75/95, {label}"] = [
             round(float(v), 3) for v in np.percentile(cos[labels == label], [5, 25, 50, 75, 95])]
 
-    with open(refined_path) as handle:
-        judged = list(csv.DictReader(handle))
-    pub = np.asarray(ds.get("train", np.array([int(x["public_index"]) for x in judged]))[0])
-    priv = np.asarray(ds.get("test", np.array([int(x["private_index"]) for x in judged]))[0])
-    mirrored = np.array(["mirrored" in x["view"] for x in judged])
+    judged, pub, priv, mirrored = read_judged_pairs(ds, refined_path)
     priv = np.where(mirrored[:, None, None, None], priv[:, :, ::-1], priv)
     jl = np.array([x["label"] for x in judged])
     jcos = (embed(net, pub) * embed(net, priv)).sum(1)
@@ -265,7 +252,7 @@ def search(data: str, out: str, census_path: str, *, report: str | None, thresho
     result = {"embed and search seconds": round(seconds, 1), **recall_table(best, block_dup, dedup)}
     # The embedding as a candidate source only: its nearest train image, decided by dedup's own
     # pixel checks (grid, then refinement) in the mirror state the embedding chose.
-    verified = pixel_checks(train_images[index], test_images, mirrored)
+    verified = pixel_checks(ds, index, np.arange(len(test_images)), mirrored)
     found = set(np.flatnonzero(verified).tolist())
     row = {"matched": len(found), "block duplicates found": len(block_dup & found)}
     if dedup is not None:
@@ -305,14 +292,17 @@ def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]]) 
             w.writerow([k, t, j, f"{c:.4f}", int(m), ""])
 
 
-def pixel_checks(public: np.ndarray, private: np.ndarray, mirrored: np.ndarray) -> np.ndarray:
-    """dedup's decision on given pairs: the grid's fine distance <= its cut, else refinement."""
-    from dpscale.dedup import refine, verify
+def pixel_checks(dataset, train_index: np.ndarray, test_index: np.ndarray, mirrored: np.ndarray) -> np.ndarray:
+    """dedup's own decision (``join.verify_candidates``: the grid, then refinement) on the pairs
+    (train[train_index[i]], test[test_index[i]]), the test image mirrored where ``mirrored[i]``."""
+    from dpscale.dedup import descriptor, verify
+    from dpscale.dedup.join import Candidate, verify_candidates
 
-    accepted = verify.distances(public, private, mirrored)[1] <= verify.THRESHOLD
-    rest = np.flatnonzero(~accepted)
-    accepted[rest] = refine.refine(public[rest], private[rest], mirrored[rest]).accepted
-    return accepted
+    whole, whole_mirrored = 0, len(descriptor.VIEWS)  # descriptor.view_of: plain views first
+    candidates = [Candidate("train", int(j), 0, "test", int(t), whole_mirrored if m else whole, 0.0)
+                  for j, t, m in zip(train_index, test_index, mirrored, strict=True)]
+    matches = verify_candidates(candidates, dataset, dataset, threshold=verify.THRESHOLD)
+    return np.array([m.accepted for m in matches], bool)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

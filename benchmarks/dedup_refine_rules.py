@@ -74,17 +74,38 @@ def why_rejected(r: refine.Refined) -> Counter:
     return out
 
 
-def analyse(data: str, census_path: str, refined_path: str) -> dict:
-    ds = IngestedDataset(data)
-    with open(census_path) as handle:
-        census = list(csv.DictReader(handle))
-    pub = np.asarray(ds.get("train", np.array([int(r["train_index"]) for r in census]))[0])
-    priv = np.asarray(ds.get("test", np.array([int(r["test_index"]) for r in census]))[0])
-    labels = np.array([r["label"] for r in census])
+def read_census_pairs(ds: IngestedDataset, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The census labels' pairs: (train images, test images, labels)."""
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    pub = np.asarray(ds.get("train", np.array([int(r["train_index"]) for r in rows]))[0])
+    priv = np.asarray(ds.get("test", np.array([int(r["test_index"]) for r in rows]))[0])
+    return pub, priv, np.array([r["label"] for r in rows])
+
+
+def read_judged_pairs(ds: IngestedDataset, path: str) -> tuple[list[dict], np.ndarray, np.ndarray, np.ndarray]:
+    """The refined pairs judged from dedup's runs: (rows, public images, private images as stored,
+    mirrored: the candidate view's mirror state)."""
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    pub = np.asarray(ds.get("train", np.array([int(x["public_index"]) for x in rows]))[0])
+    priv = np.asarray(ds.get("test", np.array([int(x["private_index"]) for x in rows]))[0])
+    return rows, pub, priv, np.array(["mirrored" in x["view"] for x in rows])
+
+
+def better_mirror_state(pub: np.ndarray, priv: np.ndarray) -> tuple[np.ndarray, refine.Refined]:
+    """The grid's fine distance (the smaller of the two mirror states) and the refinement in the
+    mirror state ECC fits better: how census pairs are decided here."""
     off, on = np.zeros(len(pub), bool), np.ones(len(pub), bool)
     grid = np.minimum(verify.distances(pub, priv, off)[1], verify.distances(pub, priv, on)[1])
     r0, r1 = refine.refine(pub, priv, off), refine.refine(pub, priv, on)
-    r = _pick(r0, r1, r1.ecc_distance < r0.ecc_distance)  # the mirror state ECC fits better
+    return grid, _pick(r0, r1, r1.ecc_distance < r0.ecc_distance)
+
+
+def analyse(data: str, census_path: str, refined_path: str) -> dict:
+    ds = IngestedDataset(data)
+    pub, priv, labels = read_census_pairs(ds, census_path)
+    grid, r = better_mirror_state(pub, priv)
     by_grid = grid <= verify.THRESHOLD
     out: dict = {"census": {"total": counts(np.ones(len(labels), bool), labels),
                             "grid": counts(by_grid, labels)}}
@@ -93,11 +114,7 @@ def analyse(data: str, census_path: str, refined_path: str) -> dict:
     missed = (labels == "dup") & ~by_grid & ~RULES["v4"](r)
     out["census"]["dup rejected by grid and v4"] = dict(why_rejected(_subset(r, missed)))
 
-    with open(refined_path) as handle:
-        judged = list(csv.DictReader(handle))
-    pub = np.asarray(ds.get("train", np.array([int(x["public_index"]) for x in judged]))[0])
-    priv = np.asarray(ds.get("test", np.array([int(x["private_index"]) for x in judged]))[0])
-    mirrored = np.array(["mirrored" in x["view"] for x in judged])
+    judged, pub, priv, mirrored = read_judged_pairs(ds, refined_path)
     rj = refine.refine(pub, priv, mirrored)
     jl = np.array([x["label"] for x in judged])
     samples = np.array([x["sample"] for x in judged])

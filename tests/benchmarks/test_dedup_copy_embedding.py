@@ -72,9 +72,17 @@ def test_pixel_checks_accept_a_copy_and_reject_an_unrelated_image():
                       (xx * yy) % 97], -1) + 80
     scene = np.clip(scene + rng.normal(0, 4, scene.shape), 0, 255).astype(np.uint8)
     other = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
-    public = np.stack([scene, other])
-    private = np.stack([scene[:, ::-1], scene])  # a mirrored copy; a pair with nothing in common
-    assert ce.pixel_checks(public, private, np.array([True, False])).tolist() == [True, False]
+    splits = {"train": np.stack([scene, other]),
+              "test": np.stack([scene[:, ::-1], scene])}  # a mirrored copy; a pair with nothing in common
+
+    class InMemory:  # the two methods of IngestedDataset that verification reads
+        image_shape = scene.shape
+
+        def get(self, split, index):
+            return splits[split][np.asarray(index)], None
+
+    accepted = ce.pixel_checks(InMemory(), np.array([0, 1]), np.array([0, 1]), np.array([True, False]))
+    assert accepted.tolist() == [True, False]
 
 
 def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsys):
