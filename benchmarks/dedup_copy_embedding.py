@@ -10,7 +10,9 @@ image and its re-crops / rescalings / recolourings / blurs land close together w
 public images land apart (the contrastive NT-Xent loss of SimCLR, Chen et al. 2020, used for
 copy detection as in SSCD, Pizzi et al. 2022). Trained on the *public* split only: nothing
 private enters the model. Not part of ``dpscale dedup`` (yet): this script measures whether
-it would help, on the same labels as everything else.
+it would help, on the same labels as everything else. Its outputs (counts, montages, label
+sheets) describe the private (test) split without noise, like dedup's own report: a
+diagnostic for benchmark data, not to be run on or published for data you must keep private.
 
     D=/tmp/s5/cifar10 L=benchmarks/results/dedup_census_labels.csv
     python benchmarks/dedup_copy_embedding.py train $D /tmp/s5/emb --epochs 12     # public split only
