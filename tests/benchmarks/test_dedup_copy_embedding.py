@@ -29,10 +29,16 @@ def test_nt_xent_is_lower_when_each_view_finds_its_partner():
     assert float(matched) < float(shuffled)
 
 
+def test_koleo_is_lower_for_spread_embeddings_than_for_a_cluster():
+    spread = torch.eye(8)
+    cluster = torch.nn.functional.normalize(torch.ones(8, 8) + 0.01 * torch.eye(8), dim=1)
+    assert float(ce.koleo(spread)) < float(ce.koleo(cluster))
+
+
 def test_train_writes_weights_that_embed_to_unit_vectors(tmp_path):
     images = np.random.default_rng(0).integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
-    info = ce.train(images, str(tmp_path), epochs=1, batch=32)
-    assert info["images"] == 64 and np.isfinite(info["final_loss"])
+    info = ce.train(images, str(tmp_path), epochs=1, batch=32, koleo_weight=1.0)
+    assert info["images"] == 64 and np.isfinite(info["final_loss"]) and info["koleo_weight"] == 1.0
     assert json.loads((tmp_path / "train.json").read_text())["epochs"] == 1
     e = ce.embed(ce.load(str(tmp_path)), images[:5])
     assert e.shape == (5, 128)
@@ -136,3 +142,45 @@ def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsy
     for name in ("added_0.99", "verified_added"):
         assert (tmp_path / f"dedup_copy_embedding_{name}.png").exists()
         assert (tmp_path / f"dedup_copy_embedding_{name}.csv").read_text().startswith("position,")
+
+    ce.main(["margin", data, weights, str(labels), "--dedup-report", str(report),
+             "--montage-dir", str(tmp_path), "--pick", "10:1.0:0"])
+    margins = json.loads(capsys.readouterr().out)
+    assert margins["census pairs"]["grid + refine"] == {"dup": 1, "unsure": 0, "diff": 0}
+    assert set(margins["all pairs"]) == {"cosine", *(f"k={k} beta={b}" for k in ce.MARGIN_KS for b in (0.5, 1.0))}
+    census = margins["census pairs"]["k=10 beta=1.0"]
+    assert census["+0 diff"]["diff"] == 0  # no look-alike allowed: the one `diff` pair stays out
+    assert census["+4 diff"] == {"cut": float("-inf"), "dup": 1, "unsure": 0, "diff": 1}  # fewer than allowed
+    assert margins["all pairs"]["k=10 beta=1.0"]["+4 diff"]["matched"] == 8  # every test image
+    assert (tmp_path / "dedup_copy_embedding_margin_k10_beta1.0_0.csv").exists()
+
+
+def test_top_k_takes_each_reference_at_the_better_mirror_state_and_can_exclude_itself():
+    ref = np.eye(4, dtype=np.float32)
+    queries = np.array([[1, 0, 0, 0], [0, 0.6, 0.8, 0]], np.float32)
+    mirror = np.array([[0, 0, 0, 1], [0, 0.8, 0.6, 0]], np.float32)
+    sims, index, mirrored = ce.top_k(queries, mirror, ref, k=3, block=1)
+    assert index[0, :2].tolist() in ([0, 3], [3, 0]) and sims[0, 0] == sims[0, 1] == 1.0
+    assert index[1].tolist() == [1, 2, 0] or index[1].tolist() == [2, 1, 0]
+    np.testing.assert_allclose(sims[1], [0.8, 0.8, 0.0])
+    assert mirrored[1, index[1].tolist().index(1)] and not mirrored[1, index[1].tolist().index(2)]
+    sims, index, _ = ce.top_k(ref, ref, ref, k=2, exclude_self=True)
+    assert (index != np.arange(4)[:, None]).all() and (sims == 0.0).all()
+
+
+def test_normalised_scores_lower_a_pair_in_a_crowded_neighbourhood():
+    score = ce.normalised(np.array([0.9, 0.9]), np.array([0.2, 0.8]), np.array([0.2, 0.8]), beta=1.0)
+    np.testing.assert_allclose(score, [0.7, 0.1])
+    np.testing.assert_allclose(ce.normalised(np.array([0.9]), np.array([0.8]), np.array([0.8]), 0.0), [0.9])
+
+
+def test_best_allowed_adds_at_most_the_allowed_look_alikes():
+    labels = np.array(["dup", "dup", "diff", "dup", "diff", "unsure", "diff"])
+    score = np.array([0.99, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6])
+    already = np.array([False, False, False, False, False, False, True])
+    cut, union = ce.best_allowed(score, labels, already, 0)
+    assert cut > 0.9 and union == {"dup": 2, "unsure": 0, "diff": 1}
+    cut, union = ce.best_allowed(score, labels, already, 1)
+    assert 0.8 < cut <= 0.85 and union == {"dup": 3, "unsure": 0, "diff": 2}
+    cut, union = ce.best_allowed(score, labels, already, 5)  # more than there are: everything
+    assert union == {"dup": 3, "unsure": 1, "diff": 3}
