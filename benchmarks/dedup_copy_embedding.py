@@ -333,13 +333,16 @@ def normalised(similarity: np.ndarray, query_background: np.ndarray, public_back
 def best_allowed(score: np.ndarray, labels: np.ndarray, already: np.ndarray, allowance: int) -> tuple[float, dict]:
     """The lowest cut on ``score`` that adds at most ``allowance`` ``diff`` pairs to those
     ``already`` accepted, and the union's counts at that cut: the comparison of two scores at
-    the same look-alike cost."""
+    the same look-alike cost. The cut sits ``CUT_MARGIN`` above the first look-alike left out,
+    so that the same pair scored by another float32 summation order (``margin`` scores all
+    pairs by matrix products) stays out too."""
     candidates = ~already
     diff_scores = np.sort(score[candidates & (labels == "diff")])[::-1]
-    cut = float(np.nextafter(diff_scores[allowance], np.inf)) if allowance < len(diff_scores) else -np.inf
+    cut = float(diff_scores[allowance]) + CUT_MARGIN if allowance < len(diff_scores) else -np.inf
     return cut, counts(already | (score >= cut), labels)
 
 
+CUT_MARGIN = 1e-5
 MARGIN_KS = (5, 10, 20)
 MARGIN_BETAS = (0.0, 0.5, 1.0)
 ALLOWANCES = (0, 4, 8, 16, 32)
@@ -407,6 +410,9 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
                               test_mirrored[rows_, best_col])
             result["census pairs"][name] = census_rows
             result["all pairs"][name] = all_rows
+    if pick is not None and chosen is None:
+        raise SystemExit(f"--pick {pick}: no such score (k in {MARGIN_KS} or 0 for the raw cosine, "
+                         f"beta in {MARGIN_BETAS}, allowance in {ALLOWANCES})")
     if montage_dir is not None and dedup is not None and chosen is not None:
         name, allowance, hit, index, best, mirrored = chosen
         added = np.array(sorted(hit - dedup), np.int64)
@@ -417,12 +423,14 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
                         "similarity": float(best[t]), "mirrored": bool(mirrored[t])}
                        for i, t in enumerate(drawn)], path)
         write_label_sheet(path.replace(".png", ".csv"),
-                          [(int(t), int(index[t]), float(best[t]), bool(mirrored[t])) for t in drawn])
+                          [(int(t), int(index[t]), float(best[t]), bool(mirrored[t])) for t in drawn],
+                          score_name="score")
         result["montage"] = {path: {"added": len(added), "drawn": len(drawn)}}
     return result
 
 
-def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]]) -> None:
+def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]], *,
+                      score_name: str = "cosine") -> None:
     """The montage's pairs with an empty ``label`` column, to fill in by eye. A sheet that exists
     is kept if it holds the same pairs (its labels survive a re-run) and refused if not."""
     if os.path.exists(path):
@@ -433,7 +441,7 @@ def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]]) 
         return
     with open(path, "w", newline="") as handle:
         w = csv.writer(handle)
-        w.writerow(["position", "test_index", "train_index", "cosine", "mirrored", "label"])
+        w.writerow(["position", "test_index", "train_index", score_name, "mirrored", "label"])
         for k, (t, j, c, m) in enumerate(pairs):
             w.writerow([k, t, j, f"{c:.4f}", int(m), ""])
 
