@@ -20,6 +20,8 @@ diagnostic for benchmark data, not to be run on or published for data you must k
         benchmarks/results/dedup_refined_labels.csv
     python benchmarks/dedup_copy_embedding.py search $D /tmp/s5/emb $L --dedup-report R \\
         --threshold 0.9 --montage-dir benchmarks/results
+    python benchmarks/dedup_copy_embedding.py margin $D /tmp/s5/emb $L --dedup-report R \\
+        --montage-dir benchmarks/results --pick 10:0.5:8
 
 ``census``: the census pairs' cosine (better mirror state) against their labels, alone and
 as a third check beside the grid and refinement. ``search``: every test image's nearest train
@@ -27,6 +29,10 @@ image by the embedding (both mirror states, all 50,000), how many of the census 
 finds at each threshold, alone and added to a ``dpscale dedup`` report; the same for the nearest
 image used only as an extra candidate that dedup's pixel checks then decide; and montages of a
 seeded random 40 of the test images each adds to dedup's matches, for judging by eye.
+``margin``: the cosine normalised by how crowded each end's public neighbourhood is
+(``normalised``), against the raw cosine at equal look-alike cost on the census labels (also held
+out: cut on the even ranks, counted on the odd), then over all pairs; ``--pick k:beta:allowance``
+draws that setting's additions to dedup for judging by eye.
 """
 
 from __future__ import annotations
