@@ -505,8 +505,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "margin":
         pick = None
         if args.pick:
-            k, beta, allowance = args.pick.split(":")
-            pick = (int(k), float(beta), int(allowance))
+            try:
+                k, beta, allowance = args.pick.split(":")
+                pick = (int(k), float(beta), int(allowance))
+            except ValueError:
+                p.error(f"--pick {args.pick!r}: expected k:beta:allowance, e.g. 10:0.5:8")
         print(json.dumps(margin(args.data, args.out, args.census_labels, report=args.dedup_report,
                                 montage_dir=args.montage_dir, pick=pick), indent=1))
     elif args.command == "train":
@@ -518,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ds = IngestedDataset(args.data)
         images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
         print(json.dumps(train(images, args.out, epochs=args.epochs, seed=args.seed,
-                                           koleo_weight=args.koleo), indent=1))
+                               koleo_weight=args.koleo), indent=1))
     elif args.command == "census":
         print(json.dumps(census_table(args.data, args.out, args.census_labels, args.refined_labels), indent=1))
     else:

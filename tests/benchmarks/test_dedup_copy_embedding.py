@@ -157,6 +157,9 @@ def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsy
         "position,test_index,train_index,score,")
     with pytest.raises(SystemExit, match="no such score"):
         ce.main(["margin", data, weights, str(labels), "--pick", "10:0.25:0"])
+    with pytest.raises(SystemExit):  # argparse's one-line usage error, not a traceback
+        ce.main(["margin", data, weights, str(labels), "--pick", "10:0.5"])
+    assert "expected k:beta:allowance" in capsys.readouterr().err
 
 
 def test_top_k_takes_each_reference_at_the_better_mirror_state_and_can_exclude_itself():
