@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dpscale.benchmarks.dedup_census import dedup_matched, montage, nearest
+from dpscale.benchmarks.dedup_census import census, dedup_matched, montage, nearest, read_labels
 from dpscale.benchmarks.dedup_refine_rules import (LABELS, better_mirror_state, counts,
                                                    read_census_pairs, read_judged_pairs)
 
@@ -355,11 +355,15 @@ ALLOWANCES = (0, 4, 8, 16, 32)
 
 
 def margin(data: str, out: str, census_path: str, *, report: str | None, montage_dir: str | None,
-           pick: tuple[int, float, int] | None, seed: int = 0) -> dict:
+           pick: tuple[int, float, int] | None, judged_until: int = 1000, strata: Sequence[int] = (3000,),
+           seed: int = 0) -> dict:
     """Background-normalised cosines (``normalised``) against the census labels, at equal
     look-alike cost, then over all 50,000 x 10,000 pairs: added to dedup's matches. Each census
     row also gives the odd ranks' counts at the cut set on the even ranks alone (with half the
-    allowance): a comparison not judged on the labels that set its cut."""
+    allowance): a comparison not judged on the labels that set its cut. With ``pick`` and a
+    report, the picked setting added to dedup's matches is also counted like ``dedup_census.py
+    count`` (ranks < ``judged_until`` judged, the tail sampled in ``strata``): recall including
+    the tail samples."""
     from dpscale.data.dataset import IngestedDataset
     from dpscale.dedup import verify
 
@@ -381,7 +385,7 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     c_train = np.array([int(r["train_index"]) for r in rows])
     labels = np.array([r["label"] for r in rows])
     even = np.array([int(r["rank"]) % 2 == 0 for r in rows])
-    block_dup = {int(r["test_index"]) for r in rows if int(r["rank"]) < 1000 and r["label"] == "dup"}
+    block_dup = {int(r["test_index"]) for r in rows if int(r["rank"]) < judged_until and r["label"] == "dup"}
     pub, priv, _ = read_census_pairs(ds, census_path)
     grid, refined_state = better_mirror_state(pub, priv)
     pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
@@ -426,6 +430,12 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     if pick is not None and chosen is None:
         raise SystemExit(f"--pick {pick}: no such score (k in {MARGIN_KS} or 0 for the raw cosine, "
                          f"beta in {MARGIN_BETAS}, allowance in {ALLOWANCES})")
+    if dedup is not None and chosen is not None:
+        counted = census(read_labels(census_path), judged_until=judged_until, total=len(test_images),
+                         strata=strata, matched=chosen[2] | dedup)["dedup"]
+        result["picked, with dedup, counted with the tail samples"] = {
+            key: counted[key] for key in ("matched", "clear_found", "recall_on_clear", "tail_dups_sampled",
+                                          "tail_dups_found", "recall_with_tail_estimate")}
     if montage_dir is not None and dedup is not None and chosen is not None:
         name, allowance, hit, index, best, mirrored = chosen
         added = np.array(sorted(hit - dedup), np.int64)
@@ -501,6 +511,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     m.add_argument("--dedup-report")
     m.add_argument("--montage-dir")
     m.add_argument("--pick", help="k:beta:allowance whose additions to draw (k = 0 for the raw cosine)")
+    m.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
+    m.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
     args = p.parse_args(argv)
     if args.command == "margin":
         pick = None
@@ -511,7 +523,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             except ValueError:
                 p.error(f"--pick {args.pick!r}: expected k:beta:allowance, e.g. 10:0.5:8")
         print(json.dumps(margin(args.data, args.out, args.census_labels, report=args.dedup_report,
-                                montage_dir=args.montage_dir, pick=pick), indent=1))
+                                montage_dir=args.montage_dir, pick=pick, judged_until=args.judged_until,
+                                strata=args.strata), indent=1))
     elif args.command == "train":
         import torch
 

@@ -144,8 +144,10 @@ def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsy
         assert (tmp_path / f"dedup_copy_embedding_{name}.csv").read_text().startswith("position,")
 
     ce.main(["margin", data, weights, str(labels), "--dedup-report", str(report),
-             "--montage-dir", str(tmp_path), "--pick", "10:1.0:0"])
+             "--montage-dir", str(tmp_path), "--pick", "10:1.0:0", "--judged-until", "2"])
     margins = json.loads(capsys.readouterr().out)
+    counted = margins["picked, with dedup, counted with the tail samples"]
+    assert counted["tail_dups_sampled"] == 0 and counted["matched"] >= 1  # dedup's own match at least
     assert margins["census pairs"]["grid + refine"] == {"dup": 1, "unsure": 0, "diff": 0}
     assert set(margins["all pairs"]) == {"cosine", *(f"k={k} beta={b}" for k in ce.MARGIN_KS for b in (0.5, 1.0))}
     census = margins["census pairs"]["k=10 beta=1.0"]
@@ -156,9 +158,9 @@ def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsy
     assert (tmp_path / "dedup_copy_embedding_margin_k10_beta1.0_0.csv").read_text().startswith(
         "position,test_index,train_index,score,")
     with pytest.raises(SystemExit, match="no such score"):
-        ce.main(["margin", data, weights, str(labels), "--pick", "10:0.25:0"])
+        ce.main(["margin", data, weights, str(labels), "--pick", "10:0.25:0", "--judged-until", "2"])
     with pytest.raises(SystemExit):  # argparse's one-line usage error, not a traceback
-        ce.main(["margin", data, weights, str(labels), "--pick", "10:0.5"])
+        ce.main(["margin", data, weights, str(labels), "--pick", "10:0.5", "--judged-until", "2"])
     assert "expected k:beta:allowance" in capsys.readouterr().err
 
 
