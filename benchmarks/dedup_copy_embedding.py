@@ -379,13 +379,12 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     train_sims, _, _ = top_k(e_train, e_train_m, e_train, k=k_max, exclude_self=True)
     seconds = time.time() - start
 
-    with open(census_path) as handle:
-        rows = list(csv.DictReader(handle))
-    c_test = np.array([int(r["test_index"]) for r in rows])
-    c_train = np.array([int(r["train_index"]) for r in rows])
+    rows = read_labels(census_path)
+    c_test = np.array([r["test_index"] for r in rows])
+    c_train = np.array([r["train_index"] for r in rows])
     labels = np.array([r["label"] for r in rows])
-    even = np.array([int(r["rank"]) % 2 == 0 for r in rows])
-    block_dup = {int(r["test_index"]) for r in rows if int(r["rank"]) < judged_until and r["label"] == "dup"}
+    even = np.array([r["rank"] % 2 == 0 for r in rows])
+    block_dup = {r["test_index"] for r in rows if r["rank"] < judged_until and r["label"] == "dup"}
     pub, priv, _ = read_census_pairs(ds, census_path)
     grid, refined_state = better_mirror_state(pub, priv)
     pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
@@ -430,14 +429,15 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     if pick is not None and chosen is None:
         raise SystemExit(f"--pick {pick}: no such score (k in {MARGIN_KS} or 0 for the raw cosine, "
                          f"beta in {MARGIN_BETAS}, allowance in {ALLOWANCES})")
-    if dedup is not None and chosen is not None:
-        counted = census(read_labels(census_path), judged_until=judged_until, total=len(test_images),
-                         strata=strata, matched=chosen[2] | dedup)["dedup"]
-        result["picked, with dedup, counted with the tail samples"] = {
-            key: counted[key] for key in ("matched", "clear_found", "recall_on_clear", "tail_dups_sampled",
-                                          "tail_dups_found", "recall_with_tail_estimate")}
-    if montage_dir is not None and dedup is not None and chosen is not None:
-        name, allowance, hit, index, best, mirrored = chosen
+    if dedup is None or chosen is None:
+        return result
+    name, allowance, hit, index, best, mirrored = chosen
+    counted = census(rows, judged_until=judged_until, total=len(test_images), strata=strata,
+                     matched=hit | dedup)["dedup"]
+    result["picked, with dedup, counted with the tail samples"] = {
+        key: counted[key] for key in ("matched", "clear_found", "recall_on_clear", "tail_dups_sampled",
+                                      "tail_dups_found", "recall_with_tail_estimate")}
+    if montage_dir is not None:
         added = np.array(sorted(hit - dedup), np.int64)
         drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
         tag = name.replace(" ", "_").replace("=", "")
