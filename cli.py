@@ -319,6 +319,33 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
                       "seconds": round(result.seconds, 3)})
 
 
+@cli.command("train-copy-model")
+@click.argument("public", type=click.Path(file_okay=False))
+@click.argument("output", type=click.Path(file_okay=False))
+@click.option("--splits", "--split", "splits", cls=ListOption,
+              help="Public splits to train on (default: all). Never the private data.")
+@click.option("--epochs", type=COUNT, default=6, show_default=True)
+@click.option("--batch", type=ints(2), default=256, show_default=True, help="Images per contrastive batch.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace a copy model already in OUTPUT.")
+def train_copy_model(public: str, output: str, splits: tuple[str, ...], epochs: int, batch: int, seed: int,
+                     overwrite: bool) -> None:
+    """Train the copy model of `dedup --copy-model` on PUBLIC (an ingested dataset) into OUTPUT.
+
+    A small CNN learns, from the public images alone (no labels), to map copy-like edits of
+    an image together and other images apart. Train once per public set; an interrupted run
+    resumes from its last finished epoch. About 1,200 steps for 50,000 images at the defaults.
+    """
+    from dpscale.stages import train_copy_model as stage
+
+    _show_stage_progress(stage.log)
+    result = stage.run(stage.TrainCopyModelConfig(public, output, splits=splits, epochs=epochs, batch=batch,
+                                                  seed=seed, overwrite=overwrite))
+    _note(f"wrote {result.output_dir} in {result.info['seconds']:.1f} s (final loss {result.info['final_loss']})")
+    _print_json_line({"output_dir": result.output_dir, "seconds": result.info["seconds"],
+                      "final_loss": result.info["final_loss"]})
+
+
 @cli.command("import-weights")
 @click.argument("name", type=click.Choice(["efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2"]))
 @click.option("--output", type=click.Path(file_okay=False), default=None,

@@ -1,0 +1,260 @@
+"""A learned copy embedding: a small CNN trained on the PUBLIC images only, so that an image and
+copy-like edits of it land close together and other public images land apart.
+
+Why: the pixel checks of ``dedup.verify`` and ``dedup.refine`` compare aligned pixels; the real
+duplicates they lose changed their pixels (strong recolouring, re-sharpening, zooms beyond the
+affine fit). A contrastive embedding can be taught those edits directly: SimCLR's NT-Xent loss
+(Chen et al. 2020), used for copy detection as in SSCD (Pizzi et al. 2022). No label and no
+private image enters the model, so its weights are public data and one model serves every
+private set deduplicated against the same public set.
+
+Images are resized to ``RESOLUTION`` (the model is built for CIFAR-sized thumbnails; copy
+detection needs the layout, not fine detail) and grey images are repeated to three channels.
+Written here rather than taken from a library: no maintained JAX package trains copy
+embeddings; the pieces it uses (flax, optax) are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import serialization
+
+RESOLUTION = 32
+WEIGHTS = "copy_model.msgpack"
+INFO = "copy_model.json"
+FORMAT = 1
+
+
+class CopyEmbedding(nn.Module):
+    """Five 3x3 conv blocks (GroupNorm, ReLU; two of stride 2), a 2x2 average pool that keeps
+    the coarse layout (a copy shares it, a look-alike often does not), a linear head, unit norm."""
+
+    width: int = 32
+    dim: int = 128
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = (x - 0.5) / 0.25
+        w = self.width
+        for i, (features, stride) in enumerate(((w, 1), (2 * w, 2), (2 * w, 1), (4 * w, 2), (4 * w, 1))):
+            h = nn.Conv(features, (3, 3), strides=stride, padding=1, use_bias=False, name=f"conv_{i}")(h)
+            h = nn.relu(nn.GroupNorm(num_groups=8, name=f"norm_{i}")(h))
+        n, height, width, c = h.shape
+        h = h.reshape(n, 2, height // 2, 2, width // 2, c).mean((2, 4)).reshape(n, -1)
+        z = nn.Dense(self.dim, name="head")(h)
+        return z / jnp.maximum(jnp.linalg.norm(z, axis=1, keepdims=True), 1e-12)
+
+
+def as_input(images: np.ndarray) -> np.ndarray:
+    """uint8 [n, H, W, C] -> float32 [n, RESOLUTION, RESOLUTION, 3] in [0, 1]."""
+    x = np.asarray(images, np.float32) / 255.0
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.shape[-1] == 1:
+        x = np.repeat(x, 3, axis=-1)
+    if x.shape[1:3] != (RESOLUTION, RESOLUTION):
+        x = np.asarray(jax.image.resize(x, (len(x), RESOLUTION, RESOLUTION, 3), "linear", antialias=True))
+    return x
+
+
+def _uniform(key: jax.Array, lo: float, hi: float, shape: tuple[int, ...] = ()) -> jax.Array:
+    return jax.random.uniform(key, shape, minval=lo, maxval=hi)
+
+
+def copy_edit(key: jax.Array, x: jax.Array) -> jax.Array:
+    """One copy-like edit of one float image in [0, 1] (H, W, 3): re-crop to 55-100% of a side at
+    aspect 0.74-1.35 and rescale back, per-channel gains, contrast, brightness, saturation (10%
+    grey), gamma, blur or sharpen, noise. The realistic copy edits of dedup's planted benchmark,
+    made stronger; no mirroring (dedup compares both mirror states itself)."""
+    keys = jax.random.split(key, 12)
+    height, width = x.shape[:2]
+    side, aspect = _uniform(keys[0], 0.55, 1.0), jnp.exp(_uniform(keys[1], -0.3, 0.3))
+    sx, sy = jnp.minimum(side * jnp.sqrt(aspect), 1.0), jnp.minimum(side / jnp.sqrt(aspect), 1.0)
+    # the crop's centre, in units of the free margin: the crop stays inside the image
+    cx, cy = (1 - sx) * _uniform(keys[2], -1, 1), (1 - sy) * _uniform(keys[3], -1, 1)
+    # output pixel centres in [-1, 1] -> input coordinates (pixel index units)
+    gy = (jnp.arange(height) + 0.5) / height * 2 - 1
+    gx = (jnp.arange(width) + 0.5) / width * 2 - 1
+    ys = ((gy * sy + cy) + 1) / 2 * height - 0.5
+    xs = ((gx * sx + cx) + 1) / 2 * width - 0.5
+    yy, xx = jnp.meshgrid(ys, xs, indexing="ij")
+    x = jnp.stack([jax.scipy.ndimage.map_coordinates(x[..., c], [yy, xx], order=1, mode="nearest")
+                   for c in range(3)], axis=-1)
+    x = x * _uniform(keys[4], 0.8, 1.2, (1, 1, 3))
+    mean = x.mean()
+    x = (x - mean) * _uniform(keys[5], 0.6, 1.4) + mean * _uniform(keys[6], 0.7, 1.3)
+    grey = x.mean(-1, keepdims=True)
+    saturation = jnp.where(jax.random.uniform(keys[7]) < 0.1, 0.0, _uniform(keys[8], 0.3, 1.5))
+    x = jnp.clip(grey + (x - grey) * saturation, 0, 1) ** jnp.exp(_uniform(keys[9], -0.4, 0.4))
+    padded = jnp.pad(x, ((1, 1), (1, 1), (0, 0)), mode="edge")
+    k = jnp.array([1.0, 2.0, 1.0]) / 4
+    blurred = sum(k[i] * k[j] * padded[i:i + height, j:j + width] for i in range(3) for j in range(3))
+    x = x + _uniform(keys[10], -0.8, 1.0) * (blurred - x)  # < 0: sharpen, > 0: blur
+    x = x + jax.random.normal(keys[11], x.shape) * _uniform(jax.random.fold_in(keys[11], 1), 0.0, 0.03)
+    return jnp.clip(x, 0, 1)
+
+
+def nt_xent(z1: jax.Array, z2: jax.Array, temperature: float = 0.07) -> jax.Array:
+    """SimCLR's loss: each view must pick its partner among the 2n - 1 other views of the batch."""
+    n = z1.shape[0]
+    z = jnp.concatenate([z1, z2])
+    logits = jnp.where(jnp.eye(2 * n, dtype=bool), -jnp.inf, z @ z.T / temperature)
+    target = jnp.concatenate([jnp.arange(n) + n, jnp.arange(n)])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, target).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    epochs: int = 6
+    batch: int = 256
+    learning_rate: float = 2e-3
+    weight_decay: float = 1e-4
+    temperature: float = 0.07
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch < 2:
+            raise ValueError(f"need at least 1 epoch and a batch of 2, got {self.epochs} and {self.batch}")
+        if not self.learning_rate > 0 or self.weight_decay < 0 or not self.temperature > 0:
+            raise ValueError("learning rate and temperature must be positive, weight decay not negative")
+
+
+PARTIAL = "copy_model.partial.msgpack"  # the state after the last finished epoch
+
+
+def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
+          progress: Callable[[int, int, float], None] | None = None,
+          work_dir: str | None = None) -> tuple[Any, dict]:
+    """Train on ``images`` (uint8 [n, H, W, C]: public images only); returns (params, info).
+
+    One-cycle learning rate (AdamW), a fresh pair of copy edits of every image each epoch.
+    ``progress(step, total, loss)`` is called after every step. With ``work_dir``, the state
+    after each epoch is kept there and a rerun with the same images and settings resumes from
+    it (every random draw is derived from the seed, the epoch and the step, so a resumed run
+    gives the same model as an uninterrupted one).
+    """
+    x = as_input(images)
+    per_epoch = len(x) // settings.batch
+    if per_epoch == 0:
+        raise ValueError(f"{len(x)} public images are fewer than one batch of {settings.batch}")
+    total = settings.epochs * per_epoch
+    model = CopyEmbedding()
+    init_key, root = jax.random.split(jax.random.PRNGKey(settings.seed))
+    params = model.init(init_key, jnp.zeros((1, RESOLUTION, RESOLUTION, 3)))
+    schedule = optax.cosine_onecycle_schedule(total, settings.learning_rate)
+    optimiser = optax.adamw(schedule, weight_decay=settings.weight_decay)
+    state = optimiser.init(params)
+    edits = jax.vmap(copy_edit)
+
+    @jax.jit
+    def step(params: Any, state: Any, batch: jax.Array, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        k1, k2 = jax.random.split(key)
+        n = batch.shape[0]
+        v1, v2 = edits(jax.random.split(k1, n), batch), edits(jax.random.split(k2, n), batch)
+
+        def loss_fn(p: Any) -> jax.Array:
+            return nt_xent(model.apply(p, v1), model.apply(p, v2), settings.temperature)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, state = optimiser.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    identity = {"images": len(x), "digest": _digest(images), **dataclasses.asdict(settings)}
+    first_epoch, losses = 0, []
+    partial = None if work_dir is None else os.path.join(work_dir, PARTIAL)
+    if partial is not None and os.path.isfile(partial):
+        with open(partial, "rb") as f:
+            saved = serialization.msgpack_restore(f.read())
+        if json.loads(saved["identity"]) == identity:
+            template = {"params": params, "state": state}
+            restored = serialization.from_state_dict(template, {"params": saved["params"], "state": saved["state"]})
+            params, state = restored["params"], restored["state"]
+            first_epoch, losses = int(saved["epoch"]), [float(v) for v in saved["losses"]]
+    done = first_epoch * per_epoch
+    if progress is not None and done:
+        progress(done, total, losses[-1] if losses else float("nan"))
+    for epoch in range(first_epoch, settings.epochs):
+        order = np.random.default_rng((settings.seed, epoch)).permutation(len(x))
+        for i in range(per_epoch):
+            params, state, loss = step(params, state, x[order[i * settings.batch:(i + 1) * settings.batch]],
+                                       jax.random.fold_in(root, done))
+            done += 1
+            losses.append(float(loss))
+            if not np.isfinite(losses[-1]):
+                raise FloatingPointError(f"copy model training diverged at step {done} (loss {losses[-1]})")
+            if progress is not None:
+                progress(done, total, losses[-1])
+        if partial is not None and epoch + 1 < settings.epochs:
+            blob = serialization.msgpack_serialize({
+                "identity": json.dumps(identity), "epoch": epoch + 1, "losses": np.asarray(losses),
+                "params": serialization.to_state_dict(params), "state": serialization.to_state_dict(state)})
+            with open(partial + ".tmp", "wb") as f:
+                f.write(blob)
+            os.replace(partial + ".tmp", partial)  # a crash mid-write keeps the previous epoch
+    tail = losses[-min(50, len(losses)):]
+    return params, {"steps": total, "images": len(x), "final_loss": round(float(np.mean(tail)), 4),
+                    "resumed_at_epoch": first_epoch, **dataclasses.asdict(settings)}
+
+
+def _digest(images: np.ndarray) -> str:
+    """A short fingerprint of the training images: a resumed run must train on the same ones."""
+    import hashlib
+
+    h = hashlib.sha256(str(images.shape).encode())
+    h.update(np.ascontiguousarray(images[:: max(1, len(images) // 997)]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def embed(params: Any, images: np.ndarray, *, mirrored: bool = False, batch: int = 1024) -> np.ndarray:
+    """Unit embeddings float32 [n, dim] of uint8 images (mirrored left-right first if asked)."""
+    model = CopyEmbedding()
+    apply = jax.jit(model.apply)
+    out = []
+    for lo in range(0, len(images), batch):
+        chunk = as_input(images[lo:lo + batch])
+        if mirrored:
+            chunk = chunk[:, :, ::-1]
+        n = len(chunk)
+        if n < batch and lo > 0:  # keep one compiled shape for the last partial batch
+            chunk = np.concatenate([chunk, np.zeros((batch - n, *chunk.shape[1:]), chunk.dtype)])
+        out.append(np.asarray(apply(params, chunk))[:n])
+    return np.concatenate(out) if out else np.zeros((0, CopyEmbedding.dim), np.float32)
+
+
+def save(directory: str, params: Any, info: dict) -> None:
+    """Weights (flax msgpack) and what they were trained on (json) into ``directory``."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, WEIGHTS), "wb") as f:
+        f.write(serialization.to_bytes(params))
+    with open(os.path.join(directory, INFO), "w") as f:
+        json.dump({"format": FORMAT, **info}, f, indent=1)
+        f.write("\n")
+
+
+def load(directory: str) -> tuple[Any, dict]:
+    """(params, info) of a model written by ``save``; ``ValueError`` if it is not one."""
+    weights, info_path = os.path.join(directory, WEIGHTS), os.path.join(directory, INFO)
+    if not (os.path.isfile(weights) and os.path.isfile(info_path)):
+        raise ValueError(f"{directory!r} holds no copy model ({WEIGHTS} and {INFO}); train one with "
+                         "`dpscale train-copy-model PUBLIC DIR`")
+    with open(info_path) as f:
+        info = json.load(f)
+    if info.get("format") != FORMAT:
+        raise ValueError(f"copy model {directory!r} has format {info.get('format')}, expected {FORMAT}")
+    template = CopyEmbedding().init(jax.random.PRNGKey(0), jnp.zeros((1, RESOLUTION, RESOLUTION, 3)))
+    with open(weights, "rb") as f:
+        try:
+            params = serialization.from_bytes(template, f.read())
+        except Exception as exc:  # noqa: BLE001 - msgpack / shape errors all mean a damaged file
+            raise ValueError(f"copy model weights {weights!r} cannot be read: {exc}") from None
+    return params, info
