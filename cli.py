@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from dpscale.cache.keys import RESIZE_METHODS
+from dpscale.dedup.copy_score import CopySettings
 from dpscale.dedup.verify import COARSE_CUT
 from dpscale.errors import DpscaleError, PipelineStalledError
 
@@ -282,6 +283,12 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Accepted share of a page that gets the next page verified.")
 @click.option("--refine/--no-refine", default=True, show_default=True,
               help="Give pairs the alignment grid rejects a second check by continuous (ECC) alignment.")
+@click.option("--copy-model", type=click.Path(file_okay=False), default=None,
+              help="Also remove the pairs a learned copy model accepts (a directory of "
+                   "`dpscale train-copy-model` on the PUBLIC data): more real duplicates found, "
+                   "some look-alikes removed with them.")
+@click.option("--copy-cut", type=floats(-2, 2, min_open=True, max_open=True), default=CopySettings.cut, show_default=True,
+              help="With --copy-model: the normalised copy score a pair needs; lower finds more.")
 @click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
               help="Only these splits of PUBLIC (default: all).")
 @click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
@@ -291,7 +298,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(public: str, private: str, output: str, threshold: float, k: int,
           min_similarity: float, max_pages: int, crowded_fraction: float, refine: bool,
-          public_splits: tuple[str, ...],
+          copy_model: str | None, copy_cut: float, public_splits: tuple[str, ...],
           private_splits: tuple[str, ...], overwrite: bool, verbose: bool,
           pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
@@ -310,6 +317,7 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
     result = stage.run(stage.DedupConfig(
         public, private, output, threshold=threshold, k=k, min_similarity=min_similarity,
         max_pages=max_pages, crowded_fraction=crowded_fraction, refine=refine,
+        copy_model=copy_model, copy_cut=copy_cut,
         public_splits=public_splits, private_splits=private_splits, overwrite=overwrite,
         verbose=verbose, pipeline_args=tuple(pipeline_args)))
     _note(release.warning(result.report_path))

@@ -55,6 +55,7 @@ class DedupProvenance:
     num_removed: int
     report: str
     refine: bool = False  # the second decision (dedup.refine) ran; False in manifests from before it
+    copy_cut: float | None = None  # the copy decision (dedup.copy_decision) ran at this cut; None: not run
 
 
 @dataclasses.dataclass(frozen=True)

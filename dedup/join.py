@@ -62,7 +62,8 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    """A verified candidate: ``accepted`` when ``fine_distance <= threshold`` or refined.
+    """A verified candidate: ``accepted`` when ``fine_distance <= threshold`` or refined, or a
+    pair of the copy decision (``dedup.copy_decision``: ``copy_score`` finite, no pixel distances).
 
     ``ecc_distance`` / ``rank_distance`` / ``detail_distance``: ``dedup.refine``'s, for pairs
     the grid rejected (inf: not refined, or ECC did not converge).
@@ -75,12 +76,15 @@ class Match:
     ecc_distance: float = float("inf")
     rank_distance: float = float("inf")
     detail_distance: float = float("inf")
+    copy_score: float = float("-inf")
 
     @property
     def decided_by(self) -> str:
-        """Which check accepted the pair: "grid", "refined", or "" (rejected)."""
+        """Which check accepted the pair: "grid", "refined", "copy", or "" (rejected)."""
         if not self.accepted:
             return ""
+        if self.copy_score != float("-inf"):
+            return "copy"
         return "grid" if self.ecc_distance == float("inf") else "refined"
 
 
@@ -178,8 +182,14 @@ def verify_candidates(candidates: Sequence[Candidate], public: Any, private: Any
 
 def closest(matches: Iterable[Match]) -> Match:
     """The closest accepted private match of one public example (ties: lowest private index)."""
-    # grid decisions first (by grid distance), then refined ones by their own detail distance
-    return min(matches, key=lambda m: (m.decided_by != "grid",
-                                       m.fine_distance if m.decided_by == "grid" else m.detail_distance,
-                                       m.candidate.private_split, m.candidate.private_index,
-                                       m.candidate.view))
+    # grid decisions first (by grid distance), then refined ones by their own detail distance,
+    # then the copy decision's by its score
+    def key(m: Match) -> tuple:
+        closeness = {"grid": m.fine_distance, "refined": m.detail_distance, "copy": -m.copy_score}
+        return (_DECISION_ORDER[m.decided_by], closeness[m.decided_by], m.candidate.private_split,
+                m.candidate.private_index, m.candidate.view)
+
+    return min(matches, key=key)
+
+
+_DECISION_ORDER = {"grid": 0, "refined": 1, "copy": 2}

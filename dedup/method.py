@@ -14,6 +14,8 @@ while a look-alike-prone private image rarely has even 3 accepted); 3 pages = at
 removals per private image for 3x the (private images x k) neighbour arrays.
 ``refine``: a pair the grid rejects gets a second decision by continuous alignment
 (``dedup.refine``): re-cropped and zoomed real copies the grid cannot align.
+``copy``: when set, a third decision by a learned copy embedding (``dedup.copy_decision``),
+on every pair, independent of the first two.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpscale.dedup import descriptor, refine, verify
+from dpscale.dedup.copy_score import CopySettings
 
 DESCRIPTION = (
     f"descriptor: {descriptor.LUMA}x{descriptor.LUMA} luma + {descriptor.CHROMA}x"
@@ -35,6 +38,11 @@ DESCRIPTION = (
     f"if the blurred luma's rank correlation >= {refine.MIN_RANK}, detail (DoG {refine.DETAIL_BAND[0]}-"
     f"{refine.DETAIL_BAND[1]} px) correlation >= {refine.MIN_DETAIL}, warp scale "
     f"{refine.SCALE_RANGE[0]}-{refine.SCALE_RANGE[1]}, anisotropy <= {refine.MAX_ANISOTROPY}")
+COPY_DESCRIPTION = (
+    "copy decision (with a copy model): a small CNN trained contrastively on the public images "
+    "only maps copy edits of an image together; each private image's nearest public images "
+    "(both mirror states) score cosine - beta x the mean of both ends' k-th nearest public "
+    "cosine; a pair is a duplicate at score >= cut")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,7 @@ class Method:
     max_pages: int = 3
     crowded_fraction: float = 0.5
     refine: bool = True
+    copy: CopySettings | None = None
 
     def __post_init__(self) -> None:
         if self.k < 1:

@@ -26,7 +26,7 @@ from dpscale.data.manifest import DedupProvenance, Manifest
 from dpscale.dedup import refine
 from dpscale.dedup.descriptor import view_name
 from dpscale.dedup.join import PRIVATE, PUBLIC, Match
-from dpscale.dedup.method import DESCRIPTION, Method
+from dpscale.dedup.method import COPY_DESCRIPTION, DESCRIPTION, Method
 from dpscale.files import open_for_writing
 
 REPORT = "dedup_report.NOT-PRIVATE.json"
@@ -69,6 +69,7 @@ def _pair(m: Match, public: IngestedDataset, private: IngestedDataset) -> dict[s
             "decided_by": m.decided_by, "refined_ecc_distance": _finite(m.ecc_distance),
             "refined_rank_distance": _finite(m.rank_distance),
             "refined_detail_distance": _finite(m.detail_distance),
+            "copy_score": _finite(m.copy_score),
             "similarity": c.similarity, "view": view_name(c.view)}
 
 
@@ -93,7 +94,8 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
                   num_candidates: int, num_verified: int, num_skipped: int,
                   num_expanded: int, method: Method,
                   num_public: int, num_private: int, public_splits: Sequence[str],
-                  private_splits: Sequence[str]) -> Manifest:
+                  private_splits: Sequence[str], copy_near: Sequence[Match] = (),
+                  copy_model: dict[str, Any] | None = None) -> Manifest:
     """Report first, manifest last (a manifest means complete); refuse a lossy run.
 
     ``described`` counts the images whose descriptors were written per side;
@@ -135,7 +137,8 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         "decided_by": "grid: accepted at distance <= threshold; refined: rejected by the grid, "
                       "accepted after ECC alignment (refined_* = 1 - the blurred luma's "
                       "correlation, its rank correlation, the detail correlation after it; null: "
-                      "not refined, or ECC did not converge); "
+                      "not refined, or ECC did not converge); copy: accepted by the copy model's "
+                      "normalised score (copy_score; similarity = its cosine; no pixel distances); "
                       "empty: rejected by both",
         "public": {"path": public_path, "content_hash": public.content_hash,
                    "splits": list(public_splits), "num_examples": num_public},
@@ -148,11 +151,16 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         "removed_by_split": removed_by_split, "removed": pairs,
         "near_threshold_rejected": [_pair(m, public, private)
                                     for m in near_sorted[:NEAR_LISTED]],
+        "copy_decision": None if method.copy is None else {
+            "method": COPY_DESCRIPTION, "model": copy_model,
+            "num_removed": sum(p["decided_by"] == "copy" for p in pairs),
+            "near_cut_rejected": [_pair(m, public, private) for m in copy_near]},
     }
     _write_private(shards.join(output_dir, REPORT), report)
     shards.write_json(shards.join(output_dir, shards.REPORT), {"num_rejected": 0, "rejected": []})
     manifest = dataclasses.replace(manifest, num_inputs=num_public, dedup=DedupProvenance(
         public_content_hash=public.content_hash,
-        threshold=method.threshold, refine=method.refine, num_removed=len(pairs), report=REPORT))
+        threshold=method.threshold, refine=method.refine, num_removed=len(pairs), report=REPORT,
+        copy_cut=None if method.copy is None else method.copy.cut))
     shards.write_manifest(output_dir, manifest)
     return manifest

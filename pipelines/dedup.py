@@ -20,7 +20,7 @@ count computed from the private data (such as the number of candidates).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import apache_beam as beam
 
@@ -28,6 +28,9 @@ from dpscale.dedup import join, output, pages, planning
 from dpscale.dedup.method import Method
 from dpscale.pipelines.ingest import SMALL_DATA
 from dpscale.pipelines.progress import mark
+
+if TYPE_CHECKING:  # the copy decision runs before the graph; workers need not import jax
+    from dpscale.dedup.copy_decision import CopyOutcome
 
 VERIFY_BATCH = 256  # candidates verified per call
 
@@ -164,8 +167,8 @@ def _rank(c: join.Candidate) -> tuple[float, int]:
     return c.similarity, -c.public_index
 
 
-def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
-    """Add the dedup graph to ``pipeline``."""
+def build(pipeline: beam.Pipeline, settings: GraphSettings, copy: CopyOutcome | None = None) -> None:
+    """Add the dedup graph to ``pipeline``; ``copy``: the copy decision's pairs, removed too."""
     described = (pipeline
                  | "Tasks" >> beam.Create(list(settings.tasks))
                  | "SpreadTasks" >> beam.Reshuffle()
@@ -194,7 +197,12 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
     num_verified = verified.verified | "CountVerified" >> beam.CombineGlobally(sum)
     num_skipped = verified.skipped | "CountSkipped" >> beam.CombineGlobally(sum)
     num_expanded = verified.expanded | "CountExpanded" >> beam.CombineGlobally(sum)
-    closest = (verified.accepted
+    accepted = verified.accepted
+    if copy is not None:
+        copied = pipeline | "CopyMatches" >> beam.Create(
+            [((m.candidate.public_split, m.candidate.public_index), m) for m in copy.accepted])
+        accepted = (accepted, copied) | "WithCopyMatches" >> beam.Flatten()
+    closest = (accepted
                | "ClosestPrivate" >> beam.CombinePerKey(join.closest)
                | "ByShard" >> beam.Map(lambda kv: ((kv[1].candidate.public_split,
                                                     kv[1].candidate.public_shard), kv[1])))
@@ -220,4 +228,6 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings) -> None:
              num_expanded=beam.pvalue.AsSingleton(num_expanded),
              method=settings.method, num_public=settings.num_public,
              num_private=settings.num_private, public_splits=settings.public_splits,
-             private_splits=settings.private_splits))
+             private_splits=settings.private_splits,
+             copy_near=() if copy is None else copy.near,
+             copy_model=None if copy is None else copy.model))

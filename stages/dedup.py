@@ -8,7 +8,9 @@ manifest and content hash, readable by ``IngestedDataset``) plus the report
 views). The report is a private diagnostic (it describes the private data, 0600); the output
 dataset depends on the private data too, by design. The private dataset is only read.
 How images are compared: ``dedup.descriptor`` and ``dedup.verify``; nearest neighbours:
-``dedup.knn``; the work plan: ``dedup.planning``; what is written: ``dedup.output``.
+``dedup.knn``; the work plan: ``dedup.planning``; what is written: ``dedup.output``. With
+``copy_model`` (a model of ``dpscale train-copy-model``), the pairs of the learned copy
+decision (``dedup.copy_decision``) are removed too; it runs before the graph.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from apache_beam.io.filesystems import FileSystems
 from dpscale.data import shards
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.manifest import Manifest
+from dpscale.dedup.copy_score import CopySettings
 from dpscale.dedup.join import PRIVATE, PUBLIC
 from dpscale.dedup.method import Method
 from dpscale.dedup.output import REPORT
@@ -56,6 +59,8 @@ class DedupConfig:
     max_pages: int = Method.max_pages
     crowded_fraction: float = Method.crowded_fraction
     refine: bool = Method.refine
+    copy_model: str | None = None  # a directory of ``dpscale train-copy-model``; None: no copy decision
+    copy_cut: float = CopySettings.cut
     public_splits: tuple[str, ...] = ()  # empty: every split
     private_splits: tuple[str, ...] = ()
     examples_per_task: int = 2_000
@@ -86,7 +91,8 @@ class DedupConfig:
     def method(self) -> Method:
         return Method(k=self.k, min_similarity=self.min_similarity, threshold=self.threshold,
                       max_pages=self.max_pages, crowded_fraction=self.crowded_fraction,
-                      refine=self.refine)
+                      refine=self.refine,
+                      copy=None if self.copy_model is None else CopySettings(cut=self.copy_cut))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +135,12 @@ def run(config: DedupConfig) -> DedupResult:
     tasks = (read_tasks(public, PUBLIC, config.examples_per_task, public_splits)
              + read_tasks(private, PRIVATE, config.examples_per_task, private_splits))
     pairs = knn_tasks(tasks)
+    copy = None
+    if config.method.copy is not None:
+        from dpscale.dedup import copy_decision
+
+        copy = copy_decision.decide(public, public_splits, private, private_splits, config.copy_model,
+                                    config.method.copy)
     shards.prepare_output(config.output_dir, overwrite=config.overwrite, extra_files=(REPORT,))
     work_dir = shards.join(config.output_dir, WORK)
     _remove_work(work_dir)
@@ -148,7 +160,7 @@ def run(config: DedupConfig) -> DedupResult:
             private_splits=tuple(private_splits), progress_dir=progress_dir,
             public_positions=public_positions(tasks),
             verify_blocks=tuple(verify_blocks(private, private_splits, PRIVATE_PER_VERIFY_TASK)),
-            private_per_block=PRIVATE_PER_VERIFY_TASK))
+            private_per_block=PRIVATE_PER_VERIFY_TASK), copy=copy)
 
     try:
         run_pipeline(build, args=config.pipeline_args,

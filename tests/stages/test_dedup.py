@@ -353,3 +353,55 @@ def test_a_photo_held_many_times_in_public_is_removed_every_time(tmp_path):
     assert IngestedDataset(str(tmp_path / "out0")).num_examples("train") == 8
     res, pairs = removed(max_pages=1)  # k only (the behaviour before expansion)
     assert len(pairs) == 11 and res.report["num_private_expanded"] == 0
+
+
+@pytest.fixture(scope="module")
+def copy_models(data):
+    """Tiny copy models (1 step): on the public data, and, wrongly, on the private data."""
+    from dpscale.stages import train_copy_model
+
+    public, private, _, root = data
+    out = {}
+    for name, source in (("public", public), ("private", private)):
+        res = train_copy_model.run(train_copy_model.TrainCopyModelConfig(
+            source, str(root / f"copy_{name}"), epochs=1, batch=8, show_progress=False))
+        out[name] = res.output_dir
+    return out
+
+
+def test_the_copy_decision_removes_what_it_accepts_after_the_pixel_checks(data, copy_models):
+    public, private, planted, root = data
+    res = stage.run(stage.DedupConfig(public, private, str(root / "out_copy_all"), copy_model=copy_models["public"],
+                                      copy_cut=-1.9, pipeline_args=FAST))
+    by = {p["public_key"]: p["decided_by"] for p in res.report["removed"]}
+    # each private image's 20 nearest public images all pass the cut: at least 20 of the 30 go;
+    # the planted copies are still credited to the pixel checks (preferred), the rest to copy
+    assert len(by) >= 20 and res.num_kept == 30 - len(by)
+    assert {k for k, v in by.items() if v != "copy"} == set(planted)
+    copy_pairs = [p for p in res.report["removed"] if p["decided_by"] == "copy"]
+    assert all(p["copy_score"] >= -1.9 and p["distance"] is None and p["view"] in ("whole", "whole mirrored")
+               for p in copy_pairs)
+    decision = res.report["copy_decision"]
+    assert decision["num_removed"] == len(by) - len(planted) and decision["model"]["public"]["content_hash"]
+    assert res.manifest.dedup.copy_cut == -1.9
+    assert IngestedDataset(str(root / "out_copy_all")).manifest.dedup.copy_cut == -1.9
+
+
+def test_a_copy_cut_nothing_reaches_changes_nothing_and_lists_the_closest(data, result, copy_models):
+    public, private, _, root = data
+    res = stage.run(stage.DedupConfig(public, private, str(root / "out_copy_none"), copy_model=copy_models["public"],
+                                      copy_cut=1.9, pipeline_args=FAST))
+    assert [p["public_key"] for p in res.report["removed"]] == [p["public_key"] for p in result[0].report["removed"]]
+    near = res.report["copy_decision"]["near_cut_rejected"]
+    assert len(near) == 8 and near == sorted(near, key=lambda p: -p["copy_score"])
+    assert result[0].report["copy_decision"] is None and result[0].manifest.dedup.copy_cut is None
+
+
+def test_a_copy_model_of_the_private_data_or_none_at_all_is_refused(data, copy_models, tmp_path):
+    public, private, _, _ = data
+    with pytest.raises(DataError, match="trained on the private data"):
+        stage.run(stage.DedupConfig(public, private, str(tmp_path / "o"), copy_model=copy_models["private"],
+                                    pipeline_args=FAST))
+    bad = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "o2"), "--copy-model",
+                                   str(tmp_path / "nothing")])
+    assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "holds no copy model" in bad.output

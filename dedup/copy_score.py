@@ -1,0 +1,117 @@
+"""The copy-embedding decision of dedup: background-normalised cosines of ``dedup.copy_model``.
+
+A raw cosine between embeddings confuses copies with look-alikes of common scenes: a dark
+plane on a plain sky or a horse on grass is close to *many* public images, a copy is close to
+its twin. So a pair's cosine is lowered by how crowded its two ends are (``normalised``): the
+mean of each end's ``k``-th nearest *public* cosine (the private image's k-th nearest public
+image; the public image's k-th nearest other public image). This is the similarity
+normalisation of copy-detection systems (e.g. the DISC 2021 entries), with the public set as
+the background: no private image enters the background of a public one.
+
+Each private image keeps its ``candidates`` nearest public images by cosine (both mirror
+states, blocked matrix products); every one whose normalised score reaches ``cut`` is a
+duplicate. Exact search: cost grows as private x public plus public x public (the public
+background), fine for a few hundred thousand public images in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dpscale.progress import progress_bar
+
+
+def top_k(queries: np.ndarray, queries_mirror: np.ndarray, reference: np.ndarray, *, k: int,
+          exclude_self: bool = False, block: int = 1000,
+          show_progress: bool = False, label: str = "nearest") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per query: its ``k`` most similar reference rows, most similar first, each reference row at
+    the query's better mirror state: (similarities [n, k], reference indices, mirrored flags).
+    ``exclude_self``: queries *are* the reference (row i never matches itself, in either state)."""
+    k = min(k, len(reference) - (1 if exclude_self else 0))
+    if k < 1:
+        raise ValueError("the reference set is too small to search")
+    ref32 = reference.astype(np.float32).T
+    n = len(queries)
+    sims, index, mirrored = (np.empty((n, k), np.float32), np.empty((n, k), np.int64),
+                             np.empty((n, k), bool))
+    with progress_bar(label, total=n, enabled=show_progress) as bar:
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            s0 = queries[lo:hi].astype(np.float32) @ ref32
+            s1 = queries_mirror[lo:hi].astype(np.float32) @ ref32
+            use1 = s1 > s0
+            s = np.where(use1, s1, s0)
+            rows = np.arange(hi - lo)
+            if exclude_self:
+                s[rows, rows + lo] = -np.inf
+            part = np.argpartition(-s, k - 1, axis=1)[:, :k]
+            order = np.argsort(-s[rows[:, None], part], axis=1, kind="stable")
+            top = part[rows[:, None], order]
+            sims[lo:hi], index[lo:hi], mirrored[lo:hi] = s[rows[:, None], top], top, use1[rows[:, None], top]
+            bar.advance(hi - lo)
+    return sims, index, mirrored
+
+
+def normalised(similarity: np.ndarray, query_background: np.ndarray, public_background: np.ndarray,
+               beta: float) -> np.ndarray:
+    """A pair's cosine minus ``beta`` times how crowded its two ends are (the mean of each end's
+    k-th nearest public image's cosine); see the module docstring for why."""
+    return similarity - beta * 0.5 * (query_background + public_background)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopySettings:
+    """``cut`` on the normalised score; ``k``: which neighbour sets the background; ``beta``: how
+    much of it is subtracted; ``candidates``: nearest public images scored per private image.
+    Defaults: the setting measured on CIFAR-10 (``benchmarks/results/dedup.md``)."""
+
+    cut: float = 0.45
+    k: int = 10
+    beta: float = 0.5
+    candidates: int = 20
+
+    def __post_init__(self) -> None:
+        if not -2.0 < self.cut < 2.0:
+            raise ValueError(f"copy cut must be in (-2, 2), got {self.cut}")
+        if not 1 <= self.k <= self.candidates:
+            raise ValueError(f"copy k must be in [1, candidates = {self.candidates}], got {self.k}")
+        if not 0.0 <= self.beta <= 2.0:
+            raise ValueError(f"copy beta must be in [0, 2], got {self.beta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPairs:
+    """Accepted pairs (row i: ``private[i]`` duplicates ``public[i]``) and every private image's
+    best score (for the report's near-cut listing)."""
+
+    private: np.ndarray
+    public: np.ndarray
+    mirrored: np.ndarray
+    score: np.ndarray
+    cosine: np.ndarray
+    best_public: np.ndarray
+    best_mirrored: np.ndarray
+    best_score: np.ndarray
+    best_cosine: np.ndarray
+
+
+def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, private_mirror: np.ndarray,
+           settings: CopySettings, *, show_progress: bool = False) -> CopyPairs:
+    """The copy decision over all pairs, from unit embeddings of both sides in both mirror states."""
+    if len(public) < 2:
+        raise ValueError("the copy decision needs at least two public images (one as background)")
+    sims, index, mirrored = top_k(private, private_mirror, public, k=settings.candidates,
+                                  show_progress=show_progress, label="copy: private neighbours")
+    public_sims, _, _ = top_k(public, public_mirror, public, k=settings.k, exclude_self=True,
+                              show_progress=show_progress, label="copy: public background")
+    k = min(settings.k, sims.shape[1], public_sims.shape[1])
+    score = normalised(sims, sims[:, k - 1:k], public_sims[index, k - 1], settings.beta)
+    rows, cols = np.nonzero(score >= settings.cut)
+    best = score.argmax(1)
+    every = np.arange(len(score))
+    return CopyPairs(private=rows, public=index[rows, cols], mirrored=mirrored[rows, cols],
+                     score=score[rows, cols], cosine=sims[rows, cols],
+                     best_public=index[every, best], best_mirrored=mirrored[every, best],
+                     best_score=score[every, best], best_cosine=sims[every, best])

@@ -1,0 +1,62 @@
+"""The copy-embedding decision of dedup: nearest public images, backgrounds, normalised scores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dpscale.dedup.copy_score import CopySettings, decide, normalised, top_k
+
+
+def test_top_k_takes_each_reference_at_the_better_mirror_state_and_can_exclude_itself():
+    ref = np.eye(4, dtype=np.float32)
+    queries = np.array([[1, 0, 0, 0], [0, 0.6, 0.8, 0]], np.float32)
+    mirror = np.array([[0, 0, 0, 1], [0, 0.8, 0.6, 0]], np.float32)
+    sims, index, mirrored = top_k(queries, mirror, ref, k=3, block=1)
+    assert index[0, :2].tolist() in ([0, 3], [3, 0]) and sims[0, 0] == sims[0, 1] == 1.0
+    assert set(index[1, :2].tolist()) == {1, 2} and index[1, 2] in (0, 3)  # 0 and 3 tie at 0
+    np.testing.assert_allclose(sims[1], [0.8, 0.8, 0.0])
+    assert mirrored[1, index[1].tolist().index(1)] and not mirrored[1, index[1].tolist().index(2)]
+    sims, index, _ = top_k(ref, ref, ref, k=2, exclude_self=True)
+    assert (index != np.arange(4)[:, None]).all() and (sims == 0.0).all()
+
+
+def test_normalised_scores_lower_a_pair_in_a_crowded_neighbourhood():
+    score = normalised(np.array([0.9, 0.9]), np.array([0.2, 0.8]), np.array([0.2, 0.8]), beta=1.0)
+    np.testing.assert_allclose(score, [0.7, 0.1])
+    np.testing.assert_allclose(normalised(np.array([0.9]), np.array([0.8]), np.array([0.8]), 0.0), [0.9])
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_decide_accepts_a_twin_but_not_a_look_alike_of_a_crowded_scene():
+    rng = np.random.default_rng(0)
+    spread = _unit(rng.normal(size=(200, 32)))           # unrelated public images
+    scene = rng.normal(size=32)
+    crowd = _unit(scene + 0.08 * rng.normal(size=(30, 32)))  # 30 public look-alikes of one scene
+    public = np.concatenate([spread, crowd])
+    twin = _unit(spread[7:8] + 0.05 * rng.normal(size=(1, 32)))   # a copy of public 7
+    look_alike = _unit(scene[None] + 0.08 * rng.normal(size=(1, 32)))
+    mirrored_copy = _unit(spread[11:12] + 0.05 * rng.normal(size=(1, 32)))
+    private = np.concatenate([twin, look_alike, _unit(rng.normal(size=(1, 32)))])
+    private_mirror = np.concatenate([_unit(rng.normal(size=(2, 32))), mirrored_copy])
+    cos_twin = float(twin[0] @ spread[7])
+    cos_look_alike = float((public @ look_alike[0]).max())
+    assert cos_look_alike > cos_twin  # the raw cosine prefers the look-alike ...
+    pairs = decide(public, public, private, private_mirror, CopySettings(cut=0.5, k=5, beta=1.0, candidates=10))
+    accepted = {(int(a), int(b)) for a, b in zip(pairs.private, pairs.public)}
+    assert accepted == {(0, 7), (2, 11)}  # ... the normalised score does
+    assert pairs.mirrored[list(pairs.private).index(2)] and not pairs.mirrored[list(pairs.private).index(0)]
+    assert pairs.best_public[0] == 7 and pairs.best_score[1] < 0.5 <= pairs.best_score[0]
+
+
+def test_copy_settings_refuse_impossible_values():
+    with pytest.raises(ValueError, match="k must be"):
+        CopySettings(k=30, candidates=20)
+    with pytest.raises(ValueError, match="beta"):
+        CopySettings(beta=-1)
+    with pytest.raises(ValueError, match="two public"):
+        one = _unit(np.ones((1, 4)))
+        decide(one, one, one, one, CopySettings())
