@@ -14,6 +14,10 @@ train images removed. CIFAR-10 holds real train/test near duplicates, so every "
 positive" is drawn (``dedup_planted_fp.png``) and judged by eye, not assumed false.
 ``montages``: 40 random removed pairs and the 40 removed + 40 rejected pairs closest to the
 cut of a CIFAR-10 run, as PNGs under benchmarks/results/ (private | public, distance).
+With ``--copy-model DIR`` (``dpscale train-copy-model``), ``planted`` runs dedup with the copy
+decision too (its false-positive sheet: ``dedup_planted_fp_copy.png``); ``montages --copy-only``
+draws only the copy decision's sheets of a run made with it: a random 40 of its pairs, the 40
+accepted and the 40 rejected closest to its cut (``dedup_cifar_copy_*.png``, caption s = score).
 """
 
 from __future__ import annotations
@@ -103,7 +107,10 @@ def _save(root: str, split: str, name: str, image: np.ndarray) -> None:
 
 
 def _caption(p: dict) -> str:
-    """Grid pairs: d = fine distance; refined: r = 1 - rank correlation, t = 1 - detail correlation."""
+    """Grid pairs: d = fine distance; refined: r = 1 - rank correlation, t = 1 - detail correlation;
+    copy decision (accepted or rejected): s = normalised copy score."""
+    if p.get("decided_by") == "copy" or (p.get("copy_score") is not None and p["distance"] is None):
+        return f"s={p['copy_score']:.3f}"
     if p.get("decided_by") == "refined":
         return f"r{p['refined_rank_distance']:.3f} t{p['refined_detail_distance']:.2f}"
     return "d=-" if p["distance"] is None else f"d={p['distance']:.3f}"
@@ -136,7 +143,7 @@ def montage(pairs: list[dict], public: IngestedDataset, private: IngestedDataset
     sheet.save(path)
 
 
-def planted(data: str, work: str) -> dict:
+def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: float | None = None) -> dict:
     ds = IngestedDataset(data)
     rng = np.random.default_rng(0)
     priv_idx = np.sort(rng.choice(ds.num_examples("test"), 1000, replace=False))
@@ -158,8 +165,10 @@ def planted(data: str, work: str) -> dict:
         ingest(IngestConfig(f"folder:{os.path.join(src, side)}", paths[side], overwrite=True,
                             pipeline_args=ONE_PROCESS))
     start = time.time()
+    copy = {} if copy_model is None else {"copy_model": copy_model,
+                                          **({} if copy_cut is None else {"copy_cut": copy_cut})}
     res = stage.run(stage.DedupConfig(paths["public"], paths["private"],
-                                      os.path.join(work, "out"), overwrite=True))
+                                      os.path.join(work, "out"), overwrite=True, **copy))
     seconds = time.time() - start
     removed = res.report["removed"]
     names = list(TRANSFORMS)
@@ -174,19 +183,40 @@ def planted(data: str, work: str) -> dict:
         per[names[int(t)]][0] += 1
         per[names[int(t)]][1] += int(os.path.basename(p["private_key"])[1:5] == i)
     montage(fps[:60], IngestedDataset(paths["public"]), IngestedDataset(paths["private"]),
-            os.path.join(RESULTS, "dedup_planted_fp.png"))
+            os.path.join(RESULTS, "dedup_planted_fp_copy.png" if copy else "dedup_planted_fp.png"))
     near = res.report["near_threshold_rejected"]
     missed = [p for p in near if not os.path.basename(p["public_key"]).startswith("u")]
     summary = {"seconds": round(seconds, 1), "per_transform": per,
                "recall": sum(v[1] for v in per.values()) / (1000 * len(names)),
                "unrelated_removed": len(fps), "unrelated_total": 10_000,
-               "fp_pairs": [(p["public_key"], p["private_key"], p["distance"]) for p in fps],
+               "fp_pairs": [(p["public_key"], p["private_key"], p["decided_by"], p["distance"],
+                             p.get("copy_score")) for p in fps],
+               "removed_by_decision": {d: sum(p["decided_by"] == d for p in removed)
+                                       for d in ("grid", "refined", "copy")},
                "planted_rejected_near_cut": len(missed),
                "private_expanded": res.report["num_private_expanded"],
                "candidates": res.report["num_candidate_pairs"],
                "verified": res.report["num_verified_pairs"]}
     print(json.dumps(summary, indent=1))
     return summary
+
+
+def copy_montages(data: str, out: str) -> None:
+    """The copy decision's pairs of a run made with ``--copy-model``, for judging by eye."""
+    report = json.load(open(os.path.join(out, stage.REPORT)))
+    ds = IngestedDataset(data)
+    copied = [p for p in report["removed"] if p["decided_by"] == "copy"]
+    if not copied:
+        raise SystemExit(f"{out}: no pair was decided by the copy decision (run dedup with --copy-model)")
+    rng = np.random.default_rng(7)  # its own seed: not a sample drawn before
+    pick = [copied[i] for i in np.sort(rng.choice(len(copied), min(40, len(copied)), replace=False))]
+    montage(pick, ds, ds, os.path.join(RESULTS, "dedup_cifar_copy_random40.png"))
+    montage(sorted(copied, key=lambda p: p["copy_score"])[:40], ds, ds,
+            os.path.join(RESULTS, "dedup_cifar_copy_closest_to_cut.png"))
+    montage(report["copy_decision"]["near_cut_rejected"][:40], ds, ds,
+            os.path.join(RESULTS, "dedup_cifar_copy_rejected_closest_to_cut.png"))
+    print(f"copy decision: {len(copied)} public removed, {len({p['private_index'] for p in copied})} "
+          "private images")
 
 
 def montages(data: str, out: str) -> None:
@@ -232,10 +262,15 @@ def main() -> None:
     parser.add_argument("data")
     parser.add_argument("work")
     parser.add_argument("n", type=int, nargs="?", default=5000)
+    parser.add_argument("--copy-model", default=None, help="planted: run dedup with this copy model too")
+    parser.add_argument("--copy-cut", type=float, default=None, help="planted: with --copy-model")
+    parser.add_argument("--copy-only", action="store_true", help="montages: only the copy decision's sheets")
     a = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     if a.what == "planted":
-        planted(a.data, a.work)
+        planted(a.data, a.work, copy_model=a.copy_model, copy_cut=a.copy_cut)
+    elif a.what == "montages" and a.copy_only:
+        copy_montages(a.data, a.work)
     elif a.what == "montages":
         montages(a.data, a.work)
     else:

@@ -310,11 +310,27 @@ def check_against_ranking(labels: Sequence[dict], ranking: Sequence[dict]) -> No
         raise ValueError(f"{len(bad)} labelled ranks hold other pairs in this ranking, e.g. {bad[:5]}")
 
 
-def dedup_matched(report_path: str) -> set[int]:
-    """Test indices a ``dpscale dedup`` report says have a public twin."""
+def dedup_matched(report_path: str, decided_by: Sequence[str] | None = None) -> set[int]:
+    """Test indices a ``dpscale dedup`` report says have a public twin (only by the decisions
+    ``decided_by`` if given: "grid", "refined", "copy")."""
     with open(report_path) as handle:
         report = json.load(handle)
-    return {p["private_index"] for p in report["removed"] if p["private_split"] == "test"}
+    return {p["private_index"] for p in report["removed"] if p["private_split"] == "test"
+            and (decided_by is None or p["decided_by"] in decided_by)}
+
+
+def recall(labels_path: str, report_path: str, *, judged_until: int, strata: Sequence[int], total: int) -> dict:
+    """A dedup run's recall on the census, from the labels alone (they carry their ranks; the
+    ranking itself is not needed): all its matches, and its pixel decisions alone."""
+    labels = read_labels(labels_path)
+    keys = ("matched", "clear_found", "recall_on_clear", "tail_dups_sampled", "tail_dups_found",
+            "recall_with_tail_estimate")
+    out = {}
+    for name, decided_by in (("all decisions", None), ("grid + refined only", ("grid", "refined"))):
+        counted = census(labels, judged_until=judged_until, total=total, strata=strata,
+                         matched=dedup_matched(report_path, decided_by))
+        out[name] = {key: counted["dedup"][key] for key in keys} if "dedup" in counted else {"matched": 0}
+    return out
 
 
 def disagreements(data: str, work: str, labels_path: str, report_path: str, out_dir: str, *,
@@ -401,6 +417,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--dedup-report", default=None)
     c.add_argument("--dedup-only-labels", default=None,
                    help="by-eye labels of a random sample of dedup matches the census does not count")
+    q = sub.add_parser("recall", help="a dedup report's recall on the census labels (no ranking needed)")
+    q.add_argument("labels")
+    q.add_argument("dedup_report")
+    q.add_argument("--judged-until", type=int, required=True)
+    q.add_argument("--strata", default="", help="comma-separated ranks cutting the tail")
+    q.add_argument("--total", type=int, default=10_000, help="ranked test images")
     g = sub.add_parser("disagreements")
     g.add_argument("data")
     g.add_argument("work")
@@ -437,6 +459,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             for k, row in enumerate(rows):
                 w.writerow([k, row["rank"], row["test_index"], row["train_index"], row["similarity"]])
         print(path)
+    elif a.cmd == "recall":
+        print(json.dumps(recall(a.labels, a.dedup_report, judged_until=a.judged_until, total=a.total,
+                                strata=[int(x) for x in a.strata.split(",") if x]), indent=1))
     elif a.cmd == "disagreements":
         print(json.dumps(disagreements(a.data, a.work, a.labels, a.dedup_report, a.output_dir,
                                        judged_until=a.judged_until, count=a.count)))

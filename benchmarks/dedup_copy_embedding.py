@@ -49,6 +49,7 @@ import numpy as np
 from dpscale.benchmarks.dedup_census import census, dedup_matched, montage, nearest, read_labels
 from dpscale.benchmarks.dedup_refine_rules import (LABELS, better_mirror_state, counts,
                                                    read_census_pairs, read_judged_pairs)
+from dpscale.dedup.copy_score import normalised, top_k
 
 THRESHOLDS = (0.8, 0.85, 0.9, 0.92, 0.94, 0.96)
 
@@ -203,6 +204,18 @@ def embed(net, images: np.ndarray, *, batch: int = 1000) -> np.ndarray:
                                for i in range(0, len(images), batch)]) if len(images) else np.zeros((0, 128))
 
 
+def embeddings(out: str, public: np.ndarray, private: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Both sides in both mirror states, from this script's torch model or, if ``out`` holds
+    one, from dpscale's own JAX copy model (``dpscale train-copy-model``)."""
+    from dpscale.dedup import copy_model
+
+    if os.path.isfile(os.path.join(out, copy_model.WEIGHTS)):
+        params, _ = copy_model.load(out)
+        return tuple(copy_model.embed(params, x, mirrored=m) for x in (public, private) for m in (False, True))
+    net = load(out)
+    return tuple(embed(net, x[:, :, ::-1] if m else x) for x in (public, private) for m in (False, True))
+
+
 # ---------------------------------------------------------------- measurements
 
 def pair_cosine(net, public: np.ndarray, private: np.ndarray) -> np.ndarray:
@@ -300,42 +313,6 @@ def search(data: str, out: str, census_path: str, *, report: str | None, thresho
     return result
 
 
-def top_k(queries: np.ndarray, queries_mirror: np.ndarray, reference: np.ndarray, *, k: int,
-          exclude_self: bool = False, block: int = 1000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per query: its ``k`` most similar reference rows, most similar first, each reference row at
-    the query's better mirror state: (similarities [n, k], reference indices, mirrored flags).
-    ``exclude_self``: queries *are* the reference (row i never matches itself, in either state)."""
-    ref32 = reference.astype(np.float32).T
-    n = len(queries)
-    sims, index, mirrored = (np.empty((n, k), np.float32), np.empty((n, k), np.int64),
-                             np.empty((n, k), bool))
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
-        s0 = queries[lo:hi].astype(np.float32) @ ref32
-        s1 = queries_mirror[lo:hi].astype(np.float32) @ ref32
-        use1 = s1 > s0
-        s = np.where(use1, s1, s0)
-        rows = np.arange(hi - lo)
-        if exclude_self:
-            s[rows, rows + lo] = -np.inf
-        part = np.argpartition(-s, k - 1, axis=1)[:, :k]
-        order = np.argsort(-s[rows[:, None], part], axis=1, kind="stable")
-        top = part[rows[:, None], order]
-        sims[lo:hi], index[lo:hi], mirrored[lo:hi] = s[rows[:, None], top], top, use1[rows[:, None], top]
-    return sims, index, mirrored
-
-
-def normalised(similarity: np.ndarray, query_background: np.ndarray, public_background: np.ndarray,
-               beta: float) -> np.ndarray:
-    """A pair's cosine minus ``beta`` times how crowded its two ends are (the mean of each end's
-    k-th nearest public image's cosine). Why: a look-alike of a common scene (a dark plane on a
-    plain sky) is close to many public images, a copy is close to its twin only; subtracting the
-    neighbourhood's level is the similarity normalisation of copy-detection systems (e.g. the
-    DISC 2021 entries), here with the public set as the background: no private data is used
-    for the background of a public image."""
-    return similarity - beta * 0.5 * (query_background + public_background)
-
-
 def best_allowed(score: np.ndarray, labels: np.ndarray, already: np.ndarray, allowance: int) -> tuple[float, dict]:
     """The lowest cut on ``score`` that adds at most ``allowance`` ``diff`` pairs to those
     ``already`` accepted, and the union's counts at that cut: the comparison of two scores at
@@ -368,12 +345,10 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     from dpscale.dedup import verify
 
     ds = IngestedDataset(data)
-    net = load(out)
     train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
     test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
     start = time.time()
-    e_train, e_train_m = embed(net, train_images), embed(net, train_images[:, :, ::-1])
-    e_test, e_test_m = embed(net, test_images), embed(net, test_images[:, :, ::-1])
+    e_train, e_train_m, e_test, e_test_m = embeddings(out, train_images, test_images)
     k_max = max(MARGIN_KS)
     test_sims, test_index, test_mirrored = top_k(e_test, e_test_m, e_train, k=k_max)
     train_sims, _, _ = top_k(e_train, e_train_m, e_train, k=k_max, exclude_self=True)

@@ -86,6 +86,24 @@ def test_dedup_report_matched_test_indices(tmp_path):
     assert dc.dedup_matched(str(path)) == {3, 8}
 
 
+def test_recall_of_a_report_counts_all_decisions_and_the_pixel_checks_alone(tmp_path, capsys):
+    labels = tmp_path / "labels.csv"
+    with open(labels, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["rank", "test_index", "train_index", "label", "note"])
+        w.writeheader()
+        w.writerows(_labels([(0, "dup"), (1, "dup"), (2, "diff"), (3, "dup"), (10, "dup"), (20, "diff")]))
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"removed": [
+        {"private_split": "test", "private_index": 100, "decided_by": "grid"},
+        {"private_split": "test", "private_index": 101, "decided_by": "copy"},
+        {"private_split": "test", "private_index": 110, "decided_by": "refined"}]}))
+    dc.main(["recall", str(labels), str(report), "--judged-until", "4", "--total", "30"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["all decisions"]["clear_found"] == 2 and out["all decisions"]["tail_dups_found"] == 1
+    assert out["grid + refined only"]["clear_found"] == 1
+    assert out["all decisions"]["recall_on_clear"] == pytest.approx(2 / 3)
+
+
 def test_a_judged_sample_extrapolates_to_its_population():
     rows = _labels([(0, "dup"), (1, "dup"), (2, "dup"), (3, "diff")])
     out = dc.judged_sample(rows, 100)

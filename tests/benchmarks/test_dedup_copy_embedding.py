@@ -164,25 +164,6 @@ def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsy
     assert "expected k:beta:allowance" in capsys.readouterr().err
 
 
-def test_top_k_takes_each_reference_at_the_better_mirror_state_and_can_exclude_itself():
-    ref = np.eye(4, dtype=np.float32)
-    queries = np.array([[1, 0, 0, 0], [0, 0.6, 0.8, 0]], np.float32)
-    mirror = np.array([[0, 0, 0, 1], [0, 0.8, 0.6, 0]], np.float32)
-    sims, index, mirrored = ce.top_k(queries, mirror, ref, k=3, block=1)
-    assert index[0, :2].tolist() in ([0, 3], [3, 0]) and sims[0, 0] == sims[0, 1] == 1.0
-    assert set(index[1, :2].tolist()) == {1, 2} and index[1, 2] in (0, 3)  # 0 and 3 tie at 0
-    np.testing.assert_allclose(sims[1], [0.8, 0.8, 0.0])
-    assert mirrored[1, index[1].tolist().index(1)] and not mirrored[1, index[1].tolist().index(2)]
-    sims, index, _ = ce.top_k(ref, ref, ref, k=2, exclude_self=True)
-    assert (index != np.arange(4)[:, None]).all() and (sims == 0.0).all()
-
-
-def test_normalised_scores_lower_a_pair_in_a_crowded_neighbourhood():
-    score = ce.normalised(np.array([0.9, 0.9]), np.array([0.2, 0.8]), np.array([0.2, 0.8]), beta=1.0)
-    np.testing.assert_allclose(score, [0.7, 0.1])
-    np.testing.assert_allclose(ce.normalised(np.array([0.9]), np.array([0.8]), np.array([0.8]), 0.0), [0.9])
-
-
 def test_best_allowed_adds_at_most_the_allowed_look_alikes():
     labels = np.array(["dup", "dup", "diff", "dup", "diff", "unsure", "diff"])
     score = np.array([0.99, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6])
