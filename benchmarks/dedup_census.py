@@ -311,10 +311,13 @@ def check_against_ranking(labels: Sequence[dict], ranking: Sequence[dict]) -> No
 
 
 def dedup_matched(report_path: str, decided_by: Sequence[str] | None = None) -> set[int]:
-    """Test indices a ``dpscale dedup`` report says have a public twin (only by the decisions
-    ``decided_by`` if given: "grid", "refined", "copy")."""
+    """Test indices a ``dpscale dedup`` report says have a public twin removed: every private
+    image with an accepted pair (reports since ``private_matched``), or, by the decisions
+    ``decided_by`` ("grid", "refined", "copy"), those credited with a removed pair."""
     with open(report_path) as handle:
         report = json.load(handle)
+    if decided_by is None and "private_matched" in report:  # also those whose twin is credited to another
+        return {p["index"] for p in report["private_matched"] if p["split"] == "test"}
     return {p["private_index"] for p in report["removed"] if p["private_split"] == "test"
             and (decided_by is None or p["decided_by"] in decided_by)}
 

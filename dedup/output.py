@@ -95,10 +95,12 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
                   num_expanded: int, method: Method,
                   num_public: int, num_private: int, public_splits: Sequence[str],
                   private_splits: Sequence[str], copy_near: Sequence[Match] = (),
-                  copy_model: dict[str, Any] | None = None) -> Manifest:
+                  copy_model: dict[str, Any] | None = None,
+                  matched_private: Sequence[tuple[str, int]] | None = None) -> Manifest:
     """Report first, manifest last (a manifest means complete); refuse a lossy run.
 
-    ``described`` counts the images whose descriptors were written per side;
+    ``matched_private``: every (split, index) of a private image with an accepted pair (None:
+    those of the removed pairs); ``described`` counts the images whose descriptors were written per side;
     ``num_verified`` + ``num_skipped`` (pages left unverified: not crowded) must be every
     candidate the search kept: a runner that lost elements anywhere (and would silently
     remove nothing) is caught here.
@@ -114,6 +116,11 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
     pairs = [_pair(by_public[(r["split"], r["index"])], public, private)
              for r in sorted(removed, key=lambda r: (r["split"], r["index"]))]
     near_sorted = sorted(near, key=lambda m: (m.fine_distance, m.candidate.public_index))
+    credited = {(p["private_split"], p["private_index"]) for p in pairs}
+    private_matched = sorted(credited if matched_private is None else set(matched_private))
+    if not credited <= set(private_matched):
+        raise RuntimeError("dedup: a removed pair's private image is missing from the matched private images; "
+                           "the runner lost data, no manifest written")
     manifest = shards.build_manifest(
         summaries, source=f"dedup:{public.manifest.source}",
         class_names=public.class_names, image_shape=public.image_shape, rejections=[],
@@ -147,7 +154,8 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         "num_candidate_pairs": num_candidates, "num_verified_pairs": num_verified,
         "num_private_expanded": num_expanded,
         "num_removed": len(pairs), "num_kept": kept,
-        "num_private_matched": len({(p["private_split"], p["private_index"]) for p in pairs}),
+        "num_private_matched": len(private_matched),
+        "private_matched": [{"split": s, "index": i} for s, i in private_matched],
         "removed_by_split": removed_by_split, "removed": pairs,
         "near_threshold_rejected": [_pair(m, public, private)
                                     for m in near_sorted[:NEAR_LISTED]],

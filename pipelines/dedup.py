@@ -202,6 +202,12 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings, copy: CopyOutcome | 
         copied = pipeline | "CopyMatches" >> beam.Create(
             [((m.candidate.public_split, m.candidate.public_index), m) for m in copy.accepted])
         accepted = (accepted, copied) | "WithCopyMatches" >> beam.Flatten()
+    # every private image with an accepted pair, also when its public twin is credited to
+    # another private image (closest() keeps one per public image)
+    matched_private = (accepted
+                       | "PrivateOfPair" >> beam.Map(lambda kv: (kv[1].candidate.private_split,
+                                                                 kv[1].candidate.private_index))
+                       | "DistinctPrivate" >> beam.Distinct())
     closest = (accepted
                | "ClosestPrivate" >> beam.CombinePerKey(join.closest)
                | "ByShard" >> beam.Map(lambda kv: ((kv[1].candidate.public_split,
@@ -220,6 +226,7 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings, copy: CopyOutcome | 
              summaries=beam.pvalue.AsList(written.summaries),
              removed=beam.pvalue.AsList(written.removed),
              matches=beam.pvalue.AsList(closest | "Matches" >> beam.Values()),
+             matched_private=beam.pvalue.AsList(matched_private),
              near=beam.pvalue.AsList(verified.near),
              described=beam.pvalue.AsDict(described_count),
              num_candidates=beam.pvalue.AsSingleton(num_candidates),

@@ -355,6 +355,41 @@ def test_a_photo_held_many_times_in_public_is_removed_every_time(tmp_path):
     assert len(pairs) == 11 and res.report["num_private_expanded"] == 0
 
 
+def test_a_private_image_whose_twin_is_credited_to_another_still_counts_as_matched(tmp_path):
+    """Two private images hold the same photo; its one public copy is listed once, both match."""
+    root = tmp_path / "src"
+    photo = smooth_image(6000)
+    _save(root, "test", "a", "p0", photo)
+    _save(root, "test", "a", "p1", PLANTED["jpeg"](photo))
+    _save(root, "test", "a", "p2", smooth_image(6001))
+    _save(root, "train", "a", "copy", PLANTED["shift_colour"](photo))
+    for j in range(6):
+        _save(root, "train", "a", f"other{j}", smooth_image(7000 + j))
+    both = _ingest(root, tmp_path / "both")
+    res = stage.run(stage.DedupConfig(both, both, str(tmp_path / "out"), public_splits=("train",),
+                                      private_splits=("test",), pipeline_args=FAST))
+    assert [p["public_key"] for p in res.report["removed"]] == ["train/a/copy.png"]
+    assert res.report["num_private_matched"] == 2
+    keys = {ex.key for p in res.report["private_matched"]
+            for ex in IngestedDataset(both).examples("test", [p["index"]])}
+    assert keys == {"test/a/p0.png", "test/a/p1.png"}
+
+
+def test_a_removed_pair_missing_from_the_matched_private_images_is_refused(data, tmp_path):
+    from dpscale.dedup.join import Candidate, Match
+    from dpscale.dedup.method import Method
+
+    public, private, _, _ = data
+    match = Match(Candidate("train", 0, 0, "test", 1, 0, 0.9), 0.01, 0.01, True)
+    removed = [{"split": "train", "index": 0, "id": "x", "key": "k"}]
+    with pytest.raises(RuntimeError, match="matched private images"):
+        output.write_outputs(None, public_path=public, private_path=private, output_dir=str(tmp_path),
+                             summaries=[], removed=removed, matches=[match], near=[],
+                             described={"public": 30, "private": 8}, num_candidates=0, num_verified=0,
+                             num_skipped=0, num_expanded=0, method=Method(), num_public=30, num_private=8,
+                             public_splits=["train"], private_splits=["test"], matched_private=[("test", 2)])
+
+
 @pytest.fixture(scope="module")
 def copy_models(data):
     """Tiny copy models (1 step): on the public data, and, wrongly, on the private data."""
