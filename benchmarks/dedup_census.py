@@ -329,7 +329,7 @@ def recall(labels_path: str, report_path: str, *, judged_until: int, strata: Seq
     keys = ("matched", "clear_found", "recall_on_clear", "tail_dups_sampled", "tail_dups_found",
             "recall_with_tail_estimate")
     out = {}
-    for name, decided_by in (("all decisions", None), ("grid + refined only", ("grid", "refined"))):
+    for name, decided_by in (("all decisions", None), ("credited to grid + refined (removed pairs)", ("grid", "refined"))):
         counted = census(labels, judged_until=judged_until, total=total, strata=strata,
                          matched=dedup_matched(report_path, decided_by))
         out[name] = {key: counted["dedup"][key] for key in keys} if "dedup" in counted else {"matched": 0}

@@ -100,7 +100,7 @@ def test_recall_of_a_report_counts_all_decisions_and_the_pixel_checks_alone(tmp_
     dc.main(["recall", str(labels), str(report), "--judged-until", "4", "--total", "30"])
     out = json.loads(capsys.readouterr().out)
     assert out["all decisions"]["clear_found"] == 2 and out["all decisions"]["tail_dups_found"] == 1
-    assert out["grid + refined only"]["clear_found"] == 1
+    assert out["credited to grid + refined (removed pairs)"]["clear_found"] == 1
     assert out["all decisions"]["recall_on_clear"] == pytest.approx(2 / 3)
 
 
