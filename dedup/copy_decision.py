@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -73,15 +74,28 @@ def check_model(info: dict, model_dir: str, public: IngestedDataset, public_spli
                     trained.get("path"), ",".join(trained.get("splits", ())))
 
 
-def decide(public: IngestedDataset, public_splits: Sequence[str], private: IngestedDataset,
-           private_splits: Sequence[str], model_dir: str, settings: copy_score.CopySettings, *,
-           show_progress: bool = True) -> CopyOutcome:
-    """Every (public, private) pair the copy decision accepts, and the near-cut rejections."""
+@dataclasses.dataclass(frozen=True)
+class CopyModel:
+    params: Any
+    info: dict  # what it was trained on, plus where it lies ("path")
+
+
+def open_model(model_dir: str, public: IngestedDataset, public_splits: Sequence[str],
+               private: IngestedDataset, private_splits: Sequence[str]) -> CopyModel:
+    """Load and check a copy model before any work starts: a bad model fails in a second."""
     try:
         params, info = copy_model.load(model_dir)
     except ValueError as exc:
         raise DataError(str(exc)) from None
     check_model(info, model_dir, public, public_splits, private, private_splits)
+    return CopyModel(params, {"path": model_dir, **info})
+
+
+def decide(public: IngestedDataset, public_splits: Sequence[str], private: IngestedDataset,
+           private_splits: Sequence[str], model: CopyModel, settings: copy_score.CopySettings, *,
+           show_progress: bool = True) -> CopyOutcome:
+    """Every (public, private) pair the copy decision accepts, and the near-cut rejections."""
+    params = model.params
     pub, pub_m, pub_where = _embed(public, public_splits, params, "copy: embed public", show_progress)
     priv, priv_m, priv_where = _embed(private, private_splits, params, "copy: embed private", show_progress)
     try:
@@ -104,4 +118,4 @@ def decide(public: IngestedDataset, public_splits: Sequence[str], private: Inges
     nearest = below[np.argsort(-pairs.best_score[below], kind="stable")[:NEAR_LISTED]]
     near = tuple(match(int(r), int(pairs.best_public[r]), bool(pairs.best_mirrored[r]), pairs.best_cosine[r],
                        pairs.best_score[r], False) for r in nearest)
-    return CopyOutcome(accepted, near, {"path": model_dir, **info})
+    return CopyOutcome(accepted, near, model.info)

@@ -135,13 +135,14 @@ def run(config: DedupConfig) -> DedupResult:
     tasks = (read_tasks(public, PUBLIC, config.examples_per_task, public_splits)
              + read_tasks(private, PRIVATE, config.examples_per_task, private_splits))
     pairs = knn_tasks(tasks)
-    copy = None
-    if config.method.copy is not None:
+    copy_model = None
+    if config.copy_model is not None:
         from dpscale.dedup import copy_decision
 
-        copy = copy_decision.decide(public, public_splits, private, private_splits, config.copy_model,
-                                    config.method.copy)
+        copy_model = copy_decision.open_model(config.copy_model, public, public_splits, private, private_splits)
     shards.prepare_output(config.output_dir, overwrite=config.overwrite, extra_files=(REPORT,))
+    copy = None if copy_model is None else copy_decision.decide(
+        public, public_splits, private, private_splits, copy_model, config.method.copy)
     work_dir = shards.join(config.output_dir, WORK)
     _remove_work(work_dir)
     if shards.is_local(work_dir):

@@ -440,3 +440,17 @@ def test_a_copy_model_of_the_private_data_or_none_at_all_is_refused(data, copy_m
     bad = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "o2"), "--copy-model",
                                    str(tmp_path / "nothing")])
     assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "holds no copy model" in bad.output
+
+
+def test_an_existing_output_is_refused_before_the_copy_decision_runs(data, result, copy_models, monkeypatch):
+    from dpscale.dedup import copy_decision
+
+    public, private, _, root = data
+
+    def never(*args, **kwargs):
+        raise AssertionError("the copy decision ran before the output was checked")
+
+    monkeypatch.setattr(copy_decision, "decide", never)
+    with pytest.raises(DataError, match="overwrite"):
+        stage.run(stage.DedupConfig(public, private, str(root / "out"), copy_model=copy_models["public"],
+                                    pipeline_args=FAST))
