@@ -334,7 +334,7 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
               help="Public splits to train on (default: all). Never the private data.")
 @click.option("--epochs", type=COUNT, default=6, show_default=True)
 @click.option("--batch", type=ints(2), default=256, show_default=True, help="Images per contrastive batch.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the initialisation, the batches and the copy edits.")
 @click.option("--overwrite", is_flag=True, help="Replace a copy model already in OUTPUT.")
 def train_copy_model(public: str, output: str, splits: tuple[str, ...], epochs: int, batch: int, seed: int,
                      overwrite: bool) -> None:
