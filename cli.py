@@ -349,6 +349,9 @@ def train_copy_model(public: str, output: str, splits: tuple[str, ...], epochs: 
     _show_stage_progress(stage.log)
     result = stage.run(stage.TrainCopyModelConfig(public, output, splits=splits, epochs=epochs, batch=batch,
                                                   seed=seed, overwrite=overwrite))
+    trained_on = f"{public} ({','.join(result.info['public']['splits'])})"
+    _note(f"the copy model is derived from {trained_on}: it is public data only if those images are; "
+          "never train it on private data")
     _note(f"wrote {result.output_dir} in {result.info['seconds']:.1f} s (final loss {result.info['final_loss']})")
     _print_json_line({"output_dir": result.output_dir, "seconds": result.info["seconds"],
                       "final_loss": result.info["final_loss"]})

@@ -54,6 +54,14 @@ def test_too_few_images_and_bad_settings_are_clear_errors(public, tmp_path):
         stage.TrainCopyModelConfig(public, str(tmp_path / "m"), epochs=0)
 
 
+def test_cli_says_what_the_model_is_derived_from(public, tmp_path):
+    result = CliRunner().invoke(cli, ["train-copy-model", public, str(tmp_path / "m"), "--splits", "train",
+                                      "--epochs", "1", "--batch", "4"])
+    assert result.exit_code == 0, result.output
+    assert "derived from" in result.output and "(train)" in result.output and "never train it on private" in result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["output_dir"] == str(tmp_path / "m")
+
+
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     result = CliRunner().invoke(cli, ["train-copy-model", str(tmp_path / "missing"), str(tmp_path / "m")])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
