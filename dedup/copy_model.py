@@ -55,16 +55,28 @@ class CopyEmbedding(nn.Module):
         return z / jnp.maximum(jnp.linalg.norm(z, axis=1, keepdims=True), 1e-12)
 
 
+def thumbnails(images: np.ndarray, *, chunk: int = 2048) -> np.ndarray:
+    """uint8 [n, H, W, C] -> uint8 [n, RESOLUTION, RESOLUTION, 3] (grey repeated to three channels),
+    resized a chunk at a time, so large images never sit in memory as floats all at once."""
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.shape[1:] == (RESOLUTION, RESOLUTION, 3):
+        return images
+    out = np.empty((len(images), RESOLUTION, RESOLUTION, 3), np.uint8)
+    for lo in range(0, len(images), chunk):
+        x = images[lo:lo + chunk].astype(np.float32)
+        if x.shape[-1] == 1:
+            x = np.repeat(x, 3, axis=-1)
+        if x.shape[1:3] != (RESOLUTION, RESOLUTION):
+            x = np.asarray(jax.image.resize(x, (len(x), RESOLUTION, RESOLUTION, 3), "linear", antialias=True))
+        out[lo:lo + chunk] = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+    return out
+
+
 def as_input(images: np.ndarray) -> np.ndarray:
     """uint8 [n, H, W, C] -> float32 [n, RESOLUTION, RESOLUTION, 3] in [0, 1]."""
-    x = np.asarray(images, np.float32) / 255.0
-    if x.ndim == 3:
-        x = x[..., None]
-    if x.shape[-1] == 1:
-        x = np.repeat(x, 3, axis=-1)
-    if x.shape[1:3] != (RESOLUTION, RESOLUTION):
-        x = np.asarray(jax.image.resize(x, (len(x), RESOLUTION, RESOLUTION, 3), "linear", antialias=True))
-    return x
+    return thumbnails(images).astype(np.float32) / 255.0
 
 
 def _uniform(key: jax.Array, lo: float, hi: float, shape: tuple[int, ...] = ()) -> jax.Array:
@@ -143,7 +155,7 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
     it (every random draw is derived from the seed, the epoch and the step, so a resumed run
     gives the same model as an uninterrupted one).
     """
-    x = as_input(images)
+    x = thumbnails(images)  # uint8: 3 KB per image; a batch becomes floats only when it is used
     per_epoch = len(x) // settings.batch
     if per_epoch == 0:
         raise ValueError(f"{len(x)} public images are fewer than one batch of {settings.batch}")
@@ -169,7 +181,7 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
         updates, state = optimiser.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    identity = {"images": len(x), "digest": _digest(images), **dataclasses.asdict(settings)}
+    identity = {"images": len(x), "digest": _digest(x), **dataclasses.asdict(settings)}
     first_epoch, losses = 0, []
     partial = None if work_dir is None else os.path.join(work_dir, PARTIAL)
     if partial is not None and os.path.isfile(partial):
@@ -186,7 +198,8 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
     for epoch in range(first_epoch, settings.epochs):
         order = np.random.default_rng((settings.seed, epoch)).permutation(len(x))
         for i in range(per_epoch):
-            params, state, loss = step(params, state, x[order[i * settings.batch:(i + 1) * settings.batch]],
+            batch = x[order[i * settings.batch:(i + 1) * settings.batch]].astype(np.float32) / 255.0
+            params, state, loss = step(params, state, batch,
                                        jax.random.fold_in(root, done))
             done += 1
             losses.append(float(loss))

@@ -4,7 +4,9 @@
 ``dedup.copy_model`` on them (no labels, no private data: the weights are public data) and
 writes the model with what it was trained on (dataset path and content hash, splits,
 settings, time). Train once per public set; every dedup of a private set against it reuses
-the model. An interrupted run resumes from its last finished epoch.
+the model. An interrupted run resumes from its last finished epoch. The training images are
+held as 32x32 thumbnails (3 KB each): a few hundred thousand public images fit in memory;
+a billion-image public set would be sampled or streamed (not built).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dpscale.progress import progress_bar
 
 log = logging.getLogger(__name__)
 WORK = "_train_work"  # the last finished epoch of an interrupted run, inside the output directory
+READ_CHUNK = 5_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,9 @@ def run(config: TrainCopyModelConfig) -> TrainCopyModelResult:
         raise DataError(f"{config.public!r} ({','.join(splits)}) holds {sum(sizes)} images, fewer than "
                         f"one training batch of {config.batch}; lower --batch")
     start = time.perf_counter()
-    images = np.concatenate([np.asarray(public.get(s, np.arange(n))[0]) for s, n in zip(splits, sizes)])
+    # read and shrink a chunk at a time: only 32x32 thumbnails (3 KB each) are held for training
+    images = np.concatenate([copy_model.thumbnails(public.get(s, np.arange(lo, min(n, lo + READ_CHUNK)))[0])
+                             for s, n in zip(splits, sizes) for lo in range(0, n, READ_CHUNK)])
     work = os.path.join(config.output_dir, WORK)
     os.makedirs(work, exist_ok=True)
     log.info("train-copy-model: %d public images (%s), %d epochs", len(images), ",".join(splits), config.epochs)

@@ -89,3 +89,13 @@ def test_too_few_images_or_bad_settings_are_refused(images):
         cm.train(images[:8], SMALL)
     with pytest.raises(ValueError):
         cm.TrainSettings(epochs=0)
+
+
+def test_thumbnails_shrink_large_and_grey_images_chunk_by_chunk():
+    big = np.zeros((5, 64, 48, 1), np.uint8)
+    big[:, :32] = 200
+    t = cm.thumbnails(big, chunk=2)
+    assert t.shape == (5, cm.RESOLUTION, cm.RESOLUTION, 3) and t.dtype == np.uint8
+    assert (t[:, :14] == 200).all() and (t[:, 18:] == 0).all() and (t[..., 0] == t[..., 2]).all()
+    same = np.arange(2 * 32 * 32 * 3, dtype=np.uint8).reshape(2, 32, 32, 3)
+    assert cm.thumbnails(same) is same or np.array_equal(cm.thumbnails(same), same)
