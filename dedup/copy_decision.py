@@ -23,6 +23,7 @@ import numpy as np
 from dpscale.data.dataset import IngestedDataset
 from dpscale.dedup import copy_model, copy_score, descriptor
 from dpscale.dedup.join import Candidate, Match
+from dpscale.dedup.planning import shard_ranges
 from dpscale.errors import DataError
 from dpscale.progress import progress_bar
 
@@ -51,11 +52,6 @@ def _embed(dataset: IngestedDataset, splits: Sequence[str], params: object, labe
                 where += [(split, i) for i in range(lo, lo + len(images))]
                 bar.advance(len(images))
     return np.concatenate(plain), np.concatenate(mirrored), where
-
-
-def _shard_of(dataset: IngestedDataset, split: str, index: int) -> int:
-    ends = np.cumsum([e.num_examples for e in dataset.manifest.splits[split].shards])
-    return int(np.searchsorted(ends, index, side="right"))
 
 
 def check_model(info: dict, model_dir: str, public: IngestedDataset, public_splits: Sequence[str],
@@ -102,13 +98,14 @@ def decide(public: IngestedDataset, public_splits: Sequence[str], private: Inges
         pairs = copy_score.decide(pub, pub_m, priv, priv_m, settings, show_progress=show_progress)
     except ValueError as exc:
         raise DataError(str(exc)) from None
-    shards: dict[tuple[str, int], int] = {}
+    shard_starts: dict[str, list[int]] = {}  # per split, the first index of each shard, in order
+    for (split, _), (start, _, _) in sorted(shard_ranges(public, public_splits).items()):
+        shard_starts.setdefault(split, []).append(start)
 
     def match(row: int, col: int, mirrored: bool, cosine: float, score: float, accepted: bool) -> Match:
         split, index = pub_where[col]
-        if (split, index) not in shards:
-            shards[(split, index)] = _shard_of(public, split, index)
-        candidate = Candidate(split, index, shards[(split, index)], *priv_where[row],
+        shard = int(np.searchsorted(shard_starts[split], index, side="right")) - 1
+        candidate = Candidate(split, index, shard, *priv_where[row],
                               view=len(descriptor.VIEWS) if mirrored else 0, similarity=round(float(cosine), 5))
         return Match(candidate, float("inf"), float("inf"), accepted, copy_score=round(float(score), 5))
 

@@ -228,10 +228,11 @@ def _digest(images: np.ndarray) -> str:
     return h.hexdigest()[:16]
 
 
+_apply = jax.jit(CopyEmbedding().apply)  # one jitted function: every embed call reuses its compilations
+
+
 def embed(params: Any, images: np.ndarray, *, mirrored: bool = False, batch: int = 1024) -> np.ndarray:
     """Unit embeddings float32 [n, dim] of uint8 images (mirrored left-right first if asked)."""
-    model = CopyEmbedding()
-    apply = jax.jit(model.apply)
     out = []
     for lo in range(0, len(images), batch):
         chunk = as_input(images[lo:lo + batch])
@@ -240,7 +241,7 @@ def embed(params: Any, images: np.ndarray, *, mirrored: bool = False, batch: int
         n = len(chunk)
         if n < batch and lo > 0:  # keep one compiled shape for the last partial batch
             chunk = np.concatenate([chunk, np.zeros((batch - n, *chunk.shape[1:]), chunk.dtype)])
-        out.append(np.asarray(apply(params, chunk))[:n])
+        out.append(np.asarray(_apply(params, chunk))[:n])
     return np.concatenate(out) if out else np.zeros((0, CopyEmbedding.dim), np.float32)
 
 

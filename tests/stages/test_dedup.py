@@ -454,3 +454,17 @@ def test_an_existing_output_is_refused_before_the_copy_decision_runs(data, resul
     with pytest.raises(DataError, match="overwrite"):
         stage.run(stage.DedupConfig(public, private, str(root / "out"), copy_model=copy_models["public"],
                                     pipeline_args=FAST))
+
+
+def test_the_copy_decision_maps_pairs_to_the_right_public_shard(data, copy_models, tmp_path):
+    """A public set in shards of 7: every copy pair must land in its own shard's filter."""
+    _, private, _, root = data
+    sharded = str(tmp_path / "public7")
+    ingest(IngestConfig(f"folder:{root / 'public_src'}", sharded, examples_per_shard=7, pipeline_args=FAST))
+    assert len(IngestedDataset(sharded).manifest.splits["train"].shards) == 5
+    res = stage.run(stage.DedupConfig(sharded, private, str(tmp_path / "out"), copy_model=copy_models["public"],
+                                      copy_cut=-1.9, pipeline_args=FAST))
+    copied = [p for p in res.report["removed"] if p["decided_by"] == "copy"]
+    assert len(copied) >= 14 and res.num_kept + res.num_removed == 30
+    kept = IngestedDataset(str(tmp_path / "out"))
+    assert kept.num_examples("train") == res.num_kept
