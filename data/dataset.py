@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dpscale.data import shards
-from dpscale.data.examples import Example, decode_record, record_label
+from dpscale.data.examples import Example, decode_record, record_digest, record_label
 from dpscale.data.manifest import Manifest, SplitEntry
 from dpscale.errors import DataError
 
@@ -110,6 +110,17 @@ class IngestedDataset:
         n = self.num_examples(split)
         return np.array([record_label(r) for r in self.records(split, range(n))],
                         dtype=np.int32)
+
+    def ids(self, split: str, *, chunk: int = 10_000) -> np.ndarray:
+        """Every example id of a split as uint64 (the first 8 bytes of its sha256), in index
+        order; parses only the headers, ``chunk`` records at a time. The id depends on the
+        pixels only, not on the split, label or path: a re-ingested image keeps it."""
+        n = self.num_examples(split)
+        out = np.empty(n, np.uint64)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            out[lo:hi] = [int.from_bytes(record_digest(r)[:8], "big") for r in self.records(split, range(lo, hi))]
+        return out
 
     def close(self) -> None:
         for source in self._sources.values():

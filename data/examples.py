@@ -262,3 +262,8 @@ def decode_record(record: bytes, *, split: str = "") -> Example:
 def record_label(record: bytes) -> int:
     """The label of a record without touching its pixels (cheap, for label-only reads)."""
     return _HEADER.unpack_from(record)[6]
+
+
+def record_digest(record: bytes) -> bytes:
+    """The example id (sha256 of the decoded image) of a record without touching its pixels."""
+    return _HEADER.unpack_from(record)[7]

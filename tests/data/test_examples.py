@@ -92,7 +92,7 @@ def test_record_round_trip(encoding, shape):
     back = ex.decode_record(record, split="train")
     np.testing.assert_array_equal(back.image, e.image)
     assert (back.label, back.key, back.digest) == (7, e.key, e.digest)
-    assert ex.record_label(record) == 7
+    assert ex.record_label(record) == 7 and ex.record_digest(record) == e.digest
 
 
 def test_decode_record_rejects_foreign_bytes():

@@ -53,6 +53,10 @@ def test_manifest_written_only_when_every_input_is_accounted_for(tmp_path):
     images, labels = ds.get("train", [0, 1, 2, 3])
     assert sorted(int(x) for x in images[:, 0, 0, 0]) == [0, 1, 2, 3]
     assert list(labels) == [int(x) % 2 for x in images[:, 0, 0, 0]]
+    # example ids: read from the headers in index order, in chunks, the pixels' hash whatever the split or label
+    ids = ds.ids("train", chunk=3)
+    assert ids.dtype == np.uint64 and list(ids) == [
+        int.from_bytes(content_digest(images[i])[:8], "big") for i in range(4)]
 
 
 def test_wrong_shape_examples_are_returned_as_rejections(tmp_path):
