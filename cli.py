@@ -287,8 +287,9 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Also remove the pairs a learned copy model accepts (a directory of "
                    "`dpscale train-copy-model` on the PUBLIC data): more real duplicates found, "
                    "some look-alikes removed with them.")
-@click.option("--copy-cut", type=floats(-2, 2, min_open=True, max_open=True), default=CopySettings.cut, show_default=True,
-              help="With --copy-model: the normalised copy score a pair needs; lower finds more.")
+@click.option("--copy-cut", type=floats(-2, 2, min_open=True, max_open=True), default=None,
+              help=f"With --copy-model: the normalised copy score a pair needs; lower finds more. "
+                   f"[default: {CopySettings.cut}]")
 @click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
               help="Only these splits of PUBLIC (default: all).")
 @click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
@@ -298,7 +299,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(public: str, private: str, output: str, threshold: float, k: int,
           min_similarity: float, max_pages: int, crowded_fraction: float, refine: bool,
-          copy_model: str | None, copy_cut: float, public_splits: tuple[str, ...],
+          copy_model: str | None, copy_cut: float | None, public_splits: tuple[str, ...],
           private_splits: tuple[str, ...], overwrite: bool, verbose: bool,
           pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.

@@ -210,7 +210,7 @@ def embeddings(out: str, public: np.ndarray, private: np.ndarray) -> tuple[np.nd
     from dpscale.dedup import copy_model
 
     if os.path.isfile(os.path.join(out, copy_model.WEIGHTS)):
-        params, _ = copy_model.load(out)
+        params = copy_model.load(out).params
         return tuple(copy_model.embed(params, x, mirrored=m) for x in (public, private) for m in (False, True))
     net = load(out)
     return tuple(embed(net, x[:, :, ::-1] if m else x) for x in (public, private) for m in (False, True))

@@ -47,44 +47,66 @@ def _embed(dataset: IngestedDataset, splits: Sequence[str], params: object, labe
         for split, n in sizes.items():
             for lo in range(0, n, CHUNK):
                 images = np.asarray(dataset.get(split, np.arange(lo, min(n, lo + CHUNK)))[0])
-                plain.append(copy_model.embed(params, images))
-                mirrored.append(copy_model.embed(params, images, mirrored=True))
+                for out, flip in ((plain, False), (mirrored, True)):
+                    out.append(copy_model.embed(params, images, mirrored=flip))
+                    if not np.isfinite(out[-1]).all():
+                        raise DataError(f"the copy model gives non-finite embeddings for {split} images "
+                                        f"{lo}-{lo + len(images) - 1}: its weights are unusable; train it again")
                 where += [(split, i) for i in range(lo, lo + len(images))]
                 bar.advance(len(images))
     return np.concatenate(plain), np.concatenate(mirrored), where
 
 
-def check_model(info: dict, model_dir: str, public: IngestedDataset, public_splits: Sequence[str],
+def _ids(dataset: IngestedDataset, splits: Sequence[str]) -> np.ndarray:
+    return np.unique(np.concatenate([dataset.ids(s) for s in splits] or [np.zeros(0, np.uint64)]))
+
+
+def check_model(saved: copy_model.SavedModel, model_dir: str, public: IngestedDataset, public_splits: Sequence[str],
                 private: IngestedDataset, private_splits: Sequence[str]) -> None:
-    """Refuse a model trained on the private images (its weights would describe them); warn
-    when it was trained on other public data than this run's (the cut was measured for a
-    model trained on the public set it deduplicates)."""
-    trained = info.get("public", {})
-    if trained.get("content_hash") == private.content_hash and set(trained.get("splits", ())) & set(private_splits):
-        raise DataError(f"copy model {model_dir!r} was trained on the private data (splits "
-                        f"{','.join(sorted(set(trained['splits']) & set(private_splits)))}); train it on the "
-                        "public splits only: dpscale train-copy-model PUBLIC DIR --splits ...")
-    if trained.get("content_hash") != public.content_hash or set(trained.get("splits", ())) != set(public_splits):
-        log.warning("copy model %s was trained on %s (%s), not on this run's public data: its "
-                    "cut was measured for a model of the public set it deduplicates", model_dir,
+    """Refuse a model trained on private images: its weights would describe them, and it would
+    score its own training images. Images are compared by example id (the pixels' hash), so a
+    private image re-ingested under another path, split or label is still recognised. A training
+    image that is also in this run's public data is allowed even when it equals a private one:
+    dedup removes exactly those public images. Warn when the model was trained on other
+    images than this run's public ones (the cut was measured for a model of the public set it
+    deduplicates)."""
+    public_ids, private_ids = _ids(public, public_splits), _ids(private, private_splits)
+    seen_private = np.setdiff1d(np.intersect1d(saved.trained_on, private_ids, assume_unique=True), public_ids,
+                                assume_unique=True)
+    if seen_private.size:
+        raise DataError(f"copy model {model_dir!r} was trained on {seen_private.size} of the private images: its "
+                        "weights describe private data; train it on the public images only: "
+                        "dpscale train-copy-model PUBLIC DIR --splits ...")
+    others = np.setdiff1d(saved.trained_on, public_ids, assume_unique=True).size
+    if others:
+        trained = saved.info.get("public", {})
+        log.warning("copy model %s was trained on %d images that are not in this run's public data (%s, %s): "
+                    "its cut was measured for a model of the public set it deduplicates", model_dir, others,
                     trained.get("path"), ",".join(trained.get("splits", ())))
 
 
 @dataclasses.dataclass(frozen=True)
 class CopyModel:
     params: Any
-    info: dict  # what it was trained on, plus where it lies ("path")
+    info: dict  # what it was trained on, plus where it lies ("path") and its weights' hash
 
 
 def open_model(model_dir: str, public: IngestedDataset, public_splits: Sequence[str],
                private: IngestedDataset, private_splits: Sequence[str]) -> CopyModel:
-    """Load and check a copy model before any work starts: a bad model fails in a second."""
+    """Load and check a copy model, and the data it is to score, before any work starts: a
+    bad model or an unusable input fails in seconds, before the output is touched."""
     try:
-        params, info = copy_model.load(model_dir)
+        saved = copy_model.load(model_dir)
     except ValueError as exc:
         raise DataError(str(exc)) from None
-    check_model(info, model_dir, public, public_splits, private, private_splits)
-    return CopyModel(params, {"path": model_dir, **info})
+    if sum(public.num_examples(s) for s in public_splits) < 2:
+        raise DataError("the copy decision needs at least two public images (one as background)")
+    if not sum(private.num_examples(s) for s in private_splits):
+        raise DataError("the private splits hold no images: nothing for the copy decision to look for")
+    check_model(saved, model_dir, public, public_splits, private, private_splits)
+    info = {key: value for key, value in saved.info.items() if key != "sha256"}
+    return CopyModel(saved.params, {"path": model_dir, **info,
+                                    "weights_sha256": saved.info["sha256"][copy_model.WEIGHTS]})
 
 
 def decide(public: IngestedDataset, public_splits: Sequence[str], private: IngestedDataset,

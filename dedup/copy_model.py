@@ -17,7 +17,10 @@ embeddings; the pieces it uses (flax, optax) are.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +32,12 @@ import optax
 from flax import linen as nn
 from flax import serialization
 
+log = logging.getLogger(__name__)
 RESOLUTION = 32
 WEIGHTS = "copy_model.msgpack"
+TRAINED_ON = "copy_model_trained_on.npy"  # the example ids (uint64) of every image it was trained on
 INFO = "copy_model.json"
-FORMAT = 1
+FORMAT = 2  # 2: the training images' ids and the files' hashes are saved with the weights
 
 
 class CopyEmbedding(nn.Module):
@@ -181,17 +186,13 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
         updates, state = optimiser.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    identity = {"images": len(x), "digest": _digest(x), **dataclasses.asdict(settings)}
+    identity = {"format": FORMAT, "images": len(x), "digest": _digest(x), **dataclasses.asdict(settings)}
     first_epoch, losses = 0, []
     partial = None if work_dir is None else os.path.join(work_dir, PARTIAL)
     if partial is not None and os.path.isfile(partial):
-        with open(partial, "rb") as f:
-            saved = serialization.msgpack_restore(f.read())
-        if json.loads(saved["identity"]) == identity:
-            template = {"params": params, "state": state}
-            restored = serialization.from_state_dict(template, {"params": saved["params"], "state": saved["state"]})
-            params, state = restored["params"], restored["state"]
-            first_epoch, losses = int(saved["epoch"]), [float(v) for v in saved["losses"]]
+        resumed = _restore(partial, identity, {"params": params, "state": state})
+        if resumed is not None:
+            (params, state), first_epoch, losses = resumed
     done = first_epoch * per_epoch
     if progress is not None and done:
         progress(done, total, losses[-1] if losses else float("nan"))
@@ -211,21 +212,55 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
             blob = serialization.msgpack_serialize({
                 "identity": json.dumps(identity), "epoch": epoch + 1, "losses": np.asarray(losses),
                 "params": serialization.to_state_dict(params), "state": serialization.to_state_dict(state)})
-            with open(partial + ".tmp", "wb") as f:
-                f.write(blob)
-            os.replace(partial + ".tmp", partial)  # a crash mid-write keeps the previous epoch
+            _write_atomically(partial, blob)  # a crash mid-write keeps the previous epoch
     tail = losses[-min(50, len(losses)):]
     return params, {"steps": total, "images": len(x), "final_loss": round(float(np.mean(tail)), 4),
                     "resumed_at_epoch": first_epoch, **dataclasses.asdict(settings)}
 
 
-def _digest(images: np.ndarray) -> str:
-    """A short fingerprint of the training images: a resumed run must train on the same ones."""
-    import hashlib
+def _restore(partial: str, identity: dict, template: dict) -> tuple[tuple[Any, Any], int, list[float]] | None:
+    """The state of an interrupted run with the same ``identity``, or None (start afresh): another
+    run's state, or a damaged or foreign file, is never half-used."""
+    try:
+        with open(partial, "rb") as f:
+            saved = serialization.msgpack_restore(f.read())
+        if json.loads(saved["identity"]) != identity:
+            log.info("copy model: the saved state in %s is of other images or settings; starting afresh", partial)
+            return None
+        restored = serialization.from_state_dict(template, {"params": saved["params"], "state": saved["state"]})
+        _check_like(template, restored)
+        return (restored["params"], restored["state"]), int(saved["epoch"]), [float(v) for v in saved["losses"]]
+    except Exception as exc:  # noqa: BLE001 - any unreadable state means: start afresh, say so
+        log.warning("copy model: cannot resume from %s (%s); starting afresh", partial, exc)
+        return None
 
+
+def _check_like(template: Any, tree: Any) -> None:
+    """``ValueError`` unless ``tree`` has the template's structure, shapes and finite values
+    (flax's restore keeps whatever leaves it is given)."""
+    if jax.tree_util.tree_structure(template) != jax.tree_util.tree_structure(tree):
+        raise ValueError("its structure is not this model's")
+    for a, b in zip(jax.tree_util.tree_leaves(template), jax.tree_util.tree_leaves(tree)):
+        if np.shape(a) != np.shape(b):
+            raise ValueError(f"a weight of shape {np.shape(b)} where this model has {np.shape(a)}")
+        if np.issubdtype(np.asarray(b).dtype, np.floating) and not np.isfinite(b).all():
+            raise ValueError("it holds non-finite weights")
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write to a temporary file, flush it to disk, then rename: a reader sees the old or the new file."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _digest(images: np.ndarray) -> str:
+    """A fingerprint of every training image: a resumed run must train on the same ones."""
     h = hashlib.sha256(str(images.shape).encode())
-    h.update(np.ascontiguousarray(images[:: max(1, len(images) // 997)]).tobytes())
-    return h.hexdigest()[:16]
+    h.update(np.ascontiguousarray(images).tobytes())
+    return h.hexdigest()
 
 
 _apply = jax.jit(CopyEmbedding().apply)  # one jitted function: every embed call reuses its compilations
@@ -245,30 +280,62 @@ def embed(params: Any, images: np.ndarray, *, mirrored: bool = False, batch: int
     return np.concatenate(out) if out else np.zeros((0, CopyEmbedding.dim), np.float32)
 
 
-def save(directory: str, params: Any, info: dict) -> None:
-    """Weights (flax msgpack) and what they were trained on (json) into ``directory``."""
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def save(directory: str, params: Any, info: dict, trained_on: np.ndarray) -> None:
+    """Weights (flax msgpack), the ids of the images they were trained on (``trained_on``: uint64
+    example ids, see ``IngestedDataset.ids``) and a description (json) into ``directory``. Each
+    file is replaced atomically and the description, written last, holds the other two's
+    hashes: a save cut short is refused by ``load``, never paired with an older description."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, WEIGHTS), "wb") as f:
-        f.write(serialization.to_bytes(params))
-    with open(os.path.join(directory, INFO), "w") as f:
-        json.dump({"format": FORMAT, **info}, f, indent=1)
-        f.write("\n")
+    weights = serialization.to_bytes(params)
+    ids = io.BytesIO()
+    np.save(ids, np.unique(np.asarray(trained_on, np.uint64)), allow_pickle=False)
+    _write_atomically(os.path.join(directory, WEIGHTS), weights)
+    _write_atomically(os.path.join(directory, TRAINED_ON), ids.getvalue())
+    described = {"format": FORMAT, **info, "sha256": {WEIGHTS: _sha256(weights), TRAINED_ON: _sha256(ids.getvalue())}}
+    _write_atomically(os.path.join(directory, INFO), (json.dumps(described, indent=1) + "\n").encode())
 
 
-def load(directory: str) -> tuple[Any, dict]:
-    """(params, info) of a model written by ``save``; ``ValueError`` if it is not one."""
-    weights, info_path = os.path.join(directory, WEIGHTS), os.path.join(directory, INFO)
-    if not (os.path.isfile(weights) and os.path.isfile(info_path)):
-        raise ValueError(f"{directory!r} holds no copy model ({WEIGHTS} and {INFO}); train one with "
+@dataclasses.dataclass(frozen=True)
+class SavedModel:
+    params: Any
+    info: dict  # what ``save`` was given, with the format and the files' hashes
+    trained_on: np.ndarray  # sorted unique uint64 example ids of its training images
+
+
+def load(directory: str) -> SavedModel:
+    """A model written by ``save``, checked (hashes, shapes, finite weights); ``ValueError`` if it is not one."""
+    paths = {name: os.path.join(directory, name) for name in (WEIGHTS, TRAINED_ON, INFO)}
+    if not all(os.path.isfile(p) for p in paths.values()):
+        raise ValueError(f"{directory!r} holds no copy model ({', '.join(paths)}); train one with "
                          "`dpscale train-copy-model PUBLIC DIR`")
-    with open(info_path) as f:
-        info = json.load(f)
-    if info.get("format") != FORMAT:
-        raise ValueError(f"copy model {directory!r} has format {info.get('format')}, expected {FORMAT}")
+    try:
+        with open(paths[INFO]) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"copy model description {paths[INFO]!r} cannot be read: {exc}") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else None
+        raise ValueError(f"copy model {directory!r} has format {found}, expected {FORMAT}: train it again "
+                         "with `dpscale train-copy-model PUBLIC DIR --overwrite`")
+    blobs = {}
+    for name in (WEIGHTS, TRAINED_ON):
+        with open(paths[name], "rb") as f:
+            blobs[name] = f.read()
+        expected = info.get("sha256")
+        if not isinstance(expected, dict) or _sha256(blobs[name]) != expected.get(name):
+            raise ValueError(f"copy model file {paths[name]!r} does not match its description (damaged, or "
+                             "from another save): train the model again")
     template = CopyEmbedding().init(jax.random.PRNGKey(0), jnp.zeros((1, RESOLUTION, RESOLUTION, 3)))
-    with open(weights, "rb") as f:
-        try:
-            params = serialization.from_bytes(template, f.read())
-        except Exception as exc:  # noqa: BLE001 - msgpack / shape errors all mean a damaged file
-            raise ValueError(f"copy model weights {weights!r} cannot be read: {exc}") from None
-    return params, info
+    try:
+        params = serialization.from_bytes(template, blobs[WEIGHTS])
+        _check_like(template, params)
+        trained_on = np.load(io.BytesIO(blobs[TRAINED_ON]), allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack / shape / npy errors all mean an unusable file
+        raise ValueError(f"copy model {directory!r} cannot be used: {exc}") from None
+    if trained_on.dtype != np.uint64 or trained_on.ndim != 1:
+        raise ValueError(f"copy model file {paths[TRAINED_ON]!r} does not hold example ids")
+    return SavedModel(params, info, trained_on)

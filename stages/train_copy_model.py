@@ -3,7 +3,8 @@
 ``run(config)`` reads the chosen splits of an ingested public dataset, trains
 ``dedup.copy_model`` on them (no labels, no private data: the weights are public data) and
 writes the model with what it was trained on (dataset path and content hash, splits,
-settings, time). Train once per public set; every dedup of a private set against it reuses
+settings, time, and the id of every training image, by which dedup refuses a model that saw
+private images). Train once per public set; every dedup of a private set against it reuses
 the model. An interrupted run resumes from its last finished epoch. The training images are
 held as 32x32 thumbnails (3 KB each): a few hundred thousand public images fit in memory;
 a billion-image public set would be sampled or streamed (not built).
@@ -62,6 +63,8 @@ def run(config: TrainCopyModelConfig) -> TrainCopyModelResult:
     """Train the copy embedding on ``config.public`` and write it to ``config.output_dir``."""
     if os.path.isfile(os.path.join(config.output_dir, copy_model.WEIGHTS)) and not config.overwrite:
         raise DataError(f"{config.output_dir!r} already holds a copy model; pass --overwrite to replace it")
+    if os.path.realpath(config.output_dir) == os.path.realpath(config.public):
+        raise DataError("the copy model's output must be a different directory from the public dataset")
     public = IngestedDataset(config.public)
     splits = select_splits(public, config.splits)
     sizes = [public.num_examples(s) for s in splits]
@@ -80,10 +83,16 @@ def run(config: TrainCopyModelConfig) -> TrainCopyModelResult:
         def progress(step: int, total: int, loss: float) -> None:
             bar.update(completed=step, loss=f"loss {loss:.3f}")
 
-        params, info = copy_model.train(images, config.settings, progress=progress, work_dir=work)
+        try:
+            params, info = copy_model.train(images, config.settings, progress=progress, work_dir=work)
+        except FloatingPointError as exc:
+            raise DataError(f"{exc}: try another --seed or a larger --batch; if it repeats, look at the "
+                            "public images (the ingest report lists what was rejected)") from None
+    # what it saw, by example id: dedup refuses a model that saw private images (whatever their path)
+    trained_on = np.concatenate([public.ids(s) for s in splits])
     info = {**info, "public": {"path": config.public, "content_hash": public.content_hash,
                                "splits": list(splits)},
             "seconds": round(time.perf_counter() - start, 1)}
-    copy_model.save(config.output_dir, params, info)
+    copy_model.save(config.output_dir, params, info, trained_on)
     shutil.rmtree(work, ignore_errors=True)
     return TrainCopyModelResult(config.output_dir, info)

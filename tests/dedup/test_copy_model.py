@@ -65,23 +65,58 @@ def test_an_interrupted_training_resumes_to_the_same_model(images, tmp_path):
     resumed, info = cm.train(images, SMALL, progress=lambda *a: calls.append(a[0]), work_dir=str(tmp_path))
     assert info["resumed_at_epoch"] == 1 and calls == [1, 2, 3, 2, 3, 4]
     for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(resumed)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(a, b)
     # other images or settings never resume from that state
     _, info = cm.train(images[::-1].copy(), SMALL, work_dir=str(tmp_path))
     assert info["resumed_at_epoch"] == 0
 
 
+def test_a_damaged_or_foreign_saved_state_starts_afresh(images, tmp_path, caplog):
+    partial = tmp_path / cm.PARTIAL
+    partial.write_bytes(b"\x00 half a file")
+    _, info = cm.train(images, SMALL, work_dir=str(tmp_path))
+    assert info["resumed_at_epoch"] == 0 and "cannot resume" in caplog.text
+    # a state of another architecture with the same identity: refused by shape, not half-used
+    from flax import serialization
+
+    saved = serialization.msgpack_restore(partial.read_bytes())
+    saved["params"]["params"]["head"]["kernel"] = np.zeros((3, 3), np.float32)
+    partial.write_bytes(serialization.msgpack_serialize(saved))
+    _, info = cm.train(images, SMALL, work_dir=str(tmp_path))
+    assert info["resumed_at_epoch"] == 0 and "shape" in caplog.text
+
+
 def test_save_and_load_round_trip_and_clear_errors(images, tmp_path):
     params, info = cm.train(images[:16], cm.TrainSettings(epochs=1, batch=16))
-    cm.save(str(tmp_path / "m"), params, info)
-    loaded, loaded_info = cm.load(str(tmp_path / "m"))
-    np.testing.assert_array_equal(cm.embed(params, images[:3]), cm.embed(loaded, images[:3]))
-    assert loaded_info["steps"] == 1 and loaded_info["format"] == cm.FORMAT
+    ids = np.array([7, 3, 7, 2**63 + 1], np.uint64)
+    cm.save(str(tmp_path / "m"), params, info, ids)
+    saved = cm.load(str(tmp_path / "m"))
+    np.testing.assert_array_equal(cm.embed(params, images[:3]), cm.embed(saved.params, images[:3]))
+    assert saved.info["steps"] == 1 and saved.info["format"] == cm.FORMAT
+    assert saved.trained_on.tolist() == [3, 7, 2**63 + 1]  # sorted, unique, full 64 bits
     with pytest.raises(ValueError, match="holds no copy model"):
         cm.load(str(tmp_path / "missing"))
-    (tmp_path / "m" / cm.WEIGHTS).write_bytes(b"not msgpack")
-    with pytest.raises(ValueError, match="cannot be read"):
+    # weights from another save (a save cut short): refused by the description's hash
+    other, _ = cm.train(images[16:32], cm.TrainSettings(epochs=1, batch=16, seed=1))
+    (tmp_path / "m" / cm.WEIGHTS).write_bytes(__import__("flax").serialization.to_bytes(other))
+    with pytest.raises(ValueError, match="does not match its description"):
         cm.load(str(tmp_path / "m"))
+    (tmp_path / "m" / cm.INFO).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="format None"):
+        cm.load(str(tmp_path / "m"))
+
+
+def test_weights_of_another_shape_or_not_finite_are_refused(images, tmp_path):
+    params, info = cm.train(images[:16], cm.TrainSettings(epochs=1, batch=16))
+    wrong = jax.tree_util.tree_map(lambda a: a, params)
+    wrong["params"]["head"]["kernel"] = np.zeros((3, 3), np.float32)
+    cm.save(str(tmp_path / "shape"), wrong, info, np.zeros(1, np.uint64))
+    with pytest.raises(ValueError, match="cannot be used.*shape"):
+        cm.load(str(tmp_path / "shape"))
+    nan = jax.tree_util.tree_map(lambda a: np.full_like(a, np.nan), params)
+    cm.save(str(tmp_path / "nan"), nan, info, np.zeros(1, np.uint64))
+    with pytest.raises(ValueError, match="non-finite"):
+        cm.load(str(tmp_path / "nan"))
 
 
 def test_too_few_images_or_bad_settings_are_refused(images):

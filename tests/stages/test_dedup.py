@@ -392,12 +392,21 @@ def test_a_removed_pair_missing_from_the_matched_private_images_is_refused(data,
 
 @pytest.fixture(scope="module")
 def copy_models(data):
-    """Tiny copy models (1 step): on the public data, and, wrongly, on the private data."""
+    """Tiny copy models (1 step): on the public data, and, wrongly, on a dataset that holds the
+    private images again under another path, split and class, beside some public ones."""
     from dpscale.stages import train_copy_model
 
     public, private, _, root = data
+    for i, name in enumerate(sorted(os.listdir(root / "private_src" / "test" / "a"))
+                             + sorted(os.listdir(root / "private_src" / "test" / "b"))):
+        cls = "a" if (root / "private_src" / "test" / "a" / name).exists() else "b"
+        _save(root / "mixed_src", "pretrain", "zz", f"copied{i}",
+              np.asarray(Image.open(root / "private_src" / "test" / cls / name)))
+    for j in range(4):
+        _save(root / "mixed_src", "pretrain", "zz", f"other{j}", smooth_image(j))
+    mixed = _ingest(root / "mixed_src", root / "mixed")
     out = {}
-    for name, source in (("public", public), ("private", private)):
+    for name, source in (("public", public), ("private", mixed)):
         res = train_copy_model.run(train_copy_model.TrainCopyModelConfig(
             source, str(root / f"copy_{name}"), epochs=1, batch=8, show_progress=False))
         out[name] = res.output_dir
@@ -418,7 +427,7 @@ def test_the_copy_decision_removes_what_it_accepts_after_the_pixel_checks(data, 
                for p in copy_pairs)
     decision = res.report["copy_decision"]
     assert decision["num_removed"] == len(by) - len(planted) and decision["model"]["public"]["content_hash"]
-    assert res.manifest.dedup.copy_cut == -1.9
+    assert res.manifest.dedup.copy_cut == -1.9 and len(res.manifest.dedup.copy_model_sha256) == 64
     assert IngestedDataset(str(root / "out_copy_all")).manifest.dedup.copy_cut == -1.9
 
 
@@ -434,9 +443,14 @@ def test_a_copy_cut_nothing_reaches_changes_nothing_and_lists_the_closest(data, 
 
 def test_a_copy_model_of_the_private_data_or_none_at_all_is_refused(data, copy_models, tmp_path):
     public, private, _, _ = data
-    with pytest.raises(DataError, match="trained on the private data"):
+    # 8 private images re-ingested elsewhere: 7 refused; the planted exact copy is also in this
+    # run's public set (dedup removes it), so having trained on it is allowed
+    with pytest.raises(DataError, match="trained on 7 of the private images"):
         stage.run(stage.DedupConfig(public, private, str(tmp_path / "o"), copy_model=copy_models["private"],
                                     pipeline_args=FAST))
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(InvalidConfigError, match="give --copy-model too"):
+        stage.DedupConfig(public, private, str(tmp_path / "o"), copy_cut=0.3)
     bad = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "o2"), "--copy-model",
                                    str(tmp_path / "nothing")])
     assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "holds no copy model" in bad.output
@@ -468,3 +482,40 @@ def test_the_copy_decision_maps_pairs_to_the_right_public_shard(data, copy_model
     assert len(copied) >= 14 and res.num_kept + res.num_removed == 30
     kept = IngestedDataset(str(tmp_path / "out"))
     assert kept.num_examples("train") == res.num_kept
+
+
+def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, tmp_path):
+    """Two public splits (given out of name order) in shards of 4, an exact copy of a private image
+    in the second: its best pair must name that very record, in the shard that holds it."""
+    from dpscale.dedup import copy_decision
+    from dpscale.dedup.copy_score import CopySettings
+    from dpscale.dedup.planning import shard_ranges
+
+    _, private, _, _ = data
+    priv = IngestedDataset(private)
+    # p0: the model trained on its exact copy (in the module's public set) may score it only
+    # when this public set holds that copy too
+    index, target = next((i, e) for i, e in enumerate(priv.examples("test", range(priv.num_examples("test"))))
+                         if e.key == "test/b/p0.png")
+    for j in range(6):
+        _save(tmp_path / "src", "test", "x", f"other{j}", smooth_image(50 + j))
+    _save(tmp_path / "src", "test", "x", "exact", target.image)
+    for j in range(9):
+        _save(tmp_path / "src", "train", "x", f"other{j}", smooth_image(70 + j))
+    ingest(IngestConfig(f"folder:{tmp_path / 'src'}", str(tmp_path / "pub"), examples_per_shard=4,
+                        pipeline_args=FAST))
+    pub = IngestedDataset(str(tmp_path / "pub"))
+    splits = ["train", "test"]
+    model = copy_decision.open_model(copy_models["public"], pub, splits, priv, ["test"])
+    outcome = copy_decision.decide(pub, splits, priv, ["test"], model, CopySettings(cut=-1.9), show_progress=False)
+    mine = [m.candidate for m in outcome.accepted
+            if (m.candidate.private_split, m.candidate.private_index) == ("test", index)]
+    best = max(mine, key=lambda c: c.similarity)
+    assert best.similarity > 0.9999 and best.public_split == "test"
+    assert pub.examples("test", [best.public_index])[0].key == "test/x/exact.png"
+    start, end, _ = shard_ranges(pub, splits)[("test", best.public_shard)]
+    assert start <= best.public_index < end and len(pub.manifest.splits["test"].shards) >= 2
+    # every accepted pair's shard holds its index
+    ranges = shard_ranges(pub, splits)
+    assert all(ranges[(c.public_split, c.public_shard)][0] <= c.public_index < ranges[(c.public_split, c.public_shard)][1]
+               for c in (m.candidate for m in outcome.accepted))

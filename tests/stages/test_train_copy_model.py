@@ -35,11 +35,16 @@ def public(tmp_path_factory):
 def test_writes_a_loadable_model_that_records_its_training_data(public, tmp_path):
     res = stage.run(stage.TrainCopyModelConfig(public, str(tmp_path / "m"), splits=("train",), epochs=1,
                                                batch=4, show_progress=False))
-    params, info = copy_model.load(res.output_dir)
+    saved = copy_model.load(res.output_dir)
+    params, info = saved.params, saved.info
     assert info["public"]["splits"] == ["train"] and info["images"] == 12 and info["steps"] == 3
+    from dpscale.data.dataset import IngestedDataset
+
+    assert saved.trained_on.tolist() == sorted(IngestedDataset(public).ids("train").tolist())
     manifest = json.load(open(os.path.join(public, "manifest.json")))
     assert info["public"]["content_hash"] == manifest["content_hash"]
-    assert sorted(os.listdir(res.output_dir)) == [copy_model.INFO, copy_model.WEIGHTS]  # no work left
+    assert sorted(os.listdir(res.output_dir)) == sorted([copy_model.INFO, copy_model.WEIGHTS,
+                                                         copy_model.TRAINED_ON])  # no work left
     assert copy_model.embed(params, np.zeros((2, 32, 32, 3), np.uint8)).shape == (2, 128)
     with pytest.raises(DataError, match="already holds a copy model"):
         stage.run(stage.TrainCopyModelConfig(public, res.output_dir, epochs=1, batch=4, show_progress=False))
@@ -52,6 +57,8 @@ def test_too_few_images_and_bad_settings_are_clear_errors(public, tmp_path):
         stage.run(stage.TrainCopyModelConfig(public, str(tmp_path / "m"), splits=("nope",), batch=8))
     with pytest.raises(InvalidConfigError):
         stage.TrainCopyModelConfig(public, str(tmp_path / "m"), epochs=0)
+    with pytest.raises(DataError, match="different directory from the public dataset"):
+        stage.run(stage.TrainCopyModelConfig(public, public + "/", batch=4))
 
 
 def test_cli_says_what_the_model_is_derived_from(public, tmp_path):
