@@ -52,6 +52,21 @@ def test_decide_accepts_a_twin_but_not_a_look_alike_of_a_crowded_scene():
     assert pairs.best_public[0] == 7 and pairs.best_score[1] < 0.5 <= pairs.best_score[0]
 
 
+def test_the_candidates_widen_while_every_one_is_accepted():
+    """A private image with 30 public copies and 10 candidates: all 30 are found, nearest first."""
+    rng = np.random.default_rng(1)
+    spread = _unit(rng.normal(size=(200, 32)))
+    photo = rng.normal(size=32)
+    public = np.concatenate([spread[:100], _unit(photo + 0.05 * rng.normal(size=(30, 32))), spread[100:]])
+    private = _unit(np.concatenate([photo[None] + 0.05 * rng.normal(size=(1, 32)), spread[5:6]]))
+    pairs = decide(public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.0, candidates=10))
+    assert sorted(pairs.public[pairs.private == 0].tolist()) == list(range(100, 130))
+    assert pairs.public[pairs.private == 1].tolist() == [5] and pairs.private.tolist() == sorted(pairs.private)
+    assert (np.diff(-pairs.cosine[pairs.private == 0]) >= 0).all()  # nearest first
+    everything = decide(public, public, private, private, CopySettings(cut=-1.9, k=5, candidates=10))
+    assert len(everything.public) == 2 * len(public)  # widened until the whole public set
+
+
 def test_copy_settings_refuse_impossible_values():
     with pytest.raises(ValueError, match="k must be"):
         CopySettings(k=30, candidates=20)
