@@ -315,6 +315,7 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
     from dpscale.training import release
 
     _show_stage_progress(stage.log)
+    _show_stage_progress(logging.getLogger("dpscale.dedup"))  # the copy model's checks and warnings
     result = stage.run(stage.DedupConfig(
         public, private, output, threshold=threshold, k=k, min_similarity=min_similarity,
         max_pages=max_pages, crowded_fraction=crowded_fraction, refine=refine,
@@ -348,6 +349,7 @@ def train_copy_model(public: str, output: str, splits: tuple[str, ...], epochs: 
     from dpscale.stages import train_copy_model as stage
 
     _show_stage_progress(stage.log)
+    _show_stage_progress(logging.getLogger("dpscale.dedup"))  # e.g. a resume state that cannot be used
     result = stage.run(stage.TrainCopyModelConfig(public, output, splits=splits, epochs=epochs, batch=batch,
                                                   seed=seed, overwrite=overwrite))
     trained_on = f"{public} ({','.join(result.info['public']['splits'])})"

@@ -71,7 +71,16 @@ def test_an_interrupted_training_resumes_to_the_same_model(images, tmp_path):
     assert info["resumed_at_epoch"] == 0
 
 
-def test_a_damaged_or_foreign_saved_state_starts_afresh(images, tmp_path, caplog):
+@pytest.fixture()
+def copy_model_log(caplog):
+    """The copy model's log lines (attached directly: the CLI may stop them reaching the root logger)."""
+    cm.log.addHandler(caplog.handler)
+    yield caplog
+    cm.log.removeHandler(caplog.handler)
+
+
+def test_a_damaged_or_foreign_saved_state_starts_afresh(images, tmp_path, copy_model_log):
+    caplog = copy_model_log
     partial = tmp_path / cm.PARTIAL
     partial.write_bytes(b"\x00 half a file")
     _, info = cm.train(images, SMALL, work_dir=str(tmp_path))

@@ -484,7 +484,7 @@ def test_the_copy_decision_maps_pairs_to_the_right_public_shard(data, copy_model
     assert kept.num_examples("train") == res.num_kept
 
 
-def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, tmp_path):
+def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, tmp_path, caplog):
     """Two public splits (given out of name order) in shards of 4, an exact copy of a private image
     in the second: its best pair must name that very record, in the shard that holds it."""
     from dpscale.dedup import copy_decision
@@ -506,7 +506,12 @@ def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, t
                         pipeline_args=FAST))
     pub = IngestedDataset(str(tmp_path / "pub"))
     splits = ["train", "test"]
-    model = copy_decision.open_model(copy_models["public"], pub, splits, priv, ["test"])
+    copy_decision.log.addHandler(caplog.handler)  # the CLI may have stopped it from reaching the root logger
+    try:
+        model = copy_decision.open_model(copy_models["public"], pub, splits, priv, ["test"])
+    finally:
+        copy_decision.log.removeHandler(caplog.handler)
+    assert "trained on 29 images that are not in this run's public data" in caplog.text
     outcome = copy_decision.decide(pub, splits, priv, ["test"], model, CopySettings(cut=-1.9), show_progress=False)
     mine = [m.candidate for m in outcome.accepted
             if (m.candidate.private_split, m.candidate.private_index) == ("test", index)]
