@@ -309,8 +309,8 @@ class SavedModel:
 def load(directory: str) -> SavedModel:
     """A model written by ``save``, checked (hashes, shapes, finite weights); ``ValueError`` if it is not one."""
     paths = {name: os.path.join(directory, name) for name in (WEIGHTS, TRAINED_ON, INFO)}
-    if not all(os.path.isfile(p) for p in paths.values()):
-        raise ValueError(f"{directory!r} holds no copy model ({', '.join(paths)}); train one with "
+    if not (os.path.isfile(paths[WEIGHTS]) and os.path.isfile(paths[INFO])):
+        raise ValueError(f"{directory!r} holds no copy model ({WEIGHTS} and {INFO}); train one with "
                          "`dpscale train-copy-model PUBLIC DIR`")
     try:
         with open(paths[INFO]) as f:
@@ -323,6 +323,8 @@ def load(directory: str) -> SavedModel:
                          "with `dpscale train-copy-model PUBLIC DIR --overwrite`")
     blobs = {}
     for name in (WEIGHTS, TRAINED_ON):
+        if not os.path.isfile(paths[name]):
+            raise ValueError(f"copy model file {paths[name]!r} is missing: train the model again")
         with open(paths[name], "rb") as f:
             blobs[name] = f.read()
         expected = info.get("sha256")

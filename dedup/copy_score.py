@@ -71,10 +71,10 @@ def normalised(similarity: np.ndarray, query_background: np.ndarray, public_back
 class CopySettings:
     """``cut`` on the normalised score; ``k``: which neighbour sets the background; ``beta``: how
     much of it is subtracted; ``candidates``: nearest public images scored per private image
-    (more are scored while all of them are accepted); ``sure``: a raw cosine at which a pair is
-    a copy whatever its background. Why ``sure``: an image that the public set holds many times
-    (the images a model memorises most) has its own copies as background, and its pairs score
-    about half their cosine.
+    (more are scored while all of them are accepted).
+    Limit: an image the public set holds ``k`` times or more has its own copies as background,
+    so its pairs score about ``(1 - beta) x`` their cosine: at the defaults the copy decision
+    takes them only from a cosine of ~0.96 (the pixel checks do not depend on backgrounds).
     Defaults: measured on CIFAR-10 train vs test with a model of ``dpscale train-copy-model``'s
     defaults (``benchmarks/results/dedup.md``): 0.48 is the cut that adds 4 look-alikes to the
     pixel checks' on the census labels (k = 10, beta = 0.5: 0.478, rounded up). A model trained otherwise, or
@@ -115,6 +115,8 @@ def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, p
     """The copy decision over all pairs, from unit embeddings of both sides in both mirror states."""
     if len(public) < 2:
         raise ValueError("the copy decision needs at least two public images (one as background)")
+    if not len(private):
+        raise ValueError("the copy decision needs at least one private image")
     public_sims, _, _ = top_k(public, public_mirror, public, k=settings.k, exclude_self=True,
                               show_progress=show_progress, label="copy: public background")
     rows, width, label = np.arange(len(private)), settings.candidates, "copy: private neighbours"

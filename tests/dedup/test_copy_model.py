@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +111,14 @@ def test_save_and_load_round_trip_and_clear_errors(images, tmp_path):
     other, _ = cm.train(images[16:32], cm.TrainSettings(epochs=1, batch=16, seed=1))
     (tmp_path / "m" / cm.WEIGHTS).write_bytes(__import__("flax").serialization.to_bytes(other))
     with pytest.raises(ValueError, match="does not match its description"):
+        cm.load(str(tmp_path / "m"))
+    cm.save(str(tmp_path / "m2"), params, info, ids)
+    (tmp_path / "m2" / cm.TRAINED_ON).unlink()
+    with pytest.raises(ValueError, match="is missing"):
+        cm.load(str(tmp_path / "m2"))
+    info_v1 = json.loads((tmp_path / "m" / cm.INFO).read_text()) | {"format": 1}
+    (tmp_path / "m" / cm.INFO).write_text(json.dumps(info_v1))
+    with pytest.raises(ValueError, match="format 1, expected 2: train it again"):
         cm.load(str(tmp_path / "m"))
     (tmp_path / "m" / cm.INFO).write_text("[1, 2]")
     with pytest.raises(ValueError, match="format None"):

@@ -72,6 +72,9 @@ def test_copy_settings_refuse_impossible_values():
         CopySettings(k=30, candidates=20)
     with pytest.raises(ValueError, match="beta"):
         CopySettings(beta=-1)
+    with pytest.raises(ValueError, match="one private"):
+        two = _unit(np.ones((2, 4)))
+        decide(two, two, two[:0], two[:0], CopySettings())
     with pytest.raises(ValueError, match="two public"):
         one = _unit(np.ones((1, 4)))
         decide(one, one, one, one, CopySettings())
