@@ -32,6 +32,8 @@ import optax
 from flax import linen as nn
 from flax import serialization
 
+from dpscale.files import write_atomic
+
 log = logging.getLogger(__name__)
 RESOLUTION = 32
 WEIGHTS = "copy_model.msgpack"
@@ -248,12 +250,7 @@ def _check_like(template: Any, tree: Any) -> None:
 
 
 def _write_atomically(path: str, data: bytes) -> None:
-    """Write to a temporary file, flush it to disk, then rename: a reader sees the old or the new file."""
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    write_atomic(path, lambda f: f.write(data), binary=True)
 
 
 def _digest(images: np.ndarray) -> str:
