@@ -397,11 +397,8 @@ def copy_models(data):
     from dpscale.stages import train_copy_model
 
     public, private, _, root = data
-    for i, name in enumerate(sorted(os.listdir(root / "private_src" / "test" / "a"))
-                             + sorted(os.listdir(root / "private_src" / "test" / "b"))):
-        cls = "a" if (root / "private_src" / "test" / "a" / name).exists() else "b"
-        _save(root / "mixed_src", "pretrain", "zz", f"copied{i}",
-              np.asarray(Image.open(root / "private_src" / "test" / cls / name)))
+    for i, path in enumerate(sorted((root / "private_src" / "test").glob("*/*.png"))):
+        _save(root / "mixed_src", "pretrain", "zz", f"copied{i}", np.asarray(Image.open(path)))
     for j in range(4):
         _save(root / "mixed_src", "pretrain", "zz", f"other{j}", smooth_image(j))
     mixed = _ingest(root / "mixed_src", root / "mixed")
