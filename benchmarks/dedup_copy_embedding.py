@@ -427,6 +427,136 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     return result
 
 
+CROP = 24  # px of a 32-px image: a view zoomed 1.33x, the middle of the tail misses' 1.2-1.6x
+CROP_AT = ((4, 4), (0, 0), (0, 8), (8, 0), (8, 8))  # (top, left): the centre and the four corners
+VIEW_SCORES = ("whole", "private crops", "public crops", "both")
+
+
+def crop_view(images: np.ndarray, at: tuple[int, int]) -> np.ndarray:
+    """The CROP x CROP window at ``at`` of each 32-px image, resized back to 32 px."""
+    from dpscale.dedup import copy_model
+
+    top, left = at
+    return copy_model.thumbnails(np.ascontiguousarray(images[:, top:top + CROP, left:left + CROP]))
+
+
+def views(data: str, out: str, census_path: str, *, report: str | None, k: int = 10, beta: float = 0.5,
+          candidates: int = 20, judged_until: int = 1000, strata: Sequence[int] = (3000,),
+          montage_dir: str | None = None, pick: int | None = None, seed: int = 0) -> dict:
+    """Zoomed views beside the whole image: does scoring crops of either end find the strong
+    zooms (1.2-1.6x) the whole-image score misses, at the same look-alike cost? Each end's crop
+    views (``CROP_AT``) are embedded with dpscale's JAX copy model in ``out``; a view's background
+    is its k-th nearest public *whole* image (a public view's own image left out), so every
+    score is ``normalised`` like the copy decision's. A pair's score is the best over: whole vs
+    whole, a private crop vs the public whole image, the private whole image vs a public crop.
+    Cuts are set on the census labels at equal look-alike cost (``best_allowed``, also held out),
+    then applied over all pairs (each private view's ``candidates`` nearest public images or
+    public crops) and counted with the census tail."""
+    from dpscale.data.dataset import IngestedDataset
+    from dpscale.dedup import copy_model, verify
+
+    ds = IngestedDataset(data)
+    params = copy_model.load(out).params
+    train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
+    test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+    start = time.time()
+
+    def both_states(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return copy_model.embed(params, images), copy_model.embed(params, images, mirrored=True)
+
+    tr_w, tr_wm = both_states(train_images)
+    te_w, te_wm = both_states(test_images)
+    tr_c = [both_states(crop_view(train_images, at)) for at in CROP_AT]
+    te_c = [both_states(crop_view(test_images, at)) for at in CROP_AT]
+    embed_seconds = time.time() - start
+
+    def kth(queries: tuple[np.ndarray, np.ndarray], exclude_self: bool = False) -> np.ndarray:
+        return top_k(*queries, tr_w, k=k, exclude_self=exclude_self)[0][:, k - 1]
+
+    bg_tr_w, bg_te_w = kth((tr_w, tr_wm), exclude_self=True), kth((te_w, te_wm))
+    bg_tr_c = [kth(v, exclude_self=True) for v in tr_c]  # row j of a view is train image j: left out
+    bg_te_c = [kth(v) for v in te_c]
+
+    # census pairs: every combination's score, then the best over each family of views
+    rows = read_labels(census_path)
+    ci = np.array([r["test_index"] for r in rows])
+    cj = np.array([r["train_index"] for r in rows])
+    labels = np.array([r["label"] for r in rows])
+    even = np.array([r["rank"] % 2 == 0 for r in rows])
+
+    def pair_cos(q: tuple[np.ndarray, np.ndarray], p: np.ndarray) -> np.ndarray:
+        return np.maximum((q[0][ci] * p[cj]).sum(1), (q[1][ci] * p[cj]).sum(1))
+
+    whole = normalised(pair_cos((te_w, te_wm), tr_w), bg_te_w[ci], bg_tr_w[cj], beta)
+    priv = np.max([normalised(pair_cos(v, tr_w), b[ci], bg_tr_w[cj], beta) for v, b in zip(te_c, bg_te_c)], 0)
+    pub = np.max([normalised(pair_cos((te_w, te_wm), v[0]), bg_te_w[ci], b[cj], beta)
+                  for v, b in zip(tr_c, bg_tr_c)], 0)
+    census_scores = {"whole": whole, "private crops": np.maximum(whole, priv),
+                     "public crops": np.maximum(whole, pub), "both": np.maximum(whole, np.maximum(priv, pub))}
+
+    # all pairs: per private image, the best score of each family and the public image it names
+    n = len(test_images)
+    best = {name: np.full(n, -np.inf, np.float32) for name in VIEW_SCORES}
+    best_j = {name: np.zeros(n, np.int64) for name in VIEW_SCORES}
+    best_m = {name: np.zeros(n, bool) for name in VIEW_SCORES}
+
+    def consider(names: Sequence[str], queries: tuple[np.ndarray, np.ndarray], reference: np.ndarray,
+                 q_bg: np.ndarray, p_bg: np.ndarray) -> None:
+        sims, index, mirrored = top_k(*queries, reference, k=candidates)
+        score = normalised(sims, q_bg[:, None], p_bg[index], beta)
+        col = score.argmax(1)
+        r = np.arange(n)
+        s, j, m = score[r, col], index[r, col], mirrored[r, col]
+        for name in names:
+            better = s > best[name]
+            best[name][better], best_j[name][better], best_m[name][better] = s[better], j[better], m[better]
+
+    consider(VIEW_SCORES, (te_w, te_wm), tr_w, bg_te_w, bg_tr_w)
+    for v, b in zip(te_c, bg_te_c):
+        consider(("private crops", "both"), v, tr_w, b, bg_tr_w)
+    for v, b in zip(tr_c, bg_tr_c):
+        consider(("public crops", "both"), (te_w, te_wm), v[0], bg_te_w, b)
+    seconds = time.time() - start
+
+    pub_imgs, priv_imgs, _ = read_census_pairs(ds, census_path)
+    grid, refined_state = better_mirror_state(pub_imgs, priv_imgs)
+    pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
+    dedup = None if report is None else dedup_matched(report)
+    result: dict = {"embed seconds": round(embed_seconds, 1), "embed, background and search seconds": round(seconds, 1),
+                    "k": k, "beta": beta, "census pairs": {"total": counts(np.ones(len(labels), bool), labels),
+                                                           "grid + refine": counts(pixel, labels)},
+                    "all pairs": {}}
+    for name in VIEW_SCORES:
+        c_rows, a_rows = {}, {}
+        for allowance in ALLOWANCES:
+            cut, union = best_allowed(census_scores[name], labels, pixel, allowance)
+            even_cut, _ = best_allowed(census_scores[name][even], labels[even], pixel[even], allowance // 2)
+            odd = counts(pixel[~even] | (census_scores[name][~even] >= even_cut), labels[~even])
+            c_rows[f"+{allowance} diff"] = {"cut": round(cut, 4), **union, "odd ranks at the even ranks' cut": odd}
+            hit = set(np.flatnonzero(best[name] >= cut).tolist())
+            row = {"cut": round(cut, 4), "matched": len(hit)}
+            if dedup is not None:
+                counted = census(rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)["dedup"]
+                row.update({"added to dedup": len(hit - dedup), **{key: counted[key] for key in (
+                    "clear_found", "recall_on_clear", "tail_dups_found", "recall_with_tail_estimate")}})
+            a_rows[f"+{allowance} diff"] = row
+            if montage_dir is not None and dedup is not None and allowance == pick and name == "both":
+                whole_hit = set(np.flatnonzero(best["whole"] >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
+                added = np.array(sorted(hit - dedup - whole_hit), np.int64)  # what the views add
+                drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
+                path = os.path.join(montage_dir, f"dedup_copy_views_added_{allowance}.png")
+                montage(data, [{"rank": i, "test_index": int(t), "train_index": int(best_j[name][t]),
+                                "similarity": float(best[name][t]), "mirrored": bool(best_m[name][t])}
+                               for i, t in enumerate(drawn)], path)
+                write_label_sheet(path.replace(".png", ".csv"), [
+                    (int(t), int(best_j[name][t]), float(best[name][t]), bool(best_m[name][t])) for t in drawn],
+                    score_name="score")
+                result["montage"] = {path: {"added by the views": len(added), "drawn": len(drawn)}}
+        result["census pairs"][name] = c_rows
+        result["all pairs"][name] = a_rows
+    return result
+
+
 def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]], *,
                       score_name: str = "cosine") -> None:
     """The montage's pairs with an empty ``label`` column, to fill in by eye. A sheet that exists
@@ -488,6 +618,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     m.add_argument("--pick", help="k:beta:allowance whose additions to draw (k = 0 for the raw cosine)")
     m.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
     m.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
+    v = sub.add_parser("views", help="crop views of either end beside the whole image, at equal look-alike cost")
+    v.add_argument("data")
+    v.add_argument("out", help="a dpscale copy model (dpscale train-copy-model)")
+    v.add_argument("census_labels")
+    v.add_argument("--dedup-report")
+    v.add_argument("--montage-dir")
+    v.add_argument("--pick", type=int, help="allowance whose additions by the views to draw")
+    v.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
+    v.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
     args = p.parse_args(argv)
     if args.command == "margin":
         pick = None
@@ -500,6 +639,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(margin(args.data, args.out, args.census_labels, report=args.dedup_report,
                                 montage_dir=args.montage_dir, pick=pick, judged_until=args.judged_until,
                                 strata=args.strata), indent=1))
+    elif args.command == "views":
+        print(json.dumps(views(args.data, args.out, args.census_labels, report=args.dedup_report,
+                               montage_dir=args.montage_dir, pick=args.pick, judged_until=args.judged_until,
+                               strata=args.strata), indent=1))
     elif args.command == "train":
         import torch
 

@@ -175,3 +175,62 @@ def test_best_allowed_adds_at_most_the_allowed_look_alikes():
     assert cut - 0.8 == pytest.approx(ce.CUT_MARGIN)  # robust to another summation order of 0.8
     cut, union = ce.best_allowed(score, labels, already, 5)  # more than there are: everything
     assert union == {"dup": 3, "unsure": 1, "diff": 3}
+
+
+def test_crop_view_is_the_window_resized_back_to_full_size():
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    view = ce.crop_view(images, (8, 0))
+    assert view.shape == (3, 32, 32, 3) and view.dtype == np.uint8
+    # a 24-px window of a picture that is constant in 8-px blocks stays constant on the matching 32/3-px blocks
+    blocks = np.kron(np.arange(16, dtype=np.uint8).reshape(4, 4) * 16, np.ones((8, 8), np.uint8))
+    flat = np.repeat(blocks[None, :, :, None], 3, axis=3)
+    zoomed = ce.crop_view(flat, (8, 0))[0, :, :, 0].astype(int)
+    assert zoomed[0, 0] == flat[0, 8, 0, 0] and zoomed[-1, -1] == flat[0, 31, 23, 0]
+    assert zoomed[5, 5] == flat[0, 8 + 3, 3, 0]  # output pixel 5 sits in the window's first block
+
+
+def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
+    from PIL import Image
+
+    from dpscale.data.dataset import IngestedDataset
+    from dpscale.dedup import copy_model
+    from dpscale.stages.ingest import IngestConfig
+    from dpscale.stages.ingest import run as ingest
+
+    rng = np.random.default_rng(1)
+    train = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    zoomed = ce.crop_view(train[:2], (4, 4))  # test images that are 1.33x zooms of two train images
+    test = np.concatenate([zoomed, rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)])
+    for split, images in (("train", train), ("test", test)):
+        for i, image in enumerate(images):
+            path = tmp_path / "src" / split / "a" / f"{i:02d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(path)
+    data = str(tmp_path / "data")
+    ingest(IngestConfig(f"folder:{tmp_path / 'src'}", data, pipeline_args=(
+        "--runner=FnApiRunner", "--direct_num_workers=1", "--direct_running_mode=in_memory")))
+    ds = IngestedDataset(data)
+    stored_train, stored_test = (np.asarray(ds.get(s, np.arange(n))[0]) for s, n in (("train", 64), ("test", 4)))
+    t_zoom = next(i for i in range(4) if np.array_equal(stored_test[i], zoomed[0]))
+    j_zoom = next(j for j in range(64) if np.array_equal(stored_train[j], train[0]))
+    model = str(tmp_path / "copy")
+    params, info = copy_model.train(train, copy_model.TrainSettings(epochs=1, batch=32))
+    copy_model.save(model, params, info, ds.ids("train"))
+    labels = tmp_path / "labels.csv"
+    labels.write_text(f"rank,test_index,train_index,label,note\n0,{t_zoom},{j_zoom},dup,\n"
+                      f"1,{t_zoom},{(j_zoom + 1) % 64},diff,\n")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"removed": []}))
+    capsys.readouterr()
+    ce.main(["views", data, model, str(labels), "--dedup-report", str(report), "--montage-dir", str(tmp_path),
+             "--pick", "32", "--judged-until", "2"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["all pairs"]) == set(ce.VIEW_SCORES) and out["k"] == 10
+    for name in ce.VIEW_SCORES:
+        census = out["census pairs"][name]
+        assert census["+32 diff"]["dup"] == 1 and census["+32 diff"]["diff"] == 1  # fewer look-alikes than allowed
+        assert out["all pairs"][name]["+32 diff"]["matched"] == 4  # no cut: every test image
+    # at the cut that admits no look-alike, the exact public crop of the zoomed image outscores its
+    # look-alike pair; whole-image scores need not
+    assert out["census pairs"]["public crops"]["+0 diff"]["dup"] == 1
+    assert out["census pairs"]["both"]["+0 diff"]["dup"] == 1
