@@ -46,7 +46,8 @@ def _embed(dataset: IngestedDataset, splits: Sequence[str], params: object, labe
     with progress_bar(label, total=sum(sizes.values()), enabled=show_progress) as bar:
         for split, n in sizes.items():
             for lo in range(0, n, CHUNK):
-                images = np.asarray(dataset.get(split, np.arange(lo, min(n, lo + CHUNK)))[0])
+                # resized once for both mirror states (``embed`` passes thumbnails through)
+                images = copy_model.thumbnails(np.asarray(dataset.get(split, np.arange(lo, min(n, lo + CHUNK)))[0]))
                 for out, flip in ((plain, False), (mirrored, True)):
                     out.append(copy_model.embed(params, images, mirrored=flip))
                     if not np.isfinite(out[-1]).all():

@@ -521,3 +521,20 @@ def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, t
     ranges = shard_ranges(pub, splits)
     assert all(ranges[(c.public_split, c.public_shard)][0] <= c.public_index < ranges[(c.public_split, c.public_shard)][1]
                for c in (m.candidate for m in outcome.accepted))
+
+
+def test_the_copy_decision_embeds_images_of_any_size_as_the_model_does(copy_models, tmp_path):
+    """40-px images are resized once for both mirror states; the embeddings are the model's own."""
+    from dpscale.dedup import copy_decision, copy_model
+
+    images = [smooth_image(90 + j, size=40) for j in range(3)]
+    for j, im in enumerate(images):
+        _save(tmp_path / "src", "train", "x", f"im{j}", im)
+    ds = IngestedDataset(_ingest(tmp_path / "src", tmp_path / "big"))
+    stored = np.asarray(ds.get("train", np.arange(3))[0])
+    assert stored.shape == (3, 40, 40, 3)
+    params = copy_model.load(copy_models["public"]).params
+    plain, mirrored, where = copy_decision._embed(ds, ["train"], params, "embed", False)
+    np.testing.assert_allclose(plain, copy_model.embed(params, stored), atol=1e-6)
+    np.testing.assert_allclose(mirrored, copy_model.embed(params, stored, mirrored=True), atol=1e-6)
+    assert where == [("train", 0), ("train", 1), ("train", 2)]
