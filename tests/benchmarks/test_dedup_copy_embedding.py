@@ -234,3 +234,7 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     # look-alike pair; whole-image scores need not
     assert out["census pairs"]["public crops"]["+0 diff"]["dup"] == 1
     assert out["census pairs"]["both"]["+0 diff"]["dup"] == 1
+    # the census pairs alone (crop views and backgrounds of their images only) score them the same
+    ce.main(["views", data, model, str(labels), "--census-only", "--judged-until", "2"])
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["census pairs"] == out["census pairs"] and all(not v for v in alone["all pairs"].values())
