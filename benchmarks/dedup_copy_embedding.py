@@ -579,6 +579,87 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
     return result
 
 
+MUTUAL_BONUSES = (0.0, 0.02, 0.05, 0.1, 0.2)
+
+
+def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int = 10, beta: float = 0.5,
+           candidates: int = 20, judged_until: int = 1000, strata: Sequence[int] = (3000,),
+           montage_dir: str | None = None, pick: tuple[float, int] | None = None, seed: int = 0) -> dict:
+    """Mutual nearest neighbours as evidence: a look-alike of a common scene has many near
+    neighbours on both sides, a copy and its twin tend to be each other's nearest. A pair scores
+    its ``normalised`` score plus ``bonus`` when the public image is the private image's best-scoring
+    candidate *and* the private image is the public image's nearest private image (cosine, both
+    mirror states). Each bonus is compared at equal look-alike cost on the census labels (also held
+    out), then over all pairs (each private image's best candidate), counted with the census tail.
+    Bonus 0 is the copy decision's score."""
+    from dpscale.data.dataset import IngestedDataset
+    from dpscale.dedup import verify
+
+    ds = IngestedDataset(data)
+    train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
+    test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+    start = time.time()
+    tr, tr_m, te, te_m = embeddings(out, train_images, test_images)
+    test_sims, test_index, test_mirrored = top_k(te, te_m, tr, k=candidates)
+    train_sims = top_k(tr, tr_m, tr, k=k, exclude_self=True)[0]
+    nearest_private = top_k(tr, tr_m, te, k=1)[1][:, 0]  # cos(mirror a, b) is cos(a, mirror b)
+    score = normalised(test_sims, test_sims[:, k - 1:k], train_sims[test_index, k - 1], beta)
+    n = len(test_images)
+    col = score.argmax(1)
+    best, best_j, best_m = score[np.arange(n), col], test_index[np.arange(n), col], test_mirrored[np.arange(n), col]
+    is_mutual = nearest_private[best_j] == np.arange(n)
+    seconds = time.time() - start
+
+    rows = read_labels(census_path)
+    ci = np.array([r["test_index"] for r in rows])
+    cj = np.array([r["train_index"] for r in rows])
+    labels = np.array([r["label"] for r in rows])
+    even = np.array([r["rank"] % 2 == 0 for r in rows])
+    c_cos = np.maximum((tr[cj] * te[ci]).sum(1), (tr[cj] * te_m[ci]).sum(1))
+    c_score = normalised(c_cos, test_sims[ci, k - 1], train_sims[cj, k - 1], beta)
+    c_mutual = (best_j[ci] == cj) & (nearest_private[cj] == ci)
+    pub_imgs, priv_imgs, _ = read_census_pairs(ds, census_path)
+    grid, refined_state = better_mirror_state(pub_imgs, priv_imgs)
+    pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
+    dedup = None if report is None else dedup_matched(report)
+    result: dict = {"embed and search seconds": round(seconds, 1), "k": k, "beta": beta,
+                    "mutual over all private images": int(is_mutual.sum()),
+                    "census pairs": {"total": counts(np.ones(len(labels), bool), labels),
+                                     "grid + refine": counts(pixel, labels),
+                                     "mutual": counts(c_mutual, labels)},
+                    "all pairs": {}}
+    for bonus in MUTUAL_BONUSES:
+        c_total = c_score + bonus * c_mutual
+        total = best + bonus * is_mutual
+        c_rows, a_rows = {}, {}
+        for allowance in ALLOWANCES:
+            cut, union = best_allowed(c_total, labels, pixel, allowance)
+            even_cut, _ = best_allowed(c_total[even], labels[even], pixel[even], allowance // 2)
+            odd = counts(pixel[~even] | (c_total[~even] >= even_cut), labels[~even])
+            c_rows[f"+{allowance} diff"] = {"cut": round(cut, 4), **union, "odd ranks at the even ranks' cut": odd}
+            hit = set(np.flatnonzero(total >= cut).tolist())
+            row = {"cut": round(cut, 4), "matched": len(hit)}
+            if dedup is not None:
+                counted = census(rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)["dedup"]
+                row.update({"added to dedup": len(hit - dedup), **{key: counted[key] for key in (
+                    "clear_found", "recall_on_clear", "tail_dups_found", "recall_with_tail_estimate")}})
+                if montage_dir is not None and pick == (bonus, allowance):
+                    plain = set(np.flatnonzero(best >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
+                    added = np.array(sorted(hit - dedup - plain), np.int64)  # what the bonus adds
+                    drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
+                    path = os.path.join(montage_dir, f"dedup_copy_mutual_added_{bonus}_{allowance}.png")
+                    montage(data, [{"rank": i, "test_index": int(t), "train_index": int(best_j[t]),
+                                    "similarity": float(total[t]), "mirrored": bool(best_m[t])}
+                                   for i, t in enumerate(drawn)], path)
+                    write_label_sheet(path.replace(".png", ".csv"), [
+                        (int(t), int(best_j[t]), float(total[t]), bool(best_m[t])) for t in drawn], score_name="score")
+                    result["montage"] = {path: {"added by the bonus": len(added), "drawn": len(drawn)}}
+            a_rows[f"+{allowance} diff"] = row
+        result["census pairs"][f"bonus {bonus}"] = c_rows
+        result["all pairs"][f"bonus {bonus}"] = a_rows
+    return result
+
+
 def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]], *,
                       score_name: str = "cosine") -> None:
     """The montage's pairs with an empty ``label`` column, to fill in by eye. A sheet that exists
@@ -650,6 +731,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     v.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
     v.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
     v.add_argument("--census-only", action="store_true", help="score the census pairs only (no all-pairs search)")
+    mu = sub.add_parser("mutual", help="a bonus for mutual nearest neighbours, at equal look-alike cost")
+    mu.add_argument("data")
+    mu.add_argument("out")
+    mu.add_argument("census_labels")
+    mu.add_argument("--dedup-report")
+    mu.add_argument("--montage-dir")
+    mu.add_argument("--pick", help="bonus:allowance whose additions by the bonus to draw, e.g. 0.05:4")
+    mu.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
+    mu.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
     args = p.parse_args(argv)
     if args.command == "margin":
         pick = None
@@ -662,6 +752,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(margin(args.data, args.out, args.census_labels, report=args.dedup_report,
                                 montage_dir=args.montage_dir, pick=pick, judged_until=args.judged_until,
                                 strata=args.strata, census_only=args.census_only), indent=1))
+    elif args.command == "mutual":
+        picked = None
+        if args.pick:
+            try:
+                bonus, allowance = args.pick.split(":")
+                picked = (float(bonus), int(allowance))
+            except ValueError:
+                p.error(f"--pick {args.pick!r}: expected bonus:allowance, e.g. 0.05:4")
+        print(json.dumps(mutual(args.data, args.out, args.census_labels, report=args.dedup_report,
+                                montage_dir=args.montage_dir, pick=picked, judged_until=args.judged_until,
+                                strata=args.strata), indent=1))
     elif args.command == "views":
         print(json.dumps(views(args.data, args.out, args.census_labels, report=args.dedup_report,
                                montage_dir=args.montage_dir, pick=args.pick, judged_until=args.judged_until,

@@ -238,3 +238,12 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     ce.main(["views", data, model, str(labels), "--census-only", "--judged-until", "2"])
     alone = json.loads(capsys.readouterr().out)
     assert alone["census pairs"] == out["census pairs"] and all(not v for v in alone["all pairs"].values())
+    # the mutual-neighbour bonus: at bonus 0 it is the whole-image score of the views
+    ce.main(["mutual", data, model, str(labels), "--dedup-report", str(report), "--judged-until", "2",
+             "--montage-dir", str(tmp_path), "--pick", "0.1:0"])
+    mutual = json.loads(capsys.readouterr().out)
+    assert mutual["census pairs"]["bonus 0.0"] == out["census pairs"]["whole"]
+    assert set(mutual["all pairs"]) == {f"bonus {b}" for b in ce.MUTUAL_BONUSES}
+    assert 0 <= mutual["mutual over all private images"] <= 4
+    assert mutual["all pairs"]["bonus 0.0"]["+32 diff"]["matched"] == 4
+    assert (tmp_path / "dedup_copy_mutual_added_0.1_0.csv").read_text().startswith("position,test_index,")
