@@ -427,6 +427,16 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     return result
 
 
+TAIL_KEYS = ("clear_found", "recall_on_clear", "tail_dups_found", "recall_with_tail_estimate")
+
+
+def tail_counted(rows: Sequence[dict], *, judged_until: int, total: int, strata: Sequence[int],
+                 matched: set[int]) -> dict:
+    """``dedup_census.census``'s recall of ``matched`` (zeros when nothing is matched)."""
+    counted = census(rows, judged_until=judged_until, total=total, strata=strata, matched=matched).get("dedup")
+    return {key: (counted[key] if counted else 0) for key in TAIL_KEYS}
+
+
 CROP = 24  # px of a 32-px image: a view zoomed 1.33x, the middle of the tail misses' 1.2-1.6x
 CROP_AT = ((4, 4), (0, 0), (0, 8), (8, 0), (8, 8))  # (top, left): the centre and the four corners
 VIEW_SCORES = ("whole", "private crops", "public crops", "both")
@@ -558,9 +568,8 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
             hit = set(np.flatnonzero(best[name] >= cut).tolist())
             row = {"cut": round(cut, 4), "matched": len(hit)}
             if dedup is not None:
-                counted = census(rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)["dedup"]
-                row.update({"added to dedup": len(hit - dedup), **{key: counted[key] for key in (
-                    "clear_found", "recall_on_clear", "tail_dups_found", "recall_with_tail_estimate")}})
+                row.update({"added to dedup": len(hit - dedup), **tail_counted(
+                    rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)})
             a_rows[f"+{allowance} diff"] = row
             if montage_dir is not None and dedup is not None and allowance == pick and name == "both":
                 whole_hit = set(np.flatnonzero(best["whole"] >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
@@ -580,6 +589,7 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
 
 
 MUTUAL_BONUSES = (0.0, 0.02, 0.05, 0.1, 0.2)
+FRONTIER_CUTS = (0.5, 0.48, 0.46, 0.44, 0.42, 0.4, 0.38, 0.36, 0.34)
 
 
 def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int = 10, beta: float = 0.5,
@@ -591,7 +601,8 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     candidate *and* the private image is the public image's nearest private image (cosine, both
     mirror states). Each bonus is compared at equal look-alike cost on the census labels (also held
     out), then over all pairs (each private image's best candidate), counted with the census tail.
-    Bonus 0 is the copy decision's score."""
+    Bonus 0 is the copy decision's score; with a report it is also counted at ``FRONTIER_CUTS``:
+    what a lower ``--copy-cut`` buys and costs."""
     from dpscale.data.dataset import IngestedDataset
     from dpscale.dedup import verify
 
@@ -628,6 +639,13 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
                                      "grid + refine": counts(pixel, labels),
                                      "mutual": counts(c_mutual, labels)},
                     "all pairs": {}}
+    if dedup is not None:  # the copy decision's own score (no bonus) at a range of cuts
+        result["cut frontier, bonus 0"] = {}
+        for cut in FRONTIER_CUTS:
+            hit = set(np.flatnonzero(best >= cut).tolist())
+            result["cut frontier, bonus 0"][f"{cut:.2f}"] = {
+                "census pairs": counts(pixel | (c_score >= cut), labels), "added to dedup": len(hit - dedup),
+                **tail_counted(rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)}
     for bonus in MUTUAL_BONUSES:
         c_total = c_score + bonus * c_mutual
         total = best + bonus * is_mutual
@@ -640,9 +658,8 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
             hit = set(np.flatnonzero(total >= cut).tolist())
             row = {"cut": round(cut, 4), "matched": len(hit)}
             if dedup is not None:
-                counted = census(rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)["dedup"]
-                row.update({"added to dedup": len(hit - dedup), **{key: counted[key] for key in (
-                    "clear_found", "recall_on_clear", "tail_dups_found", "recall_with_tail_estimate")}})
+                row.update({"added to dedup": len(hit - dedup), **tail_counted(
+                    rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)})
                 if montage_dir is not None and pick == (bonus, allowance):
                     plain = set(np.flatnonzero(best >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
                     added = np.array(sorted(hit - dedup - plain), np.int64)  # what the bonus adds
@@ -751,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 p.error(f"--pick {args.pick!r}: expected k:beta:allowance, e.g. 10:0.5:8")
         print(json.dumps(margin(args.data, args.out, args.census_labels, report=args.dedup_report,
                                 montage_dir=args.montage_dir, pick=pick, judged_until=args.judged_until,
-                                strata=args.strata, census_only=args.census_only), indent=1))
+                                strata=args.strata), indent=1))
     elif args.command == "mutual":
         picked = None
         if args.pick:

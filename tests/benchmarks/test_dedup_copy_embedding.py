@@ -246,4 +246,6 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     assert set(mutual["all pairs"]) == {f"bonus {b}" for b in ce.MUTUAL_BONUSES}
     assert 0 <= mutual["mutual over all private images"] <= 4
     assert mutual["all pairs"]["bonus 0.0"]["+32 diff"]["matched"] == 4
+    frontier = [mutual["cut frontier, bonus 0"][f"{c:.2f}"]["added to dedup"] for c in ce.FRONTIER_CUTS]
+    assert frontier == sorted(frontier)  # a lower cut never adds fewer
     assert (tmp_path / "dedup_copy_mutual_added_0.1_0.csv").read_text().startswith("position,test_index,")
