@@ -32,7 +32,10 @@ seeded random 40 of the test images each adds to dedup's matches, for judging by
 ``margin``: the cosine normalised by how crowded each end's public neighbourhood is
 (``normalised``), against the raw cosine at equal look-alike cost on the census labels (also held
 out: cut on the even ranks, counted on the odd), then over all pairs; ``--pick k:beta:allowance``
-draws that setting's additions to dedup for judging by eye.
+draws that setting's additions to dedup for judging by eye. ``views`` (dpscale copy models only):
+1.33x crop views of either end scored beside the whole image, for strong zooms. ``mutual``: a
+bonus for mutual nearest neighbours, and the copy score's recall over all pairs at a range of
+cuts (``--lower-cut high:low`` draws what lowering the cut adds).
 """
 
 from __future__ import annotations
@@ -594,7 +597,8 @@ FRONTIER_CUTS = (0.5, 0.48, 0.46, 0.44, 0.42, 0.4, 0.38, 0.36, 0.34)
 
 def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int = 10, beta: float = 0.5,
            candidates: int = 20, judged_until: int = 1000, strata: Sequence[int] = (3000,),
-           montage_dir: str | None = None, pick: tuple[float, int] | None = None, seed: int = 0) -> dict:
+           montage_dir: str | None = None, pick: tuple[float, int] | None = None,
+           lower_cut: tuple[float, float] | None = None, seed: int = 0) -> dict:
     """Mutual nearest neighbours as evidence: a look-alike of a common scene has many near
     neighbours on both sides, a copy and its twin tend to be each other's nearest. A pair scores
     its ``normalised`` score plus ``bonus`` when the public image is the private image's best-scoring
@@ -602,7 +606,8 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     mirror states). Each bonus is compared at equal look-alike cost on the census labels (also held
     out), then over all pairs (each private image's best candidate), counted with the census tail.
     Bonus 0 is the copy decision's score; with a report it is also counted at ``FRONTIER_CUTS``:
-    what a lower ``--copy-cut`` buys and costs."""
+    what a lower ``--copy-cut`` buys and costs; ``lower_cut`` = (high, low) draws a seeded 40 of the
+    test images a cut of ``low`` adds to dedup's matches and to a cut of ``high``."""
     from dpscale.data.dataset import IngestedDataset
     from dpscale.dedup import verify
 
@@ -646,6 +651,18 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
             result["cut frontier, bonus 0"][f"{cut:.2f}"] = {
                 "census pairs": counts(pixel | (c_score >= cut), labels), "added to dedup": len(hit - dedup),
                 **tail_counted(rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)}
+        if montage_dir is not None and lower_cut is not None:
+            high, low = lower_cut
+            added = np.flatnonzero((best >= low) & (best < high))
+            added = np.array(sorted(set(added.tolist()) - dedup), np.int64)  # what lowering the cut adds
+            drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
+            path = os.path.join(montage_dir, f"dedup_copy_cut_{high}_to_{low}_added.png")
+            montage(data, [{"rank": i, "test_index": int(t), "train_index": int(best_j[t]),
+                            "similarity": float(best[t]), "mirrored": bool(best_m[t])} for i, t in enumerate(drawn)],
+                    path)
+            write_label_sheet(path.replace(".png", ".csv"), [
+                (int(t), int(best_j[t]), float(best[t]), bool(best_m[t])) for t in drawn], score_name="score")
+            result["cut montage"] = {path: {"added by the lower cut": len(added), "drawn": len(drawn)}}
     for bonus in MUTUAL_BONUSES:
         c_total = c_score + bonus * c_mutual
         total = best + bonus * is_mutual
@@ -755,6 +772,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     mu.add_argument("--dedup-report")
     mu.add_argument("--montage-dir")
     mu.add_argument("--pick", help="bonus:allowance whose additions by the bonus to draw, e.g. 0.05:4")
+    mu.add_argument("--lower-cut", help="high:low, e.g. 0.48:0.4: draw what lowering the copy cut adds")
     mu.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
     mu.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
     args = p.parse_args(argv)
@@ -777,9 +795,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 picked = (float(bonus), int(allowance))
             except ValueError:
                 p.error(f"--pick {args.pick!r}: expected bonus:allowance, e.g. 0.05:4")
+        lower = None
+        if args.lower_cut:
+            try:
+                high, low = (float(v) for v in args.lower_cut.split(":"))
+                lower = (high, low)
+            except ValueError:
+                p.error(f"--lower-cut {args.lower_cut!r}: expected high:low, e.g. 0.48:0.4")
         print(json.dumps(mutual(args.data, args.out, args.census_labels, report=args.dedup_report,
-                                montage_dir=args.montage_dir, pick=picked, judged_until=args.judged_until,
-                                strata=args.strata), indent=1))
+                                montage_dir=args.montage_dir, pick=picked, lower_cut=lower,
+                                judged_until=args.judged_until, strata=args.strata), indent=1))
     elif args.command == "views":
         print(json.dumps(views(args.data, args.out, args.census_labels, report=args.dedup_report,
                                montage_dir=args.montage_dir, pick=args.pick, judged_until=args.judged_until,

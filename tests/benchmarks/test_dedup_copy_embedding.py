@@ -240,7 +240,7 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     assert alone["census pairs"] == out["census pairs"] and all(not v for v in alone["all pairs"].values())
     # the mutual-neighbour bonus: at bonus 0 it is the whole-image score of the views
     ce.main(["mutual", data, model, str(labels), "--dedup-report", str(report), "--judged-until", "2",
-             "--montage-dir", str(tmp_path), "--pick", "0.1:0"])
+             "--montage-dir", str(tmp_path), "--pick", "0.1:0", "--lower-cut", "1.9:-1.9"])
     mutual = json.loads(capsys.readouterr().out)
     assert mutual["census pairs"]["bonus 0.0"] == out["census pairs"]["whole"]
     assert set(mutual["all pairs"]) == {f"bonus {b}" for b in ce.MUTUAL_BONUSES}
@@ -248,4 +248,6 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     assert mutual["all pairs"]["bonus 0.0"]["+32 diff"]["matched"] == 4
     frontier = [mutual["cut frontier, bonus 0"][f"{c:.2f}"]["added to dedup"] for c in ce.FRONTIER_CUTS]
     assert frontier == sorted(frontier)  # a lower cut never adds fewer
+    assert list(mutual["cut montage"].values()) == [{"added by the lower cut": 4, "drawn": 4}]  # no report match
+    assert (tmp_path / "dedup_copy_cut_1.9_to_-1.9_added.csv").read_text().count("\n") == 5
     assert (tmp_path / "dedup_copy_mutual_added_0.1_0.csv").read_text().startswith("position,test_index,")
