@@ -316,6 +316,22 @@ def search(data: str, out: str, census_path: str, *, report: str | None, thresho
     return result
 
 
+def census_columns(census_path: str) -> tuple[list[dict], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The census labels as rows and as columns: test index, train index, label, even rank."""
+    rows = read_labels(census_path)
+    return (rows, np.array([r["test_index"] for r in rows]), np.array([r["train_index"] for r in rows]),
+            np.array([r["label"] for r in rows]), np.array([r["rank"] % 2 == 0 for r in rows]))
+
+
+def pixel_accepted(dataset, census_path: str) -> np.ndarray:
+    """Per census pair: does dedup's pixel decision (grid, then refinement) accept it?"""
+    from dpscale.dedup import verify
+
+    pub, priv, _ = read_census_pairs(dataset, census_path)
+    grid, refined_state = better_mirror_state(pub, priv)
+    return (grid <= verify.THRESHOLD) | refined_state.accepted
+
+
 def best_allowed(score: np.ndarray, labels: np.ndarray, already: np.ndarray, allowance: int) -> tuple[float, dict]:
     """The lowest cut on ``score`` that adds at most ``allowance`` ``diff`` pairs to those
     ``already`` accepted, and the union's counts at that cut: the comparison of two scores at
@@ -345,7 +361,6 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     count`` (ranks < ``judged_until`` judged, the tail sampled in ``strata``): recall including
     the tail samples."""
     from dpscale.data.dataset import IngestedDataset
-    from dpscale.dedup import verify
 
     ds = IngestedDataset(data)
     train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
@@ -357,15 +372,9 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     train_sims, _, _ = top_k(e_train, e_train_m, e_train, k=k_max, exclude_self=True)
     seconds = time.time() - start
 
-    rows = read_labels(census_path)
-    c_test = np.array([r["test_index"] for r in rows])
-    c_train = np.array([r["train_index"] for r in rows])
-    labels = np.array([r["label"] for r in rows])
-    even = np.array([r["rank"] % 2 == 0 for r in rows])
+    rows, c_test, c_train, labels, even = census_columns(census_path)
     block_dup = {r["test_index"] for r in rows if r["rank"] < judged_until and r["label"] == "dup"}
-    pub, priv, _ = read_census_pairs(ds, census_path)
-    grid, refined_state = better_mirror_state(pub, priv)
-    pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
+    pixel = pixel_accepted(ds, census_path)
     c_cos = np.maximum((e_train[c_train] * e_test[c_test]).sum(1), (e_train[c_train] * e_test_m[c_test]).sum(1))
     dedup = None if report is None else dedup_matched(report)
 
@@ -468,7 +477,7 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
     public crops) and counted with the census tail; ``census_only``: the census pairs alone
     (minutes instead of a quarter of an hour), no all-pairs rows."""
     from dpscale.data.dataset import IngestedDataset
-    from dpscale.dedup import copy_model, verify
+    from dpscale.dedup import copy_model
 
     ds = IngestedDataset(data)
     params = copy_model.load(out).params
@@ -479,9 +488,7 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
     def both_states(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return copy_model.embed(params, images), copy_model.embed(params, images, mirrored=True)
 
-    rows = read_labels(census_path)
-    ci = np.array([r["test_index"] for r in rows])
-    cj = np.array([r["train_index"] for r in rows])
+    rows, ci, cj, labels, even = census_columns(census_path)
     tr_w, tr_wm = both_states(train_images)
     te_w, te_wm = both_states(test_images)
     # crop views of every image, or with ``census_only`` of the census pairs' images alone (the
@@ -513,8 +520,6 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
     bg_te_c = [kth(v, need_te) for v in te_c]
 
     # census pairs: every combination's score, then the best over each family of views
-    labels = np.array([r["label"] for r in rows])
-    even = np.array([r["rank"] % 2 == 0 for r in rows])
 
     def pair_cos(q: tuple[np.ndarray, np.ndarray], p: np.ndarray) -> np.ndarray:
         return np.maximum((q[0][ci] * p[cj]).sum(1), (q[1][ci] * p[cj]).sum(1))
@@ -551,9 +556,7 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
             consider(("public crops", "both"), (te_w, te_wm), v[0], bg_te_w, b)
     seconds = time.time() - start
 
-    pub_imgs, priv_imgs, _ = read_census_pairs(ds, census_path)
-    grid, refined_state = better_mirror_state(pub_imgs, priv_imgs)
-    pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
+    pixel = pixel_accepted(ds, census_path)
     dedup = None if report is None else dedup_matched(report)
     result: dict = {"embed seconds": round(embed_seconds, 1), "embed, background and search seconds": round(seconds, 1),
                     "k": k, "beta": beta, "census pairs": {"total": counts(np.ones(len(labels), bool), labels),
@@ -609,7 +612,6 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     what a lower ``--copy-cut`` buys and costs; ``lower_cut`` = (high, low) draws a seeded 40 of the
     test images a cut of ``low`` adds to dedup's matches and to a cut of ``high``."""
     from dpscale.data.dataset import IngestedDataset
-    from dpscale.dedup import verify
 
     ds = IngestedDataset(data)
     train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
@@ -626,17 +628,11 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     is_mutual = nearest_private[best_j] == np.arange(n)
     seconds = time.time() - start
 
-    rows = read_labels(census_path)
-    ci = np.array([r["test_index"] for r in rows])
-    cj = np.array([r["train_index"] for r in rows])
-    labels = np.array([r["label"] for r in rows])
-    even = np.array([r["rank"] % 2 == 0 for r in rows])
+    rows, ci, cj, labels, even = census_columns(census_path)
     c_cos = np.maximum((tr[cj] * te[ci]).sum(1), (tr[cj] * te_m[ci]).sum(1))
     c_score = normalised(c_cos, test_sims[ci, k - 1], train_sims[cj, k - 1], beta)
     c_mutual = (best_j[ci] == cj) & (nearest_private[cj] == ci)
-    pub_imgs, priv_imgs, _ = read_census_pairs(ds, census_path)
-    grid, refined_state = better_mirror_state(pub_imgs, priv_imgs)
-    pixel = (grid <= verify.THRESHOLD) | refined_state.accepted
+    pixel = pixel_accepted(ds, census_path)
     dedup = None if report is None else dedup_matched(report)
     result: dict = {"embed and search seconds": round(seconds, 1), "k": k, "beta": beta,
                     "mutual over all private images": int(is_mutual.sum()),

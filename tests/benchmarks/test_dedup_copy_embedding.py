@@ -91,16 +91,15 @@ def test_pixel_checks_accept_a_copy_and_reject_an_unrelated_image():
     assert accepted.tolist() == [True, False]
 
 
-def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsys):
+def ingest_tiny(tmp_path, train: np.ndarray, test: np.ndarray) -> tuple[str, np.ndarray, np.ndarray]:
+    """train and test images as an ingested dataset (classes a / b alternating); its path and the
+    images in their ingested order."""
     from PIL import Image
 
     from dpscale.data.dataset import IngestedDataset
     from dpscale.stages.ingest import IngestConfig
     from dpscale.stages.ingest import run as ingest
 
-    rng = np.random.default_rng(0)
-    train = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
-    test = np.concatenate([train[:4, :, ::-1], rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)])
     for split, images in (("train", train), ("test", test)):
         for i, image in enumerate(images):
             path = tmp_path / "src" / split / ("a" if i % 2 else "b") / f"{i:02d}.png"
@@ -110,8 +109,14 @@ def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsy
     ingest(IngestConfig(f"folder:{tmp_path / 'src'}", data, pipeline_args=(
         "--runner=FnApiRunner", "--direct_num_workers=1", "--direct_running_mode=in_memory")))
     ds = IngestedDataset(data)
-    stored_train = np.asarray(ds.get("train", np.arange(64))[0])
-    stored_test = np.asarray(ds.get("test", np.arange(8))[0])
+    return data, *(np.asarray(ds.get(s, np.arange(len(x)))[0]) for s, x in (("train", train), ("test", test)))
+
+
+def test_census_and_search_run_end_to_end_on_a_tiny_ingested_set(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    test = np.concatenate([train[:4, :, ::-1], rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)])
+    data, stored_train, stored_test = ingest_tiny(tmp_path, train, test)
     # where the ingested order put the mirrored copy of train[0], and an unrelated test image
     t_copy = next(i for i in range(8) if np.array_equal(stored_test[i], train[0, :, ::-1]))
     j_copy = next(j for j in range(64) if np.array_equal(stored_train[j], train[0]))
@@ -190,27 +195,15 @@ def test_crop_view_is_the_window_resized_back_to_full_size():
 
 
 def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
-    from PIL import Image
-
     from dpscale.data.dataset import IngestedDataset
     from dpscale.dedup import copy_model
-    from dpscale.stages.ingest import IngestConfig
-    from dpscale.stages.ingest import run as ingest
 
     rng = np.random.default_rng(1)
     train = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
     zoomed = ce.crop_view(train[:2], (4, 4))  # test images that are 1.33x zooms of two train images
     test = np.concatenate([zoomed, rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)])
-    for split, images in (("train", train), ("test", test)):
-        for i, image in enumerate(images):
-            path = tmp_path / "src" / split / "a" / f"{i:02d}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(image).save(path)
-    data = str(tmp_path / "data")
-    ingest(IngestConfig(f"folder:{tmp_path / 'src'}", data, pipeline_args=(
-        "--runner=FnApiRunner", "--direct_num_workers=1", "--direct_running_mode=in_memory")))
+    data, stored_train, stored_test = ingest_tiny(tmp_path, train, test)
     ds = IngestedDataset(data)
-    stored_train, stored_test = (np.asarray(ds.get(s, np.arange(n))[0]) for s, n in (("train", 64), ("test", 4)))
     t_zoom = next(i for i in range(4) if np.array_equal(stored_test[i], zoomed[0]))
     j_zoom = next(j for j in range(64) if np.array_equal(stored_train[j], train[0]))
     model = str(tmp_path / "copy")
