@@ -305,14 +305,9 @@ def search(data: str, out: str, census_path: str, *, report: str | None, thresho
         result["montages"] = {}
         for name, members in sheets.items():
             added = np.array(sorted(members), np.int64)
-            pick = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
             path = os.path.join(montage_dir, f"dedup_copy_embedding_{name}.png")
-            montage(data, [{"rank": k, "test_index": int(t), "train_index": int(index[t]),
-                            "similarity": float(best[t]), "mirrored": bool(mirrored[t])}
-                           for k, t in enumerate(pick)], path)
-            write_label_sheet(path.replace(".png", ".csv"),
-                              [(int(t), int(index[t]), float(best[t]), bool(mirrored[t])) for t in pick])
-            result["montages"][path] = {"added": len(added), "drawn": len(pick)}
+            drawn = draw_sheet(data, path, added, index, best, mirrored, seed=seed, score_name="cosine")
+            result["montages"][path] = {"added": len(added), "drawn": drawn}
     return result
 
 
@@ -342,6 +337,29 @@ def best_allowed(score: np.ndarray, labels: np.ndarray, already: np.ndarray, all
     diff_scores = np.sort(score[candidates & (labels == "diff")])[::-1]
     cut = float(diff_scores[allowance]) + CUT_MARGIN if allowance < len(diff_scores) else -np.inf
     return cut, counts(already | (score >= cut), labels)
+
+
+def census_row(score: np.ndarray, labels: np.ndarray, pixel: np.ndarray, even: np.ndarray,
+               allowance: int) -> tuple[float, dict]:
+    """``best_allowed``'s cut and counts, and held out: the cut set on the even ranks (half the
+    allowance), counted on the odd."""
+    cut, union = best_allowed(score, labels, pixel, allowance)
+    even_cut, _ = best_allowed(score[even], labels[even], pixel[even], allowance // 2)
+    odd = counts(pixel[~even] | (score[~even] >= even_cut), labels[~even])
+    return cut, {"cut": round(cut, 4), **union, "odd ranks at the even ranks' cut": odd}
+
+
+def draw_sheet(data: str, path: str, added: np.ndarray, index: np.ndarray, score: np.ndarray,
+               mirrored: np.ndarray, *, seed: int, score_name: str = "score") -> int:
+    """A seeded random 40 of the test images ``added`` with the train image ``index`` names, as a
+    montage at ``path`` and a label sheet beside it; how many were drawn."""
+    drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
+    montage(data, [{"rank": i, "test_index": int(t), "train_index": int(index[t]), "similarity": float(score[t]),
+                    "mirrored": bool(mirrored[t])} for i, t in enumerate(drawn)], path)
+    write_label_sheet(path.replace(".png", ".csv"),
+                      [(int(t), int(index[t]), float(score[t]), bool(mirrored[t])) for t in drawn],
+                      score_name=score_name)
+    return len(drawn)
 
 
 CUT_MARGIN = 1e-5
@@ -396,12 +414,7 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
             best = all_score[rows_, best_col]
             census_rows, all_rows = {}, {}
             for allowance in ALLOWANCES:
-                cut, union = best_allowed(c_score, labels, pixel, allowance)
-                # held out: the cut set on the even ranks (half the allowance), counted on the odd
-                even_cut, _ = best_allowed(c_score[even], labels[even], pixel[even], allowance // 2)
-                odd = counts(pixel[~even] | (c_score[~even] >= even_cut), labels[~even])
-                census_rows[f"+{allowance} diff"] = {"cut": round(cut, 4), **union,
-                                                     "odd ranks at the even ranks' cut": odd}
+                cut, census_rows[f"+{allowance} diff"] = census_row(c_score, labels, pixel, even, allowance)
                 hit = set(np.flatnonzero(best >= cut).tolist())
                 row = {"cut": round(cut, 4), "matched": len(hit), "block duplicates found": len(block_dup & hit)}
                 if dedup is not None:
@@ -426,16 +439,10 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
                                       "tail_dups_found", "recall_with_tail_estimate")}
     if montage_dir is not None:
         added = np.array(sorted(hit - dedup), np.int64)
-        drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
         tag = name.replace(" ", "_").replace("=", "")
         path = os.path.join(montage_dir, f"dedup_copy_embedding_margin_{tag}_{allowance}.png")
-        montage(data, [{"rank": i, "test_index": int(t), "train_index": int(index[t]),
-                        "similarity": float(best[t]), "mirrored": bool(mirrored[t])}
-                       for i, t in enumerate(drawn)], path)
-        write_label_sheet(path.replace(".png", ".csv"),
-                          [(int(t), int(index[t]), float(best[t]), bool(mirrored[t])) for t in drawn],
-                          score_name="score")
-        result["montage"] = {path: {"added": len(added), "drawn": len(drawn)}}
+        result["montage"] = {path: {"added": len(added),
+                                    "drawn": draw_sheet(data, path, added, index, best, mirrored, seed=seed)}}
     return result
 
 
@@ -565,10 +572,7 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
     for name in VIEW_SCORES:
         c_rows, a_rows = {}, {}
         for allowance in ALLOWANCES:
-            cut, union = best_allowed(census_scores[name], labels, pixel, allowance)
-            even_cut, _ = best_allowed(census_scores[name][even], labels[even], pixel[even], allowance // 2)
-            odd = counts(pixel[~even] | (census_scores[name][~even] >= even_cut), labels[~even])
-            c_rows[f"+{allowance} diff"] = {"cut": round(cut, 4), **union, "odd ranks at the even ranks' cut": odd}
+            cut, c_rows[f"+{allowance} diff"] = census_row(census_scores[name], labels, pixel, even, allowance)
             if census_only:
                 continue
             hit = set(np.flatnonzero(best[name] >= cut).tolist())
@@ -580,15 +584,9 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
             if montage_dir is not None and dedup is not None and allowance == pick and name == "both":
                 whole_hit = set(np.flatnonzero(best["whole"] >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
                 added = np.array(sorted(hit - dedup - whole_hit), np.int64)  # what the views add
-                drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
                 path = os.path.join(montage_dir, f"dedup_copy_views_added_{allowance}.png")
-                montage(data, [{"rank": i, "test_index": int(t), "train_index": int(best_j[name][t]),
-                                "similarity": float(best[name][t]), "mirrored": bool(best_m[name][t])}
-                               for i, t in enumerate(drawn)], path)
-                write_label_sheet(path.replace(".png", ".csv"), [
-                    (int(t), int(best_j[name][t]), float(best[name][t]), bool(best_m[name][t])) for t in drawn],
-                    score_name="score")
-                result["montage"] = {path: {"added by the views": len(added), "drawn": len(drawn)}}
+                drawn = draw_sheet(data, path, added, best_j[name], best[name], best_m[name], seed=seed)
+                result["montage"] = {path: {"added by the views": len(added), "drawn": drawn}}
         result["census pairs"][name] = c_rows
         result["all pairs"][name] = a_rows
     return result
@@ -651,23 +649,15 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
             high, low = lower_cut
             added = np.flatnonzero((best >= low) & (best < high))
             added = np.array(sorted(set(added.tolist()) - dedup), np.int64)  # what lowering the cut adds
-            drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
             path = os.path.join(montage_dir, f"dedup_copy_cut_{high}_to_{low}_added.png")
-            montage(data, [{"rank": i, "test_index": int(t), "train_index": int(best_j[t]),
-                            "similarity": float(best[t]), "mirrored": bool(best_m[t])} for i, t in enumerate(drawn)],
-                    path)
-            write_label_sheet(path.replace(".png", ".csv"), [
-                (int(t), int(best_j[t]), float(best[t]), bool(best_m[t])) for t in drawn], score_name="score")
-            result["cut montage"] = {path: {"added by the lower cut": len(added), "drawn": len(drawn)}}
+            drawn = draw_sheet(data, path, added, best_j, best, best_m, seed=seed)
+            result["cut montage"] = {path: {"added by the lower cut": len(added), "drawn": drawn}}
     for bonus in MUTUAL_BONUSES:
         c_total = c_score + bonus * c_mutual
         total = best + bonus * is_mutual
         c_rows, a_rows = {}, {}
         for allowance in ALLOWANCES:
-            cut, union = best_allowed(c_total, labels, pixel, allowance)
-            even_cut, _ = best_allowed(c_total[even], labels[even], pixel[even], allowance // 2)
-            odd = counts(pixel[~even] | (c_total[~even] >= even_cut), labels[~even])
-            c_rows[f"+{allowance} diff"] = {"cut": round(cut, 4), **union, "odd ranks at the even ranks' cut": odd}
+            cut, c_rows[f"+{allowance} diff"] = census_row(c_total, labels, pixel, even, allowance)
             hit = set(np.flatnonzero(total >= cut).tolist())
             row = {"cut": round(cut, 4), "matched": len(hit)}
             if dedup is not None:
@@ -676,14 +666,9 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
                 if montage_dir is not None and pick == (bonus, allowance):
                     plain = set(np.flatnonzero(best >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
                     added = np.array(sorted(hit - dedup - plain), np.int64)  # what the bonus adds
-                    drawn = np.sort(np.random.default_rng(seed).choice(added, min(40, len(added)), replace=False))
                     path = os.path.join(montage_dir, f"dedup_copy_mutual_added_{bonus}_{allowance}.png")
-                    montage(data, [{"rank": i, "test_index": int(t), "train_index": int(best_j[t]),
-                                    "similarity": float(total[t]), "mirrored": bool(best_m[t])}
-                                   for i, t in enumerate(drawn)], path)
-                    write_label_sheet(path.replace(".png", ".csv"), [
-                        (int(t), int(best_j[t]), float(total[t]), bool(best_m[t])) for t in drawn], score_name="score")
-                    result["montage"] = {path: {"added by the bonus": len(added), "drawn": len(drawn)}}
+                    drawn = draw_sheet(data, path, added, best_j, total, best_m, seed=seed)
+                    result["montage"] = {path: {"added by the bonus": len(added), "drawn": drawn}}
             a_rows[f"+{allowance} diff"] = row
         result["census pairs"][f"bonus {bonus}"] = c_rows
         result["all pairs"][f"bonus {bonus}"] = a_rows
