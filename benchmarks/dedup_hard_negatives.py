@@ -7,9 +7,9 @@ has to tell them apart. Here each batch is built from ``seeds`` random public im
 each, its nearest other public images by the current model (the neighbour mirrored where its
 better state is the mirrored one), filled up with random images; same loss and copy edits as
 ``dedup.copy_model.train``. Neighbours at a cosine of ``tau`` or more are left out: they are
-likely copies *within* the public set, which must not be pushed apart. Hard-negative batches
-are common practice in contrastive training (e.g. the hard-negative mining of SSCD, Pizzi et
-al. 2022). Public images only: nothing private enters the model. ``--random`` is the control:
+likely copies *within* the public set, which must not be pushed apart. Hard negatives are a
+common device of metric learning (e.g. the semi-hard negatives of FaceNet, Schroff et al.
+2015). Public images only: nothing private enters the model. ``--random`` is the control:
 the same steps and learning rate on random batches.
 
     D=/tmp/s31/cifar10
