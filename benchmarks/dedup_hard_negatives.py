@@ -79,23 +79,9 @@ def fine_tune(params: Any, thumbnails: np.ndarray, pick: np.ndarray, flip: np.nd
 
     from dpscale.dedup import copy_model
 
-    model = copy_model.CopyEmbedding()
     optimiser = optax.adamw(optax.cosine_onecycle_schedule(steps, learning_rate), weight_decay=1e-4)
     state = optimiser.init(params)
-    edits = jax.vmap(copy_model.copy_edit)
-
-    @jax.jit
-    def step(params: Any, state: Any, images: jax.Array, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        k1, k2 = jax.random.split(key)
-        n = images.shape[0]
-        v1, v2 = edits(jax.random.split(k1, n), images), edits(jax.random.split(k2, n), images)
-
-        def loss_fn(p: Any) -> jax.Array:
-            return copy_model.nt_xent(model.apply(p, v1), model.apply(p, v2), temperature)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, state = optimiser.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+    step = copy_model.contrastive_step(optimiser, temperature)
 
     rng, root = np.random.default_rng(seed), jax.random.PRNGKey(seed + 100)
     losses, start = [], time.time()

@@ -148,6 +148,30 @@ class TrainSettings:
             raise ValueError("learning rate and temperature must be positive, weight decay not negative")
 
 
+Step = Callable[[Any, Any, jax.Array, jax.Array], tuple[Any, Any, jax.Array]]
+
+
+def contrastive_step(optimiser: optax.GradientTransformation, temperature: float) -> Step:
+    """A jitted training step ``(params, optimiser state, batch, key) -> (params, state, loss)``:
+    two fresh copy edits of every image of the batch (float [n, H, W, 3] in [0, 1]), NT-Xent."""
+    model, edits = CopyEmbedding(), jax.vmap(copy_edit)
+
+    @jax.jit
+    def step(params: Any, state: Any, batch: jax.Array, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        k1, k2 = jax.random.split(key)
+        n = batch.shape[0]
+        v1, v2 = edits(jax.random.split(k1, n), batch), edits(jax.random.split(k2, n), batch)
+
+        def loss_fn(p: Any) -> jax.Array:
+            return nt_xent(model.apply(p, v1), model.apply(p, v2), temperature)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, state = optimiser.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return step
+
+
 PARTIAL = "copy_model.partial.msgpack"  # the state after the last finished epoch
 
 
@@ -173,20 +197,7 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
     schedule = optax.cosine_onecycle_schedule(total, settings.learning_rate)
     optimiser = optax.adamw(schedule, weight_decay=settings.weight_decay)
     state = optimiser.init(params)
-    edits = jax.vmap(copy_edit)
-
-    @jax.jit
-    def step(params: Any, state: Any, batch: jax.Array, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        k1, k2 = jax.random.split(key)
-        n = batch.shape[0]
-        v1, v2 = edits(jax.random.split(k1, n), batch), edits(jax.random.split(k2, n), batch)
-
-        def loss_fn(p: Any) -> jax.Array:
-            return nt_xent(model.apply(p, v1), model.apply(p, v2), settings.temperature)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, state = optimiser.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+    step = contrastive_step(optimiser, settings.temperature)
 
     identity = {"format": FORMAT, "images": len(x), "digest": _digest(x), **dataclasses.asdict(settings)}
     first_epoch, losses = 0, []
