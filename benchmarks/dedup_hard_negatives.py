@@ -10,7 +10,9 @@ better state is the mirrored one), filled up with random images; same loss and c
 likely copies *within* the public set, which must not be pushed apart. Hard negatives are a
 common device of metric learning (e.g. the semi-hard negatives of FaceNet, Schroff et al.
 2015). Public images only: nothing private enters the model. ``--random`` is the control:
-the same steps and learning rate on random batches.
+the same steps and learning rate on random batches. ``mine --census-labels`` also reads the
+test (private) split and prints its census pairs' cosines without noise: a diagnostic for
+benchmark data, not to be run on or published for data you must keep private.
 
     D=/tmp/s31/cifar10
     python benchmarks/dedup_hard_negatives.py mine $D COPY12 nn.npz            # 50,000 x 16 nearest
@@ -162,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     m.add_argument("data")
     m.add_argument("model", help="a dpscale copy model (dpscale train-copy-model)")
     m.add_argument("out", help="npz of similarities, indices and mirror flags")
-    m.add_argument("--census-labels", help="also the census pairs' cosines by label")
+    m.add_argument("--census-labels", help="also the census pairs' cosines by label (reads the private split)")
     t = sub.add_parser("tune", help="fine-tune on hard-negative (or, with --random, random) batches")
     t.add_argument("data")
     t.add_argument("model")
