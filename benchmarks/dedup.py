@@ -250,7 +250,7 @@ def subset(data: str, out: str, n: int) -> None:
     src = out + "-src"
     idx = np.arange(n)
     for split, images in (("train", ds.get("train", idx)[0]),
-                          ("test", ds.get("test", np.arange(ds.num_examples("test")))[0])):
+                          ("test", ds.split_images("test"))):
         for i, im in enumerate(images):
             _save(src, split, f"{i:05d}", im)
     ingest(IngestConfig(f"folder:{src}", out, overwrite=True))

@@ -123,7 +123,7 @@ def analyse(data: str, work: str, labels_path: str, report_path: str, *, ks: Seq
         removed = {p["public_index"]: p["private_index"] for p in json.load(handle)["removed"]}
 
     ds = IngestedDataset(data)
-    train = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
+    train = ds.split_images("train")
     public_desc = np.concatenate([descriptor.describe(train[lo:lo + 5000])
                                   for lo in range(0, len(train), 5000)])
     tests = np.array([r["test_index"] for r in labels])

@@ -278,8 +278,8 @@ def search(data: str, out: str, census_path: str, *, report: str | None, thresho
 
     ds = IngestedDataset(data)
     net = load(out)
-    train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
-    test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+    train_images = ds.split_images("train")
+    test_images = ds.split_images("test")
     start = time.time()
     e_train = embed(net, train_images)
     e_test, e_mirror = embed(net, test_images), embed(net, test_images[:, :, ::-1])
@@ -381,8 +381,8 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     from dpscale.data.dataset import IngestedDataset
 
     ds = IngestedDataset(data)
-    train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
-    test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+    train_images = ds.split_images("train")
+    test_images = ds.split_images("test")
     start = time.time()
     e_train, e_train_m, e_test, e_test_m = embeddings(out, train_images, test_images)
     k_max = max(MARGIN_KS)
@@ -488,8 +488,8 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
 
     ds = IngestedDataset(data)
     params = copy_model.load(out).params
-    train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
-    test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+    train_images = ds.split_images("train")
+    test_images = ds.split_images("test")
     start = time.time()
 
     def both_states(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -612,8 +612,8 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     from dpscale.data.dataset import IngestedDataset
 
     ds = IngestedDataset(data)
-    train_images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
-    test_images = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+    train_images = ds.split_images("train")
+    test_images = ds.split_images("test")
     start = time.time()
     tr, tr_m, te, te_m = embeddings(out, train_images, test_images)
     test_sims, test_index, test_mirrored = top_k(te, te_m, tr, k=candidates)
@@ -797,7 +797,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from dpscale.data.dataset import IngestedDataset
 
         ds = IngestedDataset(args.data)
-        images = np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
+        images = ds.split_images("train")
         print(json.dumps(train(images, args.out, epochs=args.epochs, seed=args.seed,
                                koleo_weight=args.koleo), indent=1))
     elif args.command == "census":

@@ -109,7 +109,7 @@ def _public(data: str) -> tuple[Any, np.ndarray]:
     from dpscale.data.dataset import IngestedDataset
 
     ds = IngestedDataset(data)
-    return ds, np.asarray(ds.get("train", np.arange(ds.num_examples("train")))[0])
+    return ds, ds.split_images("train")
 
 
 def mine(data: str, model: str, out: str, census_path: str | None) -> dict:
@@ -129,7 +129,7 @@ def mine(data: str, model: str, out: str, census_path: str | None) -> dict:
     if census_path is not None:
         from dpscale.benchmarks.dedup_copy_embedding import census_columns
 
-        test = np.asarray(ds.get("test", np.arange(ds.num_examples("test")))[0])
+        test = ds.split_images("test")
         t, t_m = copy_model.embed(params, test), copy_model.embed(params, test, mirrored=True)
         _, ci, cj, labels, _ = census_columns(census_path)
         cos = np.maximum((e[cj] * t[ci]).sum(1), (e[cj] * t_m[ci]).sum(1))

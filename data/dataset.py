@@ -101,6 +101,11 @@ class IngestedDataset:
             labels[slot] = example.label
         return images.reshape(*idx.shape, *self.image_shape), labels.reshape(idx.shape)
 
+    def split_images(self, split: str) -> np.ndarray:
+        """Every image of ``split`` in index order, uint8 ``[N, H, W, C]``: the whole split in
+        memory (1.5 GB for 500,000 CIFAR-sized images), for tools that need it all at once."""
+        return self.get(split, np.arange(self.num_examples(split)))[0]
+
     def examples(self, split: str, indices: Sequence[int] | np.ndarray) -> list[Example]:
         """Full examples (with id and source key) at ``indices``."""
         return [decode_record(r, split=split) for r in self.records(split, indices)]

@@ -53,6 +53,7 @@ def test_manifest_written_only_when_every_input_is_accounted_for(tmp_path):
     images, labels = ds.get("train", [0, 1, 2, 3])
     assert sorted(int(x) for x in images[:, 0, 0, 0]) == [0, 1, 2, 3]
     assert list(labels) == [int(x) % 2 for x in images[:, 0, 0, 0]]
+    np.testing.assert_array_equal(ds.split_images("train"), images)  # the whole split, in index order
     # example ids: read from the headers in index order, in chunks, the pixels' hash whatever the split or label
     ids = ds.ids("train", chunk=3)
     assert ids.dtype == np.uint64 and list(ids) == [

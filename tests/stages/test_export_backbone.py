@@ -64,7 +64,7 @@ def test_exported_backbone_reproduces_the_runs_features_and_logits(runs):
     np.testing.assert_array_equal(store.labels("test"), labels)
     np.testing.assert_allclose(store.features("test")[:], np.asarray(run_features), rtol=1e-5, atol=1e-5)
     with IngestedDataset(runs["data"]) as ds:
-        images, _ = ds.get("test", np.arange(ds.num_examples("test")))
+        images = ds.split_images("test")
     np.testing.assert_allclose(np.asarray(model.apply(variables, prep(images))), np.asarray(run_logits),
                                rtol=1e-5, atol=1e-5)
 
