@@ -8,14 +8,20 @@ Training steps, audited models and Beam pipelines all report through ``progress_
             bar.advance(epsilon=f"eps {eps:.3f}")
 
 A disabled bar (``enabled=False``) accepts the same calls and draws nothing, so callers never
-branch on it. rich draws the bar live on a terminal; elsewhere it prints the final state once.
+branch on it. rich draws the bar live on a terminal; elsewhere (a log file, a batch job) one
+plain line is printed every ``LINE_EVERY_SECONDS`` and one at the end, so an hours-long run
+shows it is alive.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+LINE_EVERY_SECONDS = 60.0
 
 
 class Bar:
@@ -33,6 +39,38 @@ class Bar:
             self._progress.update(self._task, completed=completed, **fields)
 
 
+class _Lines:
+    """rich's ``Progress.update`` for a stream that is not a terminal: a dated line at most every
+    ``every`` seconds (rich would print nothing until the end)."""
+
+    def __init__(self, label: str, total: int, completed: int, every: float) -> None:
+        self.label, self.total, self.completed, self.every = label, total, completed, every
+        self.fields: dict[str, str] = {}
+        self.start = self.last = time.monotonic()
+        self.first = completed
+
+    def update(self, task: Any, *, advance: int | None = None, completed: int | None = None,
+               **fields: str) -> None:
+        self.completed = completed if completed is not None else self.completed + (advance or 0)
+        self.fields.update(fields)
+        if time.monotonic() - self.last >= self.every:
+            self.line()
+
+    def line(self) -> None:
+        self.last = now = time.monotonic()
+        elapsed, done = now - self.start, self.completed - self.first
+        left = (self.total - self.completed) * elapsed / done if done > 0 else None
+        parts = [f"{self.label}: {self.completed}/{self.total}",
+                 *(v for v in self.fields.values() if v), f"{_clock(elapsed)} elapsed",
+                 *([f"~{_clock(left)} left"] if left is not None and self.completed < self.total else [])]
+        print(time.strftime("%H:%M:%S"), ", ".join(parts), file=sys.stderr, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
 @contextlib.contextmanager
 def progress_bar(label: str, *, total: int, completed: int = 0, enabled: bool = True,
                  fields: Sequence[str] = (), transient: bool = False) -> Iterator[Bar]:
@@ -43,8 +81,15 @@ def progress_bar(label: str, *, total: int, completed: int = 0, enabled: bool = 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        lines = _Lines(label, total, completed, LINE_EVERY_SECONDS)
+        yield Bar(lines, None)
+        if not transient:
+            lines.line()
+        return
     columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(),
                *(TextColumn(f"{{task.fields[{name}]}}") for name in fields), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=transient) as progress:
+    with Progress(*columns, console=console, transient=transient) as progress:
         task = progress.add_task(label, total=total, completed=completed, **{name: "" for name in fields})
         yield Bar(progress, task)
