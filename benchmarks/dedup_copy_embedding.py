@@ -318,6 +318,14 @@ def census_columns(census_path: str) -> tuple[list[dict], np.ndarray, np.ndarray
             np.array([r["label"] for r in rows]), np.array([r["rank"] % 2 == 0 for r in rows]))
 
 
+def census_pair_cosine(private: np.ndarray, private_mirrored: np.ndarray, public: np.ndarray,
+                       private_index: np.ndarray, public_index: np.ndarray) -> np.ndarray:
+    """Cosine of each (private, public) pair of unit embeddings, the better of the private image's
+    two mirror states."""
+    pub = public[public_index]
+    return np.maximum((pub * private[private_index]).sum(1), (pub * private_mirrored[private_index]).sum(1))
+
+
 def pixel_accepted(dataset, census_path: str) -> np.ndarray:
     """Per census pair: does dedup's pixel decision (grid, then refinement) accept it?"""
     from dpscale.dedup import verify
@@ -393,7 +401,7 @@ def margin(data: str, out: str, census_path: str, *, report: str | None, montage
     rows, c_test, c_train, labels, even = census_columns(census_path)
     block_dup = {r["test_index"] for r in rows if r["rank"] < judged_until and r["label"] == "dup"}
     pixel = pixel_accepted(ds, census_path)
-    c_cos = np.maximum((e_train[c_train] * e_test[c_test]).sum(1), (e_train[c_train] * e_test_m[c_test]).sum(1))
+    c_cos = census_pair_cosine(e_test, e_test_m, e_train, c_test, c_train)
     dedup = None if report is None else dedup_matched(report)
 
     result: dict = {"embed and search seconds": round(seconds, 1),
@@ -529,7 +537,7 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
     # census pairs: every combination's score, then the best over each family of views
 
     def pair_cos(q: tuple[np.ndarray, np.ndarray], p: np.ndarray) -> np.ndarray:
-        return np.maximum((q[0][ci] * p[cj]).sum(1), (q[1][ci] * p[cj]).sum(1))
+        return census_pair_cosine(q[0], q[1], p, ci, cj)
 
     whole = normalised(pair_cos((te_w, te_wm), tr_w), bg_te_w[ci], bg_tr_w[cj], beta)
     priv = np.max([normalised(pair_cos(v, tr_w), b[ci], bg_tr_w[cj], beta) for v, b in zip(te_c, bg_te_c)], 0)
@@ -627,7 +635,7 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     seconds = time.time() - start
 
     rows, ci, cj, labels, even = census_columns(census_path)
-    c_cos = np.maximum((tr[cj] * te[ci]).sum(1), (tr[cj] * te_m[ci]).sum(1))
+    c_cos = census_pair_cosine(te, te_m, tr, ci, cj)
     c_score = normalised(c_cos, test_sims[ci, k - 1], train_sims[cj, k - 1], beta)
     c_mutual = (best_j[ci] == cj) & (nearest_private[cj] == ci)
     pixel = pixel_accepted(ds, census_path)

@@ -127,12 +127,12 @@ def mine(data: str, model: str, out: str, census_path: str | None) -> dict:
                     "nearest cosine percentiles 50/90/95/99": np.percentile(sims[:, 0], [50, 90, 95, 99]).round(3).tolist(),
                     "public pairs at cosine >= 0.7 / 0.75 / 0.8": [int((sims >= t).sum()) for t in (0.7, 0.75, 0.8)]}
     if census_path is not None:
-        from dpscale.benchmarks.dedup_copy_embedding import census_columns
+        from dpscale.benchmarks.dedup_copy_embedding import census_columns, census_pair_cosine
 
         test = ds.split_images("test")
         t, t_m = copy_model.embed(params, test), copy_model.embed(params, test, mirrored=True)
         _, ci, cj, labels, _ = census_columns(census_path)
-        cos = np.maximum((e[cj] * t[ci]).sum(1), (e[cj] * t_m[ci]).sum(1))
+        cos = census_pair_cosine(t, t_m, e, ci, cj)
         result["census cosine percentiles 5/10/25/50/75/90"] = {
             label: np.percentile(cos[labels == label], [5, 10, 25, 50, 75, 90]).round(3).tolist()
             for label in ("dup", "unsure", "diff")}
