@@ -82,7 +82,7 @@ def progress_bar(label: str, *, total: int, completed: int = 0, enabled: bool = 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
-    if not console.is_terminal:
+    if not (console.is_terminal or console.is_jupyter):  # a notebook gets rich's live widget
         lines = _Lines(label, total, completed, LINE_EVERY_SECONDS)
         yield Bar(lines, None)
         if not transient:
