@@ -412,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--test-indices", default=None, help="comma-separated: draw these test images' top pair")
     m.add_argument("--output", default=None)
+    m.add_argument("--per-sheet", type=int, default=0,
+                   help="split the pairs into sheets of this many (NAME_1.png, NAME_2.png, ...)")
     c = sub.add_parser("count")
     c.add_argument("work")
     c.add_argument("labels")
@@ -455,13 +457,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows = ranking[a.start:a.start + a.count]
             name = f"ranks{a.start:05d}"
         path = a.output or os.path.join(a.work, f"census_{name}.png")
-        montage(a.data, rows, path)
-        with open(path[:-4] + ".csv", "w", newline="") as handle:
-            w = csv.writer(handle)
-            w.writerow(["pos", "rank", "test_index", "train_index", "similarity"])
-            for k, row in enumerate(rows):
-                w.writerow([k, row["rank"], row["test_index"], row["train_index"], row["similarity"]])
-        print(path)
+        size = a.per_sheet if a.per_sheet > 0 else max(1, len(rows))
+        sheets = [rows[lo:lo + size] for lo in range(0, len(rows), size)] or [rows]
+        for number, sheet in enumerate(sheets, 1):
+            sheet_path = path if len(sheets) == 1 else f"{path[:-4]}_{number}.png"
+            montage(a.data, sheet, sheet_path)
+            with open(sheet_path[:-4] + ".csv", "w", newline="") as handle:
+                w = csv.writer(handle)
+                w.writerow(["pos", "rank", "test_index", "train_index", "similarity"])
+                for k, row in enumerate(sheet):
+                    w.writerow([k, row["rank"], row["test_index"], row["train_index"], row["similarity"]])
+            print(sheet_path)
     elif a.cmd == "recall":
         print(json.dumps(recall(a.labels, a.dedup_report, judged_until=a.judged_until, total=a.total,
                                 strata=[int(x) for x in a.strata.split(",") if x]), indent=1))

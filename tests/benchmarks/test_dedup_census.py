@@ -129,3 +129,20 @@ def test_labels_that_no_longer_fit_the_ranking_are_refused():
     moved[0]["test_index"] = 7
     with pytest.raises(ValueError, match="other pairs"):
         dc.check_against_ranking(moved, ranking)
+
+
+def test_montage_pairs_are_split_into_numbered_sheets_with_their_csvs(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "features.npz", resolution=8, train=rng.normal(size=(20, 8)).astype(np.float16),
+             test=rng.normal(size=(12, 8)).astype(np.float16), test_mirror=rng.normal(size=(12, 8)).astype(np.float16))
+    dc.rank(str(tmp_path))
+    drawn = []
+    monkeypatch.setattr(dc, "montage", lambda data, rows, path: drawn.append((path, [r["rank"] for r in rows])))
+    dc.main(["montage", "data", str(tmp_path), "--count", "12", "--per-sheet", "5"])
+    assert drawn == [(str(tmp_path / f"census_ranks00000_{k}.png"), ranks)
+                     for k, ranks in ((1, [0, 1, 2, 3, 4]), (2, [5, 6, 7, 8, 9]), (3, [10, 11]))]
+    with open(tmp_path / "census_ranks00000_3.csv") as handle:
+        assert [int(r["rank"]) for r in csv.DictReader(handle)] == [10, 11]
+    drawn.clear()
+    dc.main(["montage", "data", str(tmp_path), "--count", "12"])  # the default: one sheet
+    assert drawn == [(str(tmp_path / "census_ranks00000.png"), list(range(12)))]
