@@ -74,7 +74,8 @@ def _clock(seconds: float) -> str:
 @contextlib.contextmanager
 def progress_bar(label: str, *, total: int, completed: int = 0, enabled: bool = True,
                  fields: Sequence[str] = (), transient: bool = False) -> Iterator[Bar]:
-    """A bar over ``total`` units labelled ``label``, with free-text ``fields`` shown after the count."""
+    """A bar over ``total`` units labelled ``label``, with free-text ``fields`` shown after the count.
+    ``transient``: on a terminal the bar is erased when done (away from one, the last line stays)."""
     if not enabled:
         yield Bar()
         return
@@ -85,8 +86,7 @@ def progress_bar(label: str, *, total: int, completed: int = 0, enabled: bool = 
     if not (console.is_terminal or console.is_jupyter):  # a notebook gets rich's live widget
         lines = _Lines(label, total, completed, LINE_EVERY_SECONDS)
         yield Bar(lines, None)
-        if not transient:
-            lines.line()
+        lines.line()  # a log keeps the final state, transient or not
         return
     columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(),
                *(TextColumn(f"{{task.fields[{name}]}}") for name in fields), TimeRemainingColumn())

@@ -1,17 +1,15 @@
 """Progress of a local Beam run, which the runner itself does not report while running.
 
 Each worker drops a tiny marker file per finished read task (``mark``); a thread in the
-launching process counts the markers and drives the progress bar (``dpscale.progress``) on a
-terminal, or logs every quarter otherwise. Only for local runs: on a remote runner the workers cannot
+launching process counts the markers and drives dpscale's progress bar (``dpscale.progress``:
+a live bar on a terminal, dated lines in a log). Only for local runs: on a remote runner the workers cannot
 reach the launcher's disk, and Beam's own monitoring takes over.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import uuid
@@ -42,11 +40,10 @@ def _done(progress_dir: str) -> int:
 
 
 class LocalProgress:
-    """Context manager: ``.directory`` for the workers, a bar or log lines for the user."""
+    """Context manager: ``.directory`` for the workers, the progress bar for the user."""
 
-    def __init__(self, total: int, *, label: str, log: logging.Logger,
-                 interval: float = 0.5) -> None:
-        self.total, self.label, self.log, self.interval = total, label, log, interval
+    def __init__(self, total: int, *, label: str, interval: float = 0.5) -> None:
+        self.total, self.label, self.interval = total, label, interval
         self.directory = tempfile.mkdtemp(prefix="dpscale-progress-")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -62,14 +59,8 @@ class LocalProgress:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _watch(self) -> None:
-        if sys.stderr.isatty():
-            with progress_bar(self.label, total=self.total, transient=True) as bar:
-                while not self._stop.wait(self.interval):
-                    bar.update(completed=min(_done(self.directory), self.total))
-            return
-        reported = 0
-        while not self._stop.wait(self.interval):
-            quarter = 4 * min(_done(self.directory), self.total) // max(self.total, 1)
-            if quarter > reported:
-                reported = quarter
-                self.log.info("%s: %d%%", self.label, 25 * quarter)
+        # transient: on a terminal the bar gives way to the stage's result; a log keeps a last line
+        with progress_bar(self.label, total=self.total, transient=True) as bar:
+            while not self._stop.wait(self.interval):
+                bar.update(completed=min(_done(self.directory), self.total))
+            bar.update(completed=min(_done(self.directory), self.total))

@@ -168,7 +168,7 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     local = is_local_runner(options)
     if local:
         avoid_flush_race()
-    progress = LocalProgress(progress_total, label=progress_label, log=log) if local else None
+    progress = LocalProgress(progress_total, label=progress_label) if local else None
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:
