@@ -209,9 +209,14 @@ def embed(net, images: np.ndarray, *, batch: int = 1000) -> np.ndarray:
 
 def embeddings(out: str, public: np.ndarray, private: np.ndarray) -> tuple[np.ndarray, ...]:
     """Both sides in both mirror states, from this script's torch model or, if ``out`` holds
-    one, from dpscale's own JAX copy model (``dpscale train-copy-model``)."""
+    one, from dpscale's own JAX copy model (``dpscale train-copy-model``). Several models,
+    comma-separated: their ensemble, whose cosine is the mean of the models' cosines (each
+    model's unit embeddings side by side, divided by the square root of their number)."""
     from dpscale.dedup import copy_model
 
+    if "," in out:
+        parts = [embeddings(one, public, private) for one in out.split(",")]
+        return tuple(np.concatenate(side, axis=1) / np.sqrt(len(parts)) for side in zip(*parts))
     if os.path.isfile(os.path.join(out, copy_model.WEIGHTS)):
         params = copy_model.load(out).params
         return tuple(copy_model.embed(params, x, mirrored=m) for x in (public, private) for m in (False, True))
@@ -737,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     s.add_argument("--montage-dir")
     m = sub.add_parser("margin", help="background-normalised cosines at equal look-alike cost; recall")
     m.add_argument("data")
-    m.add_argument("out")
+    m.add_argument("out", help="a copy model, or several comma-separated (their ensemble)")
     m.add_argument("census_labels")
     m.add_argument("--dedup-report")
     m.add_argument("--montage-dir")
@@ -756,7 +761,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     v.add_argument("--census-only", action="store_true", help="score the census pairs only (no all-pairs search)")
     mu = sub.add_parser("mutual", help="a bonus for mutual nearest neighbours, at equal look-alike cost")
     mu.add_argument("data")
-    mu.add_argument("out")
+    mu.add_argument("out", help="a copy model, or several comma-separated (their ensemble)")
     mu.add_argument("census_labels")
     mu.add_argument("--dedup-report")
     mu.add_argument("--montage-dir")

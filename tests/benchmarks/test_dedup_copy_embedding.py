@@ -244,3 +244,24 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     assert list(mutual["cut montage"].values()) == [{"added by the lower cut": 4, "drawn": 4}]  # no report match
     assert (tmp_path / "dedup_copy_cut_1.9_to_-1.9_added.csv").read_text().count("\n") == 5
     assert (tmp_path / "dedup_copy_mutual_added_0.1_0.csv").read_text().startswith("position,test_index,")
+
+
+def test_an_ensemble_of_copy_models_scores_the_mean_of_their_cosines(tmp_path):
+    from dpscale.dedup import copy_model
+
+    rng = np.random.default_rng(2)
+    train = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    models = []
+    for seed in (0, 1):
+        models.append(str(tmp_path / f"copy{seed}"))
+        params, info = copy_model.train(train, copy_model.TrainSettings(epochs=1, batch=32, seed=seed))
+        copy_model.save(models[-1], params, info, np.arange(64, dtype=np.uint64))
+    public, private = train[:5], train[5:8]
+    one, two = (ce.embeddings(m, public, private) for m in models)
+    both = ce.embeddings(",".join(models), public, private)
+    assert all(e.shape == (len(x), 256) for e, x in zip(both, (public, public, private, private)))
+    for i, j in ((0, 2), (1, 3), (0, 3)):  # public x private, in both mirror states
+        mean = (one[i] @ one[j].T + two[i] @ two[j].T) / 2
+        np.testing.assert_allclose(both[i] @ both[j].T, mean, atol=1e-5)
+        assert not np.allclose(one[i] @ one[j].T, mean, atol=1e-3)  # the two models differ
+    np.testing.assert_allclose(np.linalg.norm(both[0], axis=1), 1.0, atol=1e-5)
