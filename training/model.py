@@ -107,6 +107,9 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
     dataset = IngestedDataset(data)
     if config.train_split not in dataset.splits:
         raise DataError(f"{data!r} has no split {config.train_split!r} (has {dataset.splits})")
+    if not dataset.num_examples(config.train_split):
+        raise DataError(f"{data!r}: split {config.train_split!r} holds no examples, nothing to train on "
+                        "(a dedup output is empty when every public image was a near duplicate of a private one)")
     settings = config.images
     if settings.backbone:
         model, init_params, model_state, prep = _backbone_model(settings, dataset)
@@ -192,6 +195,8 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
         raise DataError(f"{data!r} has no split {config.train_split!r} (has {store.splits})")
     dim, classes = store.feature_dim, len(store.class_names)
     total = store.num_examples(config.train_split)
+    if not total:
+        raise DataError(f"{data!r}: split {config.train_split!r} holds no examples, nothing to train on")
     settings = config.features
     holdout = settings.holdout
     if not 0 <= holdout < total:

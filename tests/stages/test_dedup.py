@@ -256,6 +256,25 @@ def test_one_dataset_with_disjoint_splits(tmp_path):
                                     private_splits=("valid",), pipeline_args=FAST))
 
 
+def test_an_output_emptied_by_dedup_is_refused_by_train_in_one_line(tmp_path):
+    """Every public image a copy of a private one: dedup writes an empty dataset; training on it
+    is one line naming the split, not an error from deep in the sampler."""
+    root = tmp_path / "src"
+    for i in range(3):
+        image = smooth_image(4000 + i)
+        _save(root, "test", "a", f"p{i}", image)
+        _save(root, "train", "a", f"copy{i}", image)
+    both = _ingest(root, tmp_path / "both")
+    res = stage.run(stage.DedupConfig(both, both, str(tmp_path / "out"), public_splits=("train",),
+                                      private_splits=("test",), pipeline_args=FAST))
+    assert res.num_kept == 0 and IngestedDataset(str(tmp_path / "out")).num_examples("train") == 0
+    refused = CliRunner().invoke(cli, ["train", str(tmp_path / "out"), str(tmp_path / "run"), "--epsilon", "1",
+                                       "--steps", "2"])
+    assert refused.exit_code == 2, refused.output
+    lines = refused.output.strip().splitlines()
+    assert "Traceback" not in refused.output and "holds no examples" in lines[-1] and "'train'" in lines[-1]
+
+
 def test_verification_keeps_copies_and_rejects_unrelated_pairs(data):
     from dpscale.dedup.join import Candidate, verify_candidates
 
