@@ -61,6 +61,7 @@ class LocalProgress:
     def _watch(self) -> None:
         # transient: on a terminal the bar gives way to the stage's result; a log keeps a last line
         with progress_bar(self.label, total=self.total, transient=True) as bar:
-            while not self._stop.wait(self.interval):
+            stopped = False
+            while not stopped:  # one more count after the stop: the last marks are in the last line
+                stopped = self._stop.wait(self.interval)
                 bar.update(completed=min(_done(self.directory), self.total))
-            bar.update(completed=min(_done(self.directory), self.total))

@@ -25,7 +25,8 @@ import dataclasses
 import hashlib
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,13 +104,18 @@ def _backbone_model(config: ImageSettings, dataset: IngestedDataset) -> tuple[An
     return model, lambda seed: params, {k: v for k, v in variables.items() if k != "params"}, prep
 
 
+def _check_training_split(data: str, split: str, splits: Sequence[str], num_examples: Callable[[str], int]) -> None:
+    """The training split exists and holds examples (images or cached features alike)."""
+    if split not in splits:
+        raise DataError(f"{data!r} has no split {split!r} (has {splits})")
+    if not num_examples(split):
+        raise DataError(f"{data!r}: split {split!r} holds no examples, nothing to train on "
+                        "(a dedup output is empty when every public image was a near duplicate of a private one)")
+
+
 def _image_model(data: str, config: TrainingConfig) -> TrainModel:
     dataset = IngestedDataset(data)
-    if config.train_split not in dataset.splits:
-        raise DataError(f"{data!r} has no split {config.train_split!r} (has {dataset.splits})")
-    if not dataset.num_examples(config.train_split):
-        raise DataError(f"{data!r}: split {config.train_split!r} holds no examples, nothing to train on "
-                        "(a dedup output is empty when every public image was a near duplicate of a private one)")
+    _check_training_split(data, config.train_split, dataset.splits, dataset.num_examples)
     settings = config.images
     if settings.backbone:
         model, init_params, model_state, prep = _backbone_model(settings, dataset)
@@ -191,12 +197,9 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
     from dpscale.cache.feature_store import open_features
 
     store = open_features(data)
-    if config.train_split not in store.splits:
-        raise DataError(f"{data!r} has no split {config.train_split!r} (has {store.splits})")
+    _check_training_split(data, config.train_split, store.splits, store.num_examples)
     dim, classes = store.feature_dim, len(store.class_names)
     total = store.num_examples(config.train_split)
-    if not total:
-        raise DataError(f"{data!r}: split {config.train_split!r} holds no examples, nothing to train on")
     settings = config.features
     holdout = settings.holdout
     if not 0 <= holdout < total:
