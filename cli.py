@@ -287,10 +287,14 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Also remove the pairs a learned copy model accepts (a directory of "
                    "`dpscale train-copy-model` on the PUBLIC data): more real duplicates found, "
                    "some look-alikes removed with them.")
-@click.option("--copy-cut", type=floats(-2, 2, min_open=True, max_open=True), default=None,
-              help="With --copy-model: the normalised copy score a pair needs; lower finds more real "
-                   "duplicates and many more look-alikes (on CIFAR-10 with a 12-epoch copy model, 0.42 finds "
-                   f"~92% of the real ones and removes 7.5% of the public images). [default: {CopySettings.cut}]")
+@click.option("--copy-cut", type=floats(-12, 12, min_open=True, max_open=True), default=None,
+              help="With --copy-model: the copy score a pair needs; lower finds more real duplicates and "
+                   "many more look-alikes (on CIFAR-10 with a 12-epoch copy model and no local weight, 0.42 "
+                   f"finds ~92% of the real ones and removes 7.5% of the public images). [default: {CopySettings.cut}]")
+@click.option("--copy-local-weight", type=floats(0, 10), default=None,
+              help="With --copy-model: weight in the copy score of how many of a pair's image cells match one "
+                   "to one, relative to the private image's other candidates (0: embedding cosines only; "
+                   f"a cut is measured for one weight). [default: {CopySettings.local_weight}]")
 @click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
               help="Only these splits of PUBLIC (default: all).")
 @click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
@@ -300,7 +304,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(public: str, private: str, output: str, threshold: float, k: int,
           min_similarity: float, max_pages: int, crowded_fraction: float, refine: bool,
-          copy_model: str | None, copy_cut: float | None, public_splits: tuple[str, ...],
+          copy_model: str | None, copy_cut: float | None, copy_local_weight: float | None,
+          public_splits: tuple[str, ...],
           private_splits: tuple[str, ...], overwrite: bool, verbose: bool,
           pipeline_args: tuple[str, ...]) -> None:
     """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
@@ -320,7 +325,7 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
     result = stage.run(stage.DedupConfig(
         public, private, output, threshold=threshold, k=k, min_similarity=min_similarity,
         max_pages=max_pages, crowded_fraction=crowded_fraction, refine=refine,
-        copy_model=copy_model, copy_cut=copy_cut,
+        copy_model=copy_model, copy_cut=copy_cut, copy_local_weight=copy_local_weight,
         public_splits=public_splits, private_splits=private_splits, overwrite=overwrite,
         verbose=verbose, pipeline_args=tuple(pipeline_args)))
     _note(release.warning(result.report_path))

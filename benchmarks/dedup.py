@@ -143,7 +143,8 @@ def montage(pairs: list[dict], public: IngestedDataset, private: IngestedDataset
     sheet.save(path)
 
 
-def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: float | None = None) -> dict:
+def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: float | None = None,
+            copy_local_weight: float | None = None) -> dict:
     ds = IngestedDataset(data)
     rng = np.random.default_rng(0)
     priv_idx = np.sort(rng.choice(ds.num_examples("test"), 1000, replace=False))
@@ -166,7 +167,9 @@ def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: fl
                             pipeline_args=ONE_PROCESS))
     start = time.time()
     copy = {} if copy_model is None else {"copy_model": copy_model,
-                                          **({} if copy_cut is None else {"copy_cut": copy_cut})}
+                                          **({} if copy_cut is None else {"copy_cut": copy_cut}),
+                                          **({} if copy_local_weight is None else
+                                             {"copy_local_weight": copy_local_weight})}
     res = stage.run(stage.DedupConfig(paths["public"], paths["private"],
                                       os.path.join(work, "out"), overwrite=True, **copy))
     seconds = time.time() - start
@@ -264,11 +267,12 @@ def main() -> None:
     parser.add_argument("n", type=int, nargs="?", default=5000)
     parser.add_argument("--copy-model", default=None, help="planted: run dedup with this copy model too")
     parser.add_argument("--copy-cut", type=float, default=None, help="planted: with --copy-model")
+    parser.add_argument("--copy-local-weight", type=float, default=None, help="planted: with --copy-model")
     parser.add_argument("--copy-only", action="store_true", help="montages: only the copy decision's sheets")
     a = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     if a.what == "planted":
-        planted(a.data, a.work, copy_model=a.copy_model, copy_cut=a.copy_cut)
+        planted(a.data, a.work, copy_model=a.copy_model, copy_cut=a.copy_cut, copy_local_weight=a.copy_local_weight)
     elif a.what == "montages" and a.copy_only:
         copy_montages(a.data, a.work)
     elif a.what == "montages":

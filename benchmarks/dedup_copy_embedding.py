@@ -35,7 +35,10 @@ out: cut on the even ranks, counted on the odd), then over all pairs; ``--pick k
 draws that setting's additions to dedup for judging by eye. ``views`` (dpscale copy models only):
 1.33x crop views of either end scored beside the whole image, for strong zooms. ``mutual``: a
 bonus for mutual nearest neighbours, and the copy score's recall over all pairs at a range of
-cuts (``--lower-cut high:low`` draws what lowering the cut adds).
+cuts (``--lower-cut high:low`` draws what lowering the cut adds). ``local`` (dpscale copy models
+only): the local agreement of ``dedup.local_match`` added to the copy score at a range of
+weights, at equal look-alike cost on the census labels and over all pairs, and the picked
+weight's recall at a range of cuts: what ``dpscale dedup --copy-local-weight`` decides.
 """
 
 from __future__ import annotations
@@ -688,6 +691,73 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     return result
 
 
+LOCAL_WEIGHTS = (0.0, 0.5, 1.0, 2.0, 3.0)
+LOCAL_CUTS = (0.62, 0.6, 0.58, 0.56, 0.54, 0.52, 0.5, 0.48, 0.46)
+
+
+def local(data: str, out: str, census_path: str, *, report: str | None, weights: Sequence[float] = LOCAL_WEIGHTS,
+          picked: float = 2.0, cuts: Sequence[float] = LOCAL_CUTS, k: int = 10, beta: float = 0.5,
+          candidates: int = 20, judged_until: int = 1000, strata: Sequence[int] = (3000,)) -> dict:
+    """The copy score plus ``weight`` x the pair's local agreement (``dedup.local_match``) minus
+    the median agreement of the private image's ``candidates``, as ``dedup.copy_score.decide``
+    computes it: each weight at equal look-alike cost on the census labels (also held out), then
+    over all pairs (each private image's best candidate) counted with the census tail; the
+    ``picked`` weight also at ``cuts``. Census pairs take the mirror state of the better cosine."""
+    from dpscale.data.dataset import IngestedDataset
+    from dpscale.dedup import copy_model, local_match
+
+    if not os.path.isfile(os.path.join(out, copy_model.WEIGHTS)):
+        raise SystemExit(f"local: {out!r} is not a dpscale copy model (dpscale train-copy-model)")
+    ds = IngestedDataset(data)
+    train_images = ds.split_images("train")
+    test_images = ds.split_images("test")
+    start = time.time()
+    tr, tr_m, te, te_m = embeddings(out, train_images, test_images)
+    test_sims, test_index, test_mirrored = top_k(te, te_m, tr, k=candidates)
+    train_sims = top_k(tr, tr_m, tr, k=k, exclude_self=True)[0]
+    score = normalised(test_sims, test_sims[:, k - 1:k], train_sims[test_index, k - 1], beta)
+    agreement = local_match.Agreement(copy_model.load(out).params, copy_model.thumbnails(train_images),
+                                      copy_model.thumbnails(test_images), show_progress=True)
+    n = len(test_images)
+    share = agreement(np.arange(n), test_index, test_mirrored)
+    background = np.median(share, axis=1)
+    seconds = time.time() - start
+
+    rows, ci, cj, labels, even = census_columns(census_path)
+    plain, flipped = (tr[cj] * te[ci]).sum(1), (tr[cj] * te_m[ci]).sum(1)
+    c_score = normalised(np.maximum(plain, flipped), test_sims[ci, k - 1], train_sims[cj, k - 1], beta)
+    c_share = agreement(ci, cj[:, None], (flipped > plain)[:, None])[:, 0]
+    pixel = pixel_accepted(ds, census_path)
+    dedup = None if report is None else dedup_matched(report)
+    result: dict = {"embed, search and match seconds": round(seconds, 1), "k": k, "beta": beta,
+                    "census pairs": {"total": counts(np.ones(len(labels), bool), labels),
+                                     "grid + refine": counts(pixel, labels)},
+                    "all pairs": {}}
+
+    def over_all_pairs(best: np.ndarray, cut: float) -> dict:
+        hit = set(np.flatnonzero(best >= cut).tolist())
+        row = {"cut": round(cut, 4), "matched": len(hit)}
+        if dedup is not None:
+            row.update({"added to dedup": len(hit - dedup), **tail_counted(
+                rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)})
+        return row
+
+    for weight in weights:
+        c_total = c_score + weight * (c_share - background[ci])
+        best = (score + weight * (share - background[:, None])).max(axis=1)
+        c_rows, a_rows = {}, {}
+        for allowance in ALLOWANCES:
+            cut, c_rows[f"+{allowance} diff"] = census_row(c_total, labels, pixel, even, allowance)
+            a_rows[f"+{allowance} diff"] = over_all_pairs(best, cut)
+        result["census pairs"][f"weight {weight}"] = c_rows
+        result["all pairs"][f"weight {weight}"] = a_rows
+        if weight == picked:
+            result[f"cut frontier, weight {weight}"] = {
+                f"{cut:.2f}": {"census pairs": counts(pixel | (c_total >= cut), labels), **over_all_pairs(best, cut)}
+                for cut in cuts}
+    return result
+
+
 def write_label_sheet(path: str, pairs: Sequence[tuple[int, int, float, bool]], *,
                       score_name: str = "cosine") -> None:
     """The montage's pairs with an empty ``label`` column, to fill in by eye. A sheet that exists
@@ -769,8 +839,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     mu.add_argument("--lower-cut", help="high:low, e.g. 0.48:0.4: draw what lowering the copy cut adds")
     mu.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
     mu.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
+    lo = sub.add_parser("local", help="the local agreement as a second cue, at equal look-alike cost; recall")
+    lo.add_argument("data")
+    lo.add_argument("out", help="a dpscale copy model (dpscale train-copy-model)")
+    lo.add_argument("census_labels")
+    lo.add_argument("--dedup-report")
+    lo.add_argument("--weights", type=float, nargs="+", default=list(LOCAL_WEIGHTS))
+    lo.add_argument("--picked", type=float, default=2.0, help="the weight also counted at --cuts")
+    lo.add_argument("--cuts", type=float, nargs="+", default=list(LOCAL_CUTS))
+    lo.add_argument("--judged-until", type=int, default=1000, help="census ranks below this are all judged")
+    lo.add_argument("--strata", type=int, nargs="*", default=[3000], help="the census tail's strata cuts")
     args = p.parse_args(argv)
-    if args.command == "margin":
+    if args.command == "local":
+        print(json.dumps(local(args.data, args.out, args.census_labels, report=args.dedup_report,
+                               weights=args.weights, picked=args.picked, cuts=args.cuts,
+                               judged_until=args.judged_until, strata=args.strata), indent=1))
+    elif args.command == "margin":
         pick = None
         if args.pick:
             try:

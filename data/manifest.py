@@ -57,6 +57,7 @@ class DedupProvenance:
     refine: bool = False  # the second decision (dedup.refine) ran; False in manifests from before it
     copy_cut: float | None = None  # the copy decision (dedup.copy_decision) ran at this cut; None: not run
     copy_model_sha256: str | None = None  # ... with the copy model of these weights (a cut means little without them)
+    copy_local_weight: float = 0.0  # ... and this weight of the local agreement; 0 in manifests from before it
 
 
 @dataclasses.dataclass(frozen=True)

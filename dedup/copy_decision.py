@@ -3,7 +3,8 @@
 ``decide`` embeds every image of the chosen public and private splits with a copy model
 (``dedup.copy_model``, trained on public images only by ``dpscale train-copy-model``), scores
 each private image's nearest public images by the background-normalised cosine of
-``dedup.copy_score`` and returns the accepted pairs as ``Match``es (``decided_by == "copy"``)
+``dedup.copy_score`` (plus, with a local weight, the pairs' local agreement of
+``dedup.local_match``, which keeps every image's 32-px thumbnail in memory: 3 KB each) and returns the accepted pairs as ``Match``es (``decided_by == "copy"``)
 for the Beam graph to remove beside the pixel checks' matches, plus the rejected pairs closest
 to the cut for the report. It runs in the launching process before the graph: embeddings
 cost ~1 KB per image, and the exact search grows as (private + public) x public, which suits
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from dpscale.data.dataset import IngestedDataset
-from dpscale.dedup import copy_model, copy_score, descriptor
+from dpscale.dedup import copy_model, copy_score, descriptor, local_match
 from dpscale.dedup.join import Candidate, Match
 from dpscale.dedup.planning import shard_ranges
 from dpscale.errors import DataError
@@ -39,10 +40,12 @@ class CopyOutcome:
     model: dict  # what the model was trained on (its info file) and where it lies
 
 
-def _embed(dataset: IngestedDataset, splits: Sequence[str], params: object, label: str,
-           show_progress: bool) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int]]]:
+def _embed(dataset: IngestedDataset, splits: Sequence[str], params: object, label: str, show_progress: bool,
+           keep_thumbnails: bool) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int]], np.ndarray | None]:
+    """Unit embeddings in both mirror states, where each row comes from, and (if asked, for the
+    local agreement) the 32-px thumbnails the embeddings were computed from."""
     sizes = {s: dataset.num_examples(s) for s in splits}
-    plain, mirrored, where = [], [], []
+    plain, mirrored, where, kept = [], [], [], []
     with progress_bar(label, total=sum(sizes.values()), enabled=show_progress) as bar:
         for split, n in sizes.items():
             for lo in range(0, n, CHUNK):
@@ -54,8 +57,11 @@ def _embed(dataset: IngestedDataset, splits: Sequence[str], params: object, labe
                         raise DataError(f"the copy model gives non-finite embeddings for {split} images "
                                         f"{lo}-{lo + len(images) - 1}: its weights are unusable; train it again")
                 where += [(split, i) for i in range(lo, lo + len(images))]
+                if keep_thumbnails:
+                    kept.append(images)
                 bar.advance(len(images))
-    return np.concatenate(plain), np.concatenate(mirrored), where
+    return (np.concatenate(plain), np.concatenate(mirrored), where,
+            np.concatenate(kept) if keep_thumbnails else None)
 
 
 def _ids(dataset: IngestedDataset, splits: Sequence[str]) -> np.ndarray:
@@ -114,11 +120,15 @@ def decide(public: IngestedDataset, public_splits: Sequence[str], private: Inges
            private_splits: Sequence[str], model: CopyModel, settings: copy_score.CopySettings, *,
            show_progress: bool = True) -> CopyOutcome:
     """Every (public, private) pair the copy decision accepts, and the near-cut rejections."""
-    params = model.params
-    pub, pub_m, pub_where = _embed(public, public_splits, params, "copy: embed public", show_progress)
-    priv, priv_m, priv_where = _embed(private, private_splits, params, "copy: embed private", show_progress)
+    params, local = model.params, bool(settings.local_weight)
+    pub, pub_m, pub_where, pub_thumbs = _embed(public, public_splits, params, "copy: embed public",
+                                               show_progress, local)
+    priv, priv_m, priv_where, priv_thumbs = _embed(private, private_splits, params, "copy: embed private",
+                                                   show_progress, local)
+    agreement = (local_match.Agreement(params, pub_thumbs, priv_thumbs, show_progress=show_progress)
+                 if local else None)
     try:
-        pairs = copy_score.decide(pub, pub_m, priv, priv_m, settings, show_progress=show_progress)
+        pairs = copy_score.decide(pub, pub_m, priv, priv_m, settings, local=agreement, show_progress=show_progress)
     except ValueError as exc:
         raise DataError(str(exc)) from None
     shard_starts: dict[str, list[int]] = {}  # per split, the first index of each shard, in order

@@ -42,6 +42,19 @@ INFO = "copy_model.json"
 FORMAT = 2  # 2: the training images' ids and the files' hashes are saved with the weights
 
 
+BLOCKS = ((1, 1), (2, 2), (2, 1), (4, 2), (4, 1))  # per conv block: (width multiple, stride)
+LOCAL_BLOCKS = 2  # the blocks whose output ``LocalFeatures`` returns: 16x16 cells of ~7 px at 32 px
+
+
+def _blocks(x: jax.Array, width: int, count: int) -> jax.Array:
+    """The first ``count`` conv blocks (called inside a compact module: the names are the parameters')."""
+    h = (x - 0.5) / 0.25
+    for i, (multiple, stride) in enumerate(BLOCKS[:count]):
+        h = nn.Conv(multiple * width, (3, 3), strides=stride, padding=1, use_bias=False, name=f"conv_{i}")(h)
+        h = nn.relu(nn.GroupNorm(num_groups=8, name=f"norm_{i}")(h))
+    return h
+
+
 class CopyEmbedding(nn.Module):
     """Five 3x3 conv blocks (GroupNorm, ReLU; two of stride 2), a 2x2 average pool that keeps
     the coarse layout (a copy shares it, a look-alike often does not), a linear head, unit norm."""
@@ -51,15 +64,28 @@ class CopyEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = (x - 0.5) / 0.25
-        w = self.width
-        for i, (features, stride) in enumerate(((w, 1), (2 * w, 2), (2 * w, 1), (4 * w, 2), (4 * w, 1))):
-            h = nn.Conv(features, (3, 3), strides=stride, padding=1, use_bias=False, name=f"conv_{i}")(h)
-            h = nn.relu(nn.GroupNorm(num_groups=8, name=f"norm_{i}")(h))
+        h = _blocks(x, self.width, len(BLOCKS))
         n, height, width, c = h.shape
         h = h.reshape(n, 2, height // 2, 2, width // 2, c).mean((2, 4)).reshape(n, -1)
         z = nn.Dense(self.dim, name="head")(h)
         return z / jnp.maximum(jnp.linalg.norm(z, axis=1, keepdims=True), 1e-12)
+
+
+class LocalFeatures(nn.Module):
+    """The copy model's first ``LOCAL_BLOCKS`` blocks, applied with its parameters: a feature
+    vector per cell of the image, for ``dedup.local_match``."""
+
+    width: int = 32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _blocks(x, self.width, LOCAL_BLOCKS)
+
+
+def local_params(params: Any) -> Any:
+    """The part of a ``CopyEmbedding``'s variables that ``LocalFeatures`` uses."""
+    names = [f"{kind}_{i}" for i in range(LOCAL_BLOCKS) for kind in ("conv", "norm")]
+    return {"params": {name: params["params"][name] for name in names}}
 
 
 def thumbnails(images: np.ndarray, *, chunk: int = 2048) -> np.ndarray:

@@ -9,7 +9,10 @@ normalisation of copy-detection systems (e.g. the DISC 2021 entries), with the p
 the background: no private image enters the background of a public one.
 
 Each private image keeps its ``candidates`` nearest public images by cosine (both mirror
-states, blocked matrix products); every one whose normalised score reaches ``cut`` is a
+states, blocked matrix products). With a ``local_weight``, each candidate's score also gains
+that weight times its local agreement (``dedup.local_match``) minus the median agreement of
+the private image's candidates: how much more of the pair's cells match one to one than the
+private image's other near neighbours'. Every candidate whose score reaches ``cut`` is a
 duplicate. Exact search: cost grows as private x public plus public x public (the public
 background), fine for a few hundred thousand public images in one process.
 """
@@ -17,6 +20,7 @@ background), fine for a few hundred thousand public images in one process.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -69,9 +73,10 @@ def normalised(similarity: np.ndarray, query_background: np.ndarray, public_back
 
 @dataclasses.dataclass(frozen=True)
 class CopySettings:
-    """``cut`` on the normalised score; ``k``: which neighbour sets the background; ``beta``: how
-    much of it is subtracted; ``candidates``: nearest public images scored per private image
-    (more are scored while all of them are accepted).
+    """``cut`` on the score; ``k``: which neighbour sets the background; ``beta``: how much of it
+    is subtracted; ``local_weight``: the weight of the relative local agreement (0: cosines
+    only); ``candidates``: nearest public images scored per private image (more are scored while
+    all of them are accepted).
     Limit: an image the public set holds ``k`` times or more has its own copies as background,
     so its pairs score about ``(1 - beta) x`` their cosine: at the defaults the copy decision
     takes them only from a cosine of ~0.96 (the pixel checks do not depend on backgrounds).
@@ -83,11 +88,14 @@ class CopySettings:
     cut: float = 0.48
     k: int = 10
     beta: float = 0.5
+    local_weight: float = 0.0
     candidates: int = 20
 
     def __post_init__(self) -> None:
-        if not -2.0 < self.cut < 2.0:
-            raise ValueError(f"copy cut must be in (-2, 2), got {self.cut}")
+        if not -2.0 - self.local_weight < self.cut < 2.0 + self.local_weight:
+            raise ValueError(f"copy cut must be in (-2, 2) widened by the local weight, got {self.cut}")
+        if not 0.0 <= self.local_weight <= 10.0:
+            raise ValueError(f"copy local weight must be in [0, 10], got {self.local_weight}")
         if not 1 <= self.k <= self.candidates:
             raise ValueError(f"copy k must be in [1, candidates = {self.candidates}], got {self.k}")
         if not 0.0 <= self.beta <= 2.0:
@@ -110,9 +118,17 @@ class CopyPairs:
     best_cosine: np.ndarray
 
 
+LocalAgreement = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+"""(private rows [m], candidates' public indices [m, w], mirrored [m, w]) -> agreements [m, w]."""
+
+
 def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, private_mirror: np.ndarray,
-           settings: CopySettings, *, show_progress: bool = False) -> CopyPairs:
-    """The copy decision over all pairs, from unit embeddings of both sides in both mirror states."""
+           settings: CopySettings, *, local: LocalAgreement | None = None,
+           show_progress: bool = False) -> CopyPairs:
+    """The copy decision over all pairs, from unit embeddings of both sides in both mirror states;
+    ``local`` (e.g. ``local_match.Agreement``) is needed when ``settings.local_weight`` is not 0."""
+    if settings.local_weight and local is None:
+        raise ValueError("the copy decision's local weight needs the local agreement of its pairs")
     if len(public) < 2:
         raise ValueError("the copy decision needs at least two public images (one as background)")
     if not len(private):
@@ -120,19 +136,24 @@ def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, p
     public_sims, _, _ = top_k(public, public_mirror, public, k=settings.k, exclude_self=True,
                               show_progress=show_progress, label="copy: public background")
     rows, width, label = np.arange(len(private)), settings.candidates, "copy: private neighbours"
-    found, best = [], None
+    found, best, local_background = [], None, None
     while rows.size:
         sims, index, mirrored = top_k(private[rows], private_mirror[rows], public, k=width,
                                       show_progress=show_progress, label=label)
         k = min(settings.k, sims.shape[1], public_sims.shape[1])
         score = normalised(sims, sims[:, k - 1:k], public_sims[index, k - 1], settings.beta)
+        if settings.local_weight:
+            agreement = local(rows, index, mirrored)
+            if local_background is None:  # the first pass holds every private image's candidates
+                local_background = np.median(agreement, axis=1)
+            score = score + settings.local_weight * (agreement - local_background[rows][:, None])
         accepted = score >= settings.cut
         if best is None:
             col = score.argmax(1)
             every = np.arange(len(rows))
             best = (index[every, col], mirrored[every, col], score[every, col], sims[every, col])
         # a private image whose every candidate is accepted may have more: search it again, wider
-        full = accepted[:, -1] & (sims.shape[1] < len(public))
+        full = accepted.all(axis=1) & (sims.shape[1] < len(public))
         r, c = np.nonzero(accepted & ~full[:, None])
         found.append((rows[r], index[r, c], mirrored[r, c], score[r, c], sims[r, c]))
         rows, width, label = rows[full], min(len(public), 4 * width), "copy: more neighbours"

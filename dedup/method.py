@@ -42,7 +42,9 @@ COPY_DESCRIPTION = (
     "copy decision (with a copy model): a small CNN trained contrastively on the public images "
     "only maps copy edits of an image together; each private image's nearest public images "
     "(both mirror states) score cosine - beta x the mean of both ends' k-th nearest public "
-    "cosine; a pair is a duplicate at score >= cut")
+    "cosine, + local_weight x (the share of the two images' 16x16 early-feature cells that are "
+    "mutual nearest neighbours - the median share over the private image's candidates); a pair is "
+    "a duplicate at score >= cut")
 
 
 @dataclasses.dataclass(frozen=True)

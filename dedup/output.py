@@ -170,6 +170,7 @@ def write_outputs(_: Any, *, public_path: str, private_path: str, output_dir: st
         public_content_hash=public.content_hash,
         threshold=method.threshold, refine=method.refine, num_removed=len(pairs), report=REPORT,
         copy_cut=None if method.copy is None else method.copy.cut,
-        copy_model_sha256=None if copy_model is None else copy_model.get("weights_sha256")))
+        copy_model_sha256=None if copy_model is None else copy_model.get("weights_sha256"),
+        copy_local_weight=0.0 if method.copy is None else method.copy.local_weight))
     shards.write_manifest(output_dir, manifest)
     return manifest

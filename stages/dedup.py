@@ -61,6 +61,7 @@ class DedupConfig:
     refine: bool = Method.refine
     copy_model: str | None = None  # a directory of ``dpscale train-copy-model``; None: no copy decision
     copy_cut: float | None = None  # None: CopySettings' default; only with copy_model
+    copy_local_weight: float | None = None  # None: CopySettings' default; only with copy_model
     public_splits: tuple[str, ...] = ()  # empty: every split
     private_splits: tuple[str, ...] = ()
     examples_per_task: int = 2_000
@@ -75,8 +76,8 @@ class DedupConfig:
             raise InvalidConfigError(str(exc)) from None
         if self.examples_per_task < 1:
             raise InvalidConfigError("examples per task must be at least 1")
-        if self.copy_cut is not None and self.copy_model is None:
-            raise InvalidConfigError("--copy-cut is the cut of the copy decision: give --copy-model too")
+        if (self.copy_cut is not None or self.copy_local_weight is not None) and self.copy_model is None:
+            raise InvalidConfigError("--copy-cut and --copy-local-weight set the copy decision: give --copy-model too")
 
         def norm(p: str) -> str:
             return os.path.normpath(p) if shards.is_local(p) else p.rstrip("/")
@@ -95,7 +96,8 @@ class DedupConfig:
                       max_pages=self.max_pages, crowded_fraction=self.crowded_fraction,
                       refine=self.refine,
                       copy=None if self.copy_model is None else CopySettings(
-                          **({} if self.copy_cut is None else {"cut": self.copy_cut})))
+                          **({} if self.copy_cut is None else {"cut": self.copy_cut}),
+                          **({} if self.copy_local_weight is None else {"local_weight": self.copy_local_weight})))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -244,6 +244,14 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     assert list(mutual["cut montage"].values()) == [{"added by the lower cut": 4, "drawn": 4}]  # no report match
     assert (tmp_path / "dedup_copy_cut_1.9_to_-1.9_added.csv").read_text().count("\n") == 5
     assert (tmp_path / "dedup_copy_mutual_added_0.1_0.csv").read_text().startswith("position,test_index,")
+    # the local agreement: at weight 0 it is the whole-image score; a lower cut never adds fewer
+    ce.main(["local", data, model, str(labels), "--dedup-report", str(report), "--judged-until", "2",
+             "--weights", "0", "2", "--picked", "2", "--cuts", "1.9", "0", "-5"])
+    loc = json.loads(capsys.readouterr().out)
+    assert loc["census pairs"]["weight 0.0"] == out["census pairs"]["whole"]
+    assert loc["all pairs"]["weight 2.0"]["+32 diff"]["matched"] == 4
+    frontier = [loc["cut frontier, weight 2.0"][c]["added to dedup"] for c in ("1.90", "0.00", "-5.00")]
+    assert frontier == sorted(frontier) and frontier[-1] == 4
 
 
 def test_an_ensemble_of_copy_models_scores_the_mean_of_their_cosines(tmp_path):

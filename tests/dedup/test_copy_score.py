@@ -78,3 +78,42 @@ def test_copy_settings_refuse_impossible_values():
     with pytest.raises(ValueError, match="two public"):
         one = _unit(np.ones((1, 4)))
         decide(one, one, one, one, CopySettings())
+
+
+def test_the_local_agreement_relative_to_the_candidates_decides_between_close_cosines():
+    """Ten public images about as near as each other: the one whose cells agree more than the
+    private image's other candidates' passes; a private image whose candidates all agree much
+    (a textured scene) gets no lift from it."""
+    rng = np.random.default_rng(2)
+    scene = rng.normal(size=32)
+    public = np.concatenate([_unit(rng.normal(size=(100, 32))), _unit(scene + 0.3 * rng.normal(size=(10, 32)))])
+    private = _unit(np.stack([scene, scene]))
+    calls = []
+
+    def local(rows, index, mirrored):
+        calls.append(index.shape)
+        out = np.where(rows[:, None] == 0, 0.3, 0.8).astype(np.float32) * np.ones(index.shape, np.float32)
+        out[(rows == 0)[:, None] & (index == 104)] = 0.7  # private 0's cells match public 104's
+        return out
+
+    plain = decide(public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.5, candidates=10))
+    assert len(plain.public) == 0
+    pairs = decide(public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.5, local_weight=2.0,
+                                                                   candidates=10), local=local)
+    assert pairs.private.tolist() == [0] and pairs.public.tolist() == [104]
+    # score = normalised + 2 x (0.7 - the median of private 0's agreements, 0.3)
+    every = decide(public, public, private, private, CopySettings(cut=-1.9, k=5, beta=0.5, candidates=10))
+    normalised_104 = every.score[(every.private == 0) & (every.public == 104)]
+    assert pairs.score[0] == pytest.approx(normalised_104[0] + 0.8, abs=1e-5) and pairs.best_public[0] == 104
+    assert pairs.best_score[1] == pytest.approx(plain.best_score[1], abs=1e-5)  # no lift for private 1
+    assert calls == [(2, 10)]  # one call for every candidate; nothing widened
+    with pytest.raises(ValueError, match="local agreement"):
+        decide(public, public, private, private, CopySettings(local_weight=1.0))
+
+
+def test_copy_settings_check_the_local_weight_and_widen_the_cut_with_it():
+    with pytest.raises(ValueError, match="local weight"):
+        CopySettings(local_weight=-0.5)
+    with pytest.raises(ValueError, match="copy cut"):
+        CopySettings(cut=2.5)
+    assert CopySettings(cut=2.5, local_weight=1.0).cut == 2.5

@@ -447,6 +447,21 @@ def test_the_copy_decision_removes_what_it_accepts_after_the_pixel_checks(data, 
     assert IngestedDataset(str(root / "out_copy_all")).manifest.dedup.copy_cut == -1.9
 
 
+def test_the_local_weight_enters_the_copy_scores_the_report_and_the_manifest(data, copy_models):
+    public, private, _, root = data
+    runs = {w: stage.run(stage.DedupConfig(public, private, str(root / f"out_copy_local{w}"), copy_cut=1.9 + w,
+                                           copy_model=copy_models["public"], copy_local_weight=w,
+                                           pipeline_args=FAST)) for w in (0.0, 2.0)}
+    near = {w: {(p["private_key"], p["public_key"]): p["copy_score"] for p in r.report["copy_decision"]["near_cut_rejected"]}
+            for w, r in runs.items()}
+    # the private images' best pairs move with their local agreement: not all by one amount
+    shared = sorted(set(near[0.0]) & set(near[2.0]))
+    assert shared and len({round(near[2.0][p] - near[0.0][p], 4) for p in shared}) > 1
+    for w, r in runs.items():
+        assert r.manifest.dedup.copy_local_weight == w and r.report["settings"]["copy"]["local_weight"] == w
+    assert IngestedDataset(str(root / "out_copy_local2.0")).manifest.dedup.copy_local_weight == 2.0
+
+
 def test_a_copy_cut_nothing_reaches_changes_nothing_and_lists_the_closest(data, result, copy_models):
     public, private, _, root = data
     res = stage.run(stage.DedupConfig(public, private, str(root / "out_copy_none"), copy_model=copy_models["public"],
@@ -467,6 +482,10 @@ def test_a_copy_model_of_the_private_data_or_none_at_all_is_refused(data, copy_m
     assert not (tmp_path / "o").exists()
     with pytest.raises(InvalidConfigError, match="give --copy-model too"):
         stage.DedupConfig(public, private, str(tmp_path / "o"), copy_cut=0.3)
+    with pytest.raises(InvalidConfigError, match="give --copy-model too"):
+        stage.DedupConfig(public, private, str(tmp_path / "o"), copy_local_weight=1.0)
+    with pytest.raises(InvalidConfigError, match="copy cut"):
+        stage.DedupConfig(public, private, str(tmp_path / "o"), copy_model="m", copy_cut=3.5, copy_local_weight=1.0)
     bad = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "o2"), "--copy-model",
                                    str(tmp_path / "nothing")])
     assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "holds no copy model" in bad.output
@@ -553,7 +572,8 @@ def test_the_copy_decision_embeds_images_of_any_size_as_the_model_does(copy_mode
     stored = np.asarray(ds.get("train", np.arange(3))[0])
     assert stored.shape == (3, 40, 40, 3)
     params = copy_model.load(copy_models["public"]).params
-    plain, mirrored, where = copy_decision._embed(ds, ["train"], params, "embed", False)
+    plain, mirrored, where, thumbs = copy_decision._embed(ds, ["train"], params, "embed", False, True)
+    np.testing.assert_array_equal(thumbs, copy_model.thumbnails(stored))  # what the local agreement sees
     np.testing.assert_allclose(plain, copy_model.embed(params, stored), atol=1e-6)
     np.testing.assert_allclose(mirrored, copy_model.embed(params, stored, mirrored=True), atol=1e-6)
     assert where == [("train", 0), ("train", 1), ("train", 2)]
