@@ -30,7 +30,7 @@ from dpscale.dedup import copy_model
 from dpscale.progress import progress_bar
 
 BATCH = 256  # pairs (or images) per jitted call: one compiled shape, ~70 MB of similarities
-ROWS = 64  # private images whose candidates are matched together
+PAIRS = 1280  # candidate pairs matched together: ~170 MB of cells, whatever the candidates' width
 
 
 _local_features = jax.jit(copy_model.LocalFeatures().apply)
@@ -89,16 +89,19 @@ class Agreement:
         self._show_progress = show_progress
 
     def __call__(self, rows: np.ndarray, public_index: np.ndarray, mirrored: np.ndarray) -> np.ndarray:
-        out = np.empty(public_index.shape, np.float32)
-        with progress_bar("copy: local matches", total=len(rows), enabled=self._show_progress) as bar:
-            for lo in range(0, len(rows), ROWS):
-                hi = min(len(rows), lo + ROWS)
-                private = self._private[rows[lo:hi]]
+        width = public_index.shape[1]
+        row_of = np.repeat(np.arange(len(rows)), width)
+        flat_index, flat_mirrored = public_index.ravel(), np.asarray(mirrored, bool).ravel()
+        out = np.empty(len(flat_index), np.float32)
+        with progress_bar("copy: local matches", total=len(out), enabled=self._show_progress) as bar:
+            for lo in range(0, len(out), PAIRS):
+                part = slice(lo, lo + PAIRS)
+                unique_rows, position = np.unique(row_of[part], return_inverse=True)
+                private = self._private[rows[unique_rows]]
                 # both mirror states of each private image once; each candidate takes its own
                 private_cells = cells(self._params, np.concatenate([private, private[:, :, ::-1]]))
-                block_index, block_mirrored = public_index[lo:hi], mirrored[lo:hi]
-                which = np.arange(hi - lo)[:, None] + (hi - lo) * block_mirrored
-                public_cells = cells(self._params, self._public[block_index.ravel()])
-                out[lo:hi] = mutual_fraction(public_cells, private_cells[which.ravel()]).reshape(block_index.shape)
-                bar.advance(hi - lo)
-        return out
+                which = position + len(unique_rows) * flat_mirrored[part]
+                public_cells = cells(self._params, self._public[flat_index[part]])
+                out[part] = mutual_fraction(public_cells, private_cells[which])
+                bar.advance(len(which))
+        return out.reshape(public_index.shape)

@@ -50,7 +50,7 @@ def test_a_flat_image_matches_few_cells_of_anything(params, thumbs):
     assert local_match.mutual_fraction(local_match.cells(p, flat), local_match.cells(p, thumbs[:1]))[0] < 0.05
 
 
-def test_agreement_takes_each_candidates_mirror_state_and_equals_pairwise_matching(params, thumbs):
+def test_agreement_takes_each_candidates_mirror_state_and_equals_pairwise_matching(params, thumbs, monkeypatch):
     public = thumbs[:4]
     private = np.stack([thumbs[2][:, ::-1], thumbs[5]])  # private 0 is public 2 mirrored
     agreement = local_match.Agreement(params, public, private)
@@ -67,6 +67,10 @@ def test_agreement_takes_each_candidates_mirror_state_and_equals_pairwise_matchi
             assert got[r, j] == pytest.approx(want)
     # the same image unmirrored is no longer a one-to-one match
     assert agreement(np.array([0]), np.array([[2]]), np.array([[False]]))[0, 0] < 1.0
+    # matched a few pairs at a time (rows split across chunks), and for rows given in another order
+    monkeypatch.setattr(local_match, "PAIRS", 4)
+    np.testing.assert_array_equal(agreement(np.array([0, 1]), index, mirrored), got)
+    np.testing.assert_array_equal(agreement(np.array([1, 0]), index[::-1], mirrored[::-1]), got[::-1])
 
 
 def test_mutual_fraction_refuses_arrays_of_different_shapes():
