@@ -271,6 +271,8 @@ def main() -> None:
     parser.add_argument("--copy-only", action="store_true", help="montages: only the copy decision's sheets")
     a = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
+    if (a.copy_cut is not None or a.copy_local_weight is not None) and a.copy_model is None:
+        parser.error("--copy-cut and --copy-local-weight set the copy decision: give --copy-model too")
     if a.what == "planted":
         planted(a.data, a.work, copy_model=a.copy_model, copy_cut=a.copy_cut, copy_local_weight=a.copy_local_weight)
     elif a.what == "montages" and a.copy_only:

@@ -348,11 +348,12 @@ def best_allowed(score: np.ndarray, labels: np.ndarray, already: np.ndarray, all
     ``already`` accepted, and the union's counts at that cut: the comparison of two scores at
     the same look-alike cost. The cut sits ``CUT_MARGIN`` above the first look-alike left out,
     so that the same pair scored by another float32 summation order (``margin`` scores all
-    pairs by matrix products) stays out too."""
-    candidates = ~already
+    pairs by matrix products) stays out too. A pair scored ``-inf`` is never accepted (a pair
+    the scored decision cannot reach)."""
+    candidates = ~already & np.isfinite(score)
     diff_scores = np.sort(score[candidates & (labels == "diff")])[::-1]
     cut = float(diff_scores[allowance]) + CUT_MARGIN if allowance < len(diff_scores) else -np.inf
-    return cut, counts(already | (score >= cut), labels)
+    return cut, counts(already | (candidates & (score >= cut)), labels)
 
 
 def census_row(score: np.ndarray, labels: np.ndarray, pixel: np.ndarray, even: np.ndarray,
@@ -361,7 +362,7 @@ def census_row(score: np.ndarray, labels: np.ndarray, pixel: np.ndarray, even: n
     allowance), counted on the odd."""
     cut, union = best_allowed(score, labels, pixel, allowance)
     even_cut, _ = best_allowed(score[even], labels[even], pixel[even], allowance // 2)
-    odd = counts(pixel[~even] | (score[~even] >= even_cut), labels[~even])
+    odd = counts(pixel[~even] | (np.isfinite(score[~even]) & (score[~even] >= even_cut)), labels[~even])
     return cut, {"cut": round(cut, 4), **union, "odd ranks at the even ranks' cut": odd}
 
 
@@ -695,19 +696,36 @@ LOCAL_WEIGHTS = (0.0, 0.5, 1.0, 2.0, 3.0)
 LOCAL_CUTS = (0.62, 0.6, 0.58, 0.56, 0.54, 0.52, 0.5, 0.48, 0.46)
 
 
+def local_scores(score: np.ndarray, share: np.ndarray, weight: float) -> np.ndarray:
+    """Every candidate's copy score with the local agreement, as ``copy_score.decide`` computes it:
+    ``score`` [n, candidates] normalised cosines, ``share`` their local agreements."""
+    return score + weight * (share - np.median(share, axis=1, keepdims=True))
+
+
+def candidate_column(candidates: np.ndarray, private_index: np.ndarray, public_index: np.ndarray) -> np.ndarray:
+    """Per (private, public) pair: the public image's column among the private image's candidates,
+    -1 where it is not one of them (the copy decision never scores such a pair)."""
+    hit = candidates[private_index] == public_index[:, None]
+    return np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
+
+
 def local(data: str, out: str, census_path: str, *, report: str | None, weights: Sequence[float] = LOCAL_WEIGHTS,
           picked: float = 2.0, cuts: Sequence[float] = LOCAL_CUTS, k: int = 10, beta: float = 0.5,
           candidates: int = 20, judged_until: int = 1000, strata: Sequence[int] = (3000,)) -> dict:
     """The copy score plus ``weight`` x the pair's local agreement (``dedup.local_match``) minus
     the median agreement of the private image's ``candidates``, as ``dedup.copy_score.decide``
-    computes it: each weight at equal look-alike cost on the census labels (also held out), then
-    over all pairs (each private image's best candidate) counted with the census tail; the
-    ``picked`` weight also at ``cuts``. Census pairs take the mirror state of the better cosine."""
+    scores its first pass: each weight at equal look-alike cost on the census labels (also held
+    out), then over all pairs (each private image's best candidate) counted with the census tail;
+    the ``picked`` weight also at ``cuts``. A census pair is scored as its candidate pair (the
+    mirror state the search chose); one whose train image is not among its test image's
+    candidates cannot be accepted by the copy decision (only by the pixel checks)."""
     from dpscale.data.dataset import IngestedDataset
     from dpscale.dedup import copy_model, local_match
 
     if not os.path.isfile(os.path.join(out, copy_model.WEIGHTS)):
         raise SystemExit(f"local: {out!r} is not a dpscale copy model (dpscale train-copy-model)")
+    if picked not in weights:
+        raise SystemExit(f"local: --picked {picked} is not one of --weights {list(weights)}")
     ds = IngestedDataset(data)
     train_images = ds.split_images("train")
     test_images = ds.split_images("test")
@@ -720,18 +738,16 @@ def local(data: str, out: str, census_path: str, *, report: str | None, weights:
                                       copy_model.thumbnails(test_images), show_progress=True)
     n = len(test_images)
     share = agreement(np.arange(n), test_index, test_mirrored)
-    background = np.median(share, axis=1)
     seconds = time.time() - start
 
     rows, ci, cj, labels, even = census_columns(census_path)
-    plain, flipped = (tr[cj] * te[ci]).sum(1), (tr[cj] * te_m[ci]).sum(1)
-    c_score = normalised(np.maximum(plain, flipped), test_sims[ci, k - 1], train_sims[cj, k - 1], beta)
-    c_share = agreement(ci, cj[:, None], (flipped > plain)[:, None])[:, 0]
+    column = candidate_column(test_index, ci, cj)
     pixel = pixel_accepted(ds, census_path)
     dedup = None if report is None else dedup_matched(report)
     result: dict = {"embed, search and match seconds": round(seconds, 1), "k": k, "beta": beta,
                     "census pairs": {"total": counts(np.ones(len(labels), bool), labels),
-                                     "grid + refine": counts(pixel, labels)},
+                                     "grid + refine": counts(pixel, labels),
+                                     "among the candidates": counts(column >= 0, labels)},
                     "all pairs": {}}
 
     def over_all_pairs(best: np.ndarray, cut: float) -> dict:
@@ -743,8 +759,9 @@ def local(data: str, out: str, census_path: str, *, report: str | None, weights:
         return row
 
     for weight in weights:
-        c_total = c_score + weight * (c_share - background[ci])
-        best = (score + weight * (share - background[:, None])).max(axis=1)
+        total = local_scores(score, share, weight)
+        best = total.max(axis=1)
+        c_total = np.where(column >= 0, total[ci, np.maximum(column, 0)], -np.inf)
         c_rows, a_rows = {}, {}
         for allowance in ALLOWANCES:
             cut, c_rows[f"+{allowance} diff"] = census_row(c_total, labels, pixel, even, allowance)

@@ -4,7 +4,8 @@
 (``dedup.copy_model``, trained on public images only by ``dpscale train-copy-model``), scores
 each private image's nearest public images by the background-normalised cosine of
 ``dedup.copy_score`` (plus, with a local weight, the pairs' local agreement of
-``dedup.local_match``, which keeps every image's 32-px thumbnail in memory: 3 KB each) and returns the accepted pairs as ``Match``es (``decided_by == "copy"``)
+``dedup.local_match``; it keeps every image's 32-px thumbnail in memory: 3 KB each) and
+returns the accepted pairs as ``Match``es (``decided_by == "copy"``)
 for the Beam graph to remove beside the pixel checks' matches, plus the rejected pairs closest
 to the cut for the report. It runs in the launching process before the graph: embeddings
 cost ~1 KB per image, and the exact search grows as (private + public) x public, which suits
@@ -120,15 +121,16 @@ def decide(public: IngestedDataset, public_splits: Sequence[str], private: Inges
            private_splits: Sequence[str], model: CopyModel, settings: copy_score.CopySettings, *,
            show_progress: bool = True) -> CopyOutcome:
     """Every (public, private) pair the copy decision accepts, and the near-cut rejections."""
-    params, local = model.params, bool(settings.local_weight)
+    params, use_local = model.params, bool(settings.local_weight)
     pub, pub_m, pub_where, pub_thumbs = _embed(public, public_splits, params, "copy: embed public",
-                                               show_progress, local)
+                                               show_progress, use_local)
     priv, priv_m, priv_where, priv_thumbs = _embed(private, private_splits, params, "copy: embed private",
-                                                   show_progress, local)
+                                                   show_progress, use_local)
     agreement = (local_match.Agreement(params, pub_thumbs, priv_thumbs, show_progress=show_progress)
-                 if local else None)
+                 if use_local else None)
     try:
-        pairs = copy_score.decide(pub, pub_m, priv, priv_m, settings, local=agreement, show_progress=show_progress)
+        pairs = copy_score.decide(pub, pub_m, priv, priv_m, settings, local_agreement=agreement,
+                                  show_progress=show_progress)
     except ValueError as exc:
         raise DataError(str(exc)) from None
     shard_starts: dict[str, list[int]] = {}  # per split, the first index of each shard, in order

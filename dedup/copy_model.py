@@ -43,7 +43,7 @@ FORMAT = 2  # 2: the training images' ids and the files' hashes are saved with t
 
 
 BLOCKS = ((1, 1), (2, 2), (2, 1), (4, 2), (4, 1))  # per conv block: (width multiple, stride)
-LOCAL_BLOCKS = 2  # the blocks whose output ``LocalFeatures`` returns: 16x16 cells of ~7 px at 32 px
+LOCAL_BLOCKS = 2  # the blocks ``LocalFeatures`` returns: 16x16 cells at 32 px, 2 px apart, each seeing 5x5 px
 
 
 def _blocks(x: jax.Array, width: int, count: int) -> jax.Array:

@@ -180,6 +180,18 @@ def test_best_allowed_adds_at_most_the_allowed_look_alikes():
     assert cut - 0.8 == pytest.approx(ce.CUT_MARGIN)  # robust to another summation order of 0.8
     cut, union = ce.best_allowed(score, labels, already, 5)  # more than there are: everything
     assert union == {"dup": 3, "unsure": 1, "diff": 3}
+    # a pair scored -inf (out of the decision's reach) is never accepted, even with no cut left
+    unreachable = np.where(np.arange(7) == 3, -np.inf, score)
+    cut, union = ce.best_allowed(unreachable, labels, already, 5)
+    assert union == {"dup": 2, "unsure": 1, "diff": 3}
+    _, row = ce.census_row(unreachable, labels, already, np.arange(7) % 2 == 0, 5)
+    assert row["odd ranks at the even ranks' cut"] == {"dup": 1, "unsure": 1, "diff": 0}  # odd 3 is out of reach
+
+
+def test_candidate_column_finds_a_public_image_among_the_candidates_or_says_it_is_not():
+    candidates = np.array([[4, 7, 1], [2, 4, 9]])
+    np.testing.assert_array_equal(ce.candidate_column(candidates, np.array([0, 1, 1, 0]), np.array([1, 4, 7, 4])),
+                                  [2, 1, -1, 0])
 
 
 def test_crop_view_is_the_window_resized_back_to_full_size():
@@ -244,14 +256,21 @@ def test_views_scores_every_family_on_a_tiny_ingested_set(tmp_path, capsys):
     assert list(mutual["cut montage"].values()) == [{"added by the lower cut": 4, "drawn": 4}]  # no report match
     assert (tmp_path / "dedup_copy_cut_1.9_to_-1.9_added.csv").read_text().count("\n") == 5
     assert (tmp_path / "dedup_copy_mutual_added_0.1_0.csv").read_text().startswith("position,test_index,")
-    # the local agreement: at weight 0 it is the whole-image score; a lower cut never adds fewer
+    # the local agreement: a census pair the copy decision never scores (not among its test image's
+    # candidates) is never accepted, even with no cut; the scores themselves are the copy
+    # decision's own (test_local_scores_are_the_copy_decisions_scores)
     ce.main(["local", data, model, str(labels), "--dedup-report", str(report), "--judged-until", "2",
-             "--weights", "0", "2", "--picked", "2", "--cuts", "1.9", "0", "-5"])
+             "--weights", "0", "2", "--picked", "2", "--cuts", "3.9", "0", "-3.9"])
     loc = json.loads(capsys.readouterr().out)
-    assert loc["census pairs"]["weight 0.0"] == out["census pairs"]["whole"]
-    assert loc["all pairs"]["weight 2.0"]["+32 diff"]["matched"] == 4
-    frontier = [loc["cut frontier, weight 2.0"][c]["added to dedup"] for c in ("1.90", "0.00", "-5.00")]
-    assert frontier == sorted(frontier) and frontier[-1] == 4
+    among = loc["census pairs"]["among the candidates"]
+    assert among["dup"] == 1  # the zoomed copy is one of its image's candidates
+    for weight in ("weight 0.0", "weight 2.0"):
+        row = loc["census pairs"][weight]["+32 diff"]
+        assert (row["dup"], row["unsure"], row["diff"]) == (1, 0, among["diff"])
+    frontier = [loc["cut frontier, weight 2.0"][c]["matched"] for c in ("3.90", "0.00", "-3.90")]
+    assert frontier[0] == 0 and frontier[-1] == 4 and frontier == sorted(frontier)
+    with pytest.raises(SystemExit, match="--picked"):
+        ce.main(["local", data, model, str(labels), "--weights", "0", "--picked", "2"])
 
 
 def test_an_ensemble_of_copy_models_scores_the_mean_of_their_cosines(tmp_path):
@@ -273,3 +292,24 @@ def test_an_ensemble_of_copy_models_scores_the_mean_of_their_cosines(tmp_path):
         np.testing.assert_allclose(both[i] @ both[j].T, mean, atol=1e-5)
         assert not np.allclose(one[i] @ one[j].T, mean, atol=1e-3)  # the two models differ
     np.testing.assert_allclose(np.linalg.norm(both[0], axis=1), 1.0, atol=1e-5)
+
+
+def test_local_scores_are_the_copy_decisions_scores(tmp_path):
+    """What the benchmark's ``local`` counts is what ``copy_score.decide`` computes: each private
+    image's best score with the local agreement, on real model cells."""
+    from dpscale.dedup import copy_model, copy_score, local_match
+
+    rng = np.random.default_rng(3)
+    train = rng.integers(0, 256, (40, 32, 32, 3), dtype=np.uint8)
+    test = np.concatenate([train[:3, :, ::-1], rng.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)])
+    params, _ = copy_model.train(train, copy_model.TrainSettings(epochs=1, batch=20))
+    tr, tr_m, te, te_m = (copy_model.embed(params, x, mirrored=m) for x in (train, test) for m in (False, True))
+    agreement = local_match.Agreement(params, copy_model.thumbnails(train), copy_model.thumbnails(test))
+    settings = copy_score.CopySettings(cut=3.9, k=10, beta=0.5, local_weight=2.0, candidates=20)
+    decided = copy_score.decide(tr, tr_m, te, te_m, settings, local_agreement=agreement)
+    sims, index, mirrored = copy_score.top_k(te, te_m, tr, k=20)
+    train_sims = copy_score.top_k(tr, tr_m, tr, k=10, exclude_self=True)[0]
+    score = copy_score.normalised(sims, sims[:, 9:10], train_sims[index, 9], 0.5)
+    total = ce.local_scores(score, agreement(np.arange(6), index, mirrored), 2.0)
+    np.testing.assert_allclose(total.max(axis=1), decided.best_score, atol=1e-5)
+    assert not np.allclose(total.max(axis=1), score.max(axis=1), atol=1e-3)  # the agreement counts

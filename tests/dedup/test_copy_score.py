@@ -99,16 +99,53 @@ def test_the_local_agreement_relative_to_the_candidates_decides_between_close_co
     plain = decide(public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.5, candidates=10))
     assert len(plain.public) == 0
     pairs = decide(public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.5, local_weight=2.0,
-                                                                   candidates=10), local=local)
+                                                                   candidates=10), local_agreement=local)
     assert pairs.private.tolist() == [0] and pairs.public.tolist() == [104]
     # score = normalised + 2 x (0.7 - the median of private 0's agreements, 0.3)
     every = decide(public, public, private, private, CopySettings(cut=-1.9, k=5, beta=0.5, candidates=10))
     normalised_104 = every.score[(every.private == 0) & (every.public == 104)]
     assert pairs.score[0] == pytest.approx(normalised_104[0] + 0.8, abs=1e-5) and pairs.best_public[0] == 104
     assert pairs.best_score[1] == pytest.approx(plain.best_score[1], abs=1e-5)  # no lift for private 1
-    assert calls == [(2, 10)]  # one call for every candidate; nothing widened
+    assert calls[0] == (2, 10) and all(rows == 1 for rows, _ in calls[1:])  # every candidate, once
     with pytest.raises(ValueError, match="local agreement"):
         decide(public, public, private, private, CopySettings(local_weight=1.0))
+    with pytest.raises(ValueError, match="shape"):
+        decide(public, public, private, private, CopySettings(local_weight=1.0, k=5, candidates=10),
+               local_agreement=lambda rows, index, mirrored: np.zeros(len(rows)))
+
+
+def test_a_widened_search_keeps_each_private_images_first_background():
+    """Private 1's farthest candidate agrees most: it is searched again, wider; its wider
+    candidates are scored against the median of its own first 10 (0.2), not of the 40 and not
+    private 0's (0.5)."""
+    rng = np.random.default_rng(4)
+    public = _unit(rng.normal(size=(60, 16)))
+    private = _unit(rng.normal(size=(2, 16)))
+    first = {}
+
+    def local(rows, index, mirrored):
+        if not first:
+            first.update(zip(rows.tolist(), index.tolist()))
+        out = np.where(rows[:, None] == 0, 0.5, 0.2).astype(np.float32) * np.ones(index.shape, np.float32)
+        for r, row in enumerate(rows.tolist()):
+            for c, j in enumerate(index[r].tolist()):
+                if row == 0:
+                    continue  # private 0 agrees as much with all its candidates: its median, 0.5
+                if row == 1 and j == first[1][-1]:
+                    out[r, c] = 1.0  # private 1's farthest first candidate
+                elif j not in first[row]:
+                    out[r, c] = 0.9  # the wider candidates agree a lot
+        return out
+
+    settings = CopySettings(cut=1.0, k=5, beta=0.0, local_weight=2.0, candidates=10)
+    pairs = decide(public, public, private, private, settings, local_agreement=local)
+    cos = np.maximum(private @ public.T, private @ public.T)
+    got = {int(j): float(sc) for i, j, sc in zip(pairs.private, pairs.public, pairs.score) if i == 1}
+    assert first[1][-1] in got and not any(i == 0 for i in pairs.private)
+    for j, sc in got.items():  # median of the first pass is 0.2: a wider candidate scores cos + 2 x 0.7
+        want = cos[1, j] + 2.0 * ((1.0 if j == first[1][-1] else 0.9 if j not in first[1] else 0.2) - 0.2)
+        assert sc == pytest.approx(want, abs=1e-5)
+    assert any(j not in first[1] for j in got)  # the wider search found more
 
 
 def test_copy_settings_check_the_local_weight_and_widen_the_cut_with_it():

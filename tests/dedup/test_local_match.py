@@ -67,8 +67,10 @@ def test_agreement_takes_each_candidates_mirror_state_and_equals_pairwise_matchi
             assert got[r, j] == pytest.approx(want)
     # the same image unmirrored is no longer a one-to-one match
     assert agreement(np.array([0]), np.array([[2]]), np.array([[False]]))[0, 0] < 1.0
-    # matched a few pairs at a time (rows split across chunks), and for rows given in another order
+    # matched a few pairs at a time (rows split across chunks; jitted batches with a padded last one),
+    # and for rows given in another order
     monkeypatch.setattr(local_match, "PAIRS", 4)
+    monkeypatch.setattr(local_match, "BATCH", 3)
     np.testing.assert_array_equal(agreement(np.array([0, 1]), index, mirrored), got)
     np.testing.assert_array_equal(agreement(np.array([1, 0]), index[::-1], mirrored[::-1]), got[::-1])
 
