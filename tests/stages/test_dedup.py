@@ -432,19 +432,20 @@ def copy_models(data):
 def test_the_copy_decision_removes_what_it_accepts_after_the_pixel_checks(data, copy_models):
     public, private, planted, root = data
     res = stage.run(stage.DedupConfig(public, private, str(root / "out_copy_all"), copy_model=copy_models["public"],
-                                      copy_cut=-1.9, pipeline_args=FAST))
+                                      copy_cut=-3.9, pipeline_args=FAST))
     by = {p["public_key"]: p["decided_by"] for p in res.report["removed"]}
     # each private image's 20 nearest public images all pass the cut: at least 20 of the 30 go;
     # the planted copies are still credited to the pixel checks (preferred), the rest to copy
     assert len(by) >= 20 and res.num_kept == 30 - len(by)
     assert {k for k, v in by.items() if v != "copy"} == set(planted)
     copy_pairs = [p for p in res.report["removed"] if p["decided_by"] == "copy"]
-    assert all(p["copy_score"] >= -1.9 and p["distance"] is None and p["view"] in ("whole", "whole mirrored")
+    assert all(p["copy_score"] >= -3.9 and p["distance"] is None and p["view"] in ("whole", "whole mirrored")
                for p in copy_pairs)
     decision = res.report["copy_decision"]
     assert decision["num_removed"] == len(by) - len(planted) and decision["model"]["public"]["content_hash"]
-    assert res.manifest.dedup.copy_cut == -1.9 and len(res.manifest.dedup.copy_model_sha256) == 64
-    assert IngestedDataset(str(root / "out_copy_all")).manifest.dedup.copy_cut == -1.9
+    assert res.manifest.dedup.copy_cut == -3.9 and len(res.manifest.dedup.copy_model_sha256) == 64
+    assert res.manifest.dedup.copy_local_weight == 2.0  # the default
+    assert IngestedDataset(str(root / "out_copy_all")).manifest.dedup.copy_cut == -3.9
 
 
 def test_the_local_weight_enters_the_copy_scores_the_report_and_the_manifest(data, copy_models):
@@ -452,8 +453,8 @@ def test_the_local_weight_enters_the_copy_scores_the_report_and_the_manifest(dat
     runs = {w: stage.run(stage.DedupConfig(public, private, str(root / f"out_copy_local{w}"), copy_cut=1.9 + w,
                                            copy_model=copy_models["public"], copy_local_weight=w,
                                            pipeline_args=FAST)) for w in (0.0, 2.0)}
-    near = {w: {(p["private_key"], p["public_key"]): p["copy_score"] for p in r.report["copy_decision"]["near_cut_rejected"]}
-            for w, r in runs.items()}
+    near = {w: {(p["private_key"], p["public_key"]): p["copy_score"]
+                for p in r.report["copy_decision"]["near_cut_rejected"]} for w, r in runs.items()}
     # the private images' best pairs move with their local agreement: not all by one amount
     shared = sorted(set(near[0.0]) & set(near[2.0]))
     assert shared and len({round(near[2.0][p] - near[0.0][p], 4) for p in shared}) > 1
@@ -465,7 +466,7 @@ def test_the_local_weight_enters_the_copy_scores_the_report_and_the_manifest(dat
 def test_a_copy_cut_nothing_reaches_changes_nothing_and_lists_the_closest(data, result, copy_models):
     public, private, _, root = data
     res = stage.run(stage.DedupConfig(public, private, str(root / "out_copy_none"), copy_model=copy_models["public"],
-                                      copy_cut=1.9, pipeline_args=FAST))
+                                      copy_cut=3.9, pipeline_args=FAST))
     assert [p["public_key"] for p in res.report["removed"]] == [p["public_key"] for p in result[0].report["removed"]]
     near = res.report["copy_decision"]["near_cut_rejected"]
     assert len(near) == 8 and near == sorted(near, key=lambda p: -p["copy_score"])
@@ -512,7 +513,7 @@ def test_the_copy_decision_maps_pairs_to_the_right_public_shard(data, copy_model
     ingest(IngestConfig(f"folder:{root / 'public_src'}", sharded, examples_per_shard=7, pipeline_args=FAST))
     assert len(IngestedDataset(sharded).manifest.splits["train"].shards) == 5
     res = stage.run(stage.DedupConfig(sharded, private, str(tmp_path / "out"), copy_model=copy_models["public"],
-                                      copy_cut=-1.9, pipeline_args=FAST))
+                                      copy_cut=-3.9, pipeline_args=FAST))
     copied = [p for p in res.report["removed"] if p["decided_by"] == "copy"]
     assert len(copied) >= 14 and res.num_kept + res.num_removed == 30
     kept = IngestedDataset(str(tmp_path / "out"))
@@ -547,7 +548,7 @@ def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, t
     finally:
         copy_decision.log.removeHandler(caplog.handler)
     assert "trained on 29 images that are not in this run's public data" in caplog.text
-    outcome = copy_decision.decide(pub, splits, priv, ["test"], model, CopySettings(cut=-1.9), show_progress=False)
+    outcome = copy_decision.decide(pub, splits, priv, ["test"], model, CopySettings(cut=-3.9), show_progress=False)
     mine = [m.candidate for m in outcome.accepted
             if (m.candidate.private_split, m.candidate.private_index) == ("test", index)]
     best = max(mine, key=lambda c: c.similarity)
