@@ -44,11 +44,13 @@ weight's recall at a range of cuts: what ``dpscale dedup --copy-local-weight`` d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import csv
 import json
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -613,6 +615,34 @@ MUTUAL_BONUSES = (0.0, 0.02, 0.05, 0.1, 0.2)
 FRONTIER_CUTS = (0.5, 0.48, 0.46, 0.44, 0.42, 0.4, 0.38, 0.36, 0.34)
 
 
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    """Every test image's ``candidates`` nearest train images by a copy model, scored as the copy
+    decision scores them (``normalised``, background of the ``k``-th nearest public image)."""
+
+    dataset: Any
+    train_images: np.ndarray
+    test_images: np.ndarray
+    embeddings: tuple[np.ndarray, ...]  # train, train mirrored, test, test mirrored
+    sims: np.ndarray
+    index: np.ndarray
+    mirrored: np.ndarray
+    train_sims: np.ndarray
+    score: np.ndarray
+
+
+def scored_candidates(data: str, out: str, *, k: int, beta: float, candidates: int) -> Candidates:
+    from dpscale.data.dataset import IngestedDataset
+
+    ds = IngestedDataset(data)
+    train_images, test_images = ds.split_images("train"), ds.split_images("test")
+    tr, tr_m, te, te_m = embeddings(out, train_images, test_images)
+    sims, index, mirrored = top_k(te, te_m, tr, k=candidates)
+    train_sims = top_k(tr, tr_m, tr, k=k, exclude_self=True)[0]
+    score = normalised(sims, sims[:, k - 1:k], train_sims[index, k - 1], beta)
+    return Candidates(ds, train_images, test_images, (tr, tr_m, te, te_m), sims, index, mirrored, train_sims, score)
+
+
 def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int = 10, beta: float = 0.5,
            candidates: int = 20, judged_until: int = 1000, strata: Sequence[int] = (3000,),
            montage_dir: str | None = None, pick: tuple[float, int] | None = None,
@@ -626,17 +656,12 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
     Bonus 0 is the copy decision's score; with a report it is also counted at ``FRONTIER_CUTS``:
     what a lower ``--copy-cut`` buys and costs; ``lower_cut`` = (high, low) draws a seeded 40 of the
     test images a cut of ``low`` adds to dedup's matches and to a cut of ``high``."""
-    from dpscale.data.dataset import IngestedDataset
-
-    ds = IngestedDataset(data)
-    train_images = ds.split_images("train")
-    test_images = ds.split_images("test")
     start = time.time()
-    tr, tr_m, te, te_m = embeddings(out, train_images, test_images)
-    test_sims, test_index, test_mirrored = top_k(te, te_m, tr, k=candidates)
-    train_sims = top_k(tr, tr_m, tr, k=k, exclude_self=True)[0]
+    c = scored_candidates(data, out, k=k, beta=beta, candidates=candidates)
+    ds, test_images, score = c.dataset, c.test_images, c.score
+    tr, tr_m, te, te_m = c.embeddings
+    test_sims, test_index, test_mirrored, train_sims = c.sims, c.index, c.mirrored, c.train_sims
     nearest_private = top_k(tr, tr_m, te, k=1)[1][:, 0]  # cos(mirror a, b) is cos(a, mirror b)
-    score = normalised(test_sims, test_sims[:, k - 1:k], train_sims[test_index, k - 1], beta)
     n = len(test_images)
     col = score.argmax(1)
     best, best_j, best_m = score[np.arange(n), col], test_index[np.arange(n), col], test_mirrored[np.arange(n), col]
@@ -719,25 +744,19 @@ def local(data: str, out: str, census_path: str, *, report: str | None, weights:
     the ``picked`` weight also at ``cuts``. A census pair is scored as its candidate pair (the
     mirror state the search chose); one whose train image is not among its test image's
     candidates cannot be accepted by the copy decision (only by the pixel checks)."""
-    from dpscale.data.dataset import IngestedDataset
     from dpscale.dedup import copy_model, local_match
 
     if not os.path.isfile(os.path.join(out, copy_model.WEIGHTS)):
         raise SystemExit(f"local: {out!r} is not a dpscale copy model (dpscale train-copy-model)")
     if picked not in weights:
         raise SystemExit(f"local: --picked {picked} is not one of --weights {list(weights)}")
-    ds = IngestedDataset(data)
-    train_images = ds.split_images("train")
-    test_images = ds.split_images("test")
     start = time.time()
-    tr, tr_m, te, te_m = embeddings(out, train_images, test_images)
-    test_sims, test_index, test_mirrored = top_k(te, te_m, tr, k=candidates)
-    train_sims = top_k(tr, tr_m, tr, k=k, exclude_self=True)[0]
-    score = normalised(test_sims, test_sims[:, k - 1:k], train_sims[test_index, k - 1], beta)
-    agreement = local_match.Agreement(copy_model.load(out).params, copy_model.thumbnails(train_images),
-                                      copy_model.thumbnails(test_images), show_progress=True)
-    n = len(test_images)
-    share = agreement(np.arange(n), test_index, test_mirrored)
+    c = scored_candidates(data, out, k=k, beta=beta, candidates=candidates)
+    ds, score, test_index = c.dataset, c.score, c.index
+    agreement = local_match.Agreement(copy_model.load(out).params, copy_model.thumbnails(c.train_images),
+                                      copy_model.thumbnails(c.test_images), show_progress=True)
+    n = len(c.test_images)
+    share = agreement(np.arange(n), test_index, c.mirrored)
     seconds = time.time() - start
 
     rows, ci, cj, labels, even = census_columns(census_path)
