@@ -76,12 +76,12 @@ class CopySettings:
     """``cut`` on the score; ``k``: which neighbour sets the background; ``beta``: how much of it
     is subtracted; ``local_weight``: the weight of the relative local agreement (0: cosines
     only); ``candidates``: nearest public images scored per private image (more are scored while
-    all of them are accepted).
+    the farthest of them is accepted).
     Limit: an image the public set holds ``k`` times or more has its own copies as background,
     so its pairs score about ``(1 - beta) x`` their cosine: at the defaults the copy decision
     takes them only from a cosine of ~0.96 (the pixel checks do not depend on backgrounds). With a
     local weight, such an image's candidates are mostly its copies, so their median agreement is a
-    copy's and lifts none of them: at weight 2 and cut 0.52 its copies need the pixel checks.
+    copy's and lifts none of them: at the defaults its copies need the pixel checks.
     Defaults: measured on CIFAR-10 train vs test with a model of ``dpscale train-copy-model``'s
     defaults (``benchmarks/results/dedup.md``): weight 2 found the most census duplicates on half
     the labels; 0.54 is the cut that adds 16 look-alikes to the pixel checks' on the census labels

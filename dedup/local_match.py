@@ -3,10 +3,11 @@
 Why: the copy embedding's cosine, even background-normalised (``dedup.copy_score``), ranks
 many look-alikes of common CIFAR-10 scenes (a plane on an empty sky, a frog on leaves) above
 real duplicates that were re-cropped and recoloured. Here each image is cut into the 16 x 16
-cells of the copy model's early feature maps (``copy_model.LocalFeatures``: 2 px apart at 32 px,
-each seeing 5 x 5 px, colour- and contrast-robust like the model) and a pair's *agreement* is the fraction of
-the public image's cells whose nearest cell in the private image has it as its own nearest
-(mutual nearest neighbours; no geometry, so re-crops and shifts keep their matches). A copy
+cells of the copy model's early feature maps (``copy_model.LocalFeatures``: 2 px apart at 32
+px, each seeing 5 x 5 px, colour- and contrast-robust like the model) and a pair's *agreement*
+is the fraction of the public image's cells whose nearest cell in the private image has it as
+its own nearest (mutual nearest neighbours; no geometry, so re-crops and shifts keep their
+matches). A copy
 keeps most of its cells one to one; a look-alike's plain background matches many cells at
 once and few of them mutually.
 
