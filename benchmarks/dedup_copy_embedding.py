@@ -57,7 +57,7 @@ import numpy as np
 from dpscale.benchmarks.dedup_census import census, dedup_matched, montage, nearest, read_labels
 from dpscale.benchmarks.dedup_refine_rules import (LABELS, better_mirror_state, counts,
                                                    read_census_pairs, read_judged_pairs)
-from dpscale.dedup.copy_score import normalised, top_k
+from dpscale.dedup.copy_score import local_background, normalised, top_k, with_local_agreement
 
 THRESHOLDS = (0.8, 0.85, 0.9, 0.92, 0.94, 0.96)
 
@@ -475,6 +475,18 @@ def tail_counted(rows: Sequence[dict], *, judged_until: int, total: int, strata:
     return {key: (counted[key] if counted else 0) for key in TAIL_KEYS}
 
 
+
+def all_pairs_row(best: np.ndarray, cut: float, *, rows: Sequence[dict], dedup: set[int] | None,
+                  judged_until: int, strata: Sequence[int]) -> tuple[set[int], dict]:
+    """The test images whose best score reaches ``cut``, and their row: how many, and with a
+    dedup report, how many they add to its matches and the recall of both (``tail_counted``)."""
+    hit = set(np.flatnonzero(best >= cut).tolist())
+    row = {"cut": round(cut, 4), "matched": len(hit)}
+    if dedup is not None:
+        row.update({"added to dedup": len(hit - dedup), **tail_counted(
+            rows, judged_until=judged_until, total=len(best), strata=strata, matched=hit | dedup)})
+    return hit, row
+
 CROP = 24  # px of a 32-px image: a view zoomed 1.33x, the middle of the tail misses' 1.2-1.6x
 CROP_AT = ((4, 4), (0, 0), (0, 8), (8, 0), (8, 8))  # (top, left): the centre and the four corners
 VIEW_SCORES = ("whole", "private crops", "public crops", "both")
@@ -594,12 +606,8 @@ def views(data: str, out: str, census_path: str, *, report: str | None, k: int =
             cut, c_rows[f"+{allowance} diff"] = census_row(census_scores[name], labels, pixel, even, allowance)
             if census_only:
                 continue
-            hit = set(np.flatnonzero(best[name] >= cut).tolist())
-            row = {"cut": round(cut, 4), "matched": len(hit)}
-            if dedup is not None:
-                row.update({"added to dedup": len(hit - dedup), **tail_counted(
-                    rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)})
-            a_rows[f"+{allowance} diff"] = row
+            hit, a_rows[f"+{allowance} diff"] = all_pairs_row(best[name], cut, rows=rows, dedup=dedup,
+                                                              judged_until=judged_until, strata=strata)
             if montage_dir is not None and dedup is not None and allowance == pick and name == "both":
                 whole_hit = set(np.flatnonzero(best["whole"] >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
                 added = np.array(sorted(hit - dedup - whole_hit), np.int64)  # what the views add
@@ -700,17 +708,13 @@ def mutual(data: str, out: str, census_path: str, *, report: str | None, k: int 
         c_rows, a_rows = {}, {}
         for allowance in ALLOWANCES:
             cut, c_rows[f"+{allowance} diff"] = census_row(c_total, labels, pixel, even, allowance)
-            hit = set(np.flatnonzero(total >= cut).tolist())
-            row = {"cut": round(cut, 4), "matched": len(hit)}
-            if dedup is not None:
-                row.update({"added to dedup": len(hit - dedup), **tail_counted(
-                    rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)})
-                if montage_dir is not None and pick == (bonus, allowance):
-                    plain = set(np.flatnonzero(best >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
-                    added = np.array(sorted(hit - dedup - plain), np.int64)  # what the bonus adds
-                    path = os.path.join(montage_dir, f"dedup_copy_mutual_added_{bonus}_{allowance}.png")
-                    drawn = draw_sheet(data, path, added, best_j, total, best_m, seed=seed)
-                    result["montage"] = {path: {"added by the bonus": len(added), "drawn": drawn}}
+            hit, row = all_pairs_row(total, cut, rows=rows, dedup=dedup, judged_until=judged_until, strata=strata)
+            if dedup is not None and montage_dir is not None and pick == (bonus, allowance):
+                plain = set(np.flatnonzero(best >= c_rows[f"+{allowance} diff"]["cut"]).tolist())
+                added = np.array(sorted(hit - dedup - plain), np.int64)  # what the bonus adds
+                path = os.path.join(montage_dir, f"dedup_copy_mutual_added_{bonus}_{allowance}.png")
+                drawn = draw_sheet(data, path, added, best_j, total, best_m, seed=seed)
+                result["montage"] = {path: {"added by the bonus": len(added), "drawn": drawn}}
             a_rows[f"+{allowance} diff"] = row
         result["census pairs"][f"bonus {bonus}"] = c_rows
         result["all pairs"][f"bonus {bonus}"] = a_rows
@@ -724,7 +728,7 @@ LOCAL_CUTS = (0.62, 0.6, 0.58, 0.56, 0.54, 0.52, 0.5, 0.48, 0.46)
 def local_scores(score: np.ndarray, share: np.ndarray, weight: float) -> np.ndarray:
     """Every candidate's copy score with the local agreement, as ``copy_score.decide`` computes it:
     ``score`` [n, candidates] normalised cosines, ``share`` their local agreements."""
-    return score + weight * (share - np.median(share, axis=1, keepdims=True))
+    return with_local_agreement(score, share, weight, local_background(share))
 
 
 def candidate_column(candidates: np.ndarray, private_index: np.ndarray, public_index: np.ndarray) -> np.ndarray:
@@ -770,12 +774,7 @@ def local(data: str, out: str, census_path: str, *, report: str | None, weights:
                     "all pairs": {}}
 
     def over_all_pairs(best: np.ndarray, cut: float) -> dict:
-        hit = set(np.flatnonzero(best >= cut).tolist())
-        row = {"cut": round(cut, 4), "matched": len(hit)}
-        if dedup is not None:
-            row.update({"added to dedup": len(hit - dedup), **tail_counted(
-                rows, judged_until=judged_until, total=n, strata=strata, matched=hit | dedup)})
-        return row
+        return all_pairs_row(best, cut, rows=rows, dedup=dedup, judged_until=judged_until, strata=strata)[1]
 
     for weight in weights:
         total = local_scores(score, share, weight)

@@ -71,6 +71,18 @@ def normalised(similarity: np.ndarray, query_background: np.ndarray, public_back
     return similarity - beta * 0.5 * (query_background + public_background)
 
 
+def local_background(agreement: np.ndarray) -> np.ndarray:
+    """Per private image: the median local agreement of its candidates [n, candidates] -> [n]."""
+    return np.median(agreement, axis=1)
+
+
+def with_local_agreement(score: np.ndarray, agreement: np.ndarray, weight: float,
+                         background: np.ndarray) -> np.ndarray:
+    """Candidates' scores [n, w] plus ``weight`` x how much more they agree locally than their
+    private image's ``background`` [n]; see the module docstring for why."""
+    return score + weight * (agreement - background[:, None])
+
+
 @dataclasses.dataclass(frozen=True)
 class CopySettings:
     """``cut`` on the score; ``k``: which neighbour sets the background; ``beta``: how much of it
@@ -142,7 +154,7 @@ def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, p
     public_sims, _, _ = top_k(public, public_mirror, public, k=settings.k, exclude_self=True,
                               show_progress=show_progress, label="copy: public background")
     rows, width, label = np.arange(len(private)), settings.candidates, "copy: private neighbours"
-    found, best, local_background = [], None, None
+    found, best, background = [], None, None
     while rows.size:
         sims, index, mirrored = top_k(private[rows], private_mirror[rows], public, k=width,
                                       show_progress=show_progress, label=label)
@@ -152,9 +164,9 @@ def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, p
             agreement = np.asarray(local_agreement(rows, index, mirrored))
             if agreement.shape != index.shape:
                 raise ValueError(f"the local agreement has shape {agreement.shape}, expected {index.shape}")
-            if local_background is None:  # the first pass holds every private image's candidates
-                local_background = np.median(agreement, axis=1)
-            score = score + settings.local_weight * (agreement - local_background[rows][:, None])
+            if background is None:  # the first pass holds every private image's candidates
+                background = local_background(agreement)
+            score = with_local_agreement(score, agreement, settings.local_weight, background[rows])
         accepted = score >= settings.cut
         if best is None:
             col = score.argmax(1)
