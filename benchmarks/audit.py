@@ -3,7 +3,7 @@
 Usage (Fashion-MNIST ingested first):
     apt-get install -y dataset-fashion-mnist
     dpscale ingest idx:/usr/share/datasets/fashion-mnist /tmp/audit_data/fmnist
-    python benchmarks/audit.py /tmp/audit_data/fmnist --num-models 2000
+    python -m benchmarks.audit /tmp/audit_data/fmnist --num-models 2000
 
 Every row must have its lower bound at or below the nominal epsilon; the script
 exits with status 1 (and says so in the results file) if one does not.

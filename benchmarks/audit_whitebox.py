@@ -4,8 +4,8 @@ White-box (the default here) or black-box, on correct code or with a bug injecte
 script only (``--bug half-noise`` halves the std given to ``dpsgd.add_gaussian_noise``):
 
     dpscale ingest idx:/usr/share/datasets/fashion-mnist /tmp/fmnist
-    python benchmarks/audit_whitebox.py /tmp/fmnist --num-examples 100 --steps 10 --num-models 4000
-    python benchmarks/audit_whitebox.py /tmp/fmnist --num-examples 100 --steps 10 --num-models 4000 --bug half-noise
+    python -m benchmarks.audit_whitebox /tmp/fmnist --num-examples 100 --steps 10 --num-models 4000
+    python -m benchmarks.audit_whitebox /tmp/fmnist --num-examples 100 --steps 10 --num-models 4000 --bug half-noise
 
 Appends a Markdown section (command, machine, per-row load average) to ``--out`` and writes
 the rows as JSON beside it. Exit status 1 if correct code is flagged, or a bug is not.

@@ -7,7 +7,7 @@ calibrated for that target) and reports the time, the number of accountant probe
 the achieved epsilon. Each case runs ``--repeats`` times in a fresh cache; the best
 and the median are reported, plus the 1-minute load average (the machine is shared).
 
-    python benchmarks/calibration.py --output benchmarks/results/calibration.md
+    python -m benchmarks.calibration --output benchmarks/results/calibration.md
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
         f"N = {N:,}, B = {B:,}, T = {T:,}, delta = {DELTA:g}; Python {sys.version.split()[0]}, "
         f"1-min load average at the end: {load:.1f} (2 shared cores).",
         "",
-        "Command: `python benchmarks/calibration.py --output benchmarks/results/calibration.md`",
+        "Command: `python -m benchmarks.calibration --output benchmarks/results/calibration.md`",
         "",
         "| accountant | target eps | solved for | value | achieved eps | probes | best s | median s |",
         "|---|---|---|---|---|---|---|---|",

@@ -1,9 +1,9 @@
 """Measure ``dpscale dedup``: realistic planted copies, false positives, CIFAR-10 montages.
 
     dpscale ingest folder:/work/shared/data/cifar10-jpeg.tar.gz /tmp/cifar10
-    python benchmarks/dedup.py planted /tmp/cifar10 /tmp/dedup-planted
-    python benchmarks/dedup.py montages /tmp/cifar10 OUT_OF_A_CIFAR_RUN   # after `dpscale dedup`
-    python benchmarks/dedup.py subset /tmp/cifar10 /tmp/cifar10-train5k 5000
+    python -m benchmarks.dedup planted /tmp/cifar10 /tmp/dedup-planted
+    python -m benchmarks.dedup montages /tmp/cifar10 OUT_OF_A_CIFAR_RUN   # after `dpscale dedup`
+    python -m benchmarks.dedup subset /tmp/cifar10 /tmp/cifar10-train5k 5000
 
 ``planted``: private = 1,000 random CIFAR-10 test images (seed 0); public = 10,000 random
 train images + one copy of every private image per transform, each with its own random

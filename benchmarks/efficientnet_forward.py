@@ -3,7 +3,7 @@
 Featurizing a data set with the frozen backbone is one forward pass per image, so this
 bounds the featurize stage. Weights are random (speed does not depend on them).
 
-    python benchmarks/efficientnet_forward.py --batch 32 --resolutions 128,224 --torch --depthwise --grad \\
+    python -m benchmarks.efficientnet_forward --batch 32 --resolutions 128,224 --torch --depthwise --grad \\
         --output benchmarks/results/efficientnet_forward.md
 
 ``--torch`` times the published PyTorch definition (``pip install efficientnet_lite_pytorch``)

@@ -6,7 +6,7 @@ already preprocessed float batches held in memory (no reading, resizing or writi
 normalise, forward, Zarr write, chunk markers) over the first ``--subset`` rows of train
 into a fresh cache, timed end to end including worker start-up and compilation.
 
-    python benchmarks/featurize.py --data /tmp/cifar10 --backbone efficientnet-lite0 \\
+    python -m benchmarks.featurize --data /tmp/cifar10 --backbone efficientnet-lite0 \\
         --resolutions 128,224 --subset 4096 --output benchmarks/results/featurize.md
 """
 

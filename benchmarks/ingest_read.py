@@ -3,7 +3,7 @@
 Draws batches of uniformly random indices (what a Poisson sampler produces) and times
 ``IngestedDataset.get``; prints examples/s per batch size.
 
-    python benchmarks/ingest_read.py /tmp/bench/cifar10 --split train --batch-sizes 256,4096
+    python -m benchmarks.ingest_read /tmp/bench/cifar10 --split train --batch-sizes 256,4096
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ update, parameters donated):
 
 Usage (2 host devices split the batch; set before JAX starts, hence the flag here)::
 
-    python benchmarks/model_throughput.py --devices 2 --model wrn-16-4 --batch-sizes 16,32
-    python benchmarks/model_throughput.py --devices 1 --model cnn-small --batch-sizes 128,512
+    python -m benchmarks.model_throughput --devices 2 --model wrn-16-4 --batch-sizes 16,32
+    python -m benchmarks.model_throughput --devices 1 --model cnn-small --batch-sizes 128,512
 
 Each run appends a section with its command to ``benchmarks/results/model_throughput.md``.
 """
@@ -162,7 +162,7 @@ def main() -> None:
 
 
 def _write(rows, modes) -> None:
-    command = "python benchmarks/model_throughput.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python -m benchmarks.model_throughput " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     lines = [
         f"\n## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {len(jax.devices())} host device(s)\n",
         f"Command: `{command}`  ",

@@ -21,7 +21,7 @@ it returns (OpenCV's own coefficient is that of the step before); the pair is a 
   edges and texture.
 
 Why cuts and not a learned rule: on the by-eye labels of the census of real CIFAR-10
-duplicates (``benchmarks/dedup_census.py``) a cross-validated logistic regression on these and
+duplicates (``benchmarks/results/dedup.md``) a cross-validated logistic regression on these and
 nine more features accepted only a few more real duplicates at the same number of look-alikes,
 and cuts can be read and checked. The cuts were chosen on by-eye labels of refined pairs and
 checked on a fresh sample (``benchmarks/results/dedup.md``). ECC itself comes from OpenCV;

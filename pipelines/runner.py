@@ -11,8 +11,8 @@ Local runs are guarded against two failure modes of Beam's local runner:
   thread flushes the buffer into a bounded send queue (100 MB since Beam 2.74) and then
   clears it; while the flush blocks on a full queue the runner thread keeps appending a
   bundle's input, and the clear drops those bytes without any error (Beam defect; minimal
-  reproducer without a pipeline: ``benchmarks/beam_flush_race.py``). With the limit at 0
-  the streams flush by size, only from the writing thread: nothing is dropped.
+  reproducer without a pipeline: ``benchmarks/beam_flush_race.py`` at commit 037e7ac). With
+  the limit at 0 the streams flush by size, only from the writing thread: nothing is dropped.
 * **Stalls.** A worker blocked on a full queue while the runner blocks sending it more
   input never finishes. A watchdog stops a local run whose processes used no CPU for
   ``stall_seconds`` and raises one clear error instead of hanging.

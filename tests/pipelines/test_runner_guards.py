@@ -3,7 +3,7 @@
 ``test_multi_processing_delivers_every_row`` pushes ~200 MB through a shuffle into a slow
 consumer, so the runner's 100 MB send queue to each worker fills up: the situation in
 which Beam's time-based flush drops data (without ``avoid_flush_race`` it lost rows here:
-benchmarks/results/dedup.md). It runs the real two-process runner, as ingest, dedup and
+benchmarks/results/dedup.md at commit 037e7ac). It runs the real two-process runner, as ingest, dedup and
 featurize do by default on big inputs.
 """
 
