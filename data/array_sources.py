@@ -1,20 +1,21 @@
 """Sources whose items are already pixel arrays: IDX files, TFDS builders, sklearn digits.
 
 Each kind has a ``plan_*`` (runs where the pipeline is launched: checks the input, finds
-class names, cuts ``ReadTask``s) and a ``read_*`` (runs on a worker, yields ``RawItem``s).
+class names, cuts ``ReadTask``s) and a ``read_*`` (runs on a worker, yields ``RawItem``s),
+tied together in its :class:`SourceKind` (``IDX``, ``TFDS``, ``DIGITS``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from dpscale.data.raw_items import (SPLIT_ALIASES, UNKNOWN_LABEL, RawItem, ReadTask, SourcePlan, SourceSpec,
-                                    open_maybe_gz)
+from dpscale.data.raw_items import (SPLIT_ALIASES, UNKNOWN_LABEL, PlanOptions, RawItem, ReadTask, SourceKind,
+                                    SourcePlan, SourceSpec, location_argument, open_maybe_gz)
 from dpscale.errors import DataError
 
 DIGITS_TEST_FRACTION = 0.2
@@ -94,8 +95,8 @@ def _classes_from_labels(path: str) -> tuple[str, ...]:
     return tuple(str(i) for i in range(counts.size))
 
 
-def plan_idx(spec: SourceSpec, chunk_size: int) -> SourcePlan:
-    directory = spec.location
+def plan_idx(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
+    directory, chunk_size = spec.location, options.chunk_size
     if not os.path.isdir(directory):
         raise DataError(f"IDX directory {directory!r} does not exist")
     pairs = _find_idx_pairs(directory)
@@ -126,7 +127,8 @@ def plan_idx(spec: SourceSpec, chunk_size: int) -> SourcePlan:
     return SourcePlan(spec, classes, tuple(tasks), sizes)
 
 
-def read_idx(task: ReadTask, num_classes: int) -> Iterator[RawItem]:
+def read_idx(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
+    num_classes = len(class_names)
     extra = dict(task.extra)
     dims = extra["dims"]
     shape = tuple(dims[1:]) if len(dims) == 4 else (dims[1], dims[2], 1)
@@ -160,9 +162,18 @@ def _tfds_keys(features: Any) -> tuple[str, str]:
     return pick(image, "image"), pick(label, "label")
 
 
-def plan_tfds(spec: SourceSpec, chunk_size: int, data_dir: str | None) -> SourcePlan:
+def _tfds_argument(rest: str) -> tuple[str, str | None] | None:
+    """``NAME[:SPLIT]``: the builder name, and the split selection if one is given."""
+    if not rest:
+        return None
+    name, _, split = rest.partition(":")
+    return name, split or None
+
+
+def plan_tfds(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
     import tensorflow_datasets as tfds
 
+    chunk_size, data_dir = options.chunk_size, options.tfds_data_dir
     try:
         builder = tfds.builder(spec.location, data_dir=data_dir)
         splits = [spec.split] if spec.split else sorted(builder.info.splits.keys())
@@ -183,9 +194,10 @@ def plan_tfds(spec: SourceSpec, chunk_size: int, data_dir: str | None) -> Source
     return SourcePlan(spec, classes, tuple(tasks), sizes)
 
 
-def read_tfds(task: ReadTask, num_classes: int) -> Iterator[RawItem]:
+def read_tfds(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
     import tensorflow_datasets as tfds
 
+    num_classes = len(class_names)
     extra = dict(task.extra)
     source = tfds.data_source(extra["name"], split=extra["selection"],
                               data_dir=extra["data_dir"], download=False)
@@ -200,15 +212,25 @@ def read_tfds(task: ReadTask, num_classes: int) -> Iterator[RawItem]:
 
 # --- scikit-learn digits ---------------------------------------------------------------
 
-def plan_digits(spec: SourceSpec) -> SourcePlan:
-    items = list(read_digits())
+def _no_argument(rest: str) -> tuple[str, str | None] | None:
+    return ("", None) if not rest else None
+
+
+def plan_digits(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
+    """One task for the whole (tiny, bundled) set, whatever ``options`` ask."""
+    items = list(_digits())
     sizes: dict[str, int] = {}
     for item in items:
         sizes[item.split] = sizes.get(item.split, 0) + 1
     return SourcePlan(spec, tuple(str(i) for i in range(10)), (ReadTask("digits"),), sizes)
 
 
-def read_digits() -> Iterator[RawItem]:
+def read_digits(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
+    """The one digits task: every image (the labels are the digits, whatever the names)."""
+    return _digits()
+
+
+def _digits() -> Iterator[RawItem]:
     """The 1,797 8x8 digits, scaled 0..16 -> 0..255; test split by content hash."""
     from sklearn.datasets import load_digits
 
@@ -218,3 +240,11 @@ def read_digits() -> Iterator[RawItem]:
         digest = hashlib.sha256(b"digits-test\0" + image.tobytes()).digest()
         is_test = int.from_bytes(digest[:8], "big") < DIGITS_TEST_FRACTION * 2**64
         yield RawItem("test" if is_test else "train", f"digits[{i}]", int(label), image)
+
+
+IDX = SourceKind(name="idx", syntax="idx:DIR", parse=location_argument, plan=plan_idx, read=read_idx,
+                 task_kinds=("idx",))
+TFDS = SourceKind(name="tfds", syntax="tfds:NAME[:SPLIT]", parse=_tfds_argument, plan=plan_tfds, read=read_tfds,
+                  task_kinds=("tfds",))
+DIGITS = SourceKind(name="digits", syntax="digits", parse=_no_argument, plan=plan_digits, read=read_digits,
+                    task_kinds=("digits",))

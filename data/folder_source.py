@@ -11,8 +11,8 @@ import os
 import tarfile
 from collections.abc import Iterator, Sequence
 
-from dpscale.data.raw_items import (SPLIT_ALIASES, UNKNOWN_LABEL, RawItem, ReadTask, SourcePlan, SourceSpec,
-                                    open_maybe_gz)
+from dpscale.data.raw_items import (SPLIT_ALIASES, UNKNOWN_LABEL, PlanOptions, RawItem, ReadTask, SourceKind,
+                                    SourcePlan, SourceSpec, location_argument, open_maybe_gz)
 from dpscale.errors import DataError
 
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -47,8 +47,8 @@ def split_layout(paths: Sequence[str]) -> tuple[list[tuple[str, str, str]], list
     return members, sorted(classes)
 
 
-def plan_folder(spec: SourceSpec, chunk_size: int) -> SourcePlan:
-    path = spec.location
+def plan_folder(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
+    path, chunk_size = spec.location, options.chunk_size
     if not os.path.exists(path):
         raise DataError(f"source path {path!r} does not exist")
     if os.path.isfile(path):
@@ -115,7 +115,8 @@ def _hidden(name: str) -> bool:
     return os.path.basename(name).startswith(".") or "__MACOSX" in name
 
 
-def read_files(task: ReadTask, index: dict[str, int]) -> Iterator[RawItem]:
+def read_files(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
+    index = {name: i for i, name in enumerate(class_names)}
     wanted = {rel: (split, cls) for split, cls, rel in task.members}
 
     def item(rel: str, data: bytes) -> RawItem:
@@ -139,3 +140,7 @@ def read_files(task: ReadTask, index: dict[str, int]) -> Iterator[RawItem]:
             except (OSError, EOFError):
                 data = b""
             yield item(rel, data if len(data) == size else b"")  # short: reported
+
+
+FOLDER = SourceKind(name="folder", syntax="folder:PATH", parse=location_argument, plan=plan_folder,
+                    read=read_files, task_kinds=("files", "tar"))

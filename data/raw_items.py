@@ -1,14 +1,16 @@
 """What a source yields before decoding, and the small types that carry the reading work.
 
-Shared by every kind of source (``data.folder_source``, ``data.array_sources``) and by the
-dispatcher ``data.sources``, so none of them needs another: planning makes picklable
-``ReadTask``s on the launching machine, workers turn each into ``RawItem``s.
+Shared by every kind of source (``data.folder_source``, ``data.array_sources``) and by
+``data.sources``, which lists the kinds, so none of them needs another: each kind module
+describes itself as a :class:`SourceKind`; planning makes picklable ``ReadTask``s on the
+launching machine, workers turn each into ``RawItem``s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +66,38 @@ class RawItem:
     label: int
     payload: bytes | np.ndarray
     label_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """How planning cuts a source into tasks (and where TFDS keeps its prepared data sets)."""
+
+    chunk_size: int = 2048
+    tfds_data_dir: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceKind:
+    """One kind of source: the string that names it, and how it is parsed, planned and read.
+
+    ``parse`` gets the text after ``NAME:`` (``""`` if there is none) and returns
+    ``(location, split)``, or None when the text does not fit ``syntax``. ``plan`` runs
+    where the pipeline is launched; ``read`` runs on a worker for every ``ReadTask`` whose
+    kind is one of ``task_kinds``. Only the tasks travel to workers (they name their task
+    kind), so a ``SourceKind`` is never pickled.
+    """
+
+    name: str
+    syntax: str  # as the user writes it, e.g. "folder:PATH"
+    parse: Callable[[str], tuple[str, str | None] | None]
+    plan: Callable[[SourceSpec, PlanOptions], SourcePlan]
+    read: Callable[[ReadTask, Sequence[str]], Iterator[RawItem]]
+    task_kinds: tuple[str, ...]
+
+
+def location_argument(rest: str) -> tuple[str, str | None] | None:
+    """``parse`` of a kind written ``NAME:LOCATION`` (the location may hold colons)."""
+    return (rest, None) if rest else None
 
 
 def open_maybe_gz(path: str):

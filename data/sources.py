@@ -10,8 +10,11 @@ A source string names one of four kinds of input:
 - ``digits``             scikit-learn's bundled 8x8 digits, with a 20% test split carved by
   content hash (the set ships without one).
 
-Each kind lives in its own module: ``data.folder_source`` (folders and tar archives) and
-``data.array_sources`` (IDX, TFDS, digits); the types they share are in ``data.raw_items``.
+Each kind lives in its own module, which describes it as a ``SourceKind`` (syntax, parse,
+plan, read): ``data.folder_source`` (folders and tar archives) and ``data.array_sources``
+(IDX, TFDS, digits); the types they share are in ``data.raw_items``. ``SOURCE_KINDS`` below
+lists them, and parsing, planning and reading look the kind up there. A new kind is one
+``SourceKind`` added to that table.
 
 Planning happens once, on the machine that launches the pipeline: it checks the input
 exists, finds the class names and cuts the input into small picklable ``ReadTask``s.
@@ -24,34 +27,39 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from dpscale.data import array_sources, folder_source
-from dpscale.data.raw_items import RawItem, ReadTask, SourcePlan, SourceSpec
+from dpscale.data.raw_items import PlanOptions, RawItem, ReadTask, SourceKind, SourcePlan, SourceSpec
 from dpscale.errors import DataError, InvalidConfigError
+
+#: Every kind of source, in the order the error for an unknown source lists them.
+SOURCE_KINDS: tuple[SourceKind, ...] = (array_sources.TFDS, folder_source.FOLDER, array_sources.IDX,
+                                        array_sources.DIGITS)
+_BY_NAME = {kind.name: kind for kind in SOURCE_KINDS}
+_BY_TASK_KIND = {task_kind: kind for kind in SOURCE_KINDS for task_kind in kind.task_kinds}
+
+
+def _expected() -> str:
+    """``a, b, c or d``: the syntax of every kind."""
+    syntaxes = [kind.syntax for kind in SOURCE_KINDS]
+    return f"{', '.join(syntaxes[:-1])} or {syntaxes[-1]}"
 
 
 def parse_source(text: str) -> SourceSpec:
-    """Parse ``tfds:NAME[:SPLIT]``, ``folder:PATH``, ``idx:DIR`` or ``digits``."""
-    kind, _, rest = text.partition(":")
-    if kind == "digits" and not rest:
-        return SourceSpec("digits", text=text)
-    if kind == "tfds" and rest:
-        name, _, split = rest.partition(":")
-        return SourceSpec("tfds", name, split or None, text=text)
-    if kind in ("folder", "idx") and rest:
-        return SourceSpec(kind, rest, text=text)
-    raise InvalidConfigError(
-        f"unknown source {text!r}; expected tfds:NAME[:SPLIT], folder:PATH, idx:DIR or digits")
+    """Parse a source string: ``tfds:NAME[:SPLIT]``, ``folder:PATH``, ``idx:DIR`` or ``digits``."""
+    name, _, rest = text.partition(":")
+    kind = _BY_NAME.get(name)
+    parsed = kind.parse(rest) if kind is not None else None
+    if parsed is None:
+        raise InvalidConfigError(f"unknown source {text!r}; expected {_expected()}")
+    location, split = parsed
+    return SourceSpec(kind.name, location, split, text=text)
 
 
 def plan_source(spec: SourceSpec, *, chunk_size: int = 2048,
                 tfds_data_dir: str | None = None) -> SourcePlan:
     """Check the source exists and cut it into ``ReadTask``s of about ``chunk_size`` items."""
-    if spec.kind == "folder":
-        return folder_source.plan_folder(spec, chunk_size)
-    if spec.kind == "idx":
-        return array_sources.plan_idx(spec, chunk_size)
-    if spec.kind == "tfds":
-        return array_sources.plan_tfds(spec, chunk_size, tfds_data_dir)
-    return array_sources.plan_digits(spec)
+    if spec.kind not in _BY_NAME:
+        raise InvalidConfigError(f"unknown source kind {spec.kind!r}; expected {_expected()}")
+    return _BY_NAME[spec.kind].plan(spec, PlanOptions(chunk_size=chunk_size, tfds_data_dir=tfds_data_dir))
 
 
 def select_classes(class_names: Sequence[str],
@@ -74,14 +82,6 @@ def select_classes(class_names: Sequence[str],
 
 def read_task(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
     """Yield the raw items of one task (runs on a Beam worker)."""
-    index = {name: i for i, name in enumerate(class_names)}
-    if task.kind in ("files", "tar"):
-        yield from folder_source.read_files(task, index)
-    elif task.kind == "idx":
-        yield from array_sources.read_idx(task, len(class_names))
-    elif task.kind == "tfds":
-        yield from array_sources.read_tfds(task, len(class_names))
-    elif task.kind == "digits":
-        yield from array_sources.read_digits()
-    else:
+    if task.kind not in _BY_TASK_KIND:
         raise ValueError(f"unknown task kind {task.kind!r}")
+    yield from _BY_TASK_KIND[task.kind].read(task, class_names)

@@ -12,6 +12,27 @@ Images are resized to ``RESOLUTION`` (the model is built for CIFAR-sized thumbna
 detection needs the layout, not fine detail) and grey images are repeated to three channels.
 Written here rather than taken from a library: no maintained JAX package trains copy
 embeddings; the pieces it uses (flax, optax) are.
+
+Why its own small training loop rather than ``training/``'s:
+
+* Layering: ``dedup`` sits below ``training`` in the package order (``tests/test_architecture.py``)
+  and ``dedup.copy_decision`` and ``dedup.local_match`` use this module's model, ``embed`` and
+  ``load``, so nothing here may import from ``training``.
+* No privacy: it trains on public images only, so it needs none of what shapes ``training``'s
+  loop (the privacy plan's sampler, per-example clipping, noise, the accountant, secret seeds).
+* No labels: the loss is NT-Xent between two random copy edits (``copy_edit``) of each image,
+  every other image of the batch a negative. ``training.augment``'s views (small shifted crops,
+  mirror flips) are not the edits a copy model must learn, and ``training.evaluation``
+  measures accuracy, which has no meaning here.
+* Its state is small (344k weights and AdamW's moments), so one msgpack file per finished
+  epoch (``PARTIAL``) resumes it deterministically; ``training.run_directory``'s orbax
+  checkpoints, lock, ledger and secrets exist for what a DP run must keep.
+
+What it shares: ``dpscale.files.write_atomic`` for every file it writes, the caller's progress
+bar (``train`` reports through its ``progress`` callback, which ``stages.train_copy_model``
+feeds to ``dpscale.progress.progress_bar``), and flax/optax. It does not build on
+``models.layers``: weight standardisation is there for DP training, and using it here would
+change this model's numbers.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ EfficientNet-Lite), so stages never special-case an architecture:
   models whose training forward would compute or update batch statistics.
 
 Modules: :mod:`.layers` (WS conv, scaled WS conv, GroupNorm(16), scaled activations),
-:mod:`.wrn`, :mod:`.nf_resnet`, :mod:`.nfnet`, :mod:`.cnn`, :mod:`.registry`
-(``get_model``, ``list_models``, ``param_count``, ``register``) and :mod:`.validation`.
+:mod:`.wrn`, :mod:`.nf_resnet`, :mod:`.nfnet`, :mod:`.cnn`, :mod:`.scattering`,
+:mod:`.efficientnet_lite`, :mod:`.registry` (``get_model``, ``list_models``, ``param_count``;
+it lists every family from their modules, which never import it) and :mod:`.validation`.
 """

@@ -27,7 +27,6 @@ Stage table (EfficientNet-B0 / Lite0 baseline, before width/depth scaling)::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -224,29 +223,3 @@ def efficientnet_lite(name: str, *, num_classes: int = 1000, dtype: Any = jnp.fl
         raise InvalidConfigError(f"unknown EfficientNet-Lite variant {name!r}; known: {sorted(VARIANTS)}") from None
     backbone = EfficientNetLiteBackbone(width=variant.width, depth=variant.depth, dtype=dtype)
     return ImageClassifier(backbone=backbone, head=Classifier(num_classes))
-
-
-#: Trainable parameters at 1000 classes (``ModelSpec.params``; a registry test recomputes them).
-_PARAMS = {"efficientnet-lite0": 4_652_008, "efficientnet-lite1": 5_416_680, "efficientnet-lite2": 6_092_072}
-
-
-def _register() -> None:
-    """List the variants in the model registry (it imports this module lazily)."""
-    from dpscale.models import registry
-
-    for name, variant in VARIANTS.items():
-        registry.register(
-            registry.ModelSpec(
-                name=name,
-                build=functools.partial(efficientnet_lite, name),
-                num_classes=1000,
-                input_shape=(variant.resolution, variant.resolution, 3),
-                feature_dim=HEAD_CHANNELS,
-                pretrained=True,  # dpscale import-weights NAME
-                description=f"EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), {variant.resolution}px",
-                params=_PARAMS[name],
-            )
-        )
-
-
-_register()

@@ -1,35 +1,32 @@
 """Names -> model specs: what ``dpscale models`` lists and what the stages build from a config.
 
 A :class:`ModelSpec` says how to build the Flax module and what it expects (input shape,
-default number of classes, feature dimension, whether importable weights exist). Built-in
-names are registered below; WRN-d-k also resolves for any valid ``wrn-D-K`` on demand.
+default number of classes, feature dimension, whether importable weights exist).
 
-Adding models from another module (e.g. EfficientNet-Lite): call ``register(ModelSpec(...))``
-at import time of that module, and list the module in ``_PROVIDER_MODULES`` so the registry
-imports it the first time anyone asks for a name. Each spec carries its parameter count as a
-constant (``tests/models/test_registry.py`` recomputes every one with ``jax.eval_shape``):
-tracing all models takes 10-20 s, too slow for ``dpscale models``. Other class counts and
-on-demand WRNs are traced when asked.
+Every model family is listed here the same way: a function below builds that family's specs
+from its module, and ``_FAMILIES`` names them in listing order. The model modules only define
+networks and never import this one, so importing a model builds no table and the registry
+holds no hidden list of modules to import back. Adding a family: write its ``_..._specs``
+function and add it to ``_FAMILIES``. WRN-d-k also resolves for any valid ``wrn-D-K`` on demand.
+
+Each spec carries its parameter count as a constant (``tests/models/test_registry.py``
+recomputes every one with ``jax.eval_shape``): tracing all models takes 10-20 s, too slow
+for ``dpscale models``. Other class counts and on-demand WRNs are traced when asked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import importlib.util
 import re
-from typing import Callable
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models import cnn, nf_resnet, nfnet, scattering, wrn
-
-#: Modules that register more specs when imported (kept lazy: they may be heavy or absent).
-_PROVIDER_MODULES: tuple[str, ...] = ("dpscale.models.efficientnet_lite",)
+from dpscale.models import cnn, efficientnet_lite, nf_resnet, nfnet, scattering, wrn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +59,7 @@ class ModelSpec:
             raise InvalidConfigError(f"{self.name}: input_shape must be (height, width, channels)")
 
 
-_REGISTRY: dict[str, ModelSpec] = {}
 _WRN_NAME = re.compile(r"^wrn-(\d+)-(\d+)$")
-
-
-def register(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
-    """Add ``spec`` under ``spec.name``; refuses silent overwrites unless ``replace``."""
-    if spec.name in _REGISTRY and not replace and _REGISTRY[spec.name] != spec:
-        raise InvalidConfigError(f"model name {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
 
 
 def _wrn_spec(depth: int, width: int) -> ModelSpec:
@@ -85,21 +73,25 @@ def _wrn_spec(depth: int, width: int) -> ModelSpec:
     )
 
 
-#: Parameter counts of the built-in models (default classes and input); see ``ModelSpec.params``.
+#: Parameter counts of the listed models (default classes and input); see ``ModelSpec.params``.
 _PARAMS = {
     "wrn-16-4": 2_748_890, "wrn-40-4": 8_949_210, "wrn-28-10": 36_479_194,
     "nf-resnet-50": 25_557_048, "nf-resnet-101": 44_549_193, "nf-resnet-152": 60_192_858,
     "nf-resnet-200": 64_673_898,
     "nfnet-f0": 71_489_284, "nfnet-f1": 132_634_256, "nfnet-f2": 193_779_228, "nfnet-f3": 254_924_200,
     "cnn-small": 98_682, "scatternet-linear": 39_700, "scatternet-cnn": 84_426,
+    "efficientnet-lite0": 4_652_008, "efficientnet-lite1": 5_416_680, "efficientnet-lite2": 6_092_072,
 }
 
 
-def _register_builtins() -> None:
+def _wrn_specs() -> Iterable[ModelSpec]:
     for depth, width in ((16, 4), (40, 4), (28, 10)):
-        register(dataclasses.replace(_wrn_spec(depth, width), params=_PARAMS[f"wrn-{depth}-{width}"]))
+        yield dataclasses.replace(_wrn_spec(depth, width), params=_PARAMS[f"wrn-{depth}-{width}"])
+
+
+def _nf_resnet_specs() -> Iterable[ModelSpec]:
     for depth in nf_resnet.NF_RESNET_DEPTHS:
-        register(ModelSpec(
+        yield ModelSpec(
             name=f"nf-resnet-{depth}",
             build=functools.partial(nf_resnet.nf_resnet, depth),
             num_classes=1000,
@@ -107,9 +99,12 @@ def _register_builtins() -> None:
             feature_dim=nf_resnet.NF_RESNET_FEATURE_DIM,
             description=f"Normalizer-Free ResNet-{depth} (Brock et al. 2021a)",
             params=_PARAMS[f"nf-resnet-{depth}"],
-        ))
+        )
+
+
+def _nfnet_specs() -> Iterable[ModelSpec]:
     for variant, row in nfnet.NFNET_VARIANTS.items():
-        register(ModelSpec(
+        yield ModelSpec(
             name=f"nfnet-{variant.lower()}",
             build=functools.partial(nfnet.nfnet, variant),
             num_classes=1000,
@@ -117,8 +112,11 @@ def _register_builtins() -> None:
             feature_dim=nfnet.NFNET_FEATURE_DIM,
             description=f"NFNet-{variant} (Brock et al. 2021b), train resolution {row.train_size}",
             params=_PARAMS[f"nfnet-{variant.lower()}"],
-        ))
-    register(ModelSpec(
+        )
+
+
+def _cnn_specs() -> Iterable[ModelSpec]:
+    yield ModelSpec(
         name="cnn-small",
         build=cnn.small_cnn,
         num_classes=10,
@@ -126,9 +124,12 @@ def _register_builtins() -> None:
         feature_dim=cnn.DEFAULT_CHANNELS[-1],
         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
         params=_PARAMS["cnn-small"],
-    ))
+    )
+
+
+def _scattering_specs() -> Iterable[ModelSpec]:
     scatter_maps = scattering.num_channels(2, 8)  # J=2, L=8: 81 maps of 7x7 per grey channel
-    register(ModelSpec(
+    yield ModelSpec(
         name="scatternet-linear",
         build=scattering.scatter_linear,
         num_classes=10,
@@ -137,8 +138,8 @@ def _register_builtins() -> None:
         description="Softmax regression on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
         parameter_free_backbone=True,
         params=_PARAMS["scatternet-linear"],
-    ))
-    register(ModelSpec(
+    )
+    yield ModelSpec(
         name="scatternet-cnn",
         build=scattering.scatter_cnn,
         num_classes=10,
@@ -146,28 +147,49 @@ def _register_builtins() -> None:
         feature_dim=64,
         description="GroupNorm + WS CNN on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
         params=_PARAMS["scatternet-cnn"],
-    ))
+    )
 
 
-_register_builtins()
+def _efficientnet_lite_specs() -> Iterable[ModelSpec]:
+    for name, variant in efficientnet_lite.VARIANTS.items():
+        yield ModelSpec(
+            name=name,
+            build=functools.partial(efficientnet_lite.efficientnet_lite, name),
+            num_classes=1000,
+            input_shape=(variant.resolution, variant.resolution, 3),
+            feature_dim=efficientnet_lite.HEAD_CHANNELS,
+            pretrained=True,  # dpscale import-weights NAME
+            description=f"EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), {variant.resolution}px",
+            params=_PARAMS[name],
+        )
 
 
-@functools.cache
-def _load_providers() -> None:
-    for module in _PROVIDER_MODULES:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
+#: Every model family, in the order ``dpscale models`` lists them.
+_FAMILIES: tuple[Callable[[], Iterable[ModelSpec]], ...] = (
+    _wrn_specs, _nf_resnet_specs, _nfnet_specs, _cnn_specs, _scattering_specs, _efficientnet_lite_specs,
+)
+
+
+def _table(specs: Iterable[ModelSpec]) -> dict[str, ModelSpec]:
+    """Name -> spec; two families claiming one name is a programming error, caught at import."""
+    table: dict[str, ModelSpec] = {}
+    for spec in specs:
+        if spec.name in table:
+            raise ValueError(f"model name {spec.name!r} is listed twice")
+        table[spec.name] = spec
+    return table
+
+
+_REGISTRY: dict[str, ModelSpec] = _table(spec for family in _FAMILIES for spec in family())
 
 
 def list_models() -> list[str]:
-    """Every registered name, in registration order."""
-    _load_providers()
+    """Every listed name, in the order of ``_FAMILIES``."""
     return list(_REGISTRY)
 
 
 def get_spec(name: str) -> ModelSpec:
     """The spec for ``name``; any ``wrn-D-K`` with ``D = 6n + 4`` resolves on demand."""
-    _load_providers()
     key = name.strip().lower()
     if key in _REGISTRY:
         return _REGISTRY[key]

@@ -19,9 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 #: Per-step fields covered by epsilon: post-processing of the noisy update, or data-independent.
+#: Every other per-step field (loss, gradient norms, ...) is a private diagnostic.
 COVERED_STEP_FIELDS = ("step", "epsilon_spent", "update_norm", "seconds")
-#: Per-step statistics of the private batch computed without noise.
-DIAGNOSTIC_STEP_FIELDS = ("loss", "mean_grad_norm", "clipped_fraction", "batch_size", "nonfinite")
 #: The file name of every private diagnostic says it is not private.
 NOT_PRIVATE = "NOT-PRIVATE"
 DIAGNOSTICS_FILE = f"diagnostics.{NOT_PRIVATE}.jsonl"

@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from dpscale.data import folder_source as sources
-from dpscale.data.raw_items import UNKNOWN_LABEL
-from dpscale.data.sources import parse_source, plan_source, read_task
+from dpscale.data.raw_items import UNKNOWN_LABEL, ReadTask, SourceSpec
+from dpscale.data.sources import SOURCE_KINDS, parse_source, plan_source, read_task
 from dpscale.errors import DataError, InvalidConfigError
 
 
@@ -42,6 +42,21 @@ def test_parse_source_kinds():
         parse_source("csv:/x")
     with pytest.raises(InvalidConfigError):
         parse_source("folder:")
+
+
+def test_every_kind_is_one_row_of_the_table():
+    assert [kind.name for kind in SOURCE_KINDS] == ["tfds", "folder", "idx", "digits"]
+    task_kinds = [t for kind in SOURCE_KINDS for t in kind.task_kinds]
+    assert len(task_kinds) == len(set(task_kinds))
+    expected = "expected tfds:NAME[:SPLIT], folder:PATH, idx:DIR or digits"
+    for text in ("csv:/x", "tfds:", "digits:x", "nope"):
+        with pytest.raises(InvalidConfigError) as error:
+            parse_source(text)
+        assert str(error.value) == f"unknown source {text!r}; {expected}"
+    with pytest.raises(InvalidConfigError, match="unknown source kind 'csv'"):
+        plan_source(SourceSpec("csv", "/x"))
+    with pytest.raises(ValueError, match="unknown task kind 'csv'"):
+        list(read_task(ReadTask("csv"), ()))
 
 
 def testsplit_layout_with_wrapper_dir_and_stray_file():

@@ -1,4 +1,8 @@
-"""The registry: names, specs that match the built models, overrides, user errors."""
+"""The registry: names, specs that match the built models, one table of families, user errors."""
+
+import ast
+import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -67,14 +71,28 @@ def test_unknown_names_and_bad_class_counts_are_user_errors():
         get_model("cnn-small", num_classes=0)
 
 
-def test_register_refuses_silent_overwrite():
-    spec = ModelSpec(name="test-only-cnn", build=get_spec("cnn-small").build, num_classes=3,
-                     input_shape=(28, 28, 1), feature_dim=128)
-    try:
-        registry.register(spec)
-        assert get_spec("test-only-cnn") is spec
-        registry.register(spec)  # identical re-registration (module re-import) is fine
-        with pytest.raises(InvalidConfigError, match="already registered"):
-            registry.register(ModelSpec(**{**spec.__dict__, "num_classes": 4}))
-    finally:
-        registry._REGISTRY.pop("test-only-cnn", None)
+def test_a_name_listed_twice_is_refused():
+    spec = get_spec("cnn-small")
+    assert registry._table([spec, get_spec("wrn-16-4")]) == {"cnn-small": spec, "wrn-16-4": get_spec("wrn-16-4")}
+    with pytest.raises(ValueError, match="listed twice"):
+        registry._table([spec, dataclasses.replace(spec, num_classes=4)])
+
+
+def test_every_family_is_listed_by_the_registry_and_no_model_module_imports_it():
+    families = {spec.name.split("-")[0] for spec in map(get_spec, list_models())}
+    assert families == {"wrn", "nf", "nfnet", "cnn", "scatternet", "efficientnet"}
+    models_dir = pathlib.Path(registry.__file__).parent
+    importers = sorted(path.name for path in models_dir.glob("*.py")
+                       if path.name not in ("registry.py", "pretrained.py") and "registry" in _imported(path))
+    assert not importers, f"model modules importing the registry: {importers}"
+
+
+def _imported(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names.update(alias.name for alias in node.names)
+            names.update((node.module or "").split("."))
+        elif isinstance(node, ast.Import):
+            names.update(part for alias in node.names for part in alias.name.split("."))
+    return names
