@@ -178,8 +178,9 @@ def training_config(
     features = FeatureSettings(holdout=holdout, normalization=feature_normalization,
                                mean_noise_multiplier=feature_mean_noise_multiplier, scale=feature_scale)
     return TrainingConfig(
-        mode=mode, target=target, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier, clip_norm=clip_norm,
-        learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay, microbatch_size=microbatch_size,
-        ema_decay=ema_decay, seed=seed, checkpoint_every=checkpoint_every, devices=devices,
-        private_diagnostics=private_diagnostics, images=images if mode == "images" else ImageSettings(),
+        mode=mode, target=target, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
+        clip_norm=clip_norm, learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
+        microbatch_size=microbatch_size, ema_decay=ema_decay, seed=seed, checkpoint_every=checkpoint_every,
+        devices=devices, private_diagnostics=private_diagnostics,
+        images=images if mode == "images" else ImageSettings(),
         features=features if mode == "features" else FeatureSettings())
