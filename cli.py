@@ -3,22 +3,36 @@
 Every command parses its flags, builds the stage's frozen config, calls the
 stage's ``run`` and prints the result. User errors (``DpscaleError`` and click's
 own usage errors) become one line on stderr and exit code 2, never a traceback.
+Of the library it imports only the stages and the errors: what a flag needs from
+elsewhere (a choice list, a bound) the stage exposes; the flags' types are in
+``cli_options``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
 from typing import Any
 
 import click
 
-from dpscale.cache.keys import RESIZE_METHODS
-from dpscale.dedup.copy_score import CopySettings
-from dpscale.dedup.verify import COARSE_CUT
+from dpscale.cli_options import (
+    ACCOUNTANT_HELP,
+    COUNT,
+    FRACTION,
+    POSITIVE,
+    SEED,
+    TRAINING_OPTIONS,
+    CommaList,
+    ListOption,
+    StageChoice,
+    StageHelpOption,
+    delta_option,
+    floats,
+    ints,
+)
 from dpscale.errors import DpscaleError, PipelineStalledError
 
 
@@ -46,117 +60,6 @@ class _DpscaleGroup(click.Group):
                 os._exit(2)
             sys.exit(2)
         sys.exit(0)
-
-
-class FiniteFloat(click.FloatRange):
-    """A float in a range, NaN refused (click's ranges let it through) and ``inf`` only where allowed."""
-
-    name = "float"
-
-    def __init__(self, min: float | None = None, max: float | None = None, *,  # noqa: A002
-                 min_open: bool = False, max_open: bool = False, allow_inf: bool = False) -> None:
-        super().__init__(min=min, max=max, min_open=min_open, max_open=max_open)
-        self.allow_inf = allow_inf
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        number = click.FLOAT.convert(value, param, ctx)
-        if math.isnan(number) or (math.isinf(number) and not (self.allow_inf and number > 0)):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
-        return super().convert(number, param, ctx)
-
-    def _describe_range(self) -> str:
-        return super()._describe_range() + (" or inf" if self.allow_inf else "")
-
-
-def floats(min: float | None = None, max: float | None = None, *, min_open: bool = False,  # noqa: A002
-           max_open: bool = False, allow_inf: bool = False) -> click.ParamType:
-    """A float flag's type: finite (or ``inf`` when allowed), within the given bounds."""
-    return FiniteFloat(min, max, min_open=min_open, max_open=max_open, allow_inf=allow_inf)
-
-
-def ints(min: int | None = None, max: int | None = None) -> click.ParamType:  # noqa: A002
-    """An integer flag's type within the given bounds (shown as INTEGER in --help)."""
-    kind = click.IntRange(min=min, max=max)
-    kind.name = "integer"
-    return kind
-
-
-POSITIVE = floats(0, min_open=True)  # finite and > 0
-FRACTION = floats(0, 1, max_open=True)  # [0, 1)
-COUNT = ints(1)  # a positive integer
-SEED = ints(0)
-
-
-class CommaList(click.ParamType):
-    """A comma-separated list (``1,2,4``): every list flag of every command is written this way.
-
-    An empty item (``1,,2`` or ``,``) is an error, not silently dropped; ``''`` is the empty
-    list only where ``allow_empty`` (a flag whose default means "all" is simply left out).
-    """
-
-    name = "list"
-
-    def __init__(self, item: click.ParamType = click.STRING, *, allow_empty: bool = False) -> None:
-        self.item, self.allow_empty = item, allow_empty
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if isinstance(value, tuple):
-            return value
-        text = str(value).strip()
-        if not text:
-            if self.allow_empty:
-                return ()
-            self.fail("an empty list: give comma-separated values, or leave the flag out", param, ctx)
-        parts = [part.strip() for part in text.split(",")]
-        if not all(parts):
-            self.fail(f"{text!r} has an empty item: give comma-separated values, e.g. a,b", param, ctx)
-        return tuple(self.item.convert(part, param, ctx) for part in parts)
-
-    def get_metavar(self, param: Any, ctx: Any = None) -> str:
-        return f"{self.item.name.upper()},..."
-
-
-class ListOption(click.Option):
-    """A list flag: ``--flag a,b`` and repeats (``--flag a --flag b``) give one flat tuple.
-
-    Names after the first are deprecated spellings: accepted, but left out of ``--help``
-    and of error messages.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("type", CommaList())
-        default = kwargs.pop("default", None)
-        if default is not None:
-            kwargs["default"] = (default,)
-            kwargs["help"] = f"{kwargs.get('help', '')}  [default: {default or chr(39) * 2}]".strip()
-        super().__init__(*args, multiple=True, **kwargs)
-
-    def type_cast_value(self, ctx: Any, value: Any) -> Any:
-        lists = super().type_cast_value(ctx, value)
-        return tuple(item for items in lists for item in items) if lists else ()
-
-    def _primary(self) -> list[str]:
-        return self.opts[:1]
-
-    def get_help_record(self, ctx: Any) -> Any:
-        opts, self.opts = self.opts, self._primary()
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = opts
-
-    def get_error_hint(self, ctx: Any) -> str:
-        return f"'{self.opts[0]}'"
-
-
-_DELTA_HELP = ("delta of (epsilon, delta)-DP; every command defaults to 1e-5. Keep it well below 1/N "
-               "(the command warns when delta >= 1/N).")
-
-
-def delta_option() -> Any:
-    """``--delta``: the same type, default and help in every command."""
-    return click.option("--delta", type=floats(0, 1, min_open=True, max_open=True), default=1e-5,
-                        show_default=True, help=_DELTA_HELP)
 
 
 def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
@@ -221,7 +124,7 @@ def _show_stage_progress(log: logging.Logger) -> None:
 @click.option("--validation-fraction", type=FRACTION, default=0.0, show_default=True,
               help="Carve this fraction of train into a validation split (by content hash).")
 @click.option("--examples-per-shard", type=COUNT, default=10_000, show_default=True)
-@click.option("--image-encoding", type=click.Choice(["raw", "png"]), default="raw",
+@click.option("--image-encoding", type=StageChoice("ingest.IMAGE_ENCODINGS"), default="raw",
               show_default=True, help="How pixels are stored in each record.")
 @click.option("--tfds-data-dir", default=None, help="TFDS data_dir for tfds: sources.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing ingested dataset.")
@@ -270,7 +173,8 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
 @click.argument("public")
 @click.argument("private")
 @click.argument("output")
-@click.option("--threshold", type=floats(0, COARSE_CUT, min_open=True, max_open=True), default=0.12, show_default=True,
+@click.option("--threshold", type=floats(0, "dedup.COARSE_CUT", min_open=True, max_open=True), default=0.12,
+              show_default=True,
               help="Grid-aligned correlation distance at or below which a candidate is a duplicate; "
                    "pairs above it still get the refinement check unless --no-refine.")
 @click.option("--k", "k", type=COUNT, default=10, show_default=True,
@@ -287,15 +191,15 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
               help="Also remove the pairs a learned copy model accepts (a directory of "
                    "`dpscale train-copy-model` on the PUBLIC data): more real duplicates found, "
                    "some look-alikes removed with them.")
-@click.option("--copy-cut", type=floats(-12, 12, min_open=True, max_open=True), default=None,
+@click.option("--copy-cut", type=floats(-12, 12, min_open=True, max_open=True), default=None, cls=StageHelpOption,
               help="With --copy-model: the copy score a pair needs; lower finds more real duplicates and "
                    "many more look-alikes. Measured on CIFAR-10 for the default local weight: 0.54 with a "
                    "default copy model, 0.52 with one of --epochs 21; without the local weight, 0.48. "
-                   f"[default: {CopySettings.cut}]")
-@click.option("--copy-local-weight", type=floats(0, 10), default=None,
+                   "[default: {dedup.CopySettings.cut}]")
+@click.option("--copy-local-weight", type=floats(0, 10), default=None, cls=StageHelpOption,
               help="With --copy-model: weight in the copy score of how many of a pair's image cells match one "
                    "to one, relative to the private image's other candidates (0: embedding cosines only, "
-                   f"faster; give the cut measured for the weight). [default: {CopySettings.local_weight}]")
+                   "faster; give the cut measured for the weight). [default: {dedup.CopySettings.local_weight}]")
 @click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
               help="Only these splits of PUBLIC (default: all).")
 @click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
@@ -319,7 +223,6 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
     (--runner DataflowRunner ...) go to Beam.
     """
     from dpscale.stages import dedup as stage
-    from dpscale.training import release
 
     _show_stage_progress(stage.log)
     _show_stage_progress(logging.getLogger("dpscale.dedup"))  # the copy model's checks and warnings
@@ -329,7 +232,7 @@ def dedup(public: str, private: str, output: str, threshold: float, k: int,
         copy_model=copy_model, copy_cut=copy_cut, copy_local_weight=copy_local_weight,
         public_splits=public_splits, private_splits=private_splits, overwrite=overwrite,
         verbose=verbose, pipeline_args=tuple(pipeline_args)))
-    _note(release.warning(result.report_path))
+    _note(result.report_warning)
     _note(f"content hash: {result.manifest.content_hash}")
     _note(f"wrote {result.output_dir} in {result.seconds:.1f} s")
     _print_json_line({"output_dir": result.output_dir, "content_hash": result.manifest.content_hash,
@@ -368,7 +271,7 @@ def train_copy_model(public: str, output: str, splits: tuple[str, ...], epochs: 
 
 
 @cli.command("import-weights")
-@click.argument("name", type=click.Choice(["efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2"]))
+@click.argument("name", type=StageChoice("import_weights.NAMES"))
 @click.option("--output", type=click.Path(file_okay=False), default=None,
               help="Backbone directory (default: ~/.cache/dpscale/weights/NAME).")
 @click.option("--force", is_flag=True, help="Convert again even if the directory already holds the weights.")
@@ -421,7 +324,7 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Feature cache root (default: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).")
 @click.option("--resolution", type=COUNT, default=None, help="Resize to this (default: the backbone's).")
-@click.option("--resize-method", type=click.Choice(RESIZE_METHODS), default="bilinear", show_default=True,
+@click.option("--resize-method", type=StageChoice("featurize.RESIZE_METHODS"), default="bilinear", show_default=True,
               help="How images are resized to the backbone's resolution.")
 @click.option("--flip-average", is_flag=True,
               help="Store the mean of each image's features and its mirror image's (no privacy cost: "
@@ -492,83 +395,6 @@ def _print_json_line(payload: dict) -> None:
     click.echo(json.dumps(strict(payload), sort_keys=True, default=str, allow_nan=False))
 
 
-def _options(*decorators: Any) -> Any:
-    """Apply click option decorators in the order they are listed (as they read in --help)."""
-    def apply(command: Any) -> Any:
-        for decorator in reversed(decorators):
-            command = decorator(command)
-        return command
-    return apply
-
-
-#: The settings of a training run that `train` and `sweep` share (one definition, one default).
-_TRAINING_OPTIONS = _options(
-    click.option("--mode", type=click.Choice(["images", "features"]), default=None,
-                 help="images: all layers of --model on ingested DATA; features: the last layer on a feature "
-                      "cache entry. Default: features when DATA is a feature cache entry, else images."),
-    click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode)."),
-    click.option("--backbone", default=None,
-                 help="Fine-tune a pretrained backbone (imported name or directory) instead of --model."),
-    delta_option(),
-    click.option("--batch-size", type=COUNT, default=None, help="Expected (Poisson) batch size B."),
-    click.option("--steps", type=COUNT, default=None, help="Number of optimiser steps T."),
-    click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True),
-    click.option("--sampling", type=click.Choice(["poisson", "shuffle"]), default="poisson", show_default=True,
-                 help="`shuffle` is NOT what the accountant assumes: for baselines only (warns)."),
-    click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True,
-                 help="Per-example gradient norm bound C."),
-    click.option("--momentum", type=FRACTION, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP)."),
-    click.option("--weight-decay", type=floats(0), default=0.0, show_default=True, help="Recipe: 0 under DP."),
-    click.option("--augmult", type=COUNT, default=1, show_default=True,
-                 help="K augmented views per example, averaged before clipping."),
-    click.option("--augment-pad", type=ints(0), default=4, show_default=True, help="Reflect padding of random crops."),
-    click.option("--no-flip", is_flag=True, help="Do not flip views horizontally."),
-    click.option("--microbatch-size", type=COUNT, default=None,
-                 help="Physical batch; the logical batch is accumulated over micro-batches "
-                      "(default: 64 images, 4096 feature rows)."),
-    click.option("--ema-decay", type=FRACTION, default=0.999, show_default=True),
-    click.option("--holdout", type=ints(0), default=0, show_default=True,
-                 help="features mode: do not train on the last N training rows; score them with "
-                      "`dpscale evaluate RUN_DIR --split holdout`."),
-    click.option("--feature-normalization", type=click.Choice(["none", "l2", "center-l2"]), default="none",
-                 show_default=True,
-                 help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
-                      "unit again (the mean's cost is in epsilon)."),
-    click.option("--feature-mean-noise-multiplier", type=POSITIVE, default=20.0, show_default=True,
-                 help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1)."),
-    click.option("--feature-scale", type=POSITIVE, default=1.0, show_default=True,
-                 help="l2 / center-l2: norm of the normalised rows (sets the bias's step relative to the kernel's)."),
-    click.option("--checkpoint-every", type=COUNT, default=None, help="Steps between checkpoints (default: ~20 per run)."),
-    click.option("--devices", type=COUNT, default=None,
-                 help="Data-parallel devices (default: all local; all global ones in a multi-host run)."),
-    click.option("--private-diagnostics", is_flag=True,
-                 help="Also write statistics of the private batches that epsilon does NOT cover (loss, gradient "
-                      "norms, clipped fraction, batch sizes, held-out scores) to *.NOT-PRIVATE.* files (mode 0600)."),
-)
-
-
-def _training_config(data: str, options: dict[str, Any], **given: Any) -> Any:
-    """A ``TrainingConfig`` from the shared training options (popped from ``options``) and ``given``."""
-    from dpscale.privacy.plan import PrivacyTarget
-    from dpscale.training.config import FeatureSettings, ImageSettings, TrainingConfig
-    from dpscale.training.model import detect_mode
-
-    take = options.pop
-    mode = take("mode") or detect_mode(data)
-    target = PrivacyTarget(epsilon=given.pop("epsilon", math.inf), delta=take("delta"),
-                           accountant=take("accountant"), sampling=take("sampling"))
-    images = ImageSettings(model=take("model"), backbone=take("backbone"), augmult=take("augmult"),
-                           augment_pad=take("augment_pad"), augment_flip=not take("no_flip"))
-    features = FeatureSettings(holdout=take("holdout"), normalization=take("feature_normalization"),
-                               mean_noise_multiplier=take("feature_mean_noise_multiplier"),
-                               scale=take("feature_scale"))
-    shared = {name: take(name) for name in ("batch_size", "steps", "clip_norm", "momentum", "weight_decay",
-                                            "microbatch_size", "ema_decay", "checkpoint_every", "devices",
-                                            "private_diagnostics")}
-    return TrainingConfig(mode=mode, target=target, images=images if mode == "images" else ImageSettings(),
-                          features=features if mode == "features" else FeatureSettings(), **shared, **given)
-
-
 @cli.command("train")
 @click.argument("data", type=click.Path(file_okay=False), required=False)
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
@@ -579,7 +405,7 @@ def _training_config(data: str, options: dict[str, Any], **given: Any) -> Any:
 @click.option("--noise-multiplier", type=POSITIVE, default=None, help="sigma; calibrated when left out.")
 @click.option("--learning-rate", type=POSITIVE, default=2.0, show_default=True,
               help="SGD step size on the C-normalised gradient (constant).")
-@_TRAINING_OPTIONS
+@TRAINING_OPTIONS
 @click.option("--seed", type=SEED, default=None,
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
 @click.option("--coordinator-address", default=None, metavar="HOST:PORT",
@@ -589,10 +415,8 @@ def _training_config(data: str, options: dict[str, Any], **given: Any) -> Any:
 @click.option("--process-id", type=ints(0), default=None, help="Multi-host: this process's index, 0 to N-1.")
 @click.option("--distributed", "auto_distributed", is_flag=True,
               help="Multi-host with the cluster detected by JAX (Cloud TPU pods, Slurm, Open MPI).")
-def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, epsilon: float,
-                  noise_multiplier: float | None, learning_rate: float, seed: int | None,
-                  coordinator_address: str | None, num_processes: int | None, process_id: int | None,
-                  auto_distributed: bool, **options: Any) -> None:
+def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, coordinator_address: str | None,
+                  num_processes: int | None, process_id: int | None, auto_distributed: bool, **options: Any) -> None:
     """Train on DATA with DP-SGD; write the run to RUN_DIR.
 
     Give the privacy target (--epsilon, --delta) and two of --batch-size, --steps,
@@ -601,12 +425,10 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
     epsilon and the hyper-parameters. Killed runs continue with --resume RUN_DIR.
     Multi-host: run the same command on every host, adding the multi-host flags.
     """
-    from dpscale import distributed
-
-    # Before anything touches a JAX backend (importing the train stage does not).
-    distributed.initialize(coordinator_address, num_processes, process_id, auto=auto_distributed)
     from dpscale.stages import train
 
+    # Before anything touches a JAX backend (importing the train stage does not).
+    train.initialize_distributed(coordinator_address, num_processes, process_id, auto=auto_distributed)
     if resume_dir is not None:
         if data or run_dir:
             raise click.UsageError("--resume RUN_DIR takes no DATA or RUN_DIR arguments")
@@ -617,10 +439,9 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
         return
     if not (data and run_dir):
         raise click.UsageError("give DATA and RUN_DIR (or --resume RUN_DIR)")
-    training = _training_config(data, options, epsilon=epsilon, noise_multiplier=noise_multiplier,
-                                learning_rate=learning_rate, seed=seed)
+    config = train.TrainConfig.from_options(data, run_dir, **options)
     with _resume_hint_on_interrupt(run_dir):
-        result = train.run(train.TrainConfig(data=data, run_dir=run_dir, training=training))
+        result = train.run(config)
     _echo_warnings(result.warnings)
     _print_json_line(dataclasses_asdict(result))
 
@@ -631,9 +452,9 @@ def _resume_hint_on_interrupt(run_dir: str) -> Any:
     try:
         yield
     except KeyboardInterrupt:
-        from dpscale.training.run_directory import CONFIG
+        from dpscale.stages import train
 
-        if os.path.isfile(os.path.join(run_dir, CONFIG)):
+        if train.started(run_dir):
             click.echo(f"dpscale: interrupted; continue the run with `dpscale train --resume {run_dir}`", err=True)
         raise
 
@@ -648,12 +469,10 @@ def _resume_hint_on_interrupt(run_dir: str) -> Any:
 def evaluate_command(run_dir: str, split: str, data: str | None, private_diagnostics: bool) -> None:
     """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json."""
     from dpscale.stages import evaluate
-    from dpscale.training.release import warning
 
     result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data,
                                                   private_diagnostics=private_diagnostics))
-    if not result.covered_by_epsilon:
-        _echo_warnings((warning(result.path),))
+    _echo_warnings(result.warnings)
     _print_json_line(result.as_dict())
 
 
@@ -666,12 +485,11 @@ def evaluate_command(run_dir: str, split: str, data: str | None, private_diagnos
               help="DP learning rates of the grid.")
 @click.option("--repeats", type=COUNT, default=3, show_default=True,
               help="Runs per grid point, each with a fresh secret seed (median and spread are reported).")
-@click.option("--no-baseline", is_flag=True, help="Skip the non-private baseline runs.")
+@click.option("--no-baseline", "baseline", flag_value=False, default=True, help="Skip the non-private baseline runs.")
 @click.option("--baseline-learning-rate", type=POSITIVE, default=0.5, show_default=True)
 @click.option("--baseline-momentum", type=FRACTION, default=0.9, show_default=True)
-@_TRAINING_OPTIONS
-def sweep_command(data: str, out_dir: str, epsilons: tuple[float, ...], learning_rates: tuple[float, ...], repeats: int, no_baseline: bool,
-                  baseline_learning_rate: float, baseline_momentum: float, **options: Any) -> None:
+@TRAINING_OPTIONS
+def sweep_command(data: str, out_dir: str, **options: Any) -> None:
     """Train a grid over epsilon x learning rate (x repeats) on the same DATA; write tables and a plot.
 
     Every run uses the training options below (as `dpscale train` reads them), with its own
@@ -681,11 +499,7 @@ def sweep_command(data: str, out_dir: str, epsilons: tuple[float, ...], learning
     """
     from dpscale.stages import sweep
 
-    training = _training_config(data, options, learning_rate=learning_rates[0])
-    config = sweep.SweepConfig(data=data, out_dir=out_dir, training=training, epsilons=epsilons,
-                               learning_rates=learning_rates, repeats=repeats, baseline=not no_baseline,
-                               baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum)
-    result = sweep.run(config)
+    result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, **options))
     _echo_warnings(result.warnings)
     click.echo(f"dpscale: {_privacy_line(result)}", err=True)
     _print_json_line({"out_dir": result.out_dir, "composed_epsilon": result.composed_epsilon, "delta": result.delta,
@@ -704,7 +518,8 @@ def _privacy_line(result: Any) -> str:
               help="Where the ingested data, backbone, feature cache and run directories go.")
 @click.option("--public-classes", cls=ListOption,
               help="Class names used as public data (default: the first half).")
-@click.option("--no-dedup", is_flag=True, help="Skip removing public near duplicates of private images.")
+@click.option("--no-dedup", "dedup", flag_value=False, default=True,
+              help="Skip removing public near duplicates of private images.")
 @click.option("--model", default="cnn-small", show_default=True, help="Architecture pre-trained on the public classes.")
 @click.option("--pretrain-steps", type=COUNT, default=200, show_default=True)
 @click.option("--pretrain-batch-size", type=COUNT, default=128, show_default=True)
@@ -717,10 +532,7 @@ def _privacy_line(result: Any) -> str:
 @click.option("--seed", type=SEED, default=None, help="Fix the secret seed (debugging only).")
 @click.option("--private-diagnostics", is_flag=True,
               help="Also report how many public images dedup removed (depends on the private data; NOT covered).")
-def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...], no_dedup: bool, model: str,
-                       pretrain_steps: int, pretrain_batch_size: int, pretrain_learning_rate: float, epsilon: float,
-                       delta: float, batch_size: int, steps: int, learning_rate: float, seed: int | None,
-                       private_diagnostics: bool) -> None:
+def quickstart_command(**options: Any) -> None:
     """Public pre-training, then DP fine-tuning: the paper's path on a small offline data set.
 
     ingest (public and private classes) -> dedup -> non-private pre-training on the
@@ -728,23 +540,12 @@ def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...]
     last layer (noise calibrated to --epsilon/--delta) -> evaluate. Ends with one JSON
     line holding epsilon, delta and test_accuracy (EMA parameters, private test split).
     """
-    import dataclasses
-
-    from dpscale.privacy.plan import PrivacyTarget
     from dpscale.stages import quickstart
 
     _show_stage_progress(quickstart.log)
-    base = quickstart.QuickstartConfig()
-    pretrain = dataclasses.replace(base.pretrain, steps=pretrain_steps, batch_size=pretrain_batch_size,
-                                   learning_rate=pretrain_learning_rate, seed=seed,
-                                   images=dataclasses.replace(base.pretrain.images, model=model))
-    private = dataclasses.replace(base.private, target=PrivacyTarget(epsilon=epsilon, delta=delta),
-                                  batch_size=batch_size, steps=steps, learning_rate=learning_rate, seed=seed)
-    result = quickstart.run(quickstart.QuickstartConfig(
-        data=data, work_dir=work_dir, public_classes=public_classes, dedup=not no_dedup, pretrain=pretrain,
-        private=private, private_diagnostics=private_diagnostics))
+    result = quickstart.run(quickstart.QuickstartConfig.from_options(**options))
     _echo_warnings(result.warnings)
-    _print_json_line(dataclasses.asdict(result))
+    _print_json_line(dataclasses_asdict(result))
 
 
 @cli.command("audit")
@@ -759,16 +560,16 @@ def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...]
 @click.option("--steps", type=COUNT, default=50, show_default=True)
 @click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True)
-@click.option("--threat-model", type=click.Choice(["black-box", "white-box"]), default="black-box",
+@click.option("--threat-model", type=StageChoice("audit.THREAT_MODELS"), default="black-box",
               show_default=True, help="black-box: the adversary sees the final model and a canary input; "
               "white-box: a gradient canary, and the adversary sees every update.")
-@click.option("--model", type=click.Choice(["linear", "mlp", "cnn"]), default="linear", show_default=True,
+@click.option("--model", type=StageChoice("audit.MODELS"), default="linear", show_default=True,
               help="black-box: linear or mlp; white-box: linear or cnn.")
 @click.option("--microbatches", type=COUNT, default=2, show_default=True,
               help="White-box: micro-batches per step.")
 @click.option("--canary-norm", type=floats(1), default=10.0, show_default=True,
               help="White-box: norm of the canary gradient in units of the clip norm (>= 1).")
-@click.option("--per-example", type=click.Choice(["vmap", "bookkeeping"]), default="vmap", show_default=True,
+@click.option("--per-example", type=StageChoice("audit.PER_EXAMPLE"), default="vmap", show_default=True,
               help="White-box CNN: how per-example gradients are computed.")
 @click.option("--devices", type=COUNT, default=1, show_default=True,
               help="White-box: data-parallel devices of the audited step (micro-batches sharded, sums psum'd).")
@@ -779,7 +580,7 @@ def quickstart_command(data: str, work_dir: str, public_classes: tuple[str, ...]
               help="Models used only to choose the threshold.")
 @click.option("--confidence", type=floats(0, 1, min_open=True, max_open=True), default=0.999, show_default=True,
               help="Confidence level of the Clopper-Pearson and Gaussian-DP bounds.")
-@click.option("--canary", type=click.Choice(["ood", "mislabelled"]), default="ood", show_default=True)
+@click.option("--canary", type=StageChoice("audit.CANARIES"), default="ood", show_default=True)
 @click.option("--one-run-canaries", type=ints(0), default=0, show_default=True,
               help="Also run the one-run audit (Steinke et al. 2023) with this many canaries.")
 @click.option("--seed", type=SEED, default=None, help="Fix the audit seed (reproducible audits).")
@@ -792,18 +593,14 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
     certify with that many models, and the nominal epsilon. Exit code 1 if a lower
     bound exceeds its nominal epsilon (a DP bug).
     """
-    from dpscale.audit.game import markdown_table
     from dpscale.stages import audit
 
     result = audit.run(audit.AuditConfig(data=data, epsilons=epsilons, **options))
-    click.echo(markdown_table(result.rows), nl=False, err=True)
+    click.echo(result.markdown(), nl=False, err=True)
     _print_json_line(result.as_dict())
     if any(row["violation"] for row in result.rows):
         click.echo("dpscale: AUDIT FAILED: a lower bound exceeds the nominal epsilon", err=True)
         sys.exit(1)
-
-
-_ACCOUNTANT_HELP = "pld: tight numerical accountant (default); rdp: looser upper bound, faster."
 
 
 def _note(line: str) -> None:
@@ -823,8 +620,8 @@ def _echo_warnings(warnings: tuple[str, ...]) -> None:
 @click.option("--batch-size", type=COUNT, required=True, help="Expected (Poisson) batch size B.")
 @click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
 @delta_option()
-@click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True,
-              help=_ACCOUNTANT_HELP)
+@click.option("--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True,
+              help=ACCOUNTANT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_examples: int,
                     delta: float, accountant: str, as_json: bool) -> None:
@@ -860,8 +657,8 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
 @click.option("--batch-size", type=COUNT, default=None, help="Expected (Poisson) batch size B; solved for if left out.")
 @click.option("--steps", type=COUNT, default=None, help="Number of DP-SGD steps T; solved for if left out.")
 @click.option("--noise-multiplier", type=POSITIVE, default=None, help="sigma; solved for if left out.")
-@click.option("--accountant", type=click.Choice(["pld", "rdp"]), default="pld", show_default=True,
-              help=_ACCOUNTANT_HELP)
+@click.option("--accountant", type=StageChoice("calibrate.ACCOUNTANTS"), default="pld", show_default=True,
+              help=ACCOUNTANT_HELP)
 @click.option("--rtol", type=floats(0, 1, min_open=True, max_open=True), default=1e-3, show_default=True,
               help="Relative tolerance on a solved noise multiplier (steps and batch size are exact).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")

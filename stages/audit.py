@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Literal
+from typing import Literal, get_args
 
 from dpscale import distributed
 from dpscale.audit.canaries import CanaryKind, Data, load_data
-from dpscale.audit.game import audit_setting, one_run, write_reports
+from dpscale.audit.game import audit_setting, markdown_table, one_run, write_reports
 from dpscale.audit.whitebox import PerExample, WhiteBoxSetup, white_box_row
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.dpsgd import DpsgdStep
@@ -33,6 +33,12 @@ from dpscale.progress import progress_bar
 from dpscale.training.vmapped import StepClass, TrainingSetup
 
 ThreatModel = Literal["black-box", "white-box"]
+# The choices of the audit's flags, each defined once: by its type, or here.
+THREAT_MODELS: tuple[str, ...] = get_args(ThreatModel)
+CANARIES: tuple[str, ...] = get_args(CanaryKind)
+PER_EXAMPLE: tuple[str, ...] = get_args(PerExample)
+MODELS_BY_THREAT: dict[str, tuple[str, ...]] = {"black-box": ("linear", "mlp"), "white-box": ("linear", "cnn")}
+MODELS: tuple[str, ...] = tuple(dict.fromkeys(m for models in MODELS_BY_THREAT.values() for m in models))
 
 _log = logging.getLogger(__name__)
 
@@ -77,13 +83,13 @@ class AuditConfig:
             raise InvalidConfigError(f"holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
         if not 0 < self.confidence < 1:
             raise InvalidConfigError(f"confidence must be in (0, 1), got {self.confidence}")
-        if self.canary not in ("ood", "mislabelled"):
+        if self.canary not in CANARIES:
             raise InvalidConfigError(f"canary must be 'ood' or 'mislabelled', got {self.canary!r}")
         if not 0 < self.one_run_guess_fraction <= 1:
             raise InvalidConfigError("one_run_guess_fraction must be in (0, 1]")
-        if self.threat_model not in ("black-box", "white-box"):
+        if self.threat_model not in THREAT_MODELS:
             raise InvalidConfigError(f"threat_model must be 'black-box' or 'white-box', got {self.threat_model!r}")
-        models = ("linear", "mlp") if self.threat_model == "black-box" else ("linear", "cnn")
+        models = MODELS_BY_THREAT[self.threat_model]
         if self.model not in models:
             raise InvalidConfigError(f"the {self.threat_model} audit supports models {models}, got {self.model!r}")
         if self.threat_model == "white-box" and self.batch_size not in (None, self.num_examples):
@@ -109,6 +115,10 @@ class AuditResult:
 
     def as_dict(self) -> dict:
         return {"dataset": self.dataset, "seed": self.seed, "rows": list(self.rows)}
+
+    def markdown(self) -> str:
+        """The rows as the Markdown table the command prints (``audit.game.markdown_table``)."""
+        return markdown_table(self.rows)
 
 
 def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResult:

@@ -27,7 +27,7 @@ from apache_beam.io.filesystems import FileSystems
 from dpscale.data import shards
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.manifest import Manifest
-from dpscale.dedup.copy_score import CopySettings
+from dpscale.dedup.copy_score import CopySettings  # also the defaults --copy-cut and --copy-local-weight show
 from dpscale.dedup.join import PRIVATE, PUBLIC
 from dpscale.dedup.method import Method
 from dpscale.dedup.output import REPORT
@@ -40,7 +40,9 @@ from dpscale.dedup.planning import (
     shard_ranges,
     verify_blocks,
 )
+from dpscale.dedup.verify import COARSE_CUT  # the upper bound of --threshold, for the command line
 from dpscale.errors import DataError, InvalidConfigError
+from dpscale.training import release
 
 log = logging.getLogger(__name__)
 WORK = "_dedup_work"  # descriptor files of a running dedup, inside the output directory
@@ -115,6 +117,11 @@ class DedupResult:
     @property
     def num_kept(self) -> int:
         return int(self.report["num_kept"])
+
+    @property
+    def report_warning(self) -> str:
+        """The line that tells the reader the report describes the private data."""
+        return release.warning(self.report_path)
 
 
 def _remove_work(work_dir: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dpscale.training import release
 from dpscale.training.evaluation import Scores, score_run
 
 
@@ -25,6 +26,11 @@ class EvaluateConfig:
 @dataclasses.dataclass(frozen=True)
 class EvaluateResult(Scores):
     path: str = ""  # the file the scores were saved to
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Scores of private training rows are a private diagnostic: the reader is told so."""
+        return () if self.covered_by_epsilon else (release.warning(self.path),)
 
 
 def run(config: EvaluateConfig) -> EvaluateResult:

@@ -20,7 +20,7 @@ import time
 
 from dpscale.cache import feature_store as fstore
 from dpscale.cache import featurizer
-from dpscale.cache.keys import RESIZE_METHODS
+from dpscale.cache.keys import RESIZE_METHODS  # also --resize-method's choices
 from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InvalidConfigError
 

@@ -22,6 +22,7 @@ from dpscale.data.sources import parse_source, plan_source, select_classes
 from dpscale.errors import InvalidConfigError
 
 log = logging.getLogger(__name__)
+IMAGE_ENCODINGS = tuple(ENCODINGS)  # how a record may store its pixels: raw, png
 
 
 @dataclasses.dataclass(frozen=True)

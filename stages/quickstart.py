@@ -77,6 +77,21 @@ class QuickstartConfig:
         if self.pretrain.batch_size is None or self.pretrain.steps is None:
             raise InvalidConfigError("the quickstart's pre-training needs a batch size and a number of steps")
 
+    @classmethod
+    def from_options(cls, *, data: str, work_dir: str, public_classes: tuple[str, ...], dedup: bool,
+                     private_diagnostics: bool, model: str, pretrain_steps: int, pretrain_batch_size: int,
+                     pretrain_learning_rate: float, epsilon: float, delta: float, batch_size: int, steps: int,
+                     learning_rate: float, seed: int | None) -> QuickstartConfig:
+        """A quickstart from flat options: ``model`` and ``pretrain_*`` change ``PRETRAIN``, the privacy
+        target and the other knobs change ``PRIVATE``, and ``seed`` (debugging only) fixes both runs."""
+        pretrain = dataclasses.replace(PRETRAIN, steps=pretrain_steps, batch_size=pretrain_batch_size,
+                                       learning_rate=pretrain_learning_rate, seed=seed,
+                                       images=dataclasses.replace(PRETRAIN.images, model=model))
+        private = dataclasses.replace(PRIVATE, target=PrivacyTarget(epsilon=epsilon, delta=delta),
+                                      batch_size=batch_size, steps=steps, learning_rate=learning_rate, seed=seed)
+        return cls(data=data, work_dir=work_dir, public_classes=public_classes, dedup=dedup, pretrain=pretrain,
+                   private=private, private_diagnostics=private_diagnostics)
+
 
 def _safe(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text).strip("_")

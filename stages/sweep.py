@@ -36,8 +36,8 @@ from dpscale.files import open_for_writing, write_json_atomic
 from dpscale.privacy.plan import composed_epsilon
 from dpscale.stages import evaluate, train
 from dpscale.training import release
-from dpscale.training.config import TrainingConfig
-from dpscale.training.model import HOLDOUT_SPLIT
+from dpscale.training.config import Mode, TrainingConfig, training_config
+from dpscale.training.model import HOLDOUT_SPLIT, detect_mode
 from dpscale.training.run_directory import CONFIG, RunDirectory
 
 RUNS_CSV = "runs.csv"
@@ -83,6 +83,22 @@ class SweepConfig:
             raise InvalidConfigError(
                 f"scoring split {self.eval_split!r} (private training rows) makes the sweep's tables private "
                 "diagnostics that epsilon does not cover; pass --private-diagnostics to run it anyway")
+
+    @classmethod
+    def from_options(cls, data: str, out_dir: str, *, epsilons: tuple[float, ...], learning_rates: tuple[float, ...],
+                     repeats: int, baseline: bool, baseline_learning_rate: float, baseline_momentum: float,
+                     mode: Mode | None = None, **options: Any) -> SweepConfig:
+        """A sweep from flat options: the grid's, then every run's as ``train`` takes them.
+
+        The shared ``training`` is non-private (``epsilon=inf``): each grid point sets its own
+        epsilon, so none is given here.
+        """
+        if learning_rates:
+            options["learning_rate"] = learning_rates[0]
+        training = training_config(mode or detect_mode(data), epsilon=math.inf, **options)
+        return cls(data=data, out_dir=out_dir, training=training, epsilons=epsilons, learning_rates=learning_rates,
+                   repeats=repeats, baseline=baseline, baseline_learning_rate=baseline_learning_rate,
+                   baseline_momentum=baseline_momentum)
 
     @property
     def scores_private_rows(self) -> bool:

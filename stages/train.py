@@ -6,17 +6,28 @@ is calibrated *before* the first step (a run that cannot meet the target does no
 then ``training.trainer`` loops. ``run(ResumeConfig)`` continues a killed run from its last
 checkpoint with its own seed and plan. ``epsilon=inf`` is the non-private baseline: no
 clipping, no noise, momentum and weight decay allowed.
+
+The choice lists of the training flags are the ones the settings check (re-exported here for
+the command line), and ``initialize_distributed`` joins a multi-host run; call it before any
+JAX computation (importing this module makes none).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Any
 
+from dpscale.distributed import initialize as initialize_distributed
+from dpscale.privacy.accounting import ACCOUNTANTS, SAMPLING_SCHEMES
 from dpscale.training import trainer
-from dpscale.training.config import TrainingConfig
+from dpscale.training.config import FEATURE_NORMALIZATIONS, MODES, Mode, TrainingConfig, training_config
+from dpscale.training.model import detect_mode
+from dpscale.training.run_directory import CONFIG
 from dpscale.training.trainer import TrainResult
 
-__all__ = ["ResumeConfig", "TrainConfig", "TrainResult", "run"]
+__all__ = ["ACCOUNTANTS", "FEATURE_NORMALIZATIONS", "MODES", "SAMPLING_SCHEMES", "ResumeConfig", "TrainConfig",
+           "TrainResult", "initialize_distributed", "run", "started"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +38,11 @@ class TrainConfig:
     run_dir: str
     training: TrainingConfig = TrainingConfig()
 
+    @classmethod
+    def from_options(cls, data: str, run_dir: str, *, mode: Mode | None = None, **options: Any) -> TrainConfig:
+        """A run from flat options (``training.config.training_config``); the mode defaults to the data's kind."""
+        return cls(data, run_dir, training_config(mode or detect_mode(data), **options))
+
 
 @dataclasses.dataclass(frozen=True)
 class ResumeConfig:
@@ -34,6 +50,11 @@ class ResumeConfig:
 
     run_dir: str
     show_progress: bool = True
+
+
+def started(run_dir: str) -> bool:
+    """Whether ``run_dir`` holds a run that has started, i.e. one ``ResumeConfig`` can continue."""
+    return os.path.isfile(os.path.join(run_dir, CONFIG))
 
 
 def run(config: TrainConfig | ResumeConfig) -> TrainResult:

@@ -23,6 +23,7 @@ LAYERS = [
     {"training"},
     {"audit", "pipelines"},
     {"stages"},
+    {"cli_options"},
     {"cli"},
     {"__main__"},
 ]
@@ -128,6 +129,33 @@ def test_every_command_is_one_stage_module():
     modules = {name.rsplit(".", 1)[1] for name in STAGE_MODULES}
     expected = {"list_models" if c == "models" else c.replace("-", "_") for c in cli.commands}
     assert expected == modules
+
+
+CLI_PACKAGES = {"cli", "cli_options"}  # the command line and its own helpers
+
+
+def _imports_by_name(path: pathlib.Path) -> list[str]:
+    """The literal start of every ``import_module(...)`` argument in the file ('' when not a literal)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.JoinedStr):
+                first = first.values[0] if first.values else None
+            found.append(first.value if isinstance(first, ast.Constant) else "")
+    return found
+
+
+def test_the_command_line_imports_only_stages_errors_and_its_own_helpers():
+    """cli parses flags and calls a stage's ``run``: whatever else it needs, a stage exposes."""
+    cli_modules = sorted(m for m in MODULES if _package(m) in CLI_PACKAGES)
+    assert "dpscale.cli" in cli_modules
+    allowed = {"dpscale.stages", "dpscale.errors", *cli_modules}
+    wrong = [f"{module} -> {other}" for module in cli_modules for other in sorted(GRAPH[module])
+             if other not in allowed and not other.startswith("dpscale.stages.")]
+    wrong += [f"{module} -> import_module({name!r}...)" for module in cli_modules
+              for name in _imports_by_name(MODULES[module]) if not name.startswith("dpscale.stages.")]
+    assert not wrong, "the command line reaches past the stages:\n" + "\n".join(wrong)
 
 
 def _code_lines(*, benchmarks: bool):

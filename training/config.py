@@ -3,9 +3,9 @@
 ``TrainingConfig`` says *how* to train (privacy target, batch, steps, optimiser, devices);
 where the data and the run directory are is the train stage's business. Sweep and quickstart
 embed a ``TrainingConfig`` and vary fields of it with ``dataclasses.replace`` rather than
-copying them, so a default means the same thing in every command. Settings that only one mode
-reads live in ``ImageSettings`` (all layers of a network on images) and ``FeatureSettings``
-(the last layer on cached features).
+copying them, so a default means the same thing in every command; ``training_config`` nests a
+command's flat options into one. Settings that only one mode reads live in ``ImageSettings``
+(all layers of a network on images) and ``FeatureSettings`` (the last layer on cached features).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 from typing import Any, Literal
 
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.accounting import Accountant, SamplingScheme
 from dpscale.privacy.plan import PrivacyTarget
 
 Mode = Literal["images", "features"]
@@ -133,3 +134,53 @@ class TrainingConfig:
             return cls(**values)
         except TypeError as exc:
             raise InvalidConfigError(f"not a training configuration: {exc}") from None
+
+
+def training_config(
+    mode: Mode,
+    *,
+    epsilon: float = PrivacyTarget.epsilon,
+    delta: float = PrivacyTarget.delta,
+    accountant: Accountant = PrivacyTarget.accountant,
+    sampling: SamplingScheme = PrivacyTarget.sampling,
+    batch_size: int | None = TrainingConfig.batch_size,
+    steps: int | None = TrainingConfig.steps,
+    noise_multiplier: float | None = TrainingConfig.noise_multiplier,
+    clip_norm: float = TrainingConfig.clip_norm,
+    learning_rate: float = TrainingConfig.learning_rate,
+    momentum: float = TrainingConfig.momentum,
+    weight_decay: float = TrainingConfig.weight_decay,
+    microbatch_size: int | None = TrainingConfig.microbatch_size,
+    ema_decay: float = TrainingConfig.ema_decay,
+    seed: int | None = TrainingConfig.seed,
+    checkpoint_every: int | None = TrainingConfig.checkpoint_every,
+    devices: int | None = TrainingConfig.devices,
+    private_diagnostics: bool = TrainingConfig.private_diagnostics,
+    model: str = ImageSettings.model,
+    backbone: str | None = ImageSettings.backbone,
+    augmult: int = ImageSettings.augmult,
+    augment_pad: int = ImageSettings.augment_pad,
+    augment_flip: bool = ImageSettings.augment_flip,
+    holdout: int = FeatureSettings.holdout,
+    feature_normalization: str = FeatureSettings.normalization,
+    feature_mean_noise_multiplier: float = FeatureSettings.mean_noise_multiplier,
+    feature_scale: float = FeatureSettings.scale,
+) -> TrainingConfig:
+    """A ``TrainingConfig`` from flat options, one per flag of ``train`` and ``sweep``.
+
+    Commands take every setting side by side; this nests them. The settings of the other
+    mode keep their defaults, so an images-only flag given to a features run (or the other
+    way round) changes nothing.
+    """
+    target = PrivacyTarget(epsilon=epsilon, delta=delta, accountant=accountant, sampling=sampling)
+    images = ImageSettings(model=model, backbone=backbone, augmult=augmult, augment_pad=augment_pad,
+                           augment_flip=augment_flip)
+    features = FeatureSettings(holdout=holdout, normalization=feature_normalization,
+                               mean_noise_multiplier=feature_mean_noise_multiplier, scale=feature_scale)
+    return TrainingConfig(
+        mode=mode, target=target, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
+        clip_norm=clip_norm, learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
+        microbatch_size=microbatch_size, ema_decay=ema_decay, seed=seed, checkpoint_every=checkpoint_every,
+        devices=devices, private_diagnostics=private_diagnostics,
+        images=images if mode == "images" else ImageSettings(),
+        features=features if mode == "features" else FeatureSettings())

@@ -155,6 +155,21 @@ def test_delta_has_one_default_everywhere():
         assert delta.default == 1e-5 and not delta.required, name
 
 
+def test_a_choice_flag_offers_the_list_its_setting_is_checked_against():
+    from dpscale.privacy.accounting import ACCOUNTANTS, SAMPLING_SCHEMES
+    from dpscale.training.config import FEATURE_NORMALIZATIONS, MODES
+
+    def choices(command, name):
+        (param,) = [p for p in cli.commands[command].params if p.name == name]
+        return param.type.choices
+
+    for command in ("train", "sweep", "epsilon", "calibrate"):
+        assert choices(command, "accountant") == ACCOUNTANTS, command
+    for command in ("train", "sweep"):
+        assert choices(command, "sampling") == SAMPLING_SCHEMES and choices(command, "mode") == MODES
+        assert choices(command, "feature_normalization") == FEATURE_NORMALIZATIONS
+
+
 def test_rejecting_a_flag_imports_no_heavy_library():
     code = ("import sys\nfrom dpscale.cli import cli\n"
             "try:\n    cli.main(['train', 'data', 'run', '--clip-norm', '0'], prog_name='dpscale')\n"

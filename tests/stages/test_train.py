@@ -18,7 +18,7 @@ from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InfeasiblePrivacyTargetError
 from dpscale.privacy.plan import PrivacyTarget
 from dpscale.stages import evaluate, ingest, train
-from dpscale.training.config import ImageSettings, TrainingConfig
+from dpscale.training.config import FeatureSettings, ImageSettings, TrainingConfig, training_config
 from dpscale.training.run_directory import RunDirectory
 
 
@@ -172,6 +172,24 @@ def test_book_keeping_path_is_used_and_trains_like_the_vmap_path(digits, tmp_pat
     want = RunDirectory(str(tmp_path / "vmap")).load_params()
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_flat_options_nest_into_a_training_config_and_the_other_mode_keeps_its_defaults():
+    assert training_config("images") == TrainingConfig()
+    features = training_config("features", holdout=3, feature_scale=2.0, model="wrn-16-4", augment_flip=False)
+    assert features.features == FeatureSettings(holdout=3, scale=2.0) and features.images == ImageSettings()
+    images = training_config("images", epsilon=2.0, accountant="rdp", augment_flip=False, holdout=3)
+    assert images.images == ImageSettings(augment_flip=False) and images.features == FeatureSettings()
+    assert images.target == PrivacyTarget(epsilon=2.0, accountant="rdp")
+
+
+def test_a_run_from_options_takes_the_mode_of_its_data(tmp_path):
+    from dpscale.cache.feature_store import METADATA
+
+    (tmp_path / METADATA).write_text("{}")
+    assert train.TrainConfig.from_options(str(tmp_path), "run").training.mode == "features"
+    assert train.TrainConfig.from_options(str(tmp_path / "images"), "run").training.mode == "images"
+    assert train.TrainConfig.from_options(str(tmp_path), "run", mode="images").training.mode == "images"
 
 
 @pytest.mark.parametrize("command", ["train", "sweep"])
