@@ -32,7 +32,7 @@ import optax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (MIN_DELTA, SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme,
+from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme, bounds_for,
                                         check_accountant, check_batch_size, check_delta, check_mechanism,
                                         check_releases, check_steps, dp_event, make_accountant,
                                         quiet_rdp_warnings)
@@ -262,10 +262,9 @@ def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: 
         dp_accounting.SelfComposedDpEvent(dp_event(noise_multiplier=p.noise_multiplier, sampling_rate=p.sampling_rate,
                                                    steps=p.steps, releases=p.releases), count)
         for p, count in counts.items()])
-    # As for one plan (accounting.EpsilonCurve): under pld the smaller of both bounds, RDP alone below MIN_DELTA.
-    names = ("rdp", "pld") if accountant == "pld" and delta >= MIN_DELTA else ("rdp",)
-    with quiet_rdp_warnings():
-        return min(float(make_accountant(name).compose(event).get_epsilon(delta)) for name in names)
+    with quiet_rdp_warnings():  # the smallest bound, as for one plan
+        return min(float(make_accountant(name).compose(event).get_epsilon(delta))
+                   for name in bounds_for(accountant, delta))
 
 
 @dataclasses.dataclass(frozen=True)
