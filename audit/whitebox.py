@@ -43,7 +43,6 @@ from dpscale.models.cnn import small_cnn
 from dpscale.privacy import clipping
 from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
 from dpscale.privacy.clipping import ClippedSum, make_clipped_sum_fn
-from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.streams import model_keys
@@ -183,8 +182,7 @@ def _dot(a: PyTree, b: PyTree) -> jax.Array:
 
 def white_box_scores(
     features: np.ndarray, labels: np.ndarray, num_classes: int, member: np.ndarray, *,
-    setup: WhiteBoxSetup, seed: int, image_shape: tuple[int, ...] | None = None,
-    step_class: type[DpsgdStep] = DpsgdStep, chunk_size: int = 256,
+    setup: WhiteBoxSetup, seed: int, image_shape: tuple[int, ...] | None = None, chunk_size: int = 256,
     on_chunk: Callable[[int], None] | None = None, mesh: Mesh | None = None,
 ) -> np.ndarray:
     """One score per model (``member[i]``: model i has the canary); D = ``features``, ``labels``.
@@ -203,8 +201,7 @@ def white_box_scores(
     v = jax.tree_util.tree_map(lambda u: u * setup.canary_norm * setup.clip_norm, task.direction)
     dp_step = setup.plan.dp_step(
         task.loss_fn, seed=seed, clip_norm=setup.clip_norm, learning_rate=setup.learning_rate,
-        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), step_class=step_class,
-        mesh=mesh)
+        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), mesh=mesh)
     accumulate = dp_step.accumulate_traceable
     k = setup.microbatches
     per = k * dp_step.num_devices
@@ -262,14 +259,14 @@ def white_box_scores(
 def white_box_row(
     features: np.ndarray, labels: np.ndarray, num_classes: int, *, setup: WhiteBoxSetup, nominal_epsilon: float,
     delta: float, num_models: int, confidence: float, holdout_fraction: float, seed: int,
-    image_shape: tuple[int, ...] | None = None, step_class: type[DpsgdStep] = DpsgdStep, chunk_size: int = 256,
-    bar: Bar | None = None, mesh: Mesh | None = None,
+    image_shape: tuple[int, ...] | None = None, chunk_size: int = 256, bar: Bar | None = None,
+    mesh: Mesh | None = None,
 ) -> dict:
     """One white-box row: scores of ``num_models`` models (half with the canary) -> both estimators."""
     member = np.arange(num_models) % 2 == 0
     started = time.perf_counter()
     scores = white_box_scores(features, labels, num_classes, member, setup=setup, seed=seed,
-                              image_shape=image_shape, step_class=step_class, chunk_size=chunk_size,
+                              image_shape=image_shape, chunk_size=chunk_size,
                               on_chunk=None if bar is None else bar.advance, mesh=mesh)
     seconds = time.perf_counter() - started
     plan = setup.plan

@@ -37,7 +37,6 @@ from dpscale.privacy.streams import Stream, model_keys, stream_key
 
 PyTree = Any
 ModelKind = Literal["linear", "mlp"]
-StepClass = type[DpsgdStep]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +70,8 @@ def _model(setup: TrainingSetup, num_classes: int) -> nn.Module:
     return _Mlp(hidden=setup.hidden, num_classes=num_classes)
 
 
-def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int,
-                 step_class: StepClass = DpsgdStep) -> tuple[nn.Module, DpsgdStep]:
-    """The model and its plan's ``DpsgdStep`` (closed-form clipped sum for the linear model).
-
-    ``step_class`` exists so tests can audit a deliberately broken subclass.
-    """
+def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int) -> tuple[nn.Module, DpsgdStep]:
+    """The model and its plan's ``DpsgdStep`` (closed-form clipped sum for the linear model)."""
     model = _model(setup, num_classes)
 
     def loss(params: PyTree, model_state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
@@ -85,7 +80,7 @@ def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int,
 
     clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=setup.clip_norm) if setup.model == "linear" else None
     step = setup.plan.dp_step(loss, seed=seed, clip_norm=setup.clip_norm, clipped_sum_fn=clipped_sum_fn,
-                              learning_rate=setup.learning_rate, ema_decay=setup.ema_decay, step_class=step_class)
+                              learning_rate=setup.learning_rate, ema_decay=setup.ema_decay)
     return model, step
 
 
@@ -104,7 +99,6 @@ def train_models(
     setup: TrainingSetup,
     seed: int,
     read_out: Callable[[nn.Module, TrainState], Any],
-    step_class: StepClass = DpsgdStep,
     chunk_size: int = 256,
     on_chunk: Callable[[int], None] | None = None,
 ) -> list[Any]:
@@ -120,7 +114,7 @@ def train_models(
     if num_rows != features.shape[0]:
         raise DataError(f"present has {num_rows} rows but there are {features.shape[0]} examples")
     num_classes = int(labels.max()) + 1
-    model, dp_step = make_dp_step(setup, num_classes, seed=seed, step_class=step_class)
+    model, dp_step = make_dp_step(setup, num_classes, seed=seed)
     params = jax.jit(model.init)(stream_key(seed, Stream.INIT), features[:1])["params"]  # shared by all
     state0 = dp_step.init(params)
     rate = setup.plan.sampling_rate
@@ -172,7 +166,6 @@ def train_and_score(
     *,
     setup: TrainingSetup,
     seed: int,
-    step_class: StepClass = DpsgdStep,
     chunk_size: int = 256,
     on_chunk: Callable[[int], None] | None = None,
 ) -> np.ndarray:
@@ -189,5 +182,5 @@ def train_and_score(
         return margin(logits, score_y)
 
     chunks = train_models(features, labels, present, setup=setup, seed=seed, read_out=read_out,
-                          step_class=step_class, chunk_size=chunk_size, on_chunk=on_chunk)
+                          chunk_size=chunk_size, on_chunk=on_chunk)
     return np.concatenate(chunks).astype(np.float32)
