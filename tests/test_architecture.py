@@ -166,3 +166,21 @@ def test_no_signature_takes_a_step_class():
              and "step_class" in {a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]}]
     assert not found, f"step_class parameters: {found}"
 
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_package_imports_a_private_name_of_another():
+    """``from dpscale.x.y import _z`` only inside package x: a private name is no other package's API."""
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dpscale"):
+                continue
+            names = [alias.name for alias in node.names]
+            private = [n for n in names if _private(n)] + [p for p in node.module.split(".") if _private(p)]
+            source = _resolve(node.module)
+            if private and source is not None and _package(source) != _package(module):
+                wrong.append(f"{module}:{node.lineno} imports {', '.join(private)} from {node.module}")
+    assert not wrong, "private names imported across packages:\n" + "\n".join(sorted(wrong))
