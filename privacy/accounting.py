@@ -10,8 +10,8 @@ adaptive composition. Neighbouring data sets differ by adding or removing one ex
 single way an epsilon is computed (through :class:`EpsilonCurve`): the training ledger, the
 calibration and ``dpscale epsilon`` therefore report bit-identical numbers for one setting.
 :func:`bounds_for` is the one statement of which accountants' bounds an epsilon is the
-minimum of; everything that composes or searches (this curve, the calibration, the epsilon
-of many runs together) asks it.
+minimum of: :class:`EpsilonCurve` (and through it every report and the calibration) and the
+epsilon of many runs together (``privacy.plan.composed_epsilon``) ask it.
 ``privacy.plan.PrivacyPlan`` is what the rest of dpscale holds; this module is its arithmetic.
 
 ``sampling="shuffle"`` (fixed-size batches from a shuffled data set) has no exact
