@@ -23,9 +23,8 @@ from sklearn.metrics import roc_auc_score
 
 from dpscale.audit import bounds as audit_bounds
 from dpscale.audit.canaries import Data
-from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.progress import Bar
-from dpscale.training.vmapped import StepClass, TrainingSetup, train_and_score
+from dpscale.training.vmapped import TrainingSetup, train_and_score
 
 
 def game_statistics(
@@ -81,8 +80,7 @@ def one_run_statistics(scores: np.ndarray, member: np.ndarray, *, delta: float, 
 
 def audit_setting(
     data: Data, setup: TrainingSetup, *, nominal_epsilon: float, delta: float, num_models: int,
-    confidence: float, holdout_fraction: float, seed: int, step_class: StepClass = DpsgdStep,
-    chunk_size: int = 256, bar: Bar | None = None,
+    confidence: float, holdout_fraction: float, seed: int, chunk_size: int = 256, bar: Bar | None = None,
 ) -> dict:
     """One row of the game: train ``num_models`` models (half with the canary), bound epsilon."""
     canary = data.canary_rows[:1]
@@ -92,7 +90,7 @@ def audit_setting(
     started = time.perf_counter()
     scores = train_and_score(
         data.features[: data.num_examples + 1], data.labels[: data.num_examples + 1], present, canary,
-        setup=setup, seed=seed, step_class=step_class, chunk_size=chunk_size,
+        setup=setup, seed=seed, chunk_size=chunk_size,
         on_chunk=None if bar is None else bar.advance,
     )[:, 0]
     stats = game_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
@@ -132,8 +130,7 @@ def finish_row(row: dict) -> dict:
 
 
 def one_run(data: Data, setup: TrainingSetup, *, delta: float, confidence: float,
-            guess_fraction: float, seed: int, rng: np.random.Generator,
-            step_class: StepClass = DpsgdStep) -> dict:
+            guess_fraction: float, seed: int, rng: np.random.Generator) -> dict:
     """One training run on D plus each canary with probability 1/2.
 
     Each canary's score is calibrated by its score on a reference model trained on D
@@ -146,7 +143,7 @@ def one_run(data: Data, setup: TrainingSetup, *, delta: float, confidence: float
     audited = np.r_[np.ones(data.num_examples, bool), member]
     reference = np.r_[np.ones(data.num_examples, bool), np.zeros_like(member)]
     scores = train_and_score(data.features, data.labels, np.stack([audited, reference]),
-                             data.canary_rows, setup=setup, seed=seed, step_class=step_class)
+                             data.canary_rows, setup=setup, seed=seed)
     return one_run_statistics(scores[0] - scores[1], member, delta=delta, confidence=confidence,
                               guess_fraction=guess_fraction)
 

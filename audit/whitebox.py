@@ -43,11 +43,11 @@ from dpscale.models.cnn import small_cnn
 from dpscale.privacy import clipping
 from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
 from dpscale.privacy.clipping import ClippedSum, make_clipped_sum_fn
-from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
-from dpscale.privacy.streams import model_keys
+from dpscale.privacy.streams import ModelKeys
 from dpscale.progress import Bar
+from dpscale.training.vmapped import run_models
 
 PyTree = Any
 WhiteBoxModel = Literal["linear", "cnn"]
@@ -183,18 +183,19 @@ def _dot(a: PyTree, b: PyTree) -> jax.Array:
 
 def white_box_scores(
     features: np.ndarray, labels: np.ndarray, num_classes: int, member: np.ndarray, *,
-    setup: WhiteBoxSetup, seed: int, image_shape: tuple[int, ...] | None = None,
-    step_class: type[DpsgdStep] = DpsgdStep, chunk_size: int = 256,
+    setup: WhiteBoxSetup, seed: int, image_shape: tuple[int, ...] | None = None, chunk_size: int = 256,
     on_chunk: Callable[[int], None] | None = None, mesh: Mesh | None = None,
 ) -> np.ndarray:
     """One score per model (``member[i]``: model i has the canary); D = ``features``, ``labels``.
 
-    Model i draws its initialisation and noise from ``privacy.streams.model_keys(seed, i)``.
-    With a ``mesh`` (``privacy.dpsgd.data_mesh``) the step is the multi-device one: each
-    micro-batch is split over the devices (the canary row lands on one of them), every device
-    clips its own rows, the sums are ``psum``ed under ``shard_map`` and the noise is added once.
-    The linear head's models are ``vmap``ped over that ``shard_map`` (its batching rule adds the
-    model axis to every device's block); the CNN's run sequentially (``lax.map``, see below).
+    The models run on ``training.vmapped.run_models``: model i draws its initialisation and
+    noise from ``privacy.streams.model_keys(seed, i)``, and its per-step observation is the
+    canary term of the score. With a ``mesh`` (``privacy.dpsgd.data_mesh``) the step is the
+    multi-device one: each micro-batch is split over the devices (the canary row lands on
+    one of them), every device clips its own rows, the sums are ``psum``ed under
+    ``shard_map`` and the noise is added once. The linear head's models are ``vmap``ped over
+    that ``shard_map`` (its batching rule adds the model axis to every device's block); the
+    CNN's run sequentially (see below).
     """
     n = len(labels)
     if n != setup.plan.num_examples:
@@ -203,8 +204,7 @@ def white_box_scores(
     v = jax.tree_util.tree_map(lambda u: u * setup.canary_norm * setup.clip_norm, task.direction)
     dp_step = setup.plan.dp_step(
         task.loss_fn, seed=seed, clip_norm=setup.clip_norm, learning_rate=setup.learning_rate,
-        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), step_class=step_class,
-        mesh=mesh)
+        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), mesh=mesh)
     accumulate = dp_step.accumulate_traceable
     k = setup.microbatches
     per = k * dp_step.num_devices
@@ -213,63 +213,48 @@ def white_box_scores(
     real = np.arange(slots) <= n
     is_canary = real & (index == n)
     batch = task.rows(index) | {"canary": jnp.asarray(is_canary, jnp.float32)}
+    # Model i trains on D, and on the canary row when member[i]: [models, slots].
+    masks = ((real & ~is_canary) | (is_canary & np.asarray(member, bool)[:, None])).astype(np.float32)
     scale = setup.plan.batch_size / setup.learning_rate
 
-    def one_model(model_index: jax.Array, canary_in: jax.Array) -> jax.Array:
-        keys = model_keys(seed, model_index)
-        state = dp_step.init(task.init(keys.init))
-        mask = jnp.asarray(real & ~is_canary, jnp.float32) + jnp.asarray(is_canary, jnp.float32) * canary_in
+    def start(keys: ModelKeys, mask: jax.Array) -> tuple[Any, jax.Array]:
+        return dp_step.init(task.init(keys.init)), jnp.zeros((), jnp.float32)
 
-        def step(carry: tuple[Any, jax.Array], _: Any) -> tuple[tuple[Any, jax.Array], None]:
-            state, score = carry
-            total = dp_step.zero_sum(state)
-            for m in range(k):
-                part = slice(m * slots // k, (m + 1) * slots // k)
-                micro = jax.tree_util.tree_map(lambda leaf: leaf[part], batch)
-                total = accumulate(state.params, total, micro, mask[part], state.model_state)
-            new_state, _ = dp_step.apply_pure(state, total, keys.noise)
-            moved = jax.tree_util.tree_map(jnp.subtract, state.params, new_state.params)
-            observed = _dot(moved, task.direction) * scale
-            if task.reference is not None:
-                observed = observed - _dot(task.reference(state.params), task.direction)
-            return (new_state, score + observed), None
+    def step(carry: tuple[Any, jax.Array], keys: ModelKeys, mask: jax.Array, t: jax.Array) -> tuple[Any, jax.Array]:
+        state, score = carry
+        total = dp_step.zero_sum(state)
+        for m in range(k):
+            part = slice(m * slots // k, (m + 1) * slots // k)
+            micro = jax.tree_util.tree_map(lambda leaf: leaf[part], batch)
+            total = accumulate(state.params, total, micro, mask[part], state.model_state)
+        new_state, _ = dp_step.apply_pure(state, total, keys.noise)
+        moved = jax.tree_util.tree_map(jnp.subtract, state.params, new_state.params)
+        observed = _dot(moved, task.direction) * scale
+        if task.reference is not None:
+            observed = observed - _dot(task.reference(state.params), task.direction)
+        return new_state, score + observed
 
-        (_, score), _ = jax.lax.scan(step, (state, jnp.zeros((), jnp.float32)), None, length=setup.plan.steps)
-        return score
-
-    if mesh is not None and setup.model == "cnn":
-        # JAX cannot batch the per-example convolution gradients traced inside ``shard_map``
-        # (``conv_general_dilated``'s batching rule raises NotImplementedError for grouped
-        # convolutions with an output sharding), so the CNN's models run one after another,
-        # still in one compiled program per chunk.
-        run_chunk = jax.jit(lambda ids, inside: jax.lax.map(lambda pair: one_model(*pair), (ids, inside)))
-    else:
-        run_chunk = jax.jit(jax.vmap(one_model))
-    num_models = len(member)
-    size = min(chunk_size, num_models)
-    scores = np.empty(num_models, np.float64)
-    for start in range(0, num_models, size):
-        stop = min(num_models, start + size)
-        ids = np.arange(start, start + size)
-        inside = member[np.minimum(ids, num_models - 1)].astype(np.float32)  # the last chunk repeats a model
-        out = run_chunk(jnp.asarray(ids, jnp.uint32), jnp.asarray(inside))
-        scores[start:stop] = np.asarray(out)[: stop - start]
-        if on_chunk is not None:
-            on_chunk(stop - start)
-    return scores
+    # JAX cannot batch the per-example convolution gradients traced inside ``shard_map``
+    # (``conv_general_dilated``'s batching rule raises NotImplementedError for grouped
+    # convolutions with an output sharding), so with a mesh the CNN's models run one after
+    # another, still in one compiled program per chunk.
+    chunks = run_models(masks, seed=seed, steps=setup.plan.steps, start=start, step=step,
+                        finish=lambda carries: carries[1], chunk_size=chunk_size, on_chunk=on_chunk,
+                        sequential=mesh is not None and setup.model == "cnn")
+    return np.concatenate(chunks).astype(np.float64)
 
 
 def white_box_row(
     features: np.ndarray, labels: np.ndarray, num_classes: int, *, setup: WhiteBoxSetup, nominal_epsilon: float,
     delta: float, num_models: int, confidence: float, holdout_fraction: float, seed: int,
-    image_shape: tuple[int, ...] | None = None, step_class: type[DpsgdStep] = DpsgdStep, chunk_size: int = 256,
-    bar: Bar | None = None, mesh: Mesh | None = None,
+    image_shape: tuple[int, ...] | None = None, chunk_size: int = 256, bar: Bar | None = None,
+    mesh: Mesh | None = None,
 ) -> dict:
     """One white-box row: scores of ``num_models`` models (half with the canary) -> both estimators."""
     member = np.arange(num_models) % 2 == 0
     started = time.perf_counter()
     scores = white_box_scores(features, labels, num_classes, member, setup=setup, seed=seed,
-                              image_shape=image_shape, step_class=step_class, chunk_size=chunk_size,
+                              image_shape=image_shape, chunk_size=chunk_size,
                               on_chunk=None if bar is None else bar.advance, mesh=mesh)
     seconds = time.perf_counter() - started
     plan = setup.plan

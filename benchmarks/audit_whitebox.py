@@ -1,7 +1,7 @@
 """Audit rows at nominal epsilon 1, 2, 4, 8, one stage call per row, with its wall time and load.
 
-White-box (the default here) or black-box, on correct code or with a bug injected from this
-script only (``--bug half-noise`` halves the std given to ``dpsgd.add_gaussian_noise``):
+White-box (the default here) or black-box, on correct code or with a broken step run through
+the audit's seam for it (``--bug half-noise``: ``audit.broken_steps.HalfNoise``, half the noise):
 
     dpscale ingest idx:/usr/share/datasets/fashion-mnist /tmp/fmnist
     python -m benchmarks.audit_whitebox /tmp/fmnist --num-examples 100 --steps 10 --num-models 4000
@@ -14,6 +14,7 @@ the rows as JSON beside it. Exit status 1 if correct code is flagged, or a bug i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,15 +23,34 @@ import time
 
 import jax
 
+from dpscale.audit.broken_steps import HalfNoise, substituted_step
 from dpscale.audit.game import markdown_table
-from dpscale.privacy import dpsgd
 from dpscale.stages import audit
 
 
-def _inject(bug: str) -> None:
-    if bug == "half-noise":
-        real = dpsgd.add_gaussian_noise
-        dpsgd.add_gaussian_noise = lambda tree, key, *, std: real(tree, key, std=std / 2)
+def _injected(bug: str) -> contextlib.AbstractContextManager:
+    return substituted_step(HalfNoise) if bug == "half-noise" else contextlib.nullcontext()
+
+
+def _run_rows(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for epsilon in (float(e) for e in args.epsilons.split(",")):
+        config = audit.AuditConfig(
+            data=args.data, epsilons=(epsilon,), num_examples=args.num_examples, batch_size=args.batch_size,
+            steps=args.steps, model=args.model, num_models=args.num_models, confidence=args.confidence,
+            canary=args.canary, seed=args.seed, threat_model=args.threat_model, microbatches=args.microbatches,
+            per_example=args.per_example, chunk_size=args.chunk_size, show_progress=False,
+            devices=args.devices)
+        before = os.getloadavg()
+        started, cpu = time.perf_counter(), time.process_time()
+        (row,) = audit.run(config).rows
+        row |= {"wall_seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu,
+                "load_before": before, "load_after": os.getloadavg()}
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("nominal_epsilon", "best_estimator", "best_lower_bound",
+                                              "epsilon_lower_bound", "wall_seconds", "load_after")}), flush=True)
+        print(markdown_table([row]), flush=True)  # a killed run still leaves its finished rows
+    return rows
 
 
 def main() -> None:
@@ -53,25 +73,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "audit_runs.md"))
     args = parser.parse_args()
-    _inject(args.bug)
-
-    rows, loads = [], []
-    for epsilon in (float(e) for e in args.epsilons.split(",")):
-        config = audit.AuditConfig(
-            data=args.data, epsilons=(epsilon,), num_examples=args.num_examples, batch_size=args.batch_size,
-            steps=args.steps, model=args.model, num_models=args.num_models, confidence=args.confidence,
-            canary=args.canary, seed=args.seed, threat_model=args.threat_model, microbatches=args.microbatches,
-            per_example=args.per_example, chunk_size=args.chunk_size, show_progress=False,
-            devices=args.devices)
-        before = os.getloadavg()
-        started, cpu = time.perf_counter(), time.process_time()
-        (row,) = audit.run(config).rows
-        row |= {"wall_seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu,
-                "load_before": before, "load_after": os.getloadavg()}
-        rows.append(row)
-        print(json.dumps({k: row[k] for k in ("nominal_epsilon", "best_estimator", "best_lower_bound",
-                                              "epsilon_lower_bound", "wall_seconds", "load_after")}), flush=True)
-        print(markdown_table([row]), flush=True)  # a killed run still leaves its finished rows
+    with _injected(args.bug):
+        rows = _run_rows(args)
 
     flagged = [r["violation"] for r in rows]
     ok = all(flagged) if args.bug != "none" else not any(flagged)

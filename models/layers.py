@@ -21,7 +21,8 @@ Padding = str | Sequence[tuple[int, int]]
 fan_in_normal = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
 
 
-def _pair(value: int | Sequence[int]) -> tuple[int, int]:
+def as_pair(value: int | Sequence[int]) -> tuple[int, int]:
+    """(height, width) of a kernel size or stride given as one int or two (as flax takes them)."""
     if isinstance(value, int):
         return (value, value)
     first, second = value
@@ -65,12 +66,12 @@ class WSConv(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        kh, kw = _pair(self.kernel_size)
+        kh, kw = as_pair(self.kernel_size)
         in_ch = x.shape[-1]
         shape = (kh, kw, in_ch // self.feature_group_count, self.features)
         kernel = self.param("kernel", self.kernel_init, shape, jnp.float32)
         weight = standardize_kernel(kernel, eps=self.eps)
-        y = _conv(x, weight, strides=_pair(self.strides), padding=self.padding,
+        y = _conv(x, weight, strides=as_pair(self.strides), padding=self.padding,
                   groups=self.feature_group_count)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
@@ -96,7 +97,7 @@ class ScaledWSConv(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        kh, kw = _pair(self.kernel_size)
+        kh, kw = as_pair(self.kernel_size)
         in_ch = x.shape[-1]
         shape = (kh, kw, in_ch // self.feature_group_count, self.features)
         kernel = self.param("kernel", self.kernel_init, shape, jnp.float32)
@@ -108,7 +109,7 @@ class ScaledWSConv(nn.Module):
         var = jnp.var(kernel, axis=axes, keepdims=True)
         scale = jax.lax.rsqrt(jnp.maximum(var * fan_in, self.eps)) * gain
         weight = (kernel - mean) * scale
-        y = _conv(x, weight, strides=_pair(self.strides), padding=self.padding,
+        y = _conv(x, weight, strides=as_pair(self.strides), padding=self.padding,
                   groups=self.feature_group_count)
         return y + bias.astype(y.dtype)
 

@@ -9,6 +9,9 @@ adaptive composition. Neighbouring data sets differ by adding or removing one ex
 :func:`dp_event` is the single source of truth for that event, and :func:`epsilon` the
 single way an epsilon is computed (through :class:`EpsilonCurve`): the training ledger, the
 calibration and ``dpscale epsilon`` therefore report bit-identical numbers for one setting.
+:func:`bounds_for` is the one statement of which accountants' bounds an epsilon is the
+minimum of: :class:`EpsilonCurve` (and through it every report and the calibration) and the
+epsilon of many runs together (``privacy.plan.composed_epsilon``) ask it.
 ``privacy.plan.PrivacyPlan`` is what the rest of dpscale holds; this module is its arithmetic.
 
 ``sampling="shuffle"`` (fixed-size batches from a shuffled data set) has no exact
@@ -102,6 +105,20 @@ def check_accountant(accountant: str) -> None:
         raise InvalidConfigError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
 
+def bounds_for(accountant: Accountant, delta: float) -> tuple[str, ...]:
+    """The accountants whose bounds are computed under ``accountant`` at ``delta``, cheapest first.
+
+    The epsilon reported is the smallest of them: each is a valid upper bound. ``pld`` means
+    the smaller of the PLD and RDP bounds (PLD is the tighter one in ordinary settings, RDP
+    still answers where PLD cannot be tight in bounded memory), and RDP alone below
+    ``privacy.pld.MIN_DELTA``, where rounding swamps the PLD.
+    """
+    check_accountant(accountant)
+    if accountant == "pld" and delta >= MIN_DELTA:
+        return ("rdp", "pld")
+    return ("rdp",)
+
+
 def step_event(*, noise_multiplier: float, sampling_rate: float) -> dp_accounting.DpEvent:
     """The DpEvent of one DP-SGD step: Poisson sampling, then the Gaussian mechanism."""
     return dp_accounting.PoissonSampledDpEvent(
@@ -174,10 +191,8 @@ class EpsilonCurve:
     computed once here, the same way dp-accounting's own accountants do (equal to them to
     1e-12 wherever dp-accounting's default grid fits in memory, tested).
 
-    With ``accountant="pld"`` both bounds are computed and the smaller is reported: each is a
-    valid upper bound on epsilon, PLD is the tighter one in ordinary settings, and RDP still
-    answers where PLD cannot be tight in bounded memory (tiny sigma, huge T) or is not computed
-    (delta below ``privacy.pld.MIN_DELTA``). ``bound(t)`` says which one ``self(t)`` is.
+    Which bounds are computed is :func:`bounds_for`'s answer (with ``"pld"``: PLD and RDP, the
+    smaller reported, RDP alone at tiny delta); ``bound(t)`` says which one ``self(t)`` is.
     """
 
     def __init__(
@@ -212,7 +227,7 @@ class EpsilonCurve:
         self._rdp_one_step = np.asarray(one_step._rdp)  # noqa: SLF001
         self._rdp_releases = np.asarray(released._rdp)  # noqa: SLF001 (same default orders)
         self._pld = None
-        if accountant == "pld" and delta >= MIN_DELTA:  # below it, rounding swamps the PLD (privacy.pld)
+        if "pld" in bounds_for(accountant, delta):
             self._pld = BoundedPld(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
                                    releases=self.releases, delta=delta, base=pld_discretization)
 

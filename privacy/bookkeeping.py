@@ -41,7 +41,7 @@ from flax import linen as nn
 from jax.extend import core as jex_core
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models.layers import GroupNorm, WSConv, _pair, standardize_kernel
+from dpscale.models.layers import GroupNorm, WSConv, as_pair, standardize_kernel
 from dpscale.privacy.clipping import ClippedSum, LossFn, clipped_sum_from_gradients
 
 PyTree = Any
@@ -93,7 +93,7 @@ def _wsconv_rule(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array) -> 
     kernel = params["kernel"]
     kh, kw, cin, cout = kernel.shape
     b = x.shape[0]
-    windows = _shifted_windows(x.reshape((-1,) + x.shape[2:]), (kh, kw), _pair(module.strides), module.padding)
+    windows = _shifted_windows(x.reshape((-1,) + x.shape[2:]), (kh, kw), as_pair(module.strides), module.padding)
     windows = windows.reshape(b, -1, kh, kw, cin)
     flat_g = g.reshape(b, -1, cout)
     d_weight = jnp.einsum("bpijc,bpo->bijco", windows, flat_g, precision=jax.lax.Precision.HIGHEST)

@@ -92,7 +92,9 @@ def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, acco
            start: float, slope: float, nudge: Callable[[float], float], rtol: float = DEFAULT_RTOL) -> Calibrated:
     """The feasible boundary of ``epsilon(mechanism(x)) <= target`` in x, by the search below.
 
-    RDP first, then (for PLD) PLD again from the RDP answer and its slope; the answer is
+    A cheap RDP search first, then one on the epsilon ``accountant`` reports (``EpsilonCurve``:
+    the smallest of ``accounting.bounds_for``'s bounds) from the RDP answer and its slope,
+    which refines it even where that epsilon is RDP's own (tiny delta). The answer is
     re-checked with ``accounting.epsilon`` (what every report uses) and nudged towards the
     private end if it disagrees, a safety net that should never fire: the search's cached
     evaluations are the same computation.
@@ -100,7 +102,7 @@ def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, acco
     _check_releases_fit(target=target, delta=delta, accountant=accountant, releases=releases)
     probes = 0
     with quiet_rdp_warnings():
-        for acc in ("rdp", "pld") if accountant == "pld" else ("rdp",):
+        for acc in dict.fromkeys(("rdp", accountant)):
             cache = _EpsilonCache(delta=delta, accountant=acc, releases=releases)
             problem = MonotoneProblem(name=name, eps_at=lambda x, c=cache: c(*mechanism(x)), target=target,
                                       increasing=increasing, integer=integer, lower=lower, upper=upper, rtol=rtol)

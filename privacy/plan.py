@@ -32,7 +32,7 @@ import optax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (MIN_DELTA, SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme,
+from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme, bounds_for,
                                         check_accountant, check_batch_size, check_delta, check_mechanism,
                                         check_releases, check_steps, dp_event, make_accountant,
                                         quiet_rdp_warnings)
@@ -227,17 +227,19 @@ class PrivacyPlan:
 
     def dp_step(self, loss_fn: LossFn, *, seed: int, clip_norm: float = 1.0,
                 clipped_sum_fn: ClippedSumFn | None = None, optimizer: optax.GradientTransformation | None = None,
-                learning_rate: float = 1.0, mesh: Any = None, ema_decay: float = 0.9999,
-                step_class: type[DpsgdStep] = DpsgdStep) -> DpsgdStep:
+                learning_rate: float = 1.0, mesh: Any = None, ema_decay: float = 0.9999) -> DpsgdStep:
         """The update of this plan: clipped sums of ``clipped_sum_fn`` (default: ``vmap`` per-example
         gradients clipped to ``clip_norm``) plus noise sigma, divided by B; a non-private plan sums
-        plain gradients. ``step_class`` exists so tests can audit a deliberately broken step.
+        plain gradients.
+
+        The class is looked up in this module when called: the one seam through which an audit's
+        own checks run a deliberately broken step (``audit.broken_steps.substituted_step``).
         """
         if not self.private:
             clipped_sum_fn = make_unclipped_sum_fn(loss_fn)
-        return step_class(loss_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
-                          seed=seed, clip_norm=clip_norm, ema_decay=ema_decay, optimizer=optimizer,
-                          learning_rate=learning_rate, mesh=mesh, clipped_sum_fn=clipped_sum_fn)
+        return DpsgdStep(loss_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
+                         seed=seed, clip_norm=clip_norm, ema_decay=ema_decay, optimizer=optimizer,
+                         learning_rate=learning_rate, mesh=mesh, clipped_sum_fn=clipped_sum_fn)
 
 
 # One curve per mechanism for the process: every plan of a sweep's repeats (and every ledger
@@ -262,10 +264,9 @@ def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: 
         dp_accounting.SelfComposedDpEvent(dp_event(noise_multiplier=p.noise_multiplier, sampling_rate=p.sampling_rate,
                                                    steps=p.steps, releases=p.releases), count)
         for p, count in counts.items()])
-    # As for one plan (accounting.EpsilonCurve): under pld the smaller of both bounds, RDP alone below MIN_DELTA.
-    names = ("rdp", "pld") if accountant == "pld" and delta >= MIN_DELTA else ("rdp",)
-    with quiet_rdp_warnings():
-        return min(float(make_accountant(name).compose(event).get_epsilon(delta)) for name in names)
+    with quiet_rdp_warnings():  # the smallest bound, as for one plan
+        return min(float(make_accountant(name).compose(event).get_epsilon(delta))
+                   for name in bounds_for(accountant, delta))
 
 
 @dataclasses.dataclass(frozen=True)

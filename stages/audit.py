@@ -25,12 +25,11 @@ from dpscale.audit.canaries import CanaryKind, Data, load_data
 from dpscale.audit.game import audit_setting, markdown_table, one_run, write_reports
 from dpscale.audit.whitebox import PerExample, WhiteBoxSetup, white_box_row
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 from dpscale.privacy.seeds import resolve_seed
 from dpscale.privacy.streams import Stream, stream_rng
 from dpscale.progress import progress_bar
-from dpscale.training.vmapped import StepClass, TrainingSetup
+from dpscale.training.vmapped import TrainingSetup
 
 ThreatModel = Literal["black-box", "white-box"]
 # The choices of the audit's flags, each defined once: by its type, or here.
@@ -121,8 +120,8 @@ class AuditResult:
         return markdown_table(self.rows)
 
 
-def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResult:
-    """Audit every nominal epsilon of ``config``; ``step_class`` lets tests audit a broken step."""
+def run(config: AuditConfig) -> AuditResult:
+    """Audit every nominal epsilon of ``config``."""
     seed = resolve_seed(config.seed, purpose="audit")
     rng = stream_rng(seed, Stream.AUDIT_DATA)
     canaries = max(1, config.one_run_canaries)
@@ -134,7 +133,7 @@ def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResul
                                      batch_size=config.effective_batch_size, steps=config.steps)
         nominal = plan.epsilon()
         if config.threat_model == "white-box":
-            rows.append(_white_box(config, data, plan, nominal, seed, step_class))
+            rows.append(_white_box(config, data, plan, nominal, seed))
             continue
         setup = TrainingSetup(plan=plan, learning_rate=config.learning_rate, clip_norm=config.clip_norm,
                               model=config.model, hidden=config.hidden)
@@ -142,12 +141,11 @@ def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResul
             row = audit_setting(
                 data, setup, nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
                 confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
-                step_class=step_class, chunk_size=config.chunk_size, bar=bar,
+                chunk_size=config.chunk_size, bar=bar,
             )
         if config.one_run_canaries:
             row |= one_run(data, setup, delta=config.delta, confidence=config.confidence,
-                           guess_fraction=config.one_run_guess_fraction, seed=seed, rng=rng,
-                           step_class=step_class)
+                           guess_fraction=config.one_run_guess_fraction, seed=seed, rng=rng)
             row["estimators"]["one-run"] = row["one_run_epsilon_lower_bound"]
             row["violation"] |= row["one_run_epsilon_lower_bound"] > nominal
         if row["violation"]:
@@ -159,8 +157,7 @@ def run(config: AuditConfig, *, step_class: StepClass = DpsgdStep) -> AuditResul
     return result
 
 
-def _white_box(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: float, seed: int,
-               step_class: StepClass) -> dict:
+def _white_box(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: float, seed: int) -> dict:
     setup = WhiteBoxSetup(plan=plan, model=config.model, per_example=config.per_example,
                           learning_rate=config.learning_rate, clip_norm=config.clip_norm,
                           microbatches=config.microbatches, canary_norm=config.canary_norm)
@@ -170,7 +167,7 @@ def _white_box(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: floa
         row = white_box_row(data.features[:n], data.labels[:n], int(data.labels.max()) + 1, setup=setup,
                             nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
                             confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
-                            image_shape=data.image_shape, step_class=step_class, chunk_size=config.chunk_size,
+                            image_shape=data.image_shape, chunk_size=config.chunk_size,
                             bar=bar, mesh=None if config.devices == 1 else distributed.training_mesh(config.devices))
     if row["violation"]:
         _log.error("AUDIT VIOLATION: lower bound above the nominal epsilon %.3f: %s", nominal, row)

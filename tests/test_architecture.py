@@ -168,8 +168,10 @@ def _code_lines(*, benchmarks: bool):
 
 
 @pytest.mark.parametrize("pattern, allowed, benchmarks", [
-    # The DP step and the samplers are built by the privacy plan only, benchmarks included.
-    (r"\b(DpsgdStep|PoissonSampler|ShuffledSampler|step_class)\(", {"privacy/plan.py"}, True),
+    # The DP step and the samplers are built by the privacy plan only, benchmarks included; a
+    # deliberately broken step replaces the plan's class in one place (audit.broken_steps).
+    (r"\b(DpsgdStep|PoissonSampler|ShuffledSampler)\(", {"privacy/plan.py"}, True),
+    (r"\.DpsgdStep\s*=[^=]|setattr\(.*[\"']DpsgdStep[\"']", {"audit/broken_steps.py"}, True),
     # DP noise is drawn in one module, and random streams of the secret seed are derived in one.
     # (dedup's copy model draws pixel noise as one of its copy edits: augmentation of public
     # images for a contrastive model, never part of a DP step.)
@@ -181,3 +183,32 @@ def test_the_mechanism_is_assembled_in_one_place(pattern, allowed, benchmarks):
     outside = sorted(f"{path}:{number}" for path, number in found if path not in allowed)
     assert not outside, f"{pattern} used outside {sorted(allowed)}: {outside}"
     assert found, f"{pattern} matches nothing: the check has gone stale"
+
+
+def test_no_signature_takes_a_step_class():
+    """A broken step reaches an audit through ``audit.broken_steps.substituted_step``, not a parameter."""
+    paths = [*_source_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path in paths
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and "step_class" in {a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]}]
+    assert not found, f"step_class parameters: {found}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_package_imports_a_private_name_of_another():
+    """``from dpscale.x.y import _z`` only inside package x: a private name is no other package's API."""
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dpscale"):
+                continue
+            names = [alias.name for alias in node.names]
+            private = [n for n in names if _private(n)] + [p for p in node.module.split(".") if _private(p)]
+            source = _resolve(node.module)
+            if private and source is not None and _package(source) != _package(module):
+                wrong.append(f"{module}:{node.lineno} imports {', '.join(private)} from {node.module}")
+    assert not wrong, "private names imported across packages:\n" + "\n".join(sorted(wrong))

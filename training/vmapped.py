@@ -15,6 +15,11 @@ Keys come from ``privacy.streams.model_keys``. All models start from the same pa
 size; to keep shapes static it is gathered into ``batch_capacity`` slots (padding has mask
 0), and a batch that would not fit is counted and fails the call instead of being
 truncated silently.
+
+``run_models`` is the harness under both this trainer and the white-box audit
+(``audit.whitebox``): models ``vmap``-ped, steps ``scan``-ned, each model's keys from
+``model_keys``, models in chunks of one compiled program each, progress per chunk. What a
+model carries from step to step and what is kept at the end is the caller's.
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ from dpscale.privacy.dpsgd import DpsgdStep, TrainState
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.sampling import batch_capacity, poisson_slots
-from dpscale.privacy.streams import Stream, model_keys, stream_key
+from dpscale.privacy.streams import ModelKeys, Stream, model_keys, stream_key
 
 PyTree = Any
+Carry = Any
 ModelKind = Literal["linear", "mlp"]
-StepClass = type[DpsgdStep]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +76,8 @@ def _model(setup: TrainingSetup, num_classes: int) -> nn.Module:
     return _Mlp(hidden=setup.hidden, num_classes=num_classes)
 
 
-def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int,
-                 step_class: StepClass = DpsgdStep) -> tuple[nn.Module, DpsgdStep]:
-    """The model and its plan's ``DpsgdStep`` (closed-form clipped sum for the linear model).
-
-    ``step_class`` exists so tests can audit a deliberately broken subclass.
-    """
+def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int) -> tuple[nn.Module, DpsgdStep]:
+    """The model and its plan's ``DpsgdStep`` (closed-form clipped sum for the linear model)."""
     model = _model(setup, num_classes)
 
     def loss(params: PyTree, model_state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
@@ -85,7 +86,7 @@ def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int,
 
     clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=setup.clip_norm) if setup.model == "linear" else None
     step = setup.plan.dp_step(loss, seed=seed, clip_norm=setup.clip_norm, clipped_sum_fn=clipped_sum_fn,
-                              learning_rate=setup.learning_rate, ema_decay=setup.ema_decay, step_class=step_class)
+                              learning_rate=setup.learning_rate, ema_decay=setup.ema_decay)
     return model, step
 
 
@@ -96,6 +97,52 @@ def margin(logits: jax.Array, label: jax.Array) -> jax.Array:
     return target - jax.nn.logsumexp(jnp.where(is_label, -jnp.inf, logits), axis=-1)
 
 
+def run_models(
+    inputs: PyTree,
+    *,
+    seed: int,
+    steps: int,
+    start: Callable[[ModelKeys, PyTree], Carry],
+    step: Callable[[Carry, ModelKeys, PyTree, jax.Array], Carry],
+    finish: Callable[[Carry], Any],
+    chunk_size: int = 256,
+    on_chunk: Callable[[int], None] | None = None,
+    sequential: bool = False,
+) -> list[Any]:
+    """Run one model per row of ``inputs`` (leaves [models, ...]) for ``steps`` steps; ``finish`` per chunk.
+
+    Model i has the keys ``model_keys(seed, i)`` and its row of ``inputs``; it starts from
+    ``start(keys, row)`` and goes through ``step(carry, keys, row, t)`` for t = 0 .. steps-1.
+    ``finish`` sees the final carries of a chunk (leaves with a leading model axis) inside
+    ``jit`` and returns what the caller keeps. The result holds one entry per chunk, trimmed
+    to its real models: the last chunk is padded by repeating the last row (with fresh
+    model indices), so every chunk compiles to one program. ``on_chunk(count)`` follows each
+    chunk. ``sequential`` runs a chunk's models one after another (``lax.map``) instead of
+    ``vmap``, for steps JAX cannot batch.
+    """
+    def one_model(model_index: jax.Array, row: PyTree) -> Carry:
+        keys = model_keys(seed, model_index)
+        carry, _ = jax.lax.scan(lambda c, t: (step(c, keys, row, t), None), start(keys, row), jnp.arange(steps))
+        return carry
+
+    if sequential:
+        run_chunk = jax.jit(lambda ids, rows: finish(jax.lax.map(lambda pair: one_model(*pair), (ids, rows))))
+    else:
+        run_chunk = jax.jit(lambda ids, rows: finish(jax.vmap(one_model)(ids, rows)))
+    num_models = len(jax.tree_util.tree_leaves(inputs)[0])
+    outputs = []
+    size = min(chunk_size, num_models)
+    for first in range(0, num_models, size):
+        stop = min(num_models, first + size)
+        ids = np.arange(first, first + size)
+        rows = jax.tree_util.tree_map(lambda x: jnp.asarray(x[np.minimum(ids, num_models - 1)]), inputs)
+        out = run_chunk(jnp.asarray(ids, jnp.uint32), rows)
+        outputs.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[: stop - first], out))
+        if on_chunk is not None:
+            on_chunk(stop - first)
+    return outputs
+
+
 def train_models(
     features: np.ndarray,
     labels: np.ndarray,
@@ -104,7 +151,6 @@ def train_models(
     setup: TrainingSetup,
     seed: int,
     read_out: Callable[[nn.Module, TrainState], Any],
-    step_class: StepClass = DpsgdStep,
     chunk_size: int = 256,
     on_chunk: Callable[[int], None] | None = None,
 ) -> list[Any]:
@@ -112,7 +158,7 @@ def train_models(
 
     ``read_out`` sees the final states of a chunk of models (leaves with a leading model
     axis) inside ``jit`` and returns what the caller keeps; the result holds one entry per
-    chunk, the last one padded by repeated models (callers trim to ``len(present)``).
+    chunk (``run_models``).
     """
     features = jnp.asarray(features, jnp.float32)
     labels = jnp.asarray(labels, jnp.int32)
@@ -120,48 +166,36 @@ def train_models(
     if num_rows != features.shape[0]:
         raise DataError(f"present has {num_rows} rows but there are {features.shape[0]} examples")
     num_classes = int(labels.max()) + 1
-    model, dp_step = make_dp_step(setup, num_classes, seed=seed, step_class=step_class)
+    model, dp_step = make_dp_step(setup, num_classes, seed=seed)
     params = jax.jit(model.init)(stream_key(seed, Stream.INIT), features[:1])["params"]  # shared by all
     state0 = dp_step.init(params)
     rate = setup.plan.sampling_rate
     capacity = batch_capacity(num_rows, rate)
 
-    def one_step(state: Any, model_index: jax.Array, rows_present: jax.Array, step: jax.Array):
-        keys = model_keys(seed, model_index)
-        index, mask, overflow = poisson_slots(jax.random.fold_in(keys.sampling, step), rate, rows_present, capacity)
+    def start(keys: ModelKeys, rows_present: jax.Array) -> tuple[TrainState, jax.Array]:
+        return state0, jnp.zeros((), jnp.int32)
+
+    def one_step(carry: tuple[TrainState, jax.Array], keys: ModelKeys, rows_present: jax.Array,
+                 step: jax.Array) -> tuple[TrainState, jax.Array]:
+        state, overflow = carry
+        index, mask, over = poisson_slots(jax.random.fold_in(keys.sampling, step), rate, rows_present, capacity)
         batch = {"features": features[index], "label": labels[index]}
         if setup.model == "mlp":  # the generic path wants a view axis (augmult K = 1)
             batch = jax.tree_util.tree_map(lambda x: x[:, None], batch)
         total = dp_step.accumulate_pure(state.params, dp_step.zero_sum(state), batch, mask, state.model_state)
         state, _ = dp_step.apply_pure(state, total, keys.noise)
-        return state, overflow
+        return state, overflow + over
 
-    @jax.jit
-    def run_chunk(model_indices: jax.Array, rows_present: jax.Array) -> tuple[Any, jax.Array]:
-        states = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (model_indices.shape[0], *x.shape)), state0)
+    def finish(carries: tuple[TrainState, jax.Array]) -> tuple[Any, jax.Array]:
+        states, overflow = carries
+        return read_out(model, states), overflow
 
-        def body(carry, step):
-            states, overflow = carry
-            states, over = jax.vmap(one_step, in_axes=(0, 0, 0, None))(states, model_indices, rows_present, step)
-            return (states, overflow + over), None
-
-        overflow = jnp.zeros(model_indices.shape, jnp.int32)
-        (states, overflow), _ = jax.lax.scan(body, (states, overflow), jnp.arange(setup.plan.steps))
-        return read_out(model, states), jnp.sum(overflow)
-
-    outputs = []
-    size = min(chunk_size, num_models)
-    for start in range(0, num_models, size):
-        stop = min(num_models, start + size)
-        ids = np.arange(start, start + size)
-        rows = present[np.minimum(ids, num_models - 1)]  # the last chunk is padded by repeats
-        out, overflow = run_chunk(jnp.asarray(ids, jnp.int32), jnp.asarray(rows))
-        if int(overflow):
-            raise RuntimeError(f"{int(overflow)} Poisson batches exceeded {capacity} slots")
-        outputs.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[: stop - start], out))
-        if on_chunk is not None:
-            on_chunk(stop - start)
-    return outputs
+    chunks = run_models(present, seed=seed, steps=setup.plan.steps, start=start, step=one_step, finish=finish,
+                        chunk_size=chunk_size, on_chunk=on_chunk)
+    overflow = sum(int(np.sum(over)) for _, over in chunks)
+    if overflow:
+        raise RuntimeError(f"{overflow} Poisson batches exceeded {capacity} slots")
+    return [out for out, _ in chunks]
 
 
 def train_and_score(
@@ -172,7 +206,6 @@ def train_and_score(
     *,
     setup: TrainingSetup,
     seed: int,
-    step_class: StepClass = DpsgdStep,
     chunk_size: int = 256,
     on_chunk: Callable[[int], None] | None = None,
 ) -> np.ndarray:
@@ -189,5 +222,5 @@ def train_and_score(
         return margin(logits, score_y)
 
     chunks = train_models(features, labels, present, setup=setup, seed=seed, read_out=read_out,
-                          step_class=step_class, chunk_size=chunk_size, on_chunk=on_chunk)
+                          chunk_size=chunk_size, on_chunk=on_chunk)
     return np.concatenate(chunks).astype(np.float32)

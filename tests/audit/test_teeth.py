@@ -1,10 +1,11 @@
 """The white-box audit has teeth: it flags broken privatisers at nominal epsilon 2 and 4, never the real one.
 
-Bugs are injected from here only, by monkeypatching or subclassing the real step pieces:
-half the noise (``dpsgd.add_gaussian_noise`` with std/2), a sensitivity bug (noise for the
-mean gradient, then divided by B again), the canary's clipping path not clipping
-(``clipping.clip_weights`` without the max), and noise added once per micro-batch with the
-per-step std split linearly over the micro-batches (total std sigma / sqrt(K)).
+Broken steps run through the one seam for them (``audit.broken_steps.substituted_step``):
+half the noise, a sensitivity bug (noise for the mean gradient, then divided by B again),
+and noise added once per micro-batch with the per-step std split linearly over the
+micro-batches (total std sigma / sqrt(K)). One bug sits below the step, in the clipping
+library: the canary's clipping path not clipping (``clipping.clip_weights`` without the
+max), monkeypatched here.
 
 Each row: 12,000 models of a tiny linear model (|D| = 8, T = 4, K = 2 micro-batches, q = 1).
 At confidence 1 - 1e-6 the correct code is flagged with probability <= 1e-6 per row (the
@@ -17,23 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpscale.audit.broken_steps import HalfNoise, NoiseOverBTwice, substituted_step
 from dpscale.audit.whitebox import WhiteBoxSetup, white_box_row
-from dpscale.privacy import clipping, dpsgd
+from dpscale.privacy import clipping
 from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
 from dpscale.privacy.noise import add_gaussian_noise, step_key
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 
 N, DIM, CLASSES, STEPS, MICRO, DELTA = 8, 16, 3, 4, 2, 1e-5
 MODELS, CONFIDENCE = 12_000, 1 - 1e-6
-
-
-class NoiseOverBTwice(DpsgdStep):
-    """Sensitivity bug: noise calibrated for the mean gradient (sigma / B), then divided by B again."""
-
-    def _privatize_impl(self, total, step, base_key):
-        b = self.expected_batch_size
-        noisy = add_gaussian_noise(total.value, step_key(base_key, step), std=self.noise_multiplier / b)
-        return jax.tree_util.tree_map(lambda x: x / b, noisy)
 
 
 class NoisePerMicrobatch(DpsgdStep):
@@ -52,12 +45,7 @@ class NoisePerMicrobatch(DpsgdStep):
         return jax.tree_util.tree_map(lambda x: x / self.expected_batch_size, noisy)
 
 
-def _half_noise(monkeypatch):
-    real = dpsgd.add_gaussian_noise
-    monkeypatch.setattr(dpsgd, "add_gaussian_noise", lambda tree, key, *, std: real(tree, key, std=std / 2))
-
-
-def _unclipped(monkeypatch):
+def _unclip_the_canary_path(monkeypatch):
     def clip_weights(norms, mask, *, clip_norm):
         finite = jnp.isfinite(norms)
         return jnp.where(finite & (mask > 0), 1.0 / clip_norm, 0.0).astype(jnp.float32), finite
@@ -65,12 +53,7 @@ def _unclipped(monkeypatch):
     monkeypatch.setattr(clipping, "clip_weights", clip_weights)
 
 
-BUGS = {
-    "half-noise": (_half_noise, DpsgdStep),
-    "noise-over-B-twice": (None, NoiseOverBTwice),
-    "canary-path-unclipped": (_unclipped, DpsgdStep),
-    "noise-per-microbatch": (None, NoisePerMicrobatch),
-}
+STEP_BUGS = {"half-noise": HalfNoise, "noise-over-B-twice": NoiseOverBTwice, "noise-per-microbatch": NoisePerMicrobatch}
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +64,12 @@ def tiny():
     return x, rng.integers(0, CLASSES, N).astype(np.int32)
 
 
-def _row(tiny, epsilon, step_class=DpsgdStep, seed=11, mesh=None):
+def _row(tiny, epsilon, seed=11, mesh=None):
     plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, DELTA), num_examples=N, batch_size=N, steps=STEPS)
     setup = WhiteBoxSetup(plan=plan, clip_norm=2.0, learning_rate=0.5, microbatches=MICRO)
     return white_box_row(*tiny, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(), delta=DELTA,
                          num_models=MODELS, confidence=CONFIDENCE, holdout_fraction=0.5, seed=seed,
-                         step_class=step_class, chunk_size=MODELS, mesh=mesh)
+                         chunk_size=MODELS, mesh=mesh)
 
 
 @pytest.mark.parametrize("epsilon", [2.0, 4.0])
@@ -99,22 +82,23 @@ def test_correct_code_is_not_flagged_and_the_bound_is_tight(tiny, epsilon):
 
 
 @pytest.mark.parametrize("epsilon", [2.0, 4.0])
-@pytest.mark.parametrize("bug", list(BUGS))
+@pytest.mark.parametrize("bug", [*STEP_BUGS, "canary-path-unclipped"])
 def test_bug_is_flagged(tiny, epsilon, bug, monkeypatch):
-    patch, step_class = BUGS[bug]
-    if patch is not None:
-        patch(monkeypatch)
-    row = _row(tiny, epsilon, step_class=step_class)
+    if bug in STEP_BUGS:
+        with substituted_step(STEP_BUGS[bug]):
+            row = _row(tiny, epsilon)
+    else:
+        _unclip_the_canary_path(monkeypatch)
+        row = _row(tiny, epsilon)
     assert row["violation"], row
     assert row["gdp_epsilon_lower_bound"] > row["nominal_epsilon"]
 
 
 @pytest.mark.parametrize("bug", ["none", "half-noise"])
-def test_four_device_step_has_teeth(tiny, bug, monkeypatch):
+def test_four_device_step_has_teeth(tiny, bug):
     """The sharded step (micro-batches split over 4 devices, clipped sums psum'd, noise added once)."""
-    if bug == "half-noise":
-        _half_noise(monkeypatch)
-    row = _row(tiny, 4.0, mesh=data_mesh(jax.devices()[:4]))
+    with substituted_step(HalfNoise if bug == "half-noise" else DpsgdStep):
+        row = _row(tiny, 4.0, mesh=data_mesh(jax.devices()[:4]))
     assert row["devices"] == 4
     assert row["violation"] == (bug == "half-noise"), row
     if bug == "none":

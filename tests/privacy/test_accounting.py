@@ -4,8 +4,10 @@ import dp_accounting
 import pytest
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.accounting import EpsilonCurve, check_batch_size, check_mechanism, dp_event, epsilon
-from dpscale.privacy.plan import PrivacyPlan
+from dpscale.privacy.accounting import (EpsilonCurve, bounds_for, check_batch_size, check_mechanism, dp_event,
+                                        epsilon)
+from dpscale.privacy.plan import PrivacyPlan, composed_epsilon
+from dpscale.privacy.pld import MIN_DELTA
 
 
 def _eps(sigma, q, steps, delta=1e-5, accountant="pld", releases=()):
@@ -147,3 +149,20 @@ def test_releases_are_composed_into_epsilon_and_the_curve(accountant):
 def test_invalid_releases_are_user_errors(releases):
     with pytest.raises(InvalidConfigError, match="release"):
         check_mechanism(noise_multiplier=1.0, sampling_rate=0.1, steps=10, releases=releases)
+
+
+def test_bounds_for_names_the_bounds_whose_smallest_is_reported():
+    assert bounds_for("pld", 1e-5) == bounds_for("pld", MIN_DELTA) == ("rdp", "pld")
+    assert bounds_for("pld", MIN_DELTA / 10) == bounds_for("rdp", 1e-5) == ("rdp",)
+    with pytest.raises(InvalidConfigError):
+        bounds_for("gdp", 1e-5)
+
+
+@pytest.mark.parametrize("delta", [1e-5, 1e-13])
+def test_one_run_composed_is_its_own_epsilon(delta):
+    """Composing many runs follows the rule of one run: the smallest of ``bounds_for``'s bounds."""
+    plan = PrivacyPlan(num_examples=60_000, batch_size=256, steps=2_000, noise_multiplier=1.1, delta=delta)
+    composed = composed_epsilon([plan], delta=delta)
+    assert composed == min(_reference(acc, 1.1, 256 / 60_000, 2_000, delta) for acc in bounds_for("pld", delta))
+    assert composed == pytest.approx(plan.epsilon(), rel=1e-12)
+    assert plan.epsilon_bound() == ("pld" if delta >= MIN_DELTA else "rdp")

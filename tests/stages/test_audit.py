@@ -2,31 +2,20 @@
 
 import json
 
-import jax
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from sklearn.datasets import load_digits
 
+from dpscale.audit.broken_steps import NoiseOverBTwice, substituted_step
 from dpscale.audit.canaries import build_data
 from dpscale.audit.game import audit_setting
 from dpscale.cli import cli
-from dpscale.privacy.dpsgd import DpsgdStep
-from dpscale.privacy.noise import add_gaussian_noise, step_key
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 from dpscale.stages import ingest
 from dpscale.training.vmapped import TrainingSetup
 
 NUM_EXAMPLES, BATCH, STEPS, DELTA = 200, 50, 20, 1e-5
-
-
-class NoiseOverBTwice(DpsgdStep):
-    """The classic bug: noise calibrated for the mean, then divided by B again."""
-
-    def _privatize_impl(self, total, step, base_key):
-        b = self.expected_batch_size
-        noisy = add_gaussian_noise(total.value, step_key(base_key, step), std=self.noise_multiplier / b)
-        return jax.tree_util.tree_map(lambda x: x / b, noisy)
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +33,22 @@ def nominal():
     return PrivacyPlan.calibrate(PrivacyTarget(1.0, DELTA), num_examples=NUM_EXAMPLES, batch_size=BATCH, steps=STEPS)
 
 
-def _row(data, plan, step_class):
+def _row(data, plan):
     setup = TrainingSetup(plan=plan, learning_rate=1.0)
     return audit_setting(data, setup, nominal_epsilon=plan.epsilon(), delta=DELTA, num_models=400,
-                         confidence=0.999, holdout_fraction=0.25, seed=3, step_class=step_class)
+                         confidence=0.999, holdout_fraction=0.25, seed=3)
 
 
 def test_broken_privatizer_is_caught(digits_data, nominal):
-    row = _row(digits_data, nominal, NoiseOverBTwice)
+    with substituted_step(NoiseOverBTwice):
+        row = _row(digits_data, nominal)
     assert row["epsilon_lower_bound"] > row["nominal_epsilon"]
     assert row["violation"] is True
     assert row["advantage"] > row["advantage_bound"]
 
 
 def test_correct_privatizer_passes(digits_data, nominal):
-    row = _row(digits_data, nominal, DpsgdStep)
+    row = _row(digits_data, nominal)
     assert row["nominal_epsilon"] <= 1.0
     assert row["epsilon_lower_bound"] <= row["nominal_epsilon"]
     assert row["violation"] is False
