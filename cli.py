@@ -410,7 +410,7 @@ def _print_json_line(payload: dict) -> None:
               help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
 @click.option("--coordinator-address", default=None, metavar="HOST:PORT",
               help="Multi-host: process 0's address; give it with --num-processes and --process-id, "
-                   "the same on every host (see README, Multi-host).")
+                   "the same on every host (see docs/cluster.md, Multi-host).")
 @click.option("--num-processes", type=COUNT, default=None, help="Multi-host: number of processes (hosts).")
 @click.option("--process-id", type=ints(0), default=None, help="Multi-host: this process's index, 0 to N-1.")
 @click.option("--distributed", "auto_distributed", is_flag=True,
