@@ -7,8 +7,8 @@ covers, so a correct step must give bounds close to the nominal epsilon and a br
 must give bounds above it.
 
 The canary enters the plan's own step (``PrivacyPlan.dp_step``) through its clipped-sum
-hook: D's rows go through the model's real clipped sum (closed-form linear head, ``vmap`` or
-book-keeping per-example gradients), the canary row through ``clipping.clipped_sum_from_gradients``
+hook: D's rows go through the model's real clipped sum (closed-form linear head, ``vmap``,
+book-keeping or per-layer ghost norms), the canary row through ``clipping.clipped_sum_from_gradients``
 (the library's clip and weighted sum), and the two parts are joined by ``ClippedSum.plus``,
 the operator that accumulates micro-batches. Micro-batches, noise, division by B and the
 optimiser are ``DpsgdStep.accumulate_traceable`` (one device, or ``shard_map`` over a data mesh) /
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, get_args
 
 import flax.linen as nn
 import jax
@@ -42,6 +42,7 @@ from dpscale.errors import InvalidConfigError
 from dpscale.models.cnn import small_cnn
 from dpscale.privacy import clipping
 from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
+from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.clipping import ClippedSum, make_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
@@ -51,7 +52,7 @@ from dpscale.training.vmapped import run_models
 
 PyTree = Any
 WhiteBoxModel = Literal["linear", "cnn"]
-PerExample = Literal["vmap", "bookkeeping"]
+PerExample = Literal["vmap", "bookkeeping", "ghost"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +72,8 @@ class WhiteBoxSetup:
     def __post_init__(self) -> None:
         if self.model not in ("linear", "cnn"):
             raise InvalidConfigError(f"white-box model must be 'linear' or 'cnn', got {self.model!r}")
-        if self.per_example not in ("vmap", "bookkeeping"):
-            raise InvalidConfigError(f"per_example must be 'vmap' or 'bookkeeping', got {self.per_example!r}")
+        if self.per_example not in get_args(PerExample):
+            raise InvalidConfigError(f"per_example must be one of {get_args(PerExample)}, got {self.per_example!r}")
         if self.plan.batch_size != self.plan.num_examples:
             raise InvalidConfigError(
                 "the white-box audit needs full batches (batch size = |D|, q = 1): its statistic is exact "
@@ -162,10 +163,11 @@ def _task(setup: WhiteBoxSetup, features: np.ndarray, labels: np.ndarray, num_cl
         direction = _one_hot_tree(zeros, ("head", "fc", "kernel"), 0)  # any direction works: S_D is subtracted
         view_rows = lambda index: {"image": x[index][:, None], "label": y[index][:, None]}  # noqa: E731
         rows = view_rows
-        if setup.per_example == "bookkeeping":
+        if setup.per_example in ("bookkeeping", "ghost"):
             example = (zeros, {}, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                                          view_rows(np.arange(1))))
-            base_fn = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=clip, example=example)
+            make = make_bookkeeping_clipped_sum_fn if setup.per_example == "bookkeeping" else make_ghost_clipped_sum_fn
+            base_fn = make(loss_fn, clip_norm=clip, example=example)
         else:
             base_fn = make_clipped_sum_fn(loss_fn, clip_norm=clip)
         needs_reference = True

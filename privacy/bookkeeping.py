@@ -69,7 +69,7 @@ def _layer_vjp_rule(module: nn.Module, params: PyTree, x: jax.Array, g: jax.Arra
     return dict(jax.vmap(one)(x, g))
 
 
-def _shifted_windows(x: jax.Array, window: tuple[int, int], strides: tuple[int, int], padding: Any) -> jax.Array:
+def shifted_windows(x: jax.Array, window: tuple[int, int], strides: tuple[int, int], padding: Any) -> jax.Array:
     """``[n, H', W', kh, kw, C]``: the input under each kernel tap, by padding and strided slices.
 
     Pure data movement; ``lax.conv_general_dilated_patches`` builds the same windows with a
@@ -93,7 +93,7 @@ def _wsconv_rule(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array) -> 
     kernel = params["kernel"]
     kh, kw, cin, cout = kernel.shape
     b = x.shape[0]
-    windows = _shifted_windows(x.reshape((-1,) + x.shape[2:]), (kh, kw), as_pair(module.strides), module.padding)
+    windows = shifted_windows(x.reshape((-1,) + x.shape[2:]), (kh, kw), as_pair(module.strides), module.padding)
     windows = windows.reshape(b, -1, kh, kw, cin)
     flat_g = g.reshape(b, -1, cout)
     d_weight = jnp.einsum("bpijc,bpo->bijco", windows, flat_g, precision=jax.lax.Precision.HIGHEST)
@@ -138,13 +138,13 @@ def _is_layer_call(context: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
+class LayerCall:
     path: Path
     module: nn.Module  # unbound clone with the same attributes
     out: jax.ShapeDtypeStruct  # one example's output ([K, ...])
 
 
-def _key_path(path: tuple[Any, ...]) -> Path:
+def key_path(path: tuple[Any, ...]) -> Path:
     keys = []
     for entry in path:
         if not isinstance(entry, jax.tree_util.DictKey) or not isinstance(entry.key, str):
@@ -154,7 +154,7 @@ def _key_path(path: tuple[Any, ...]) -> Path:
 
 
 def _param_leaves(params: PyTree) -> dict[Path, Any]:
-    return {_key_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {key_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 def _abstract(tree: PyTree) -> PyTree:
@@ -174,14 +174,14 @@ def _output_depends_on(jaxpr: jex_core.Jaxpr, tainted_inputs: list[bool]) -> boo
     return any(hit(v) for v in jaxpr.outvars)
 
 
-def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyTree) -> tuple[_Call, ...]:
+def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyTree) -> tuple[LayerCall, ...]:
     """The supported layer calls of ``loss_fn`` on one example's views, or UnsupportedModelError.
 
     Arguments may be arrays, tracers or ``ShapeDtypeStruct``; only shapes are used.
     """
     params, model_state, views = _abstract(params), _abstract(model_state), _abstract(views)
     leaves = _param_leaves(params)
-    calls: list[_Call] = []
+    calls: list[LayerCall] = []
     problems: list[str] = []
 
     def record(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
@@ -201,7 +201,7 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
         elif (reason := rule.problem(module, args[0])) is not None:
             problems.append(f"{'/'.join(path)}: {reason}")
         out = next_fun(*args, **kwargs)
-        calls.append(_Call(path, module.clone(parent=None), jax.ShapeDtypeStruct(out.shape, out.dtype)))
+        calls.append(LayerCall(path, module.clone(parent=None), jax.ShapeDtypeStruct(out.shape, out.dtype)))
         return out
 
     traced_leaves: dict[Path, Any] = {}
@@ -251,21 +251,32 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
     return tuple(calls)
 
 
-def _param_leaves_of_call(call: _Call, leaves: dict[Path, Any]) -> list[str]:
+def _param_leaves_of_call(call: LayerCall, leaves: dict[Path, Any]) -> list[str]:
     return [path[-1] for path in leaves if path[:-1] == call.path]
 
 
-def per_example_gradients_bk(
-    loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree
-) -> tuple[jax.Array, PyTree]:
-    """Like ``clipping.per_example_gradients`` (losses ``[b]``, leaves ``[b, *shape]``), by book-keeping."""
-    one_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-    calls = plan_layers(loss_fn, params, model_state, one_example)
+@dataclasses.dataclass(frozen=True)
+class Tape:
+    """What one batched forward and backward saw at every supported layer call, in call order."""
+
+    losses: jax.Array  # [b], each example's (view-averaged) loss
+    inputs: list[jax.Array]  # the call's input, [b, K, ...]
+    outputs: list[jax.Array]  # the call's output, [b, K, ...]
+    out_grads: list[jax.Array]  # d (sum of the losses) / d output, [b, K, ...]
+
+
+def record_layers(loss_fn: LossFn, calls: tuple[LayerCall, ...], params: PyTree, model_state: PyTree,
+                  batch: PyTree) -> Tape:
+    """One forward (``vmap`` over examples, as the reference) and one backward to every layer's output.
+
+    Each supported call returns ``output + delta``; ``d loss / d delta`` is its output gradient.
+    """
     size = jax.tree_util.tree_leaves(batch)[0].shape[0]
     deltas = [jnp.zeros((size,) + c.out.shape, c.out.dtype) for c in calls]
 
-    def one(example_deltas: list[jax.Array], views: PyTree) -> tuple[jax.Array, list[jax.Array]]:
+    def one(example_deltas: list[jax.Array], views: PyTree) -> tuple[jax.Array, tuple[list, list]]:
         inputs: list[jax.Array] = []
+        outputs: list[jax.Array] = []
 
         def perturb(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
             if not _is_layer_call(context):
@@ -274,29 +285,49 @@ def per_example_gradients_bk(
             if index >= len(calls) or tuple(context.module.path) != calls[index].path:
                 raise UnsupportedModelError("the model's layer calls changed between traces")
             inputs.append(args[0])
-            return next_fun(*args, **kwargs) + example_deltas[index]
+            out = next_fun(*args, **kwargs)
+            outputs.append(out)
+            return out + example_deltas[index]
 
         with nn.intercept_methods(perturb):
             loss = loss_fn(params, model_state, views)
         if len(inputs) != len(calls):
             raise UnsupportedModelError("the model's layer calls changed between traces")
-        return loss, inputs
+        return loss, (inputs, outputs)
 
-    def summed(ds: list[jax.Array]) -> tuple[jax.Array, tuple[jax.Array, list[jax.Array]]]:
-        losses, inputs = jax.vmap(one)(ds, batch)
-        return jnp.sum(losses), (losses, inputs)
+    def summed(ds: list[jax.Array]) -> tuple[jax.Array, tuple[jax.Array, tuple[list, list]]]:
+        losses, recorded = jax.vmap(one)(ds, batch)
+        return jnp.sum(losses), (losses, recorded)
 
-    (_, (losses, inputs)), out_grads = jax.value_and_grad(summed, has_aux=True)(deltas)
+    (_, (losses, (inputs, outputs))), out_grads = jax.value_and_grad(summed, has_aux=True)(deltas)
+    return Tape(losses=losses, inputs=inputs, outputs=outputs, out_grads=out_grads)
 
+
+def layer_params(call: LayerCall, params: PyTree) -> dict[str, jax.Array]:
+    """The parameters ``call`` reads, by name (``kernel``, ``bias``, ``scale``, ...)."""
     leaves = _param_leaves(params)
+    return {name: leaves[call.path + (name,)] for name in _param_leaves_of_call(call, leaves)}
+
+
+def per_example_layer_gradients(call: LayerCall, params: PyTree, x: jax.Array, g: jax.Array) -> dict[str, jax.Array]:
+    """Each example's gradient of the parameters of ``call`` from its recorded input and output gradient."""
+    return _RULES[type(call.module)].grads(call.module, layer_params(call, params), x, g)
+
+
+def per_example_gradients_bk(
+    loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree
+) -> tuple[jax.Array, PyTree]:
+    """Like ``clipping.per_example_gradients`` (losses ``[b]``, leaves ``[b, *shape]``), by book-keeping."""
+    one_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+    calls = plan_layers(loss_fn, params, model_state, one_example)
+    tape = record_layers(loss_fn, calls, params, model_state, batch)
     grads: dict[Path, jax.Array] = {}
-    for call, x, g in zip(calls, inputs, out_grads):
-        own = {name: leaves[call.path + (name,)] for name in _param_leaves_of_call(call, leaves)}
-        for name, grad in _RULES[type(call.module)].grads(call.module, own, x, g).items():
+    for call, x, g in zip(calls, tape.inputs, tape.out_grads):
+        for name, grad in per_example_layer_gradients(call, params, x, g).items():
             key = call.path + (name,)
             grads[key] = grad if key not in grads else grads[key] + grad  # a layer called twice
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    return losses, jax.tree_util.tree_unflatten(treedef, [grads[_key_path(p)] for p, _ in flat])
+    return tape.losses, jax.tree_util.tree_unflatten(treedef, [grads[key_path(p)] for p, _ in flat])
 
 
 def make_bookkeeping_clipped_sum_fn(

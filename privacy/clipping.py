@@ -123,13 +123,31 @@ def clipped_sum_from_gradients(
     losses: jax.Array | None = None,
 ) -> ClippedSum:
     """Clip (to C, then divide by C) and sum given per-example gradients."""
+    return clipped_sum_from_norms(
+        per_example_norms(per_example_grads), mask, clip_norm=clip_norm, losses=losses,
+        weighted=lambda weights, finite: weighted_sum(per_example_grads, weights, finite))
+
+
+def clipped_sum_from_norms(
+    norms: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_norm: float,
+    weighted: Callable[[jax.Array, jax.Array], PyTree],
+    losses: jax.Array | None = None,
+) -> ClippedSum:
+    """The clipped sum from each example's gradient norm and ``weighted(weights, finite) = sum_i w_i g_i``.
+
+    One place for the clip weights, the NaN guard's flags and the counts, whichever way the
+    norms and the weighted sum are formed (per-example gradients, book-keeping, ghost norms);
+    ``weighted`` must leave out the examples whose ``finite`` flag is False.
+    """
     if not clip_norm > 0:
         raise ValueError(f"clip_norm must be positive, got {clip_norm}")
-    norms = per_example_norms(per_example_grads)
     weights, finite = clip_weights(norms, mask, clip_norm=clip_norm)
     real = mask > 0
     return ClippedSum(
-        value=weighted_sum(per_example_grads, weights, finite),
+        value=weighted(weights, finite),
         sensitivity=1.0,
         num_examples=jnp.sum(real).astype(jnp.int32),
         num_clipped=jnp.sum(real & finite & (norms > clip_norm)).astype(jnp.int32),

@@ -70,7 +70,7 @@ class AuditConfig:
     threat_model: ThreatModel = "black-box"
     microbatches: int = 2  # white-box: micro-batches per step (accumulation is audited too)
     canary_norm: float = 10.0  # white-box: |canary gradient| / C
-    per_example: PerExample = "vmap"  # white-box CNN: vmap or book-keeping per-example gradients
+    per_example: PerExample = "vmap"  # white-box CNN: vmap, book-keeping or per-layer (ghost) norms
     devices: int = 1  # white-box: data-parallel devices of the audited step (> 1: the shard_map path)
 
     def __post_init__(self) -> None:

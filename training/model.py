@@ -10,8 +10,9 @@ on the mode:
   ``models.validation``) trained from scratch, or a pretrained backbone (``backbone``:
   an imported name or a backbone directory) fine-tuned with a zero classifier, its
   BatchNorm statistics frozen, its own preprocessing (resolution, mean/std) applied;
-  all layers, with augmentation multiplicity; its clipped sum is book-keeping
-  (``privacy.bookkeeping``) where every parameter has a rule, else ``vmap``.
+  all layers, with augmentation multiplicity; its clipped sum comes from per-layer norms
+  (``privacy.ghost``: ghost norms or book-keeping per layer) where every parameter has a
+  rule, else from ``vmap`` per-example gradients.
 * ``features``: a softmax classifier ``x @ kernel + bias`` over cached backbone
   features, zero-initialised as in De et al. (2022), optionally normalised
   (``training.feature_normalization``) and with the last ``holdout`` training rows
@@ -38,7 +39,8 @@ from dpscale.data.image_data import InMemorySplit, normalize
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
-from dpscale.privacy.bookkeeping import UnsupportedModelError, make_bookkeeping_clipped_sum_fn
+from dpscale.privacy.bookkeeping import UnsupportedModelError
+from dpscale.privacy.ghost import describe, make_ghost_clipped_sum_fn
 from dpscale.privacy.dpsgd import ClippedSumFn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
@@ -147,17 +149,17 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         return ImageFeed(train, augmult=settings.augmult, pad=settings.augment_pad, flip=settings.augment_flip,
                          key=key, normalize_fn=normalize_fn, resolution=resolution, placement=placement)
 
-    def bookkeeping_clipped_sum(clip_norm: float) -> ClippedSumFn | None:
-        """Book-keeping per-example gradients when every parameter has a rule, else None (vmap)."""
+    def layerwise_clipped_sum(clip_norm: float) -> ClippedSumFn | None:
+        """Per-layer norms (ghost or book-keeping) when every parameter has a rule, else None (vmap)."""
         batch = {"image": jax.ShapeDtypeStruct((1, settings.augmult, *input_shape), jnp.float32),
                  "label": jax.ShapeDtypeStruct((1, settings.augmult), jnp.int32)}
         example = (jax.eval_shape(lambda: init_params(0)), model_state, batch)
         try:
-            fn = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example)
+            fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example)
         except UnsupportedModelError as error:
             _log.info("per-example gradients: vmap(grad) (%s)", error)
             return None
-        _log.info("per-example gradients: book-keeping (one batched backward)")
+        _log.info("per-example gradients: per-layer norms from one batched backward: %s", describe(fn.choices))
         return fn
 
     _check_memory(config, loss_fn, init_params, model_state, input_shape)
@@ -171,7 +173,7 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         make_feed=make_feed,
         logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
         eval_inputs=eval_inputs,
-        clipped_sum_fn=bookkeeping_clipped_sum,
+        clipped_sum_fn=layerwise_clipped_sum,
     )
 
 

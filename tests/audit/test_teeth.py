@@ -103,3 +103,21 @@ def test_four_device_step_has_teeth(tiny, bug):
     assert row["violation"] == (bug == "half-noise"), row
     if bug == "none":
         assert 0.6 * row["nominal_epsilon"] <= row["gdp_epsilon_lower_bound"] <= row["nominal_epsilon"]
+
+
+@pytest.mark.parametrize("bug", ["none", "half-noise"])
+def test_cnn_step_with_per_layer_ghost_norms_has_teeth(bug):
+    """The CNN's clipped sum by per-layer norms (ghost and book-keeping layers): half noise is flagged."""
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(N, 8, 8, 1)).astype(np.float32)
+    labels = rng.integers(0, CLASSES, N).astype(np.int32)
+    plan = PrivacyPlan.calibrate(PrivacyTarget(4.0, DELTA), num_examples=N, batch_size=N, steps=3)
+    setup = WhiteBoxSetup(plan=plan, model="cnn", clip_norm=2.0, learning_rate=0.5, microbatches=MICRO,
+                          channels=(4,), num_groups=2, per_example="ghost")
+    with substituted_step(HalfNoise if bug == "half-noise" else DpsgdStep):
+        row = white_box_row(images.reshape(N, -1), labels, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(),
+                            delta=DELTA, num_models=2_000, confidence=CONFIDENCE, holdout_fraction=0.5, seed=11,
+                            chunk_size=2_000, image_shape=(8, 8, 1))
+    assert row["violation"] == (bug == "half-noise"), row
+    if bug == "none":
+        assert 0.5 * row["nominal_epsilon"] <= row["gdp_epsilon_lower_bound"] <= row["nominal_epsilon"]

@@ -155,13 +155,14 @@ def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_pat
     assert scores.num_examples == IngestedDataset(digits).num_examples("test")
 
 
-def test_book_keeping_path_is_used_and_trains_like_the_vmap_path(digits, tmp_path, monkeypatch, caplog):
+def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path, monkeypatch, caplog):
     from dpscale.training import model as train_model
     from dpscale.training import trainer
 
     with caplog.at_level("INFO", logger="dpscale.training.model"):
         train.run(_config(digits, tmp_path / "bk", steps=2))
-    assert "per-example gradients: book-keeping" in caplog.text
+    assert "per-example gradients: per-layer norms from one batched backward" in caplog.text
+    assert "ghost" in caplog.text and "explicit" in caplog.text  # the log names each layer's path
 
     def without_fast_path(data, config):
         return dataclasses.replace(train_model.build_train_model(data, config), clipped_sum_fn=lambda clip: None)

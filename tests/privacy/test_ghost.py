@@ -1,0 +1,194 @@
+"""Per-layer clipping (ghost norms or book-keeping per layer) equals the vmap(grad) path.
+
+Checked on every model of the registry that trains from scratch (its smallest input), with
+K = 1 and K = 4 views, on the 4-device sharded step, with a poisoned view and a padded slot;
+each layer forced to either path on a zoo of strides, paddings, biases and a shared layer;
+the sensitivity of one example; and the strategy rule on the shapes it was measured on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+from dpscale.models import registry
+from dpscale.models.layers import GroupNorm, WSConv
+from dpscale.privacy.bookkeeping import UnsupportedModelError, plan_layers
+from dpscale.privacy.clipping import ClippedSum, clipped_sum_from_gradients, per_example_gradients
+from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
+from dpscale.privacy.ghost import choose_strategy, make_ghost_clipped_sum_fn
+
+RTOL = 1e-5
+
+
+def _loss_for(model):
+    def loss_fn(params, model_state, views):
+        logits = model.apply({"params": params, **model_state}, views["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
+
+    return loss_fn
+
+
+def _batch(seed, size, views, shape, classes=10):
+    rng = np.random.default_rng(seed)
+    return {"image": jnp.asarray(rng.normal(size=(size, views, *shape)), jnp.float32),
+            "label": jnp.asarray(rng.integers(0, classes, (size, views)), jnp.int32)}
+
+
+def _random_params(model, shape, seed=0):
+    """Gaussian parameters (GroupNorm scales away from 1, so their gradients are generic)."""
+    rng = np.random.default_rng(seed)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *shape)))["params"]
+    return jax.tree_util.tree_map(
+        lambda a: jnp.asarray(rng.normal(size=a.shape) / np.sqrt(np.prod(a.shape[:-1] or (1,))), a.dtype),
+        abstract)
+
+
+def _reference(loss_fn, params, batch, mask, clip):
+    losses, grads = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
+    return jax.jit(lambda g, m, l: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=l))(grads, mask, losses), grads
+
+
+def _median_clip(grads, size):
+    norms = np.linalg.norm(np.concatenate([np.reshape(g, (size, -1)) for g in jax.tree_util.tree_leaves(grads)],
+                                          axis=1), axis=1)
+    finite = np.sort(norms[np.isfinite(norms)])
+    return float(finite[len(finite) // 2 - 1] + finite[len(finite) // 2]) / 2  # clips some, not all
+
+
+def _assert_same(out: ClippedSum, ref: ClippedSum):
+    for field in ("num_examples", "num_clipped", "num_nonfinite"):
+        assert int(getattr(out, field)) == int(getattr(ref, field)), field
+    np.testing.assert_allclose(out.sum_of_norms, ref.sum_of_norms, rtol=RTOL)
+    np.testing.assert_allclose(out.sum_of_losses, ref.sum_of_losses, rtol=RTOL)
+    for (path, a), e in zip(jax.tree_util.tree_flatten_with_path(out.value)[0], jax.tree_util.tree_leaves(ref.value)):
+        scale = float(jnp.max(jnp.abs(e)))
+        assert scale > 0, f"{jax.tree_util.keystr(path)} is all zero: the test cannot tell rules apart"
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=0, atol=RTOL * scale,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+FROM_SCRATCH = [name for name in registry.list_models() if not registry.get_spec(name).pretrained]
+# The smallest input each family runs on (the registry's own is up to 320 px).
+SMALL_INPUT = {"wrn": (8, 8, 3), "cnn": (12, 12, 1), "scatternet": (28, 28, 1), "nf": (32, 32, 3)}
+
+
+def _family(name):
+    return next(prefix for prefix in SMALL_INPUT if name.startswith(prefix))
+
+
+def test_the_registry_models_are_all_tested():
+    assert FROM_SCRATCH and all(_family(name) for name in FROM_SCRATCH)
+
+
+# The wider and deeper WRNs repeat WRN-16-4's layers: one view count each keeps the suite fast.
+CASES = [(name, views) for name in FROM_SCRATCH for views in (1, 4)
+         if views == 4 or name not in ("wrn-40-4", "wrn-28-10")]
+
+
+@pytest.mark.parametrize("name,views", CASES)
+def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views):
+    shape = SMALL_INPUT[_family(name)]
+    model = registry.get_model(name, num_classes=10)
+    loss_fn = _loss_for(model)
+    size = 8
+    batch = _batch(1, size, views, shape)
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *shape)))["params"]
+    try:
+        plan_layers(loss_fn, abstract, {}, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                                                  batch))
+    except UnsupportedModelError:
+        # No rule covers its layers (e.g. the NF nets' scaled WS): training uses the vmap path
+        # itself, which is the reference here, and says so in its log.
+        with pytest.raises(UnsupportedModelError):
+            make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(abstract, {}, batch))
+        return
+    params = _random_params(model, shape)
+    batch["image"] = batch["image"].at[2, views - 1, 0, 0, 0].set(jnp.nan)  # one poisoned view
+    mask = jnp.ones(size).at[size - 1].set(0.0)  # one padded slot
+    _, grads = _reference(loss_fn, params, batch, mask, 1.0)
+    clip = _median_clip(grads, size)
+    ref, _ = _reference(loss_fn, params, batch, mask, clip)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch))
+    assert {c.strategy for c in fn.choices} >= {"book-keeping"}
+    step = DpsgdStep(loss_fn, noise_multiplier=1.0, expected_batch_size=size, seed=0, clipped_sum_fn=fn,
+                     mesh=data_mesh(jax.devices()[:4]))
+    state = step.init(params)
+    out = step.accumulate(state, step.zero_sum(state), batch, mask)  # shard_map: 2 examples per device
+    assert int(out.num_nonfinite) == 1 and 0 < int(out.num_clipped) < size - 2
+    _assert_same(out, ref)
+
+
+class _Zoo(nn.Module):
+    """Strides, paddings, kernel shapes, biases, a shared (twice-called) layer, a dense head."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = WSConv(8, (3, 2), strides=2, padding="SAME", use_bias=True, name="a")(x)
+        x = nn.relu(GroupNorm(num_groups=4, name="n")(x))
+        x = WSConv(8, 3, strides=(2, 1), padding="VALID", name="b")(x)
+        x = WSConv(8, 3, strides=1, padding=((2, 0), (1, 1)), use_bias=True, name="c")(x)
+        shared = WSConv(8, 1, strides=1, name="shared")
+        x = shared(nn.relu(shared(x)))
+        x = WSConv(12, 1, strides=2, name="d")(x)
+        return nn.Dense(5, name="fc")(jnp.mean(x, axis=(1, 2)))
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "explicit"])
+@pytest.mark.parametrize("views", [1, 3])
+def test_each_path_equals_vmap_on_every_layer_kind(strategy, views):
+    model = _Zoo()
+    shape = (11, 9, 3)
+    params = _random_params(model, shape)
+    loss_fn = _loss_for(model)
+    size = 6
+    batch = _batch(2, size, views, shape, classes=5)
+    batch["image"] = batch["image"].at[1, 0, 3, 3, 0].set(jnp.inf)
+    mask = jnp.ones(size).at[0].set(0.0)
+    _, grads = _reference(loss_fn, params, batch, mask, 1.0)
+    clip = _median_clip(grads, size)
+    ref, _ = _reference(loss_fn, params, batch, mask, clip)
+    forced = {(name,): strategy for name in ("a", "b", "c", "d", "fc")}
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch), strategies=forced)
+    assert {c.path: c.strategy for c in fn.choices} == {**forced, ("n",): "book-keeping",
+                                                        ("shared",): "book-keeping"}
+    out = jax.jit(fn)(params, {}, batch, mask)
+    assert fn.sensitivity == out.sensitivity == 1.0
+    _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "explicit"])
+def test_one_example_moves_the_sum_by_at_most_one(strategy):
+    model = registry.get_model("cnn-small", num_classes=4)
+    shape = (12, 12, 1)
+    params = _random_params(model, shape, seed=4)
+    loss_fn = _loss_for(model)
+    size = 6
+    batch = _batch(5, size, 2, shape, classes=4)
+    batch["image"] = batch["image"] * 30.0  # large inputs: every example is clipped
+    one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+    paths = [c.path for c in plan_layers(loss_fn, params, {}, one) if type(c.module) in (WSConv, nn.Dense)]
+    fn = jax.jit(make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.01, strategies={p: strategy for p in paths}))
+    full = fn(params, {}, batch, jnp.ones(size))
+    assert int(full.num_clipped) == size
+    for i in range(size):
+        without = fn(params, {}, batch, jnp.ones(size).at[i].set(0.0))
+        diff = jax.tree_util.tree_map(jnp.subtract, full.value, without.value)
+        assert float(optax.global_norm(diff)) <= 1.0 + 1e-5
+
+
+def test_ghost_for_late_layers_explicit_for_early_ones():
+    # cnn-small on 32x32 images (P = positions, d = fan-in, p = fan-out): the measured choices.
+    assert choose_strategy(positions=32 * 32, fan_in=27, fan_out=16) == "explicit"
+    assert choose_strategy(positions=16 * 16, fan_in=144, fan_out=32) == "explicit"
+    assert choose_strategy(positions=8 * 8, fan_in=288, fan_out=64) == "ghost"
+    assert choose_strategy(positions=4 * 4, fan_in=576, fan_out=128) == "ghost"
+    # WRN-16-4: the 8x8 stage is ghost, the 16x16 one explicit; with K = 4 views the 8x8 stage
+    # has 256 positions and is ghost still (its per-example gradient is 590k floats).
+    assert choose_strategy(positions=8 * 8, fan_in=2304, fan_out=256) == "ghost"
+    assert choose_strategy(positions=4 * 8 * 8, fan_in=2304, fan_out=256) == "ghost"
+    assert choose_strategy(positions=16 * 16, fan_in=1152, fan_out=128) == "explicit"
