@@ -227,8 +227,8 @@ TRAINING_OPTIONS = options(
                       "(default: 64 images, 4096 feature rows)."),
     click.option("--ema-decay", type=FRACTION, default=0.999, show_default=True),
     click.option("--holdout", type=ints(0), default=0, show_default=True,
-                 help="features mode: do not train on the last N training rows; score them with "
-                      "`dpscale evaluate RUN_DIR --split holdout`."),
+                 help="Do not train on the last N training rows (the plan accounts for the rest); score them "
+                      "with `dpscale evaluate RUN_DIR --split holdout --private-diagnostics`."),
     click.option("--feature-normalization", type=StageChoice("train.FEATURE_NORMALIZATIONS"), default="none",
                  show_default=True,
                  help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "

@@ -67,7 +67,7 @@ class SweepConfig:
     eval_split: str = "test"
 
     def __post_init__(self) -> None:
-        if self.training.features.holdout and self.eval_split != "holdout":
+        if self.training.holdout and self.eval_split != "holdout":
             object.__setattr__(self, "eval_split", "holdout")
         if not self.epsilons or any(not 0 < e < math.inf for e in self.epsilons):
             raise InvalidConfigError(f"epsilons must be positive and finite, got {self.epsilons}")
