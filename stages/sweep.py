@@ -254,7 +254,8 @@ def _choose(config: SweepConfig, rows: list[dict[str, Any]], summary: list[dict[
         entry = {"epsilon": best["epsilon"], **setting, "chosen_on": HOLDOUT_SPLIT, "repeats": best["repeats"],
                  "holdout_median_top1": best["median_top1"]}
         if not config.simulate_batch:  # the test split is read now, for the chosen runs only
-            members = [r for r in rows if r["epsilon"] == best["epsilon"] and all(r[o] == v for o, v in setting.items())]
+            members = [r for r in rows
+                       if r["epsilon"] == best["epsilon"] and all(r[o] == v for o, v in setting.items())]
             tests = [_score(config, r["run_dir"], "test", private=True)["ema_top1"] for r in members]
             entry |= {"test_median_top1": statistics.median(tests), "test_min_top1": min(tests),
                       "test_max_top1": max(tests)}
