@@ -518,6 +518,10 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     for name, _ in axes:
         if name in GRID_SHORTHANDS:  # the grid's values replace the flag's default
             options[GRID_SHORTHANDS[name]] = ()
+    unused = [f"--{name.replace('_', '-')}" for name in ("baseline_learning_rate", "baseline_momentum")
+              if not options["baseline"] and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if unused:
+        _echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
     _echo_warnings(result.warnings)
     click.echo(f"dpscale: {_privacy_line(result)}", err=True)

@@ -6,6 +6,7 @@
                                   invocation
     OUT_DIR/baseline.NOT-PRIVATE/ the non-private baseline's runs and tables (mode 0700: private diagnostics)
     OUT_DIR/privacy.json          the composed (epsilon, delta) of every private run in runs/, ever
+    OUT_DIR/identity.secret       the key of sweep.json's identity (``data.identity.directory_secret``, 0600)
 
 A run directory is reused only when its settings are the ones asked for now; the record of what
 was released only grows: every run that started counts with its whole plan.

@@ -208,6 +208,16 @@ def test_delta_of_at_least_one_over_n_is_warned_everywhere(features, tmp_path):
     assert any("1/num_examples" in w for w in result.warnings)
     assert any("1/num_examples" in w for w in json.loads((out / sweep.PRIVACY_JSON).read_text())["warnings"])
     assert "Warning: delta = 0.01" in (out / sweep.SUMMARY_MD).read_text()
+    # The command's JSON line carries it too (the run is reused: same data, same settings).
+    from click.testing import CliRunner
+
+    from dpscale.cli import cli
+
+    line = CliRunner().invoke(cli, ["sweep", features, str(out), "--epsilons", "2", "--learning-rates", "4",
+                                    "--repeats", "1", "--batch-size", "128", "--steps", "4", "--microbatch-size", "64",
+                                    "--accountant", "rdp", "--delta", "0.01"])
+    assert line.exit_code == 0, line.output
+    assert any("1/num_examples" in w for w in json.loads(line.stdout)["warnings"])
 
 
 def test_simulated_runs_say_they_are_not_private_at_their_target(features, tmp_path):
