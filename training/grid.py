@@ -123,7 +123,7 @@ def grid_points(base: TrainingConfig, axes: tuple[Axis, ...], *, repeats: int, k
                 overrides: dict[str, Any] | None = None, simulate_batch: int | None = None) -> list[GridPoint]:
     """Every point of the grid (axes in order, the last varying fastest, then repeats).
 
-    ``overrides`` replace options on every point after the grid's (a baseline's momentum).
+    ``overrides`` replace options on every point unless the grid sets them (a baseline's momentum).
     Refuses points whose names collide and gridded values that change nothing (an images-only
     option in features mode).
     """
@@ -132,7 +132,7 @@ def grid_points(base: TrainingConfig, axes: tuple[Axis, ...], *, repeats: int, k
     settings: dict[str, tuple[tuple[str, Any], ...]] = {}
     for combination in itertools.product(*(values for _, values in axes)):
         values = tuple(zip((name for name, _ in axes), combination))
-        training = with_options(base, **(dict(values) | (overrides or {}) | {"seed": None}))
+        training = with_options(base, **((overrides or {}) | dict(values) | {"seed": None}))
         applied = options_of(training)
         for option, value in values:
             if applied[option] != value:
