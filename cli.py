@@ -21,6 +21,7 @@ import click
 from dpscale.cli_options import (
     ACCOUNTANT_HELP,
     COUNT,
+    GRID_SHORTHANDS,
     FRACTION,
     POSITIVE,
     SEED,
@@ -31,6 +32,7 @@ from dpscale.cli_options import (
     StageHelpOption,
     delta_option,
     floats,
+    grid_axes,
     ints,
 )
 from dpscale.errors import DpscaleError, PipelineStalledError
@@ -480,35 +482,60 @@ def evaluate_command(run_dir: str, split: str, data: str | None, private_diagnos
 @click.argument("data", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--epsilons", cls=ListOption, type=CommaList(POSITIVE), default="1,2,4,8",
-              help="Target epsilons of the grid.")
+              help="Target epsilons of the grid (the same as --grid epsilon=...).")
 @click.option("--learning-rates", cls=ListOption, type=CommaList(POSITIVE), default="2",
-              help="DP learning rates of the grid.")
+              help="DP learning rates of the grid (the same as --grid learning-rate=...).")
+@click.option("--grid", "grid", multiple=True, metavar="NAME=V1,V2,...",
+              help="Grid over any training option below, e.g. --grid augmult=1,4,8 --grid batch-size=1024,4096 "
+                   "(repeat for more axes; one column each in the tables; every value is in the run names).")
 @click.option("--repeats", type=COUNT, default=3, show_default=True,
               help="Runs per grid point, each with a fresh secret seed (median and spread are reported).")
-@click.option("--no-baseline", "baseline", flag_value=False, default=True, help="Skip the non-private baseline runs.")
+@click.option("--baseline/--no-baseline", default=False, show_default=True,
+              help="Also train a non-private baseline per repeat and setting: NOT private, written apart to "
+                   "OUT_DIR/baseline.NOT-PRIVATE/ (owner-only).")
 @click.option("--baseline-learning-rate", type=POSITIVE, default=0.5, show_default=True)
 @click.option("--baseline-momentum", type=FRACTION, default=0.9, show_default=True)
+@click.option("--simulate-batch", type=COUNT, default=None,
+              help="Cheap search (TAN): run every point at this expected batch b < B with the noise multiplier "
+                   "scaled by b/B, same steps. NOT private at the target epsilons (runs and files say so); each "
+                   "spends its own epsilon, composed into privacy.json. Train the chosen setting with `dpscale train`.")
 @TRAINING_OPTIONS
-def sweep_command(data: str, out_dir: str, **options: Any) -> None:
-    """Train a grid over epsilon x learning rate (x repeats) on the same DATA; write tables and a plot.
+@click.pass_context
+def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, ...], **options: Any) -> None:
+    """Train a grid over epsilon x learning rate (x any training option, x repeats) on the same DATA.
 
     Every run uses the training options below (as `dpscale train` reads them), with its own
-    epsilon, learning rate and a fresh secret seed. Writes OUT_DIR/runs.csv, summary.csv,
-    summary.md and accuracy_vs_epsilon.png. Finished runs are reused, so an interrupted
-    sweep continues where it stopped.
+    grid values and a fresh secret seed. Writes OUT_DIR/runs.csv, summary.csv, summary.md,
+    accuracy_vs_epsilon.png and privacy.json (the composed epsilon of every private run in
+    OUT_DIR/runs). With --holdout N (and --private-diagnostics) the best setting per epsilon is
+    chosen on the held-out rows and its test score reported; without it nothing is chosen.
+    Finished runs are reused only for the same data and settings, so an interrupted sweep
+    continues where it stopped; anything else is refused.
     """
     from dpscale.stages import sweep
 
-    result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, **options))
+    axes = grid_axes(ctx, grid)  # refuses --epsilons / --learning-rates given beside their --grid
+    for name, _ in axes:
+        if name in GRID_SHORTHANDS:  # the grid's values replace the flag's default
+            options[GRID_SHORTHANDS[name]] = ()
+    unused = [f"--{name.replace('_', '-')}" for name in ("baseline_learning_rate", "baseline_momentum")
+              if not options["baseline"] and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if unused:
+        _echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
+    result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
     _echo_warnings(result.warnings)
     click.echo(f"dpscale: {_privacy_line(result)}", err=True)
-    _print_json_line({"out_dir": result.out_dir, "composed_epsilon": result.composed_epsilon, "delta": result.delta,
-                      "covered_by_epsilon": result.covered_by_epsilon, "summary": list(result.summary)})
+    payload = result.as_dict()
+    payload.pop("rows")
+    _print_json_line(payload)
 
 
 def _privacy_line(result: Any) -> str:
-    return (f"releasing every DP result of this sweep together is ({result.composed_epsilon:.4g}, {result.delta:g})-DP; "
-            "the non-private baseline's scores are NOT private (see privacy.json)")
+    line = (f"releasing every DP result in this sweep's directory together ({result.private_runs} private runs) is "
+            f"({result.composed_epsilon:.4g}, {result.delta:g})-DP (see privacy.json)")
+    if result.baseline:
+        line += "; the non-private baseline's scores are NOT private"
+    return line
 
 
 @cli.command("quickstart")

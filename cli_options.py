@@ -227,8 +227,8 @@ TRAINING_OPTIONS = options(
                       "(default: 64 images, 4096 feature rows)."),
     click.option("--ema-decay", type=FRACTION, default=0.999, show_default=True),
     click.option("--holdout", type=ints(0), default=0, show_default=True,
-                 help="features mode: do not train on the last N training rows; score them with "
-                      "`dpscale evaluate RUN_DIR --split holdout`."),
+                 help="Do not train on the last N training rows (the plan accounts for the rest); score them "
+                      "with `dpscale evaluate RUN_DIR --split holdout --private-diagnostics`."),
     click.option("--feature-normalization", type=StageChoice("train.FEATURE_NORMALIZATIONS"), default="none",
                  show_default=True,
                  help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
@@ -244,3 +244,34 @@ TRAINING_OPTIONS = options(
                  help="Also write statistics of the private batches that epsilon does NOT cover (loss, gradient "
                       "norms, clipped fraction, batch sizes, held-out scores) to *.NOT-PRIVATE.* files (mode 0600)."),
 )
+
+
+#: ``--grid`` names that stand for a sweep's own list flags (``--epsilons``, ``--learning-rates``).
+GRID_SHORTHANDS = {"epsilon": "epsilons", "learning_rate": "learning_rates"}
+
+
+def grid_axes(ctx: click.Context, items: tuple[str, ...]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """``--grid NAME=V1,V2`` items as (option, typed values), each value read as ``--NAME`` reads it.
+
+    NAME is a training flag of the command (``batch-size``, ``augmult``, ``ema-decay``, ...), or
+    ``epsilon`` / ``learning-rate``; an option is gridded or given as a flag, not both.
+    """
+    params = {p.name: p for p in ctx.command.params}
+    axes = []
+    for item in items:
+        name, sep, values = item.partition("=")
+        option = name.strip().lstrip("-").replace("-", "_")
+        if not sep or not option or not values.strip():
+            raise click.BadParameter(f"{item!r}: give NAME=V1,V2,... (e.g. augmult=1,4,8)", ctx, param_hint="'--grid'")
+        shorthand = GRID_SHORTHANDS.get(option)
+        param = params.get(shorthand or option)
+        if param is None or param.name in GRID_SHORTHANDS or getattr(param, "is_flag", False) or option == "mode":
+            raise click.BadParameter(f"{name.strip()!r} is not a training option that takes a value (e.g. augmult, "
+                                     "batch-size, ema-decay, learning-rate, epsilon)", ctx, param_hint="'--grid'")
+        item_type = param.type.item if isinstance(param.type, CommaList) else param.type
+        typed = CommaList(item_type).convert(values, param, ctx)
+        if ctx.get_parameter_source(param.name) == click.core.ParameterSource.COMMANDLINE:
+            raise click.BadParameter(f"{param.opts[0]} is also given: give {option.replace('_', '-')} either as a "
+                                     "flag or in --grid", ctx, param_hint="'--grid'")
+        axes.append((option, typed))
+    return tuple(axes)

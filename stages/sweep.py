@@ -1,30 +1,37 @@
-"""The sweep command: a grid of DP training runs over epsilon and learning rate, repeated.
+"""The sweep command: a grid of DP training runs over epsilon, learning rate and any training option.
 
-Every run reads the same data (in ``features`` mode the same feature cache, so a
-sweep over epsilon never recomputes a feature). Each grid point is trained
-``repeats`` times with fresh secret seeds, plus a non-private baseline; results go
-to ``runs.csv`` (every run), ``summary.csv`` / ``summary.md`` (median and min-max
-spread over repeats per grid point) and ``accuracy_vs_epsilon.png``.
+Every run reads the same data (in ``features`` mode the same feature cache, so a sweep over
+epsilon never recomputes a feature). Each grid point (``training.grid``) is trained ``repeats``
+times with fresh secret seeds; results go to ``runs.csv`` (every run), ``summary.csv`` /
+``summary.md`` (median and min-max spread over repeats per grid point, one column per gridded
+option) and ``accuracy_vs_epsilon.png`` (``training.sweep_report``).
 
-A run directory that already holds its scores is reused, so an interrupted
-sweep continues where it stopped instead of redoing (or re-spending) finished runs.
+Honest selection: settings are chosen only on held-out training rows. With ``holdout`` N every
+run trains on all but the last N training rows and is scored on those rows; per epsilon the
+setting with the best median held-out score is chosen, and only then are the chosen runs scored
+on the test split: those test scores are the sweep's result. Held-out scores (and a choice made
+from them) are exact statistics of private rows: such a sweep needs ``private_diagnostics``, and
+its tables and plot are private diagnostics (``*.NOT-PRIVATE.*``, mode 0600). Without held-out
+rows nothing is chosen: every grid point is reported with its test score.
+
+Reuse: a run directory that already holds this sweep's run is reused, so an interrupted sweep
+continues where it stopped instead of redoing (or re-spending) finished runs. A directory is
+reused only for the data and settings it was made with: ``sweep.json`` records the data (by a
+keyed identity, ``data.identity``), and each run's ``config.json`` its settings; anything else
+is refused, never reported as this sweep's result.
 
 What it publishes: every DP run is (epsilon, delta)-DP on its own, but the sweep releases all
 of them, on the same data. ``privacy.json`` and the head of ``summary.md`` give the composed
-(epsilon, delta) of releasing every DP result together (``privacy.plan.composed_epsilon``).
-The non-private baseline trains on the same private data without any guarantee: it is
-marked NOT private everywhere, and the composed guarantee holds only without it.
-
-With ``holdout`` N (features mode) every run trains on all but the last N training
-rows and is scored on those rows (split ``holdout``), so hyper-parameters can be
-chosen without touching the test split. Those scores are exact statistics of private rows:
-such a sweep needs ``private_diagnostics``, and its tables and plot are private diagnostics
-(``*.NOT-PRIVATE.*``, mode 0600).
+(epsilon, delta) of releasing every DP run in OUT_DIR/runs together, from every invocation
+(``privacy.plan.composed_epsilon``). The non-private baseline (``baseline``, off by default)
+trains on the same private data without any guarantee: it is a private diagnostic, apart in
+``baseline.NOT-PRIVATE/`` (mode 0700, tables 0600), and the composed guarantee holds only
+without it. Simulated runs (``simulate_batch``) are DP at their own, larger epsilon, not at their
+target's: they say so in their names, files, ledgers and the result, and are composed like any run.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 import os
@@ -32,27 +39,29 @@ import statistics
 from typing import Any
 
 from dpscale.errors import InvalidConfigError
-from dpscale.files import open_for_writing, write_json_atomic
-from dpscale.privacy.plan import composed_epsilon
 from dpscale.stages import evaluate, train
-from dpscale.training import release
+from dpscale.training import release, sweep_report
 from dpscale.training.config import Mode, TrainingConfig, training_config
-from dpscale.training.model import HOLDOUT_SPLIT, detect_mode
+from dpscale.training.grid import SIMULATION_NOTE, Axis, GridPoint, Simulation, check_axes, flag, grid_points, simulate
+from dpscale.training.model import HOLDOUT_SPLIT, build_train_model, detect_mode
 from dpscale.training.run_directory import CONFIG, RunDirectory
+from dpscale.training.sweep_directory import BASELINE_DIR, PRIVACY_JSON, RECORD, RUNS, SweepDirectory, finite
+from dpscale.training.trainer import plan_for
 
-RUNS_CSV = "runs.csv"
-SUMMARY_CSV = "summary.csv"
-SUMMARY_MD = "summary.md"
-PLOT = "accuracy_vs_epsilon.png"
-PRIVACY_JSON = "privacy.json"
+__all__ = ["BASELINE_DIR", "PLOT", "PRIVACY_JSON", "RECORD", "RUNS", "RUNS_CSV", "SUMMARY_CSV", "SUMMARY_MD",
+           "SweepConfig", "SweepResult", "run"]
+RUNS_CSV, SUMMARY_CSV, SUMMARY_MD, PLOT = (sweep_report.RUNS_CSV, sweep_report.SUMMARY_CSV, sweep_report.SUMMARY_MD,
+                                           sweep_report.PLOT)
 
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-    """A grid of runs: ``training`` with its epsilon and learning rate replaced per grid point.
+    """A grid of runs: ``training`` with epsilon, learning rate and the ``grid``'s options replaced per point.
 
-    ``training`` must give the batch size and the steps (the noise multiplier is calibrated
-    for each epsilon); its learning rate is the grid when ``learning_rates`` is empty.
+    ``grid`` holds further axes, each a training option (``training_config``'s name, e.g.
+    ``augmult``) and its values. ``training`` (or every point) must give the batch size and the
+    steps (the noise multiplier is calibrated for each epsilon); its learning rate is the grid when
+    ``learning_rates`` is empty.
     """
 
     data: str
@@ -60,215 +69,297 @@ class SweepConfig:
     training: TrainingConfig
     epsilons: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     learning_rates: tuple[float, ...] = ()  # () = (training.learning_rate,)
+    grid: tuple[Axis, ...] = ()
     repeats: int = 3
-    baseline: bool = True  # a non-private run per repeat (same steps and batch size)
+    baseline: bool = False  # a non-private run per repeat and setting: a private diagnostic
     baseline_learning_rate: float = 0.5
     baseline_momentum: float = 0.9
-    eval_split: str = "test"
+    simulate_batch: int | None = None  # run every point as a TAN simulation at this expected batch
 
     def __post_init__(self) -> None:
-        if self.training.features.holdout and self.eval_split != "holdout":
-            object.__setattr__(self, "eval_split", "holdout")
+        object.__setattr__(self, "grid", tuple((name, tuple(values)) for name, values in self.grid))
         if not self.epsilons or any(not 0 < e < math.inf for e in self.epsilons):
             raise InvalidConfigError(f"epsilons must be positive and finite, got {self.epsilons}")
         if any(not 0 < lr < math.inf for lr in self.grid_learning_rates):
             raise InvalidConfigError(f"learning rates must be positive, got {self.grid_learning_rates}")
+        if any(name in ("epsilon", "learning_rate") for name, _ in self.grid):
+            raise InvalidConfigError("give epsilon and learning rate values as epsilons and learning_rates")
+        check_axes(self.axes)
         if self.repeats < 1:
             raise InvalidConfigError(f"repeats must be >= 1, got {self.repeats}")
-        if self.training.batch_size is None or self.training.steps is None:
-            raise InvalidConfigError("a sweep needs --batch-size and --steps (the noise is calibrated per epsilon)")
+        if self.simulate_batch is not None and self.simulate_batch < 1:
+            raise InvalidConfigError(f"--simulate-batch must be >= 1, got {self.simulate_batch}")
         if self.training.noise_multiplier is not None:
             raise InvalidConfigError("a sweep calibrates the noise multiplier for each epsilon; drop --noise-multiplier")
-        if self.scores_private_rows and not self.training.private_diagnostics:
+        if self.training.holdout and not self.training.private_diagnostics:
             raise InvalidConfigError(
-                f"scoring split {self.eval_split!r} (private training rows) makes the sweep's tables private "
+                f"scoring split {HOLDOUT_SPLIT!r} (private training rows) makes the sweep's tables private "
                 "diagnostics that epsilon does not cover; pass --private-diagnostics to run it anyway")
 
     @classmethod
-    def from_options(cls, data: str, out_dir: str, *, epsilons: tuple[float, ...], learning_rates: tuple[float, ...],
-                     repeats: int, baseline: bool, baseline_learning_rate: float, baseline_momentum: float,
-                     mode: Mode | None = None, **options: Any) -> SweepConfig:
+    def from_options(cls, data: str, out_dir: str, *, epsilons: tuple[float, ...] | None = None,
+                     learning_rates: tuple[float, ...] = (), grid: tuple[Axis, ...] = (), repeats: int = 3,
+                     baseline: bool = False, baseline_learning_rate: float = 0.5, baseline_momentum: float = 0.9,
+                     simulate_batch: int | None = None, mode: Mode | None = None, **options: Any) -> SweepConfig:
         """A sweep from flat options: the grid's, then every run's as ``train`` takes them.
 
-        The shared ``training`` is non-private (``epsilon=inf``): each grid point sets its own
-        epsilon, so none is given here.
+        ``grid`` may name epsilon and the learning rate too (the same as ``epsilons`` and
+        ``learning_rates``, not both). The shared ``training`` is non-private (``epsilon=inf``):
+        each grid point sets its own epsilon.
         """
+        axes = dict(grid)
+        if len(axes) != len(grid):
+            raise InvalidConfigError("an option is given to --grid more than once")
+        for name, given in (("epsilon", epsilons), ("learning_rate", learning_rates)):
+            if name in axes and given:
+                raise InvalidConfigError(f"give the {flag(name)} values once: --grid {flag(name)}=... or "
+                                         f"--{flag(name)}s")
+        epsilons = tuple(axes.pop("epsilon", epsilons or cls.epsilons))
+        learning_rates = tuple(axes.pop("learning_rate", learning_rates))
         if learning_rates:
             options["learning_rate"] = learning_rates[0]
         training = training_config(mode or detect_mode(data), epsilon=math.inf, **options)
         return cls(data=data, out_dir=out_dir, training=training, epsilons=epsilons, learning_rates=learning_rates,
-                   repeats=repeats, baseline=baseline, baseline_learning_rate=baseline_learning_rate,
-                   baseline_momentum=baseline_momentum)
-
-    @property
-    def scores_private_rows(self) -> bool:
-        return self.eval_split in (HOLDOUT_SPLIT, self.training.train_split)
+                   grid=tuple(axes.items()), repeats=repeats, baseline=baseline,
+                   baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum,
+                   simulate_batch=simulate_batch)
 
     @property
     def grid_learning_rates(self) -> tuple[float, ...]:
         return self.learning_rates or (self.training.learning_rate,)
 
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        return (("epsilon", self.epsilons), ("learning_rate", self.grid_learning_rates), *self.grid)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The gridded options but epsilon: a setting, one column each in the tables."""
+        return tuple(name for name, _ in self.axes if name != "epsilon")
+
+    @property
+    def scores_private_rows(self) -> bool:
+        return bool(self.training.holdout)
+
+    @property
+    def split(self) -> str:
+        """Where the grid is scored: held-out rows when there are some (and only there is a choice made)."""
+        return HOLDOUT_SPLIT if self.training.holdout else "test"
+
 
 @dataclasses.dataclass(frozen=True)
 class SweepResult:
     out_dir: str
-    rows: tuple[dict[str, Any], ...]  # one per run
-    summary: tuple[dict[str, Any], ...]  # one per (epsilon, learning rate): median and spread over repeats
-    composed_epsilon: float  # of releasing every DP run's result together, at ``delta``
+    rows: tuple[dict[str, Any], ...]  # one per run of this grid
+    summary: tuple[dict[str, Any], ...]  # one per (epsilon, setting): median and spread over repeats
+    composed_epsilon: float  # of releasing every DP run in OUT_DIR/runs together, at ``delta``
     delta: float
-    covered_by_epsilon: bool  # False: the tables hold scores of private rows (private diagnostics)
+    covered_by_epsilon: bool  # False: the tables hold scores of private rows or simulations
     warnings: tuple[str, ...] = ()
+    chosen: tuple[dict[str, Any], ...] = ()  # per epsilon, the setting chosen on held-out rows, and its test score
+    selection: str = ""  # how the reported settings were chosen (or that none was)
+    private_runs: int = 0  # how many private runs privacy.json composes
+    simulation: dict[str, Any] | None = None
+    baseline: tuple[dict[str, Any], ...] = ()  # NOT private: the baseline's summary, when asked for
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"warnings": list(self.warnings)}
 
 
-def _grid(config: SweepConfig) -> list[dict[str, Any]]:
-    points = [
-        {"epsilon": eps, "learning_rate": lr, "momentum": config.training.momentum, "repeat": r}
-        for eps in config.epsilons
-        for lr in config.grid_learning_rates
-        for r in range(config.repeats)
-    ]
+# -- which runs, and whether OUT_DIR may hold them -------------------------------------------
+
+
+def _check_point(point: GridPoint) -> None:
+    if point.training.batch_size is None or point.training.steps is None:
+        raise InvalidConfigError("a sweep needs --batch-size and --steps (the noise is calibrated per epsilon)")
+
+
+def _points(config: SweepConfig) -> tuple[list[GridPoint], dict[str, Simulation]]:
+    """Every run of the sweep, checked before anything is written, and the simulations by run name."""
+    kind = "simulated" if config.simulate_batch else "private"
+    points = grid_points(config.training, config.axes, repeats=config.repeats, kind=kind,
+                         simulate_batch=config.simulate_batch)
+    simulations: dict[str, Simulation] = {}
+    models: dict[str, Any] = {}
+    for i, point in enumerate(points):
+        _check_point(point)
+        if config.simulate_batch:
+            training = point.training
+            key = repr((training.mode, training.holdout, training.train_split, training.features))
+            if key not in models:  # only the rows and releases matter here: one model per data view
+                models[key] = build_train_model(config.data, training)
+            model = models[key]
+            simulations[point.name] = simulate(training, plan_for(training, model), batch_size=config.simulate_batch)
+            points[i] = dataclasses.replace(point, training=simulations[point.name].training)
     if config.baseline:
-        points += [
-            {"epsilon": math.inf, "learning_rate": config.baseline_learning_rate,
-             "momentum": config.baseline_momentum, "repeat": r}
-            for r in range(config.repeats)
-        ]
-    return points
+        axes = (("epsilon", (math.inf,)), ("learning_rate", (config.baseline_learning_rate,)), *config.grid)
+        baseline = grid_points(config.training, axes, repeats=config.repeats, kind="baseline",
+                               overrides={"momentum": config.baseline_momentum})
+        for point in baseline:
+            _check_point(point)
+        points += baseline
+    return points, simulations
 
 
-def _run_name(point: dict[str, Any]) -> str:
-    eps = "nonprivate" if math.isinf(point["epsilon"]) else f"eps{point['epsilon']:g}"
-    return f"{eps}-lr{point['learning_rate']:g}-r{point['repeat']}"
+def _scores(run: RunDirectory, split: str, *, diagnostic: bool) -> dict[str, Any] | None:
+    scores = run.read_scores(split, diagnostic=diagnostic)
+    return scores if scores is not None and scores.get("split") == split else None
 
 
-def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
-    run_dir = os.path.join(config.out_dir, "runs", _run_name(point))
-    existing = RunDirectory(os.path.abspath(run_dir))
-    diagnostic = config.scores_private_rows and math.isfinite(point["epsilon"])
-    if existing.read_scores(config.eval_split, diagnostic=diagnostic) is None:
-        if os.path.exists(existing.file(CONFIG)):
+def _score(config: SweepConfig, run_dir: str, split: str, *, private: bool) -> dict[str, Any]:
+    """The run's scores on ``split``: saved ones if they are of that split, else evaluated now."""
+    run = RunDirectory(os.path.abspath(run_dir))
+    diagnostic = private and split in (HOLDOUT_SPLIT, config.training.train_split)
+    scores = _scores(run, split, diagnostic=diagnostic)
+    if scores is None:
+        evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split,
+                                             private_diagnostics=config.training.private_diagnostics))
+        scores = _scores(run, split, diagnostic=diagnostic)
+    return scores
+
+
+def _one(config: SweepConfig, directory: SweepDirectory, point: GridPoint,
+         simulation: Simulation | None) -> dict[str, Any]:
+    run_dir = directory.run_dir(point)
+    run = RunDirectory(os.path.abspath(run_dir))
+    if simulation is not None:
+        directory.mark_simulation(run, simulation)  # before the first step: a crashed simulation is marked too
+    if not directory.finished(run):
+        if point.kind == "baseline":
+            directory.make_baseline_dir()
+        if os.path.exists(run.file(CONFIG)):
             train.run(train.ResumeConfig(run_dir, show_progress=config.training.show_progress))
         else:
-            base = config.training
-            training = dataclasses.replace(
-                base, target=dataclasses.replace(base.target, epsilon=point["epsilon"]),
-                learning_rate=point["learning_rate"], momentum=point["momentum"], seed=None)
-            train.run(train.TrainConfig(data=config.data, run_dir=run_dir, training=training))
-        evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=config.eval_split,
-                                             private_diagnostics=config.training.private_diagnostics))
-    scores = existing.read_scores(config.eval_split, diagnostic=diagnostic)
-    ledger = existing.read_ledger()
-    return point | {
-        "private": ledger.private,
-        "achieved_epsilon": ledger.epsilon_spent,
-        "noise_multiplier": ledger.noise_multiplier,
-        "top1": scores["top1"],
-        "ema_top1": scores["ema_top1"],
-        "run_dir": run_dir,
+            train.run(train.TrainConfig(data=config.data, run_dir=run_dir, training=point.training))
+    if simulation is not None:
+        directory.mark_simulation(run, simulation)
+    split = "test" if point.kind == "baseline" else config.split
+    ledger = run.read_ledger()
+    scores = _score(config, run_dir, split, private=ledger.private)
+    return dict(point.values) | {
+        "repeat": point.repeat, "kind": point.kind, "private": ledger.private,
+        "achieved_epsilon": finite(ledger.epsilon_spent), "noise_multiplier": ledger.noise_multiplier,
+        "batch_size": run.read_spec().plan.batch_size, "split": split, "top1": scores["top1"],
+        "ema_top1": scores["ema_top1"], "run_dir": run_dir,
     }
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median and min/max of EMA top-1 over repeats, per (epsilon, learning rate)."""
-    groups: dict[tuple[float, float], list[float]] = {}
-    for row in rows:
-        groups.setdefault((row["epsilon"], row["learning_rate"]), []).append(row["ema_top1"])
-    return [
-        {"epsilon": eps, "private": math.isfinite(eps), "learning_rate": lr, "repeats": len(accs),
-         "median_top1": statistics.median(accs), "min_top1": min(accs), "max_top1": max(accs)}
-        for (eps, lr), accs in sorted(groups.items())
-    ]
+def _choose(config: SweepConfig, rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per epsilon, the setting chosen on held-out rows; then (real runs only) its runs' test scores."""
+    if config.split != HOLDOUT_SPLIT:
+        return []
+    chosen = []
+    for best in sweep_report.choose(summary, config.options):
+        setting = {o: best[o] for o in config.options}
+        entry = {"epsilon": best["epsilon"], **setting, "chosen_on": HOLDOUT_SPLIT, "repeats": best["repeats"],
+                 "holdout_median_top1": best["median_top1"]}
+        if not config.simulate_batch:  # the test split is read now, for the chosen runs only
+            members = [r for r in rows
+                       if r["epsilon"] == best["epsilon"] and all(r[o] == v for o, v in setting.items())]
+            tests = [_score(config, r["run_dir"], "test", private=True)["ema_top1"] for r in members]
+            entry |= {"test_median_top1": statistics.median(tests), "test_min_top1": min(tests),
+                      "test_max_top1": max(tests)}
+        chosen.append(entry)
+    return chosen
 
 
-def _open(out_dir: str, name: str, *, diagnostic: bool, newline: str | None = None) -> Any:
-    """A table file of the sweep; private diagnostics get their name and mode 0600."""
-    path = os.path.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
-    return open_for_writing(path, private=diagnostic, newline=newline)
+def _selection(config: SweepConfig) -> str:
+    if config.split != HOLDOUT_SPLIT:
+        return sweep_report.NO_CHOICE
+    what = ("best setting per epsilon by its median held-out top-1 (EMA) over repeats, chosen on the last "
+            f"{config.training.holdout} training rows (split {HOLDOUT_SPLIT!r}, never the test split)")
+    if config.simulate_batch:
+        return f"{what}; train the chosen setting at the full batch with `dpscale train` (the private run)"
+    return f"{what}; the test split was read afterwards, for the chosen runs only"
 
 
-def _privacy_note(privacy: dict[str, Any]) -> str:
-    note = (f"Releasing all {privacy['private_runs']} DP results of this sweep together is "
-            f"({privacy['composed_epsilon']:.4g}, {privacy['delta']:g})-DP ({privacy['accountant'].upper()} "
-            "composition of every run); each run alone is the epsilon of its row.")
-    if privacy["non_private_runs"]:
-        note += (" The non-private baseline trained on the same data without any guarantee: its scores are "
-                 "NOT private, and the composed guarantee holds only if they are not released.")
-    return note
+# -- the whole sweep -------------------------------------------------------------------------------
 
 
-def _write_tables(out_dir: str, rows: list[dict[str, Any]], summary: list[dict[str, Any]],
-                  privacy: dict[str, Any], *, diagnostic: bool) -> None:
-    for name, table in ((RUNS_CSV, rows), (SUMMARY_CSV, summary)):
-        with _open(out_dir, name, diagnostic=diagnostic, newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(table[0]))
-            writer.writeheader()
-            writer.writerows(table)
-    lines = [_privacy_note(privacy), "",
-             "| epsilon | learning rate | repeats | median top-1 (EMA) | min | max |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for s in summary:
-        eps = "non-private (NOT private)" if math.isinf(s["epsilon"]) else f"{s['epsilon']:g}"
-        lines.append(f"| {eps} | {s['learning_rate']:g} | {s['repeats']} | {100 * s['median_top1']:.2f}% "
-                     f"| {100 * s['min_top1']:.2f}% | {100 * s['max_top1']:.2f}% |")
-    with _open(out_dir, SUMMARY_MD, diagnostic=diagnostic) as f:
-        f.write("\n".join(lines) + "\n")
+def _simulation_summary(config: SweepConfig, simulations: dict[str, Simulation],
+                        rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What each simulated run stands for, and what it actually spent (its ledger's epsilon and sigma)."""
+    spent = {os.path.basename(r["run_dir"]): r for r in rows}
+    return {"batch_size": config.simulate_batch, "note": SIMULATION_NOTE, "runs": [
+        s.as_dict() | {"run": name, "noise_multiplier": spent[name]["noise_multiplier"],
+                       "epsilon": spent[name]["achieved_epsilon"]}
+        for name, s in simulations.items()]}
 
 
-def _plot(out_dir: str, summary: list[dict[str, Any]], *, split: str, diagnostic: bool) -> None:
-    import matplotlib
+def _head(config: SweepConfig, record: dict[str, Any], selection: str) -> list[str]:
+    """The opening lines of summary.md: what was released, warnings, how settings were chosen."""
+    head = [record["note"], *(f"Warning: {w}" for w in record["warnings"]), "",
+            f"How settings were chosen: {selection}."]
+    if config.simulate_batch:
+        head.append(f"Simulated runs at batch {config.simulate_batch} ({SIMULATION_NOTE}): each ran with less noise "
+                    "per example than its target epsilon allows; the first column is the target it simulates, "
+                    f"{release.diagnostic_name(RUNS_CSV)}'s achieved_epsilon what it spent.")
+    return head
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    private = [s for s in summary if math.isfinite(s["epsilon"])]
-    best: dict[float, dict[str, Any]] = {}
-    for s in private:  # best learning rate per epsilon, by median
-        if s["epsilon"] not in best or s["median_top1"] > best[s["epsilon"]]["median_top1"]:
-            best[s["epsilon"]] = s
-    eps = sorted(best)
-    med = [100 * best[e]["median_top1"] for e in eps]
-    low = [m - 100 * best[e]["min_top1"] for m, e in zip(med, eps)]
-    high = [100 * best[e]["max_top1"] - m for m, e in zip(med, eps)]
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
-    ax.errorbar(eps, med, yerr=[low, high], marker="o", capsize=3, label="DP-SGD (median, min-max)")
-    for s in summary:
-        if math.isinf(s["epsilon"]):
-            ax.axhline(100 * s["median_top1"], color="gray", linestyle="--", label="non-private (NOT private)")
-            break
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("epsilon")
-    ax.set_ylabel(f"{split} top-1 (%)")
-    ax.legend(loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(out_dir, release.diagnostic_name(PLOT) if diagnostic else PLOT)
-    with open_for_writing(path, private=diagnostic, binary=True) as f:  # 0600 before any pixel
-        fig.savefig(f, format="png")
-    plt.close(fig)
+def _title(config: SweepConfig, chosen: list[dict[str, Any]]) -> str:
+    options = ", ".join(flag(o).replace("learning-rate", "learning rate") for o in config.options)
+    if config.simulate_batch:
+        return (f"TAN simulation at batch {config.simulate_batch}, NOT private at these epsilons: every setting "
+                f"({config.split} scores)")
+    if chosen:
+        return f"best {options} per epsilon, chosen on held-out training rows; test scores of the chosen runs"
+    return "every grid point; none chosen (no --holdout): test scores"
 
 
 def run(config: SweepConfig) -> SweepResult:
-    os.makedirs(config.out_dir, exist_ok=True)
-    rows = [_one(config, point) for point in _grid(config)]
-    summary = summarize(rows)
-    plans = [RunDirectory(os.path.abspath(r["run_dir"])).read_spec().plan for r in rows]
-    dp_plans = [plan for plan in plans if plan.private]
+    points, simulations = _points(config)
+    directory = SweepDirectory(config.out_dir)
+    directory.check_data(config.data, config.training)
+    for point in points:  # every refusal before any training
+        directory.check_reusable(point, config.data)
+    results = [_one(config, directory, point, simulations.get(point.name)) for point in points]
+    rows = [r for r in results if r["kind"] != "baseline"]
+    baseline_rows = [r for r in results if r["kind"] == "baseline"]
+    summary = sweep_report.summarize(rows, config.options)
+    chosen = _choose(config, rows, summary)
+    selection = _selection(config)
+    diagnostic = config.scores_private_rows or bool(config.simulate_batch)
+
     delta = config.training.target.delta
-    privacy = {
-        "composed_epsilon": composed_epsilon(dp_plans, delta=delta, accountant=config.training.target.accountant),
-        "delta": delta, "accountant": config.training.target.accountant, "private_runs": len(dp_plans),
-        "runs": [{"run_dir": r["run_dir"], "private": r["private"], "epsilon": r["achieved_epsilon"]} for r in rows],
-        "non_private_runs": [r["run_dir"] for r in rows if not r["private"]],
-        "scores_private_rows": config.scores_private_rows,
-    }
-    privacy["note"] = _privacy_note(privacy)
-    write_json_atomic(os.path.join(config.out_dir, PRIVACY_JSON), privacy)
-    diagnostic = config.scores_private_rows
-    _write_tables(config.out_dir, rows, summary, privacy, diagnostic=diagnostic)
-    _plot(config.out_dir, summary, split=config.eval_split, diagnostic=diagnostic)
-    warnings = tuple(dict.fromkeys(w for plan in dp_plans for w in plan.warnings))
+    record = directory.privacy_record(delta=delta, accountant=config.training.target.accountant)
     if diagnostic:
-        warnings += (release.warning(f"the sweep's tables and plot in {config.out_dir!r} ({config.eval_split} scores)"),)
+        what = (f"{config.split} scores, exact statistics of private rows, and the choice made from them"
+                if config.scores_private_rows else "scores of simulated runs, covered by their own epsilons only")
+        record["not_covered"].append(f"the tables and plot named *.{release.NOT_PRIVATE}.* ({what})")
+    simulation = _simulation_summary(config, simulations, rows) if config.simulate_batch else None
+    record |= {"scores_private_rows": config.scores_private_rows, "selection": selection,
+               "simulation": None if simulation is None else {"batch_size": config.simulate_batch,
+                                                               "note": SIMULATION_NOTE}}
+    record["note"] = sweep_report.privacy_note(record)
+    directory.write_privacy(record)
+
+    sweep_report.remove_stale_tables(config.out_dir)
+    label = "target epsilon" if config.simulate_batch else "epsilon"
+    sweep_report.write_tables(config.out_dir, rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows],
+                              summary=summary, chosen=chosen, options=config.options,
+                              head=_head(config, record, selection), diagnostic=diagnostic, epsilon_label=label)
+    sweep_report.plot(config.out_dir, summary=summary, chosen=[] if config.simulate_batch else chosen,
+                      options=config.options, title=_title(config, chosen), diagnostic=diagnostic,
+                      epsilon_label=label)
+    warnings = list(record["warnings"])
+    if config.scores_private_rows:
+        warnings.append(release.warning(f"the sweep's tables and plot in {config.out_dir!r} ({config.split} scores)"))
+    if config.simulate_batch:
+        warnings.append(f"{SIMULATION_NOTE}: the runs in {config.out_dir!r} ran at batch {config.simulate_batch} with "
+                        "less noise per example than their target epsilons; each spent its own epsilon (privacy.json)")
+    baseline_summary: list[dict[str, Any]] = []
+    if baseline_rows:
+        baseline_dir = directory.make_baseline_dir()
+        baseline_summary = sweep_report.summarize(baseline_rows, config.options)
+        sweep_report.remove_stale_tables(baseline_dir)
+        sweep_report.write_tables(baseline_dir, rows=[{k: v for k, v in r.items() if k != "kind"}
+                                                      for r in baseline_rows],
+                                  summary=baseline_summary, chosen=[], options=config.options, diagnostic=True,
+                                  head=["Non-private baseline: NOT private. Trained on the same private data without "
+                                        "any guarantee; keep these results to yourself."])
+        warnings.append(release.warning(f"the non-private baseline in {baseline_dir!r}"))
     return SweepResult(out_dir=config.out_dir, rows=tuple(rows), summary=tuple(summary),
-                       composed_epsilon=privacy["composed_epsilon"], delta=delta,
-                       covered_by_epsilon=not diagnostic, warnings=warnings)
+                       composed_epsilon=record["composed_epsilon"], delta=delta, covered_by_epsilon=not diagnostic,
+                       warnings=tuple(warnings), chosen=tuple(chosen), selection=selection,
+                       private_runs=record["private_runs"], simulation=simulation, baseline=tuple(baseline_summary))

@@ -4,8 +4,9 @@
 where the data and the run directory are is the train stage's business. Sweep and quickstart
 embed a ``TrainingConfig`` and vary fields of it with ``dataclasses.replace`` rather than
 copying them, so a default means the same thing in every command; ``training_config`` nests a
-command's flat options into one. Settings that only one mode reads live in ``ImageSettings``
-(all layers of a network on images) and ``FeatureSettings`` (the last layer on cached features).
+command's flat options into one (``with_options`` replaces some of them, as a sweep's grid does).
+Settings that only one mode reads live in ``ImageSettings`` (all layers of a network on images)
+and ``FeatureSettings`` (the last layer on cached features).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ class ImageSettings:
 class FeatureSettings:
     """Features mode: a zero-initialised softmax layer on cached features, and how rows are normalised."""
 
-    holdout: int = 0  # the last N training rows are not trained on (evaluate split "holdout")
     normalization: str = "none"  # "none", "l2" or "center-l2"
     mean_noise_multiplier: float = 20.0  # center-l2 under DP: noise of the mean's Gaussian release
     scale: float = 1.0  # l2 / center-l2: the norm of the normalised rows
@@ -68,7 +68,6 @@ class FeatureSettings:
         _check(_finite_positive(self.mean_noise_multiplier),
                f"the feature mean's noise multiplier must be positive, got {self.mean_noise_multiplier}")
         _check(_finite_positive(self.scale), f"the feature scale must be positive, got {self.scale}")
-        _check(isinstance(self.holdout, int) and self.holdout >= 0, f"holdout must be in [0, N), got {self.holdout}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +91,7 @@ class TrainingConfig:
     checkpoint_every: int | None = None  # steps; None = about 20 checkpoints per run
     show_progress: bool = True
     private_diagnostics: bool = False  # write statistics epsilon does not cover (training.release)
+    holdout: int = 0  # the last N training rows are not trained on (evaluate split "holdout"), both modes
     images: ImageSettings = ImageSettings()
     features: FeatureSettings = FeatureSettings()
 
@@ -106,8 +106,10 @@ class TrainingConfig:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and value >= 1),
                    f"{name.replace('_', ' ')} must be a positive integer, got {value}")
+        _check(isinstance(self.holdout, int) and not isinstance(self.holdout, bool) and self.holdout >= 0,
+               f"holdout must be in [0, N), got {self.holdout}")
         if self.mode != "features":
-            _check(self.features == FeatureSettings(), "holdout and feature normalization apply to features mode only")
+            _check(self.features == FeatureSettings(), "feature normalization applies to features mode only")
         if not self.private:
             _check(self.batch_size is not None and self.steps is not None,
                    "a non-private run (epsilon=inf) needs --batch-size and --steps")
@@ -127,7 +129,17 @@ class TrainingConfig:
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> TrainingConfig:
-        """The inverse of ``to_json``; ``InvalidConfigError`` for unknown or missing fields."""
+        """The inverse of ``to_json``; ``InvalidConfigError`` for unknown or missing fields.
+
+        Runs written before ``holdout`` applied to both modes kept it in ``features``: read there too.
+        """
+        payload = dict(payload)
+        features = dict(payload.get("features") or {})
+        if "holdout" in features:
+            moved = features.pop("holdout")
+            if payload.get("holdout", moved) != moved:
+                raise InvalidConfigError("not a training configuration: two different holdouts")
+            payload["holdout"], payload["features"] = moved, features
         try:
             nested = {"target": PrivacyTarget, "images": ImageSettings, "features": FeatureSettings}
             values = {k: nested[k](**v) if k in nested else v for k, v in payload.items()}
@@ -161,7 +173,7 @@ def training_config(
     augmult: int = ImageSettings.augmult,
     augment_pad: int = ImageSettings.augment_pad,
     augment_flip: bool = ImageSettings.augment_flip,
-    holdout: int = FeatureSettings.holdout,
+    holdout: int = TrainingConfig.holdout,
     feature_normalization: str = FeatureSettings.normalization,
     feature_mean_noise_multiplier: float = FeatureSettings.mean_noise_multiplier,
     feature_scale: float = FeatureSettings.scale,
@@ -175,12 +187,36 @@ def training_config(
     target = PrivacyTarget(epsilon=epsilon, delta=delta, accountant=accountant, sampling=sampling)
     images = ImageSettings(model=model, backbone=backbone, augmult=augmult, augment_pad=augment_pad,
                            augment_flip=augment_flip)
-    features = FeatureSettings(holdout=holdout, normalization=feature_normalization,
+    features = FeatureSettings(normalization=feature_normalization,
                                mean_noise_multiplier=feature_mean_noise_multiplier, scale=feature_scale)
     return TrainingConfig(
         mode=mode, target=target, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
         clip_norm=clip_norm, learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
         microbatch_size=microbatch_size, ema_decay=ema_decay, seed=seed, checkpoint_every=checkpoint_every,
-        devices=devices, private_diagnostics=private_diagnostics,
+        devices=devices, private_diagnostics=private_diagnostics, holdout=holdout,
         images=images if mode == "images" else ImageSettings(),
         features=features if mode == "features" else FeatureSettings())
+
+
+def options_of(config: TrainingConfig) -> dict[str, Any]:
+    """The flat options of ``config``, as ``training_config`` takes them (its inverse, but the mode)."""
+    target, images, features = config.target, config.images, config.features
+    flat = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name not in ("mode", "target", "images", "features", "train_split", "show_progress")}
+    return flat | {
+        "epsilon": target.epsilon, "delta": target.delta, "accountant": target.accountant,
+        "sampling": target.sampling, "model": images.model, "backbone": images.backbone,
+        "augmult": images.augmult, "augment_pad": images.augment_pad, "augment_flip": images.augment_flip,
+        "feature_normalization": features.normalization,
+        "feature_mean_noise_multiplier": features.mean_noise_multiplier, "feature_scale": features.scale}
+
+
+def with_options(config: TrainingConfig, **options: Any) -> TrainingConfig:
+    """``config`` with some flat options replaced (``with_options(c, augmult=4)``), checked as a new config.
+
+    How a sweep varies any training option by its flag's name without knowing where it is nested.
+    """
+    unknown = sorted(set(options) - set(options_of(TrainingConfig())))
+    _check(not unknown, f"not training options: {unknown}")
+    changed = training_config(config.mode, **(options_of(config) | options))
+    return dataclasses.replace(changed, train_split=config.train_split, show_progress=config.show_progress)

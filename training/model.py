@@ -15,9 +15,11 @@ on the mode:
   rule, else from ``vmap`` per-example gradients.
 * ``features``: a softmax classifier ``x @ kernel + bias`` over cached backbone
   features, zero-initialised as in De et al. (2022), optionally normalised
-  (``training.feature_normalization``) and with the last ``holdout`` training rows
-  kept out of training as split ``"holdout"`` (for choosing hyper-parameters
-  without the test split); its clipped sum is closed-form (``privacy.linear``).
+  (``training.feature_normalization``); its clipped sum is closed-form (``privacy.linear``).
+
+In both modes the last ``holdout`` training rows are kept out of training as split
+``"holdout"`` (for choosing hyper-parameters without the test split): the plan accounts for
+the other rows only, and split ``train`` means those rows too.
 """
 
 from __future__ import annotations
@@ -115,9 +117,45 @@ def _check_training_split(data: str, split: str, splits: Sequence[str], num_exam
                         "(a dedup output is empty when every public image was a near duplicate of a private one)")
 
 
+HOLDOUT_SPLIT = "holdout"
+
+
+def _trained_rows(total: int, holdout: int) -> int:
+    """How many leading rows of the training split are trained on (the rest are held out)."""
+    if not 0 <= holdout < total:
+        raise InvalidConfigError(f"holdout must be in [0, {total}) (the training split's size), got {holdout}")
+    return total - holdout
+
+
+def _rows_of(split: str, *, train_split: str, total: int, holdout: int) -> tuple[str, slice]:
+    """(stored split, rows) that ``split`` names: ``holdout`` the training split's last rows, ``train`` the others."""
+    if split == HOLDOUT_SPLIT and holdout:
+        return train_split, slice(total - holdout, total)
+    if split == train_split and holdout:
+        return train_split, slice(0, total - holdout)
+    return split, slice(None)
+
+
+class _LeadingRows:
+    """The first ``size`` rows of an image split: all a feed may read when the rest are held out."""
+
+    def __init__(self, split: InMemorySplit, size: int) -> None:
+        self.split, self.size = split, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def take(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if np.any(np.asarray(indices) >= self.size):
+            raise RuntimeError(f"a batch reached past the {self.size} trained rows into the held-out ones")
+        return self.split.take(indices)
+
+
 def _image_model(data: str, config: TrainingConfig) -> TrainModel:
     dataset = IngestedDataset(data)
     _check_training_split(data, config.train_split, dataset.splits, dataset.num_examples)
+    total = dataset.num_examples(config.train_split)
+    trained_rows = _trained_rows(total, config.holdout)
     settings = config.images
     if settings.backbone:
         model, init_params, model_state, prep = _backbone_model(settings, dataset)
@@ -138,14 +176,16 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         return _cross_entropy(model.apply({"params": params, **state}, views["image"]), views["label"])
 
     def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
-        if split not in dataset.splits:
-            raise DataError(f"the data has no split {split!r} (has {dataset.splits})")
-        data = InMemorySplit.load(dataset, split)
-        images, labels = data.take(np.arange(len(data)))
+        source, rows = _rows_of(split, train_split=config.train_split, total=total, holdout=config.holdout)
+        if source not in dataset.splits:
+            held = f" and {HOLDOUT_SPLIT!r}" if config.holdout else ""
+            raise DataError(f"the data has no split {split!r} (has {dataset.splits}{held})")
+        data = InMemorySplit.load(dataset, source)
+        images, labels = data.take(np.arange(len(data))[rows])
         return np.asarray(resize_views(jnp.asarray(normalize_fn(images)), resolution)), labels
 
     def make_feed(key: jax.Array, placement: Any = None, state: PyTree = None) -> ImageFeed:  # reads the training split
-        train = InMemorySplit.load(dataset, config.train_split)
+        train = _LeadingRows(InMemorySplit.load(dataset, config.train_split), trained_rows)
         return ImageFeed(train, augmult=settings.augmult, pad=settings.augment_pad, flip=settings.augment_flip,
                          key=key, normalize_fn=normalize_fn, resolution=resolution, placement=placement)
 
@@ -164,9 +204,9 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
 
     _check_memory(config, loss_fn, init_params, model_state, input_shape)
     return TrainModel(
-        num_examples=dataset.num_examples(config.train_split),
+        num_examples=trained_rows,
         num_classes=len(dataset.class_names),
-        data_hash=dataset.content_hash,
+        data_hash=data_hash(data, config),
         loss_fn=loss_fn,
         init_params=init_params,
         model_state=model_state,
@@ -192,9 +232,6 @@ def _check_memory(config: TrainingConfig, loss_fn: Callable[..., jax.Array], ini
                       devices=1 if on_cpu else devices)
 
 
-HOLDOUT_SPLIT = "holdout"
-
-
 def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
     from dpscale.cache.feature_store import open_features
 
@@ -203,9 +240,8 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
     dim, classes = store.feature_dim, len(store.class_names)
     total = store.num_examples(config.train_split)
     settings = config.features
-    holdout = settings.holdout
-    if not 0 <= holdout < total:
-        raise InvalidConfigError(f"holdout must be in [0, {total}) (the training split's size), got {holdout}")
+    holdout = config.holdout
+    trained_rows = _trained_rows(total, holdout)
     kind, sigma_mean, scale = settings.normalization, settings.mean_noise_multiplier, settings.scale
     private = config.private
 
@@ -217,13 +253,10 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
 
     def raw(split: str) -> tuple[np.ndarray, np.ndarray]:
         """Rows of a split as stored; the training split without, ``holdout`` only its last rows."""
-        source = config.train_split if split == HOLDOUT_SPLIT and holdout else split
+        source, rows = _rows_of(split, train_split=config.train_split, total=total, holdout=holdout)
         if source not in store.splits:
             raise DataError(f"the feature cache has no split {split!r} (has {store.splits}"
                             + (f" and {HOLDOUT_SPLIT!r})" if holdout else ")"))
-        rows = slice(None)
-        if source == config.train_split and holdout:
-            rows = slice(total - holdout, None) if split == HOLDOUT_SPLIT else slice(0, total - holdout)
         return np.asarray(store.features(source)[rows], np.float32), np.asarray(store.labels(source)[rows], np.int32)
 
     def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
@@ -239,9 +272,9 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
         return {feature_normalization.MEAN_KEY: feature_normalization.feature_mean(x, noise_multiplier=noise, seed=seed)}
 
     return TrainModel(
-        num_examples=total - holdout,
+        num_examples=trained_rows,
         num_classes=classes,
-        data_hash=hashlib.sha256((store.digest + "".join(store.ids(config.train_split))).encode()).hexdigest(),
+        data_hash=data_hash(data, config),
         loss_fn=loss_fn,
         init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
         model_state={},
@@ -261,6 +294,20 @@ def feature_inputs(store: Any) -> dict[str, Any]:
     """What a feature entry's rows mean: its key without the data's identity, and its classes."""
     key = {k: v for k, v in store.key.as_dict().items() if k != "data_identity"}
     return {"feature_key": key, "class_names": list(store.class_names)}
+
+
+def data_hash(data: str, config: TrainingConfig) -> str:
+    """What identifies the data a run of ``config`` reads (never released: runs and sweeps key it).
+
+    Cheap: no model is built, so a sweep can check its data before it decides what to train.
+    """
+    if config.mode == "features":
+        from dpscale.cache.feature_store import open_features
+
+        store = open_features(data)
+        _check_training_split(data, config.train_split, store.splits, store.num_examples)
+        return hashlib.sha256((store.digest + "".join(store.ids(config.train_split))).encode()).hexdigest()
+    return IngestedDataset(data).content_hash
 
 
 def build_train_model(data: str, config: TrainingConfig) -> TrainModel:

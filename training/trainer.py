@@ -105,7 +105,7 @@ class Trainer:
     def not_covered(self) -> tuple[str, ...]:
         """What this run reports that its epsilon does not cover, for the ledger."""
         notes = []
-        holdout = self.config.features.holdout if self.config.mode == "features" else 0
+        holdout = self.config.holdout
         if holdout and self.plan.private:
             first = self.plan.num_examples
             notes.append(f"rows {first}-{first + holdout - 1} of split {self.config.train_split!r} are held out "

@@ -178,9 +178,12 @@ def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path,
 def test_flat_options_nest_into_a_training_config_and_the_other_mode_keeps_its_defaults():
     assert training_config("images") == TrainingConfig()
     features = training_config("features", holdout=3, feature_scale=2.0, model="wrn-16-4", augment_flip=False)
-    assert features.features == FeatureSettings(holdout=3, scale=2.0) and features.images == ImageSettings()
-    images = training_config("images", epsilon=2.0, accountant="rdp", augment_flip=False, holdout=3)
+    assert features.features == FeatureSettings(scale=2.0) and features.images == ImageSettings()
+    assert features.holdout == 3
+    images = training_config("images", epsilon=2.0, accountant="rdp", augment_flip=False, holdout=3,
+                             feature_scale=2.0)
     assert images.images == ImageSettings(augment_flip=False) and images.features == FeatureSettings()
+    assert images.holdout == 3
     assert images.target == PrivacyTarget(epsilon=2.0, accountant="rdp")
 
 
@@ -204,7 +207,7 @@ def test_cli_defaults_are_the_training_config_defaults(command):
                 "weight_decay": config.weight_decay, "microbatch_size": config.microbatch_size,
                 "ema_decay": config.ema_decay, "checkpoint_every": config.checkpoint_every,
                 "devices": config.devices, "seed": config.seed, "model": images.model, "backbone": images.backbone,
-                "augmult": images.augmult, "augment_pad": images.augment_pad, "holdout": features.holdout,
+                "augmult": images.augmult, "augment_pad": images.augment_pad, "holdout": config.holdout,
                 "feature_normalization": features.normalization,
                 "feature_mean_noise_multiplier": features.mean_noise_multiplier, "feature_scale": features.scale}
     params = {param.name: param.default for param in cli.commands[command].params}

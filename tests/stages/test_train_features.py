@@ -1,13 +1,12 @@
-"""Last-layer DP training on a feature-cache entry, and a sweep over epsilon reusing it."""
+"""Last-layer DP training on a feature-cache entry (its sweeps: tests/stages/test_sweep.py)."""
 
 import json
-import math
 
 import numpy as np
 import pytest
 
 from dpscale.privacy.plan import PrivacyTarget
-from dpscale.stages import evaluate, sweep, train
+from dpscale.stages import evaluate, train
 from dpscale.training.config import TrainingConfig
 
 
@@ -27,24 +26,6 @@ def test_last_layer_dp_training_learns_and_spends_at_most_the_target(features, t
     assert scores.num_examples == 150 and scores.ema_top1 > 0.8  # chance is 1/3
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert "d" * 64 not in json.dumps(ledger) and ledger["not_covered"] == []
-
-
-def test_sweep_writes_tables_and_plot_and_reuses_finished_runs(features, tmp_path):
-    training = TrainingConfig(mode="features", batch_size=128, steps=4, microbatch_size=64, show_progress=False)
-    config = sweep.SweepConfig(data=features, out_dir=str(tmp_path / "sweep"), training=training, epsilons=(1.0, 4.0),
-                               learning_rates=(4.0,), repeats=2)
-    summary = sweep.run(config).summary
-    by_eps = {s["epsilon"]: s for s in summary}
-    assert set(by_eps) == {1.0, 4.0, math.inf}
-    assert all(s["repeats"] == 2 and s["min_top1"] <= s["median_top1"] <= s["max_top1"] for s in summary)
-    out = tmp_path / "sweep"
-    assert (out / sweep.PLOT).stat().st_size > 1000
-    assert "non-private" in (out / sweep.SUMMARY_MD).read_text()
-    runs = (out / sweep.RUNS_CSV).read_text().splitlines()
-    assert len(runs) == 1 + 2 * 2 + 2  # header, 2 epsilons x 2 repeats, 2 baselines
-    stamp = (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns
-    assert sweep.run(config).summary == summary  # everything reused: same numbers
-    assert (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns == stamp
 
 
 def test_feature_feed_carries_exact_squared_norms_and_zero_padding():

@@ -18,7 +18,7 @@ from dpscale.training.run_directory import RunDirectory
 
 
 def _features_training(epsilon=2.0, **overrides):
-    settings = {k: overrides.pop(k) for k in ("holdout", "normalization", "mean_noise_multiplier", "scale")
+    settings = {k: overrides.pop(k) for k in ("normalization", "mean_noise_multiplier", "scale")
                 if k in overrides}
     base = dict(mode="features", target=PrivacyTarget(epsilon=epsilon), batch_size=128, steps=30,
                 learning_rate=4.0, microbatch_size=64, seed=3, show_progress=False,

@@ -1,0 +1,263 @@
+"""The sweep stage on feature-cache entries: tables, reuse, composition, honest selection, baseline, simulation."""
+
+import csv
+import json
+import math
+import os
+import shutil
+
+import dp_accounting
+import numpy as np
+import pytest
+
+from dpscale.errors import DataError, InvalidConfigError
+from dpscale.privacy.plan import PrivacyTarget
+from dpscale.stages import evaluate, sweep
+from dpscale.training.config import FeatureSettings, TrainingConfig
+from dpscale.training.grid import SIMULATION_FILE, SIMULATION_NOTE
+from dpscale.training.run_directory import RunDirectory
+
+from ..conftest import write_feature_cache, write_synthetic_feature_cache
+
+SIZES = {"train": 600, "test": 150}
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    return write_synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=256,
+                                         data_hash_char="d")
+
+
+def _training(**overrides):
+    base = dict(mode="features", target=PrivacyTarget(epsilon=math.inf, accountant="rdp"), batch_size=128, steps=4,
+                microbatch_size=64, show_progress=False)
+    return TrainingConfig(**(base | overrides))
+
+
+def _config(features, out_dir, **overrides):
+    training = _training(**overrides.pop("training", {}))
+    base = dict(data=features, out_dir=str(out_dir), training=training, epsilons=(2.0,), learning_rates=(4.0,),
+                repeats=1)
+    return sweep.SweepConfig(**(base | overrides))
+
+
+def _files(directory):
+    return sorted(os.path.relpath(os.path.join(root, name), directory)
+                  for root, _, names in os.walk(directory) for name in names)
+
+
+def test_sweep_writes_tables_and_plot_and_reuses_finished_runs(features, tmp_path):
+    config = _config(features, tmp_path / "sweep", epsilons=(1.0, 4.0), repeats=2)
+    result = sweep.run(config)
+    assert {s["epsilon"] for s in result.summary} == {1.0, 4.0}
+    assert all(s["repeats"] == 2 and s["min_top1"] <= s["median_top1"] <= s["max_top1"] for s in result.summary)
+    out = tmp_path / "sweep"
+    assert (out / sweep.PLOT).stat().st_size > 1000
+    summary_md = (out / sweep.SUMMARY_MD).read_text()
+    assert "no setting was chosen" in summary_md and result.chosen == () and "no setting" in result.selection
+    assert len((out / sweep.RUNS_CSV).read_text().splitlines()) == 1 + 2 * 2  # header, 2 epsilons x 2 repeats
+    assert result.covered_by_epsilon and not (out / sweep.BASELINE_DIR).exists()  # no baseline by default
+    stamp = (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns
+    assert sweep.run(config).summary == result.summary  # everything reused: same numbers
+    assert (out / "runs" / "eps1-lr4-r0" / "metrics.json").stat().st_mtime_ns == stamp
+
+
+def test_a_nan_canary_leaves_no_trace_in_the_default_outputs(tmp_path):
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(3, 16)) * 3
+    labels = rng.integers(0, 3, size=600)
+    x = (centers[labels] + rng.normal(size=(600, 16))).astype(np.float32)
+    x[17] = np.nan  # the canary
+    test_labels = rng.integers(0, 3, size=150)
+    entry = write_feature_cache(str(tmp_path / "cache"), {"train": (x, labels), "test": (
+        centers[test_labels] + rng.normal(size=(150, 16)), test_labels)}, chunk_rows=256, data_hash_char="c")
+    out = tmp_path / "sweep"
+    sweep.run(_config(entry, out))
+    assert not (out / sweep.BASELINE_DIR).exists()
+    for name in _files(out):
+        if name.endswith((".png", ".secret")) or "/checkpoints/" in name or "/params/" in name:
+            continue
+        text = (out / name).read_text().lower().replace(str(tmp_path).lower(), "")
+        assert "nan" not in text.replace("nonprivate", ""), name
+        assert "loss" not in text and "batch_sizes" not in text, name
+
+
+def test_the_baseline_is_a_private_diagnostic_kept_apart(features, tmp_path):
+    out = tmp_path / "sweep"
+    result = sweep.run(_config(features, out, baseline=True))
+    baseline = out / sweep.BASELINE_DIR
+    assert os.stat(baseline).st_mode & 0o777 == 0o700
+    assert sorted(os.listdir(baseline / "runs")) == ["nonprivate-lr0.5-r0"]
+    for name in ("summary.NOT-PRIVATE.md", "runs.NOT-PRIVATE.csv", "summary.NOT-PRIVATE.csv"):
+        assert os.stat(baseline / name).st_mode & 0o777 == 0o600
+    assert "NOT private" in (baseline / "summary.NOT-PRIVATE.md").read_text()
+    # The DP tables hold DP runs only; privacy.json lists the baseline as not covered.
+    assert "nonprivate" not in (out / sweep.SUMMARY_MD).read_text() + (out / sweep.RUNS_CSV).read_text()
+    assert all(math.isfinite(s["epsilon"]) for s in result.summary) and result.baseline[0]["private"] is False
+    privacy = json.loads((out / sweep.PRIVACY_JSON).read_text())
+    assert privacy["non_private_runs"] == ["baseline.NOT-PRIVATE/runs/nonprivate-lr0.5-r0"]
+    assert any("baseline" in note for note in privacy["not_covered"]) and privacy["private_runs"] == 1
+    assert any("baseline" in w for w in result.warnings)
+
+
+def test_reuse_is_refused_for_other_settings_and_for_other_data(features, tmp_path):
+    out = tmp_path / "sweep"
+    sweep.run(_config(features, out))
+    before = {name: (out / name).read_bytes() for name in _files(out) if not name.endswith(".png")}
+    with pytest.raises(DataError, match=r"batch-size 128 there, 64 asked.*new OUT_DIR"):
+        sweep.run(_config(features, out, training=dict(batch_size=64)))
+    with pytest.raises(DataError, match=r"clip-norm 1.0 there, 2.0 asked"):
+        sweep.run(_config(features, out, training=dict(clip_norm=2.0)))
+    other = write_synthetic_feature_cache(str(tmp_path / "other"), seed=1, sizes=SIZES, chunk_rows=256,
+                                          data_hash_char="e")
+    with pytest.raises(DataError, match="holds a sweep on other data.*new OUT_DIR"):
+        sweep.run(_config(other, out))
+    assert {name: (out / name).read_bytes() for name in before} == before  # nothing overwritten
+
+
+def test_reuse_is_refused_when_the_data_at_the_same_path_changed(tmp_path):
+    root = str(tmp_path / "cache")
+    entry = write_synthetic_feature_cache(root, seed=0, sizes=SIZES, chunk_rows=256, data_hash_char="d")
+    out = tmp_path / "sweep"
+    sweep.run(_config(entry, out))
+    shutil.rmtree(root)
+    assert write_synthetic_feature_cache(root, seed=5, sizes=SIZES, chunk_rows=256, data_hash_char="d") == entry
+    with pytest.raises(DataError, match="same path, other content"):
+        sweep.run(_config(entry, out))
+    assert entry not in (out / sweep.RECORD).read_text().split('"data_identity"')[1]  # keyed, not the path
+
+
+def test_runs_of_an_older_sweep_without_a_record_are_not_reused(features, tmp_path):
+    out = tmp_path / "sweep"
+    sweep.run(_config(features, out))
+    (out / sweep.RECORD).unlink()
+    with pytest.raises(DataError, match="without a record of their data"):
+        sweep.run(_config(features, out))
+
+
+def test_privacy_json_composes_every_run_of_every_invocation(features, tmp_path):
+    out = tmp_path / "sweep"
+    first = sweep.run(_config(features, out, epsilons=(1.0,)))
+    second = sweep.run(_config(features, out, epsilons=(2.0,), learning_rates=(2.0,)))
+    privacy = json.loads((out / sweep.PRIVACY_JSON).read_text())
+    assert privacy["private_runs"] == second.private_runs == 2
+    assert sorted(r["run_dir"] for r in privacy["runs"]) == ["runs/eps1-lr4-r0", "runs/eps2-lr2-r0"]
+    plans = [RunDirectory.existing(str(out / r["run_dir"])).read_spec().plan for r in privacy["runs"]]
+    event = dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        p.sampling_rate, dp_accounting.GaussianDpEvent(p.noise_multiplier)), p.steps) for p in plans])
+    expected = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+    assert privacy["composed_epsilon"] == pytest.approx(expected, rel=1e-6)
+    assert second.composed_epsilon > max(first.composed_epsilon, 2.0 * 0.99)
+    assert len(second.rows) == 1  # the tables are this grid's; the record is the directory's
+
+
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory):
+    """Held-out rows labelled truly, test rows labelled one class off: the better model scores worse on test."""
+    rng = np.random.default_rng(3)
+    centers = rng.normal(size=(3, 16)) * 3
+    train_labels = rng.integers(0, 3, size=600)
+    test_labels = rng.integers(0, 3, size=150)
+    splits = {"train": (centers[train_labels] + rng.normal(size=(600, 16)), train_labels),
+              "test": (centers[test_labels] + rng.normal(size=(150, 16)), (test_labels + 1) % 3)}
+    return write_feature_cache(str(tmp_path_factory.mktemp("disagree")), splits, chunk_rows=256, data_hash_char="a")
+
+
+def test_settings_are_chosen_on_held_out_rows_and_never_on_the_test_split(disagreeing, tmp_path, monkeypatch):
+    evaluated = []
+    real = evaluate.run
+
+    def spy(config):
+        evaluated.append((config.split, os.path.basename(config.run_dir)))
+        return real(config)
+
+    monkeypatch.setattr(evaluate, "run", spy)
+    # Rows scaled to norm 1e-4 carry no signal past the noise: the bias learns the majority class, which
+    # scores 1/3 on held-out rows and on the shifted test alike; scale 1 learns the true classes.
+    config = _config(disagreeing, tmp_path / "sweep", epsilons=(1.0,), grid=(("feature_scale", (1e-4, 1.0)),),
+                     repeats=2, training=dict(holdout=150, private_diagnostics=True, steps=10,
+                                              features=FeatureSettings(normalization="l2")))
+    result = sweep.run(config)
+    by_scale = {s["feature_scale"]: s for s in result.summary}
+    assert all(s["split"] == "holdout" for s in result.summary)
+    assert by_scale[1.0]["median_top1"] > 0.9 and by_scale[1e-4]["median_top1"] < 0.5
+    (chosen,) = result.chosen
+    assert chosen["feature_scale"] == 1.0 and chosen["chosen_on"] == "holdout"
+    assert chosen["test_median_top1"] < 0.1  # reported as it is
+    # Held-out rows first, for every run; then the test split, for the chosen runs only.
+    first_test = next(i for i, (split, _) in enumerate(evaluated) if split == "test")
+    assert {split for split, _ in evaluated[:first_test]} == {"holdout"} and first_test == 4
+    assert evaluated[first_test:] == [("test", "eps1-lr4-feature-scale1-r0"), ("test", "eps1-lr4-feature-scale1-r1")]
+    # Chosen on the test split, the other setting would have won.
+    other = real(evaluate.EvaluateConfig(run_dir=str(tmp_path / "sweep" / "runs" / "eps1-lr4-feature-scale0.0001-r0")))
+    assert other.ema_top1 > 0.2 > chosen["test_median_top1"]
+    out = tmp_path / "sweep"
+    assert "Chosen on held-out training rows" in (out / "summary.NOT-PRIVATE.md").read_text()
+    assert os.stat(out / "chosen.NOT-PRIVATE.csv").st_mode & 0o777 == 0o600
+    with open(out / "chosen.NOT-PRIVATE.csv") as f:
+        assert float(next(csv.DictReader(f))["feature_scale"]) == 1.0
+    privacy = json.loads((out / sweep.PRIVACY_JSON).read_text())
+    assert "held-out" in privacy["selection"] and any("choice" in n for n in privacy["not_covered"])
+    assert not result.covered_by_epsilon
+
+
+def test_delta_of_at_least_one_over_n_is_warned_everywhere(features, tmp_path):
+    out = tmp_path / "sweep"
+    result = sweep.run(_config(features, out, training=dict(target=PrivacyTarget(epsilon=math.inf, delta=0.01,
+                                                                                  accountant="rdp"))))
+    assert any("1/num_examples" in w for w in result.warnings)
+    assert any("1/num_examples" in w for w in json.loads((out / sweep.PRIVACY_JSON).read_text())["warnings"])
+    assert "Warning: delta = 0.01" in (out / sweep.SUMMARY_MD).read_text()
+    # The command's JSON line carries it too (the run is reused: same data, same settings).
+    from click.testing import CliRunner
+
+    from dpscale.cli import cli
+
+    line = CliRunner().invoke(cli, ["sweep", features, str(out), "--epsilons", "2", "--learning-rates", "4",
+                                    "--repeats", "1", "--batch-size", "128", "--steps", "4", "--microbatch-size", "64",
+                                    "--accountant", "rdp", "--delta", "0.01"])
+    assert line.exit_code == 0, line.output
+    assert any("1/num_examples" in w for w in json.loads(line.stdout)["warnings"])
+
+
+def test_simulated_runs_say_they_are_not_private_at_their_target(features, tmp_path):
+    out = tmp_path / "sweep"
+    result = sweep.run(_config(features, out, simulate_batch=32))
+    (name,) = os.listdir(out / "runs")
+    assert name == "sim-b32-eps2-lr4-r0.NOT-PRIVATE"
+    run = out / "runs" / name
+    marker = json.loads((run / SIMULATION_FILE).read_text())
+    assert os.stat(run / SIMULATION_FILE).st_mode & 0o777 == 0o600 and marker["note"] == SIMULATION_NOTE
+    ledger = json.loads((run / "ledger.json").read_text())
+    assert any(note.startswith(SIMULATION_NOTE) for note in ledger["not_covered"])
+    # Same steps, noise scaled by b/B (calibration never goes below it, within its tolerance).
+    assert marker["target_batch_size"] == 128 and marker["steps"] == ledger["planned_steps"] == 4
+    scaled = marker["target_noise_multiplier"] * 32 / 128
+    assert scaled <= ledger["noise_multiplier"] <= scaled * 1.002
+    # Its epsilon is what its own sigma, q = b/N and T spend: far above the target it simulates.
+    spend = dp_accounting.rdp.RdpAccountant().compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(32 / 600, dp_accounting.GaussianDpEvent(ledger["noise_multiplier"])),
+        4)).get_epsilon(1e-5)
+    assert ledger["epsilon_spent"] == pytest.approx(spend, rel=1e-6) and spend > 2.0
+    privacy = json.loads((out / sweep.PRIVACY_JSON).read_text())
+    assert privacy["runs"][0]["simulated"] and privacy["composed_epsilon"] == pytest.approx(spend, rel=1e-6)
+    assert any(SIMULATION_NOTE in n for n in privacy["not_covered"])
+    assert not result.covered_by_epsilon and any(SIMULATION_NOTE in w for w in result.warnings)
+    assert result.simulation["note"] == SIMULATION_NOTE and result.simulation["runs"][0]["epsilon"] == spend
+    assert not (out / sweep.SUMMARY_MD).exists() and (out / "summary.NOT-PRIVATE.md").exists()
+    with pytest.raises(InvalidConfigError, match="must be below the batch size"):
+        sweep.run(_config(features, tmp_path / "s2", simulate_batch=128))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(grid=(("seed", (1, 2)),)), "not a grid option"),
+    (dict(grid=(("augmentation", (1, 2)),)), "not a training option"),
+    (dict(grid=(("augmult", (1, 4)),)), "does not apply to features mode"),
+    (dict(grid=(("epsilon", (1.0,)),)), "epsilons and learning_rates"),
+    (dict(training=dict(holdout=100)), "private-diagnostics"),
+    (dict(training=dict(steps=None)), "--batch-size and --steps"),
+])
+def test_bad_sweeps_are_refused_before_anything_is_written(features, tmp_path, overrides, match):
+    with pytest.raises(InvalidConfigError, match=match):
+        sweep.run(_config(features, tmp_path / "sweep", **overrides))
+    assert not (tmp_path / "sweep").exists()

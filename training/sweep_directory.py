@@ -1,0 +1,184 @@
+"""A sweep's output directory: which data its runs are of, which runs may be reused, what they released.
+
+    OUT_DIR/sweep.json            the data every run here trained on: its path, mode, split and a keyed
+                                  identity (``data.identity``), so other data is refused, never reported
+    OUT_DIR/runs/NAME/            the private runs (and simulated ones, ``sim-*.NOT-PRIVATE``), of every
+                                  invocation
+    OUT_DIR/baseline.NOT-PRIVATE/ the non-private baseline's runs and tables (mode 0700: private diagnostics)
+    OUT_DIR/privacy.json          the composed (epsilon, delta) of every private run in runs/, ever
+    OUT_DIR/identity.secret       the key of sweep.json's identity (``data.identity.directory_secret``, 0600)
+
+A run directory is reused only when its settings are the ones asked for now; the record of what
+was released only grows: every run that started counts with its whole plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from dpscale.data.identity import directory_secret, keyed_identity
+from dpscale.errors import DataError
+from dpscale.files import write_json_atomic
+from dpscale.privacy.plan import composed_epsilon
+from dpscale.training import release
+from dpscale.training.config import TrainingConfig, options_of
+from dpscale.training.grid import SIMULATION_FILE, SIMULATION_NOTE, GridPoint, Simulation, flag
+from dpscale.training.model import data_hash
+from dpscale.training.run_directory import CONFIG, LEDGER, SEED_FILE, RunDirectory, RunSpec
+
+RECORD = "sweep.json"
+PRIVACY_JSON = "privacy.json"
+RUNS = "runs"
+BASELINE_DIR = f"baseline.{release.NOT_PRIVATE}"
+_NEW_DIR = "use a new OUT_DIR"
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute (as a run stores its data), URLs as given."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def finite(value: float) -> float | str:
+    """A number for JSON: inf as the string ``"inf"`` (strict JSON has no infinity)."""
+    return value if math.isfinite(value) else str(value)
+
+
+def _differences(found: TrainingConfig, asked: TrainingConfig) -> list[str]:
+    old = options_of(found) | {"mode": found.mode, "train_split": found.train_split}
+    new = options_of(asked) | {"mode": asked.mode, "train_split": asked.train_split}
+    return [f"{flag(k)} {old[k]} there, {new[k]} asked" for k in sorted(old) if old[k] != new[k]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepDirectory:
+    path: str
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def run_dir(self, point: GridPoint) -> str:
+        parent = self.file(BASELINE_DIR) if point.kind == "baseline" else self.path
+        return os.path.join(parent, RUNS, point.name)
+
+    def make_baseline_dir(self) -> str:
+        """The baseline's directory, owner-only before its first file."""
+        path = self.file(BASELINE_DIR)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+        return path
+
+    # -- what may be reused ---------------------------------------------------------------------
+
+    def check_data(self, data: str, training: TrainingConfig) -> None:
+        """Runs here are of ``data`` only: recorded on first use, and other data refused afterwards."""
+        os.makedirs(self.path, exist_ok=True)
+        record = {"data": absolute(data), "mode": training.mode, "train_split": training.train_split,
+                  "data_identity": keyed_identity(directory_secret(self.path), data_hash(data, training))}
+        hint = f"{_NEW_DIR} (or give the data and settings of the sweep it holds to continue it)"
+        if os.path.exists(self.file(RECORD)):
+            try:
+                with open(self.file(RECORD)) as f:
+                    found = json.load(f)
+            except (OSError, ValueError) as error:
+                raise DataError(f"{self.file(RECORD)!r} is unreadable ({error}); {hint}") from None
+            for key, what in (("data", "other data"), ("mode", "another mode"), ("train_split", "another split"),
+                              ("data_identity", "other data (at the same path, other content)")):
+                if found.get(key) != record[key]:
+                    shown = "" if key == "data_identity" else f": {found.get(key)}"
+                    raise DataError(f"{self.path!r} holds a sweep on {what}{shown}; its results are not those of "
+                                    f"{data!r}: {hint}")
+            return
+        started = [d for d in (self.file(RUNS), os.path.join(self.file(BASELINE_DIR), RUNS))
+                   if os.path.isdir(d) and os.listdir(d)]
+        if started:
+            raise DataError(f"{self.path!r} holds runs without a record of their data ({RECORD}: made by an older "
+                            f"dpscale): they cannot be checked against {data!r}; {_NEW_DIR}")
+        write_json_atomic(self.file(RECORD), record)
+
+    def check_reusable(self, point: GridPoint, data: str) -> None:
+        """A run already here under ``point``'s name must be ``point``'s run (data and every setting), else refuse."""
+        run = RunDirectory(os.path.abspath(self.run_dir(point)))
+        if not os.path.exists(run.file(CONFIG)):
+            return
+        spec = run.read_spec()
+        asked = RunSpec.new(data, point.training, spec.plan, {})
+        found = dataclasses.replace(spec.training, show_progress=asked.training.show_progress)
+        differ = _differences(found, asked.training)
+        if spec.data != asked.data:
+            differ.insert(0, f"data {spec.data} there, {asked.data} asked")
+        if differ or found != asked.training:
+            raise DataError(f"{run.path!r} holds a run with other settings than this sweep asks for "
+                            f"({'; '.join(differ) or 'settings differ'}): its results are not this sweep's; "
+                            f"{_NEW_DIR} (or repeat the command that made it to continue that sweep)")
+
+    @staticmethod
+    def finished(run: RunDirectory) -> bool:
+        """Trained to the end (parameters saved, secrets gone): nothing left to resume."""
+        return os.path.exists(run.file(CONFIG)) and run.has_params and not os.path.exists(run.file(SEED_FILE))
+
+    @staticmethod
+    def mark_simulation(run: RunDirectory, simulation: Simulation) -> None:
+        """A simulated run says so in its directory (before its first step) and in its ledger; idempotent."""
+        os.makedirs(run.path, exist_ok=True)
+        if not os.path.exists(run.file(SIMULATION_FILE)):
+            write_json_atomic(run.file(SIMULATION_FILE), simulation.as_dict(), private=True)
+        if not os.path.exists(run.file(LEDGER)):
+            return
+        ledger = run.read_ledger()
+        if any(note.startswith(SIMULATION_NOTE) for note in ledger.not_covered):
+            return
+        target, plan = simulation.target, simulation.plan
+        note = (f"{SIMULATION_NOTE}: a TAN simulation of batch {target.batch_size} at noise multiplier "
+                f"{target.noise_multiplier:.4g} (epsilon {target.epsilon():.4g}), run at batch {plan.batch_size} "
+                f"with the noise scaled by {plan.batch_size}/{target.batch_size}; its own epsilon is epsilon_spent")
+        run.write_ledger(dataclasses.replace(ledger, not_covered=(*ledger.not_covered, note)))
+
+    # -- what was released ------------------------------------------------------------------------
+
+    def runs(self) -> list[RunDirectory]:
+        """Every run that started here (a config.json), finished or not: private ones, then the baseline's."""
+        found = []
+        for directory in (self.file(RUNS), os.path.join(self.file(BASELINE_DIR), RUNS)):
+            if os.path.isdir(directory):
+                found += [RunDirectory(os.path.join(os.path.abspath(directory), name))
+                          for name in sorted(os.listdir(directory))
+                          if os.path.isfile(os.path.join(directory, name, CONFIG))]
+        return found
+
+    def privacy_record(self, *, delta: float, accountant: str) -> dict[str, Any]:
+        """The composed (epsilon, delta) of every private run here, ever, and what is not covered.
+
+        Every run that started counts with its whole plan (an unfinished one may have released
+        some of its steps): the record never covers fewer runs than the directory holds.
+        """
+        runs, plans, warnings = [], [], []
+        for run in self.runs():
+            try:
+                plan = run.read_spec().plan
+            except DataError as error:  # a run we cannot account for: no record rather than a short one
+                raise DataError(f"{error}; privacy.json must compose every run in {self.path!r}: repair or remove "
+                                "that run") from None
+            runs.append({"run_dir": os.path.relpath(run.path, os.path.abspath(self.path)), "private": plan.private,
+                         "epsilon": finite(plan.epsilon()), "simulated": os.path.exists(run.file(SIMULATION_FILE))})
+            if plan.private:
+                plans.append(plan)
+                warnings += plan.warnings
+        not_covered = []
+        if any(r["simulated"] for r in runs):
+            not_covered.append(f"the simulated runs (sim-*.{release.NOT_PRIVATE}, with {SIMULATION_FILE}): "
+                               f"{SIMULATION_NOTE}; each spent the epsilon of its row (composed here), not its "
+                               "target's")
+        non_private = [r["run_dir"] for r in runs if not r["private"]]
+        if non_private:
+            not_covered.append(f"the non-private baseline runs ({BASELINE_DIR}/): trained on the same data without "
+                               "any guarantee; the composed guarantee holds only if their results are not released")
+        return {"composed_epsilon": composed_epsilon(plans, delta=delta, accountant=accountant), "delta": delta,
+                "accountant": accountant, "private_runs": len(plans), "runs": runs, "non_private_runs": non_private,
+                "not_covered": not_covered, "warnings": list(dict.fromkeys(warnings))}
+
+    def write_privacy(self, record: dict[str, Any]) -> None:
+        write_json_atomic(self.file(PRIVACY_JSON), record)
