@@ -1,7 +1,7 @@
 """What a DP step costs against a non-private one, through ``dpscale train`` itself (run by hand, alone).
 
     python -m benchmarks.dp_step_cost DATA                  # the four settings below, 2 repeats
-    python -m benchmarks.dp_step_cost DATA --settings cnn-small:256:1 --steps 20
+    python -m benchmarks.dp_step_cost DATA --settings cnn-small:256:1 --steps 40
 
 DATA is an ingested image dataset (e.g. CIFAR-10). For each setting (model, micro-batch,
 augmult K) the benchmark runs ``dpscale train`` at epsilon 8 and at ``--epsilon inf``, one
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("data")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="model:microbatch:K, comma-separated")
     parser.add_argument("--batch-multiple", type=int, default=1, help="expected batch B = this x micro-batch")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30, help="at least 22: the step after an epsilon log is dropped")
     parser.add_argument("--warmup", type=int, default=3, help="first steps dropped (compilation)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None, help="append one JSON line per setting here")
@@ -88,6 +88,9 @@ def main() -> None:
                     rss[kind].append(peak)
             ratios = [dp[t] / nonprivate[t] for dp, nonprivate in zip(times["dp"], times["nonprivate"])
                       for t in dp if t in nonprivate]
+            if len(ratios) < 2:
+                raise SystemExit(f"{setting}: {len(ratios)} usable steps; training logs epsilon every "
+                                 f"ceil(steps / 20) steps and the step after a log is dropped: use --steps 22 or more")
             row = {
                 "setting": setting, "batch": args.batch_multiple * microbatch,
                 "dp_step_s": statistics.median(s for run in times["dp"] for s in run.values()),

@@ -2,7 +2,7 @@
 
 ``privacy/noise.py`` draws each noise value as the sum of ``SUMMANDS`` normals and rounds the
 noisy parameters to a fine grid, instead of one ``jax.random.normal`` draw. This times the
-DP step that ``dpscale train`` runs (the peers benchmark's step: book-keeping clipped sum,
+DP step that ``dpscale train`` runs (the peers benchmark's step: per-layer clipped sum,
 noise once per logical batch, SGD, EMA) both ways::
 
     python -m benchmarks.noise_cost --workload wrn-16-4 --physical 16 --logical 32 --repeats 21
@@ -41,7 +41,7 @@ class _Step:
     def __init__(self, args, noise_fn) -> None:
         import jax
         from dpscale.privacy import dpsgd
-        from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
+        from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
         from dpscale.privacy.plan import PrivacyPlan
 
         from benchmarks.peers_run_jax import _problem
@@ -49,8 +49,8 @@ class _Step:
         dpsgd.add_gaussian_noise = noise_fn
         loss_fn, params, self.batches, linear = _problem(args.workload, args.physical, args.logical // args.physical)
         if linear:
-            raise SystemExit("this benchmark times the image workloads' book-keeping step")
-        clipped = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, self.batches[0][0]))
+            raise SystemExit("this benchmark times the image workloads' per-layer clipped step")
+        clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, self.batches[0][0]))
         plan = PrivacyPlan(num_examples=args.logical, batch_size=args.logical, steps=1, delta=1e-5,
                            noise_multiplier=args.noise_multiplier)
         self.dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, learning_rate=0.1, clipped_sum_fn=clipped)

@@ -1,4 +1,4 @@
-"""dpscale vs Opacus vs jax-privacy: the same DP-SGD step, side by side (issue 7; run by hand).
+"""dpscale vs Opacus vs jax-privacy: the same DP-SGD step, side by side (run by hand, alone).
 
     python -m benchmarks.peers --quick     # a few minutes: CNN + linear 2^14, calibration
     python -m benchmarks.peers             # CNN, WRN-16-4, linear 2^16 and 2^18, calibration
@@ -25,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "peers.md"
 NOISE = 1.0
-# workload -> (physical, logical, repeats); quick uses smaller batches and fewer repeats.
-FULL = {"cnn-small": (64, 128, 3), "wrn-16-4": (16, 32, 2),
+# workload -> (physical, logical, repeats); quick uses smaller batches and fewer repeats. The conv
+# models' physical batches are benchmarks.dp_step_cost's micro-batches (256 and 64).
+FULL = {"cnn-small": (256, 512, 3), "wrn-16-4": (64, 128, 2),
         "linear-2^16": (2**16, 2**16, 3), "linear-2^18": (2**18, 2**18, 3)}
 # Quick keeps the linear batch at 2^14: jax-privacy's vmap(grad) needs 3.4 GB and minutes at 2^16.
 QUICK = {"cnn-small": (32, 64, 2), "linear-2^14": (2**14, 2**14, 3)}

@@ -6,10 +6,10 @@ Run by ``benchmarks/peers.py``, e.g.::
         --physical 64 --logical 128 --noise-multiplier 1.0
 
 * ``dpscale`` -- what ``dpscale train`` runs: ``DpsgdStep.update`` over the micro-batches
-  of one logical batch with the book-keeping clipped sum of ``privacy/bookkeeping.py`` on
-  the conv models (one batched forward and backward, per-example gradients from each
-  layer's input and output gradient), the closed form of ``privacy/linear.py`` on the
-  linear ones; norms, one weighted contraction, noise once, SGD, EMA.
+  of one logical batch with the per-layer clipped sum of ``privacy/ghost.py`` on the conv
+  models (one batched forward and backward; each layer's per-example norm from ghost norms
+  or book-keeping per-example gradients, whichever is cheaper; one weighted backward), the
+  closed form of ``privacy/linear.py`` on the linear ones; norms, noise once, SGD, EMA.
 * ``dpscale-vmap`` -- the same step with the generic ``vmap(grad)`` clipped sum (what
   training falls back to for models book-keeping does not cover); image workloads only.
 * ``dpscale-nonprivate`` -- the same ``DpsgdStep`` with ``make_unclipped_sum_fn`` (one
@@ -64,7 +64,7 @@ def _problem(workload: str, physical: int, micro: int):
 def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     import jax
 
-    from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
+    from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
     from dpscale.privacy.linear import softmax_regression_clipped_sum
     from dpscale.privacy.plan import PrivacyPlan
 
@@ -81,7 +81,7 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     elif private and linear:
         clipped = softmax_regression_clipped_sum(clip_norm=1.0)
     elif private:
-        clipped = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]))
+        clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]))
     else:
         clipped = None  # a non-private plan sums plain gradients
     # The step as `dpscale train` builds it, from a plan (q = 1: only the step's shape matters here).
