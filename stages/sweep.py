@@ -27,10 +27,10 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import os
 import statistics
 from typing import Any
 
+from dpscale import files
 from dpscale.errors import InvalidConfigError
 from dpscale.files import open_for_writing, write_json_atomic
 from dpscale.privacy.plan import composed_epsilon
@@ -142,11 +142,11 @@ def _run_name(point: dict[str, Any]) -> str:
 
 
 def _one(config: SweepConfig, point: dict[str, Any]) -> dict[str, Any]:
-    run_dir = os.path.join(config.out_dir, "runs", _run_name(point))
-    existing = RunDirectory(os.path.abspath(run_dir))
+    run_dir = files.join(config.out_dir, "runs", _run_name(point))
+    existing = RunDirectory(files.absolute(run_dir))
     diagnostic = config.scores_private_rows and math.isfinite(point["epsilon"])
     if existing.read_scores(config.eval_split, diagnostic=diagnostic) is None:
-        if os.path.exists(existing.file(CONFIG)):
+        if files.exists(existing.file(CONFIG)):
             train.run(train.ResumeConfig(run_dir, show_progress=config.training.show_progress))
         else:
             base = config.training
@@ -182,7 +182,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _open(out_dir: str, name: str, *, diagnostic: bool, newline: str | None = None) -> Any:
     """A table file of the sweep; private diagnostics get their name and mode 0600."""
-    path = os.path.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
+    path = files.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
     return open_for_writing(path, private=diagnostic, newline=newline)
 
 
@@ -241,17 +241,17 @@ def _plot(out_dir: str, summary: list[dict[str, Any]], *, split: str, diagnostic
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(out_dir, release.diagnostic_name(PLOT) if diagnostic else PLOT)
+    path = files.join(out_dir, release.diagnostic_name(PLOT) if diagnostic else PLOT)
     with open_for_writing(path, private=diagnostic, binary=True) as f:  # 0600 before any pixel
         fig.savefig(f, format="png")
     plt.close(fig)
 
 
 def run(config: SweepConfig) -> SweepResult:
-    os.makedirs(config.out_dir, exist_ok=True)
+    files.makedirs(config.out_dir)
     rows = [_one(config, point) for point in _grid(config)]
     summary = summarize(rows)
-    plans = [RunDirectory(os.path.abspath(r["run_dir"])).read_spec().plan for r in rows]
+    plans = [RunDirectory(files.absolute(r["run_dir"])).read_spec().plan for r in rows]
     dp_plans = [plan for plan in plans if plan.private]
     delta = config.training.target.delta
     privacy = {
@@ -262,7 +262,7 @@ def run(config: SweepConfig) -> SweepResult:
         "scores_private_rows": config.scores_private_rows,
     }
     privacy["note"] = _privacy_note(privacy)
-    write_json_atomic(os.path.join(config.out_dir, PRIVACY_JSON), privacy)
+    write_json_atomic(files.join(config.out_dir, PRIVACY_JSON), privacy)
     diagnostic = config.scores_private_rows
     _write_tables(config.out_dir, rows, summary, privacy, diagnostic=diagnostic)
     _plot(config.out_dir, summary, split=config.eval_split, diagnostic=diagnostic)
