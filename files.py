@@ -25,7 +25,7 @@ import stat
 from collections.abc import Callable
 from typing import IO, Any
 
-from dpscale.errors import InvalidConfigError
+from dpscale.errors import DpscaleError, InvalidConfigError
 
 PRIVATE_MODE = 0o600
 _PUBLIC_MODE = 0o644  # before the umask
@@ -124,6 +124,12 @@ def write_json_atomic(path: str, payload: Any, *, private: bool = False) -> None
 # give. Who may read an object is the bucket's access control, not a file mode.
 
 CLOUD_EXTRA = 'pip install "dpscale[gcp]"'
+
+
+class MissingExtraError(DpscaleError):
+    """A URL whose file system is not installed (neither an ``OSError`` nor a ``ValueError``: callers
+    that turn those into "not a dataset" must not hide what to install)."""
+
 _registered: set[str] = set()
 
 
@@ -146,9 +152,9 @@ def filesystem(url: str) -> Any:
     try:
         import fsspec
 
-        if protocol in ("gs", "gcs") and protocol not in _registered:
+        if protocol in ("gs", "gcs"):
             import gcsfs.core
-
+        if protocol in ("gs", "gcs") and protocol not in _registered:
             for name in ("gs", "gcs"):
                 fsspec.register_implementation(name, gcsfs.core.GCSFileSystem, clobber=True)
                 fsspec.config.conf.setdefault(name, {}).setdefault("use_listings_cache", False)
@@ -156,9 +162,9 @@ def filesystem(url: str) -> Any:
         return fsspec.filesystem(protocol)
     except ImportError:
         if protocol in ("gs", "gcs"):
-            raise InvalidConfigError(f"{url!r} is on Cloud Storage, which needs dpscale's gcp extra: "
+            raise MissingExtraError(f"{url!r} is on Cloud Storage, which needs dpscale's gcp extra: "
                                      f"{CLOUD_EXTRA}") from None
-        raise InvalidConfigError(f"{url!r}: no file system for {protocol}:// is installed "
+        raise MissingExtraError(f"{url!r}: no file system for {protocol}:// is installed "
                                  f"(dpscale reads URLs through fsspec; for gs:// {CLOUD_EXTRA})") from None
     except ValueError as exc:  # fsspec: "Protocol not known"
         raise InvalidConfigError(f"{url!r}: {exc}") from None
