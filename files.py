@@ -270,8 +270,9 @@ def rmtree(path: str) -> None:
 
 def replace(src: str, dst: str) -> None:
     """Move ``src`` over ``dst``: ``os.replace`` locally; on an object store a copy, then a delete."""
-    if is_url(dst):
-        filesystem(dst).mv(src, dst)
+    if is_url(dst):  # copy + delete: GCS's moveTo is not served by every GCS API server
+        filesystem(dst).copy(src, dst)
+        filesystem(src).rm_file(src)
     else:
         os.replace(src, dst)
 

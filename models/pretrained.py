@@ -189,9 +189,7 @@ def save_pretrained(
     checkpointer.save(_absolute(path / CHECKPOINT_DIR), variables, force=True)
     checkpointer.wait_until_finished()
     checkpointer.close()
-    tmp = path / (METADATA_FILE + ".tmp")
-    tmp.write_text(metadata.to_json())
-    tmp.rename(meta_path)
+    files.write_atomic(os.fspath(meta_path), lambda f: f.write(metadata.to_json()))
     return metadata
 
 
