@@ -18,6 +18,7 @@ import os
 import pathlib
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -100,11 +101,22 @@ def cli_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def dask_scheduler():
-    """The address of a local dask cluster: a scheduler and two single-threaded worker processes."""
-    from dask.distributed import LocalCluster
+    """The address of a local dask cluster: a scheduler and two single-threaded worker processes.
 
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None, worker_dashboard_address=None)
+    ``python -m pytest`` puts the working directory (the repository root, which is the dpscale
+    package) first on ``sys.path``, where dpscale's ``distributed.py`` would shadow dask's
+    ``distributed`` package, here and in the worker processes (they start with this path).
+    """
+    root = pathlib.Path(__file__).resolve().parents[2]
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != root]
+    try:
+        from dask.distributed import LocalCluster
+
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address=":0", worker_dashboard_address=None)
+    finally:
+        sys.path[:] = saved
     try:
         yield cluster.scheduler_address
     finally:
