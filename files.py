@@ -130,6 +130,7 @@ class MissingExtraError(DpscaleError):
     """A URL whose file system is not installed (neither an ``OSError`` nor a ``ValueError``: callers
     that turn those into "not a dataset" must not hide what to install)."""
 
+
 _registered: set[str] = set()
 
 
