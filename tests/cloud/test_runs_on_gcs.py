@@ -130,3 +130,24 @@ def test_kill_9_of_a_run_on_gcs_then_resume_gives_the_uninterrupted_result(gs_di
     for key in ("params", "ema_params"):
         for a, b in zip(jax.tree_util.tree_leaves(got[key]), jax.tree_util.tree_leaves(want[key])):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_a_sweep_on_gcs_writes_its_runs_and_tables_in_the_bucket_and_reuses_them(gs_dir, synthetic_feature_cache):
+    data = synthetic_feature_cache(f"{gs_dir}/cache", seed=5, sizes={"train": 200, "test": 50}, chunk_rows=64,
+                                   data_hash_char="d")
+    out = f"{gs_dir}/sweep"
+    args = ["sweep", data, out, "--epsilons", "2", "--learning-rates", "1", "--repeats", "1", "--steps", "3",
+            "--batch-size", "32"]
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0, first.output
+    stored = set(files.find(out))
+    for name in ("privacy.json", "runs.csv", "summary.csv", "summary.md", "accuracy_vs_epsilon.png"):
+        assert name in stored, (name, sorted(stored))
+    runs = {p.split("/")[1] for p in stored if p.startswith("runs/")}
+    assert len(runs) == 2  # epsilon 2 and its non-private baseline
+    assert all(f"runs/{r}/metrics.json" in stored for r in runs)
+    stamps = {r: files.filesystem(out).info(f"{out}/runs/{r}/metrics.json")["generation"] for r in runs}
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code == 0, again.output
+    assert files.read_text(f"{out}/summary.csv") and stamps == {
+        r: files.filesystem(out).info(f"{out}/runs/{r}/metrics.json")["generation"] for r in runs}  # reused
