@@ -14,13 +14,13 @@ A lower bound above the nominal epsilon is a bug in the DP code (or the audit).
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
+from dpscale import files
 from dpscale.audit import bounds as audit_bounds
 from dpscale.audit.canaries import Data
 from dpscale.progress import Bar
@@ -184,8 +184,8 @@ def markdown_table(rows: tuple[dict, ...] | list[dict]) -> str:
 
 def write_reports(payload: dict[str, Any], rows: list[dict], out_dir: str) -> None:
     """``audit.json`` (everything) and ``audit.md`` (the table) in ``out_dir``."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "audit.json"), "w") as f:
+    files.makedirs(out_dir)
+    with files.open(files.join(out_dir, "audit.json"), "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True)
-    with open(os.path.join(out_dir, "audit.md"), "w") as f:
+    with files.open(files.join(out_dir, "audit.md"), "w") as f:
         f.write(markdown_table(rows))

@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 import zarr
-from apache_beam.io.filesystems import FileSystems
 
+from dpscale import files
 from dpscale.cache import integrity
 from dpscale.cache.keys import FEATURE_FORMAT_VERSION, FeatureKey
 from dpscale.errors import DataError
@@ -73,7 +73,22 @@ def default_cache_dir() -> str:
 
 
 def _join(*parts: str) -> str:
-    return FileSystems.join(*parts)
+    return files.join(*parts)
+
+
+def _zarr_store(path: str, *, read_only: bool = False) -> Any:
+    """What zarr opens: a local path as is; a URL through ``dpscale.files``'s file system.
+
+    zarr would build its own asynchronous client per call for a URL, whose sessions end in
+    errors on stderr at exit; the synchronous one, wrapped, is shared and closes cleanly.
+    """
+    if not files.is_url(path):
+        return path
+    from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+    from zarr.storage import FsspecStore
+
+    fs = AsyncFileSystemWrapper(files.filesystem(path), asynchronous=True)
+    return FsspecStore(fs, path=path.split("://", 1)[1], read_only=read_only)
 
 
 def entry_path(cache_dir: str, key: FeatureKey) -> str:
@@ -82,15 +97,12 @@ def entry_path(cache_dir: str, key: FeatureKey) -> str:
 
 def _write_text(path: str, text: str) -> None:
     """Write-then-rename, so a reader never sees half a file (local); GCS writes are atomic."""
-    tmp = path + ".tmp"
-    with FileSystems.create(tmp) as f:
-        f.write(text.encode("utf-8"))
-    FileSystems.rename([tmp], [path])
+    files.makedirs(os.path.dirname(path))
+    files.write_atomic(path, lambda f: f.write(text.encode("utf-8")), binary=True)
 
 
 def _read_text(path: str) -> str:
-    with FileSystems.open(path) as f:
-        return f.read().decode("utf-8")
+    return files.read_text(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +168,7 @@ class EntryLayout:
         """The featurize command that finishes or repairs the entry at ``path`` (same key, same chunks)."""
         key = self.key
         cache_dir = os.path.dirname(path.rstrip("/")) or "."
-        cache_dir = cache_dir if "://" in cache_dir else os.path.abspath(cache_dir)  # works from any directory
+        cache_dir = files.absolute(cache_dir)  # works from any directory
         parts = ["dpscale featurize", self.source or "DATA", "--backbone", self.backbone or "BACKBONE",
                  "--cache-dir", cache_dir, "--resolution", str(key.resolution)]
         if key.resize_method != "bilinear":
@@ -188,7 +200,7 @@ def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
 def _arrays_open(path: str, layout: EntryLayout) -> bool:
     """Whether every array of the entry opens (its chunks may still be missing or damaged)."""
     try:
-        group = zarr.open_group(store=_join(path, DATA), mode="r")
+        group = zarr.open_group(store=_zarr_store(_join(path, DATA), read_only=True), mode="r")
         return all(f"{s}/{name}" in group for s in layout.splits for name in integrity.ARRAYS)
     except Exception:  # noqa: BLE001 - unreadable metadata: the entry is rebuilt
         return False
@@ -218,11 +230,9 @@ class FeatureStore:
         store = cls(path, layout)
         if existing == layout and _arrays_open(path, layout):
             return store
-        if FileSystems.exists(path):
-            FileSystems.delete([path])
-        if "://" not in path:
-            os.makedirs(path, exist_ok=True)
-        group = zarr.open_group(store=_join(path, DATA), mode="w")
+        files.rmtree(path)
+        files.makedirs(path)
+        group = zarr.open_group(store=_zarr_store(_join(path, DATA)), mode="w")
         for split, rows in sorted(layout.splits.items()):
             n, c = rows.num_examples, rows.chunk_rows
             sub = group.create_group(split)
@@ -245,7 +255,7 @@ class FeatureStore:
     def open(cls, cache_dir: str, key: FeatureKey, *, verify: bool = False) -> FeatureSplitSet:
         """Read the complete entry for ``key``; ``DataError`` if absent, partial, stale or damaged."""
         path = entry_path(cache_dir, key)
-        if not FileSystems.exists(_join(path, METADATA)):
+        if not files.exists(_join(path, METADATA)):
             raise DataError(f"no features for key {key.digest[:16]}... in {cache_dir!r}: "
                             "run dpscale featurize first")
         return open_features(path, expected_key=key, verify=verify)
@@ -263,8 +273,8 @@ class FeatureStore:
         done = set()
         for split, rows in self.layout.splits.items():
             pattern = _join(self.path, MARKERS, split, "*.done")
-            for match in FileSystems.match([pattern])[0].metadata_list:
-                stem = os.path.basename(match.path)[: -len(".done")]
+            for match in files.glob(pattern):
+                stem = match.rstrip("/").rsplit("/", 1)[-1][: -len(".done")]
                 if stem.isdigit() and int(stem) < rows.num_chunks:
                     done.add((split, int(stem)))
         return done
@@ -285,15 +295,16 @@ class FeatureStore:
         """
         done = self.done_chunks()
         try:
-            group = zarr.open_group(store=_join(self.path, DATA), mode="r")
+            group = zarr.open_group(store=_zarr_store(_join(self.path, DATA), read_only=True), mode="r")
             damage = integrity.unreadable_chunks(_join(self.path, DATA), group, self.layout.splits, chunks=done)
         except Exception:  # noqa: BLE001 - unreadable arrays: nothing marked can be trusted
             damage = [integrity.ChunkDamage(s, "features", c, self.layout.splits[s].rows(c), "unreadable")
                       for s, c in done]
         bad = sorted({(d.split, d.chunk) for d in damage})
         if bad:
-            FileSystems.delete([p for p in [_join(self.path, COMPLETE)] if FileSystems.exists(p)])
-            FileSystems.delete([self._marker(s, c) for s, c in bad])
+            for path in [_join(self.path, COMPLETE)] + [self._marker(s, c) for s, c in bad]:
+                if files.exists(path):
+                    files.remove(path)
         return damage
 
     def is_complete(self) -> bool:
@@ -306,7 +317,7 @@ class FeatureStore:
     def _array(self, split: str, name: str) -> Any:
         if (split, name) not in self._arrays:
             self._arrays[split, name] = zarr.open_array(
-                store=_join(self.path, DATA), path=f"{split}/{name}", mode="r+", config=integrity.WRITE_CONFIG)
+                store=_zarr_store(_join(self.path, DATA)), path=f"{split}/{name}", mode="r+", config=integrity.WRITE_CONFIG)
         return self._arrays[split, name]
 
     def write_chunk(self, split: str, chunk: int, features: np.ndarray, labels: np.ndarray,
@@ -347,7 +358,7 @@ class FeatureSplitSet:
         self.repair = layout.repair_command(path)
         self._data = _join(path, DATA)
         try:
-            self._group = zarr.open_group(store=self._data, mode="r")
+            self._group = zarr.open_group(store=_zarr_store(self._data, read_only=True), mode="r")
             shapes = {s: {name: self._group[f"{s}/{name}"].shape for name in integrity.ARRAYS} for s in layout.splits}
         except Exception as exc:  # noqa: BLE001 - missing or unreadable array metadata
             raise DataError(f"feature cache {path!r} is damaged: its arrays cannot be opened "

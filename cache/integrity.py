@@ -19,8 +19,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from apache_beam.io.filesystems import FileSystems
-
+from dpscale import files
 from dpscale.errors import DataError
 
 ARRAYS = ("features", "labels", "ids")
@@ -57,7 +56,7 @@ def _chunk_key(array: Any, chunk: int) -> str:
 
 
 def _present(data_path: str, split: str, name: str, array: Any, chunk: int) -> bool:
-    return FileSystems.exists(FileSystems.join(data_path, split, name, _chunk_key(array, chunk)))
+    return files.exists(files.join(data_path, split, name, _chunk_key(array, chunk)))
 
 
 def missing_chunks(data_path: str, group: Any, splits: Mapping[str, Any]) -> list[ChunkDamage]:

@@ -34,11 +34,13 @@ def seed_secret(seed: int) -> bytes:
 def directory_secret(directory: str) -> bytes:
     """The secret of ``directory`` (a feature cache), created on first use with mode 0600.
 
-    A cache on a remote file system (``gs://...``) keeps its secret on this machine instead,
-    under ``~/.cache/dpscale``: the secret is only needed where the cache key is computed.
+    A cache on a remote file system (``gs://...``) keeps its secret on this machine instead (the
+    secret is only needed where the cache key is computed), one per cache: under
+    ``~/.cache/dpscale/remote/``, named by a hash of the cache's URL.
     """
     if "://" in directory:
-        directory = os.path.join(os.path.expanduser("~"), ".cache", "dpscale")
+        url = hashlib.sha256(directory.rstrip("/").encode("utf-8")).hexdigest()[:32]
+        directory = os.path.join(os.path.expanduser("~"), ".cache", "dpscale", "remote", url)
     path = os.path.join(directory, SECRET_FILE)
     os.makedirs(directory, exist_ok=True)
     if not os.path.exists(path):  # write aside, then link: two processes never see half a secret

@@ -11,9 +11,9 @@ An ingested dataset directory holds::
                     content hash, splits with their shards, counts of inputs and rejections
     report.json     every input that did not become an example: split, key, reason, detail
 
-Outputs go through Beam's ``FileSystems`` so an output directory may be a local path or
-any URL Beam can write (``gs://...`` with the GCP extras). ArrayRecord's writer needs a
-local file, so remote shards are written to a temporary file and then copied.
+Outputs go through ``dpscale.files``, so an output directory may be a local path or a URL
+(``gs://...`` with the ``gcp`` extra). ArrayRecord's writer needs a local file, so remote
+shards are written to a temporary file and then uploaded.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from apache_beam.io.filesystems import FileSystems
-
+from dpscale import files
 from dpscale.data.examples import Encoded, Rejection, check_shape, combine_hashes, element_hash
 from dpscale.data.manifest import ClassFilter, Manifest, ShardEntry, SplitEntry
 from dpscale.errors import DataError
@@ -43,11 +42,11 @@ def shard_name(split: str, shard: int, num_shards: int) -> str:
 
 
 def join(directory: str, name: str) -> str:
-    return FileSystems.join(directory, name)
+    return files.join(directory, name)
 
 
 def is_local(path: str) -> bool:
-    return "://" not in path
+    return not files.is_url(path)
 
 
 def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
@@ -79,8 +78,7 @@ def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
     if is_local(output_dir):
         os.replace(tmp, target)
     else:
-        with open(tmp, "rb") as src, FileSystems.create(target) as dst:
-            shutil.copyfileobj(src, dst)
+        files.upload(tmp, target)
         shutil.rmtree(local_dir, ignore_errors=True)
     summary = {"split": split, "shard": shard, "file": name, "num_examples": len(kept),
                "class_counts": counts, "hash": combine_hashes(terms)}
@@ -120,10 +118,10 @@ def _unrelated_files(output_dir: str, patterns: Sequence[str]) -> list[str]:
     """Names in a local ``output_dir`` that no output of this command matches (shards, manifest, reports, temps)."""
     import fnmatch
 
-    if not is_local(output_dir) or not os.path.isdir(output_dir):
+    if not files.isdir(output_dir):
         return []
     ours = (*patterns, ".*.tmp")
-    return sorted(name for name in os.listdir(output_dir) if not any(fnmatch.fnmatch(name, p) for p in ours))
+    return sorted(name for name in files.listdir(output_dir) if not any(fnmatch.fnmatch(name, p) for p in ours))
 
 
 def check_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> list[str]:
@@ -141,9 +139,7 @@ def check_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str]
         shown = ", ".join(unrelated[:3]) + (f" and {len(unrelated) - 3} more" if len(unrelated) > 3 else "")
         raise DataError(f"output {output_dir!r} holds files that are not an output of this command ({shown}): "
                         "give a new or empty directory")
-    existing = [m.path for pattern in patterns
-                for r in FileSystems.match([join(output_dir, pattern)])
-                for m in r.metadata_list]
+    existing = [path for pattern in patterns for path in files.glob(join(output_dir, pattern))]
     if existing and not overwrite:
         raise DataError(f"output {output_dir!r} already holds a dataset or the remains of a "
                         "failed run (use --overwrite to replace it)")
@@ -153,21 +149,18 @@ def check_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str]
 def prepare_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> None:
     """Refuse to mix runs in one directory (``check_output``); with ``overwrite`` clear the old outputs first."""
     existing = check_output(output_dir, overwrite=overwrite, extra_files=extra_files)
-    if existing:
-        FileSystems.delete(existing)
-    if is_local(output_dir):
-        os.makedirs(output_dir, exist_ok=True)
+    for path in existing:
+        files.remove(path)
+    files.makedirs(output_dir)
 
 
 def write_json(path: str, payload: Any) -> None:
     data = (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode()
-    with FileSystems.create(path) as f:
-        f.write(data)
+    files.write_atomic(path, lambda f: f.write(data), binary=True)
 
 
 def read_json(path: str) -> Any:
-    with FileSystems.open(path) as f:
-        return json.loads(f.read().decode())
+    return json.loads(files.read_text(path))
 
 
 def read_manifest(directory: str) -> Manifest:

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from apache_beam.io.filesystems import FileSystems
 
+from dpscale import files
 from dpscale.dedup import descriptor, knn, refine, verify
 from dpscale.data.shards import join as path_join
 
@@ -97,14 +97,14 @@ def embed_task(task: ReadTask, dataset: Any, work_dir: str) -> int:
         d = descriptor.describe(images)[None]
     buf = io.BytesIO()
     np.save(buf, d.astype(np.float32))
-    with FileSystems.create(path_join(work_dir, task.name)) as f:
-        f.write(buf.getvalue())
+    # whole or not at all (a rerun of the task may race a reader); owner-only: private images' descriptors
+    files.write_atomic(path_join(work_dir, task.name), lambda f: f.write(buf.getvalue()), binary=True,
+                       private=True)
     return len(images)
 
 
 def _load(task: ReadTask, work_dir: str) -> np.ndarray:
-    with FileSystems.open(path_join(work_dir, task.name)) as f:
-        d = np.load(io.BytesIO(f.read()))
+    d = np.load(io.BytesIO(files.read_bytes(path_join(work_dir, task.name))))
     if d.shape[1] != task.stop - task.start:  # a partial file would silently drop images
         raise RuntimeError(f"descriptor file {task.name} holds {d.shape[1]} rows, expected "
                            f"{task.stop - task.start}")

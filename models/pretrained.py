@@ -31,6 +31,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
+from dpscale import files
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import efficientnet_lite
 
@@ -131,8 +132,15 @@ def default_weights_dir(name: str) -> pathlib.Path:
 
 def is_complete(directory: str | os.PathLike[str]) -> bool:
     """True if a backbone was fully written there (the JSON is written last)."""
-    path = epath.Path(directory)
+    path = _path(directory)
     return (path / METADATA_FILE).exists() and (path / CHECKPOINT_DIR).exists()
+
+
+def _path(directory: str | os.PathLike[str]) -> epath.Path:
+    """``directory`` as an ``epath.Path``; a URL is checked first (one line if the gcp extra is missing)."""
+    if files.is_url(directory):
+        files.filesystem(os.fspath(directory))  # also makes orbax's gs:// paths use dpscale's GCS client
+    return epath.Path(directory)
 
 
 def _absolute(path: epath.Path) -> epath.Path:
@@ -163,7 +171,7 @@ def save_pretrained(
     """Write ``variables`` as an orbax checkpoint and, last, the metadata JSON."""
     import orbax.checkpoint as ocp
 
-    path = epath.Path(directory)
+    path = _path(directory)
     path.mkdir(parents=True, exist_ok=True)
     meta_path = path / METADATA_FILE
     if meta_path.exists():
@@ -181,14 +189,12 @@ def save_pretrained(
     checkpointer.save(_absolute(path / CHECKPOINT_DIR), variables, force=True)
     checkpointer.wait_until_finished()
     checkpointer.close()
-    tmp = path / (METADATA_FILE + ".tmp")
-    tmp.write_text(metadata.to_json())
-    tmp.rename(meta_path)
+    files.write_atomic(os.fspath(meta_path), lambda f: f.write(metadata.to_json()))
     return metadata
 
 
 def read_metadata(directory: str | os.PathLike[str]) -> BackboneMetadata:
-    path = epath.Path(directory) / METADATA_FILE
+    path = _path(directory) / METADATA_FILE
     if not path.exists():
         raise DataError(f"no {METADATA_FILE} in {directory}: not a dpscale backbone (or an unfinished import)")
     return BackboneMetadata.from_json(path.read_text())
@@ -202,20 +208,20 @@ def resolve_backbone(path_or_name: str | os.PathLike[str]) -> epath.Path:
     weights to import, and the directory gives it the metadata and sha256 that key the cache.
     """
     text = os.fspath(path_or_name)
-    if epath.Path(text).exists():
-        return epath.Path(text)
+    if _path(text).exists():
+        return _path(text)
     if text in efficientnet_lite.VARIANTS:
         directory = default_weights_dir(text)
         if not is_complete(directory):
             raise DataError(f"no imported weights for {text} in {directory}; run: dpscale import-weights {text}")
-        return epath.Path(directory)
+        return _path(directory)
     spec = _parameter_free_spec(text)
     if spec is not None:
         directory = default_weights_dir(spec.name)
         if not is_complete(directory):
             _write_parameter_free_backbone(spec, directory)
-        return epath.Path(directory)
-    return epath.Path(text)
+        return _path(directory)
+    return _path(text)
 
 
 def _parameter_free_spec(name: str) -> Any:

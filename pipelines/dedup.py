@@ -8,7 +8,10 @@
       -> closest accepted private per public
       -> CoGroupByKey with the public shards -> filtered shards -> report + manifest
 
-Only wiring lives here; the per-element work is in ``dedup.join`` and ``dedup.output``.
+Only wiring lives here; the per-element work is in ``dedup.join`` and ``dedup.output``. The
+graph uses neither tagged outputs nor side inputs, so every Beam runner runs it alike
+(``pipelines.portable``): the neighbour search waits for the descriptors through a keyed join,
+and the report gathers its inputs on one key.
 Descriptors travel through files in the run's work directory, not through Beam's data
 plane, so what Beam shuffles is tasks and at most k * max_pages candidates per private image.
 Matches are grouped by public shard, so each shard writer sees only its own removals.
@@ -26,6 +29,7 @@ import apache_beam as beam
 
 from dpscale.dedup import join, output, pages, planning
 from dpscale.dedup.method import Method
+from dpscale.pipelines import portable
 from dpscale.pipelines.ingest import SMALL_DATA
 from dpscale.pipelines.progress import mark
 
@@ -114,8 +118,9 @@ def _knn(pair: tuple[join.ReadTask, tuple[join.ReadTask, ...]], *, settings: Gra
 class _Verify(_WithDatasets):
     """One block of private images: verify its candidates page by page, then mark its images.
 
-    Side outputs count what the completeness check and the report need: candidates verified,
-    candidates left unverified (uncrowded pages) and private images expanded.
+    Yields ``(tag, value)``: accepted matches keyed by public image, near misses, and the counts
+    the completeness check and the report need: candidates verified, candidates left unverified
+    (uncrowded pages) and private images expanded.
     """
 
     def process(self, group: tuple[tuple[str, int], dict[str, list[Any]]]):
@@ -138,12 +143,12 @@ class _Verify(_WithDatasets):
             crowded_fraction=method.crowded_fraction)
         for m in matches:
             if m.accepted:
-                yield (m.candidate.public_split, m.candidate.public_index), m
+                yield "accepted", ((m.candidate.public_split, m.candidate.public_index), m)
             elif m.fine_distance <= method.threshold * method.near_factor:
-                yield beam.pvalue.TaggedOutput("near", m)
-        yield beam.pvalue.TaggedOutput("verified", len(matches))
-        yield beam.pvalue.TaggedOutput("skipped", skipped)
-        yield beam.pvalue.TaggedOutput("expanded", expanded)
+                yield "near", m
+        yield "verified", len(matches)
+        yield "skipped", skipped
+        yield "expanded", expanded
         # planned (k per image), never the expanded count: that is computed from private data
         mark(s.progress_dir, method.k * images[0])
 
@@ -158,8 +163,25 @@ def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
         settings.shard_ranges[(split, shard)], parts["matches"],
         num_classes=settings.num_classes, shape=settings.image_shape)
     for r in removed:
-        yield beam.pvalue.TaggedOutput("removed", r)
-    yield summary
+        yield "removed", r
+    yield "summaries", summary
+
+
+def _ready_task(group: tuple[int, dict[str, list[Any]]]):
+    """A neighbour task, once every descriptor file is written (its group holds the signal)."""
+    _, parts = group
+    if parts["task"] and not parts["described"]:  # the join is the barrier: it cannot be missing
+        raise RuntimeError("a neighbour task ran before the descriptors were written")
+    yield from parts["task"]
+
+
+def _write_report(parts: dict[str, list[Any]], **kwargs: Any) -> Any:
+    """``output.write_outputs`` from the gathered lists (absent counts are zero)."""
+    return output.write_outputs(
+        None, summaries=parts["summaries"], removed=parts["removed"], matches=parts["matches"],
+        matched_private=parts["matched_private"], near=parts["near"], described=dict(parts["described"]),
+        num_candidates=sum(parts["num_candidates"]), num_verified=sum(parts["num_verified"]),
+        num_skipped=sum(parts["num_skipped"]), num_expanded=sum(parts["num_expanded"]), **kwargs)
 
 
 def _rank(c: join.Candidate) -> tuple[float, int]:
@@ -174,30 +196,34 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings, copy: CopyOutcome | 
                  | "SpreadTasks" >> beam.Reshuffle()
                  | "Describe" >> beam.ParDo(_Describe(settings)))
     described_count = described | "CountDescribed" >> beam.CombinePerKey(sum)
-    # the neighbour search starts once every descriptor file exists (side input barrier)
-    candidates = (pipeline
-                  | "KnnTasks" >> beam.Create(list(settings.knn_tasks))
-                  | "AfterDescribe" >> beam.Map(lambda t, _: t,
-                                                beam.pvalue.AsDict(described_count))
+    # the neighbour search starts once every descriptor file exists: each task's group waits for
+    # the signal sent (after every description) to every task's key
+    num_knn = len(settings.knn_tasks)
+    done = portable.total(described_count | "Rows" >> beam.Values(), label="AllDescribed")
+    candidates = ({"task": pipeline | "KnnTasks" >> beam.Create(list(enumerate(settings.knn_tasks))),
+                   "described": portable.broadcast(done, lambda _: range(num_knn), label="ToEveryKnnTask")}
+                  | "AfterDescribe" >> beam.CoGroupByKey()
+                  | "ReadyTasks" >> beam.FlatMap(_ready_task)
                   | "SpreadKnn" >> beam.Reshuffle()
                   | "Neighbours" >> beam.FlatMap(_knn, settings=settings)
                   | "TopKPerPrivate" >> beam.combiners.Top.PerKey(settings.method.neighbours,
                                                                    key=_rank)
                   | "Candidates" >> beam.FlatMap(lambda kv: kv[1]))
-    num_candidates = candidates | "CountCandidates" >> beam.combiners.Count.Globally()
+    num_candidates = portable.count(candidates, label="CountCandidates")
     per_block = settings.private_per_block
     by_block = candidates | "ByBlock" >> beam.Map(
         lambda c: ((c.private_split, c.private_index // per_block), c))
     blocks = pipeline | "VerifyBlocks" >> beam.Create(list(settings.verify_blocks))
-    verified = ({"images": blocks, "candidates": by_block}
-                | "GroupBlock" >> beam.CoGroupByKey()
-                | "SpreadBlocks" >> beam.Reshuffle()
-                | "Verify" >> beam.ParDo(_Verify(settings)).with_outputs(
-                    "verified", "skipped", "expanded", "near", main="accepted"))
-    num_verified = verified.verified | "CountVerified" >> beam.CombineGlobally(sum)
-    num_skipped = verified.skipped | "CountSkipped" >> beam.CombineGlobally(sum)
-    num_expanded = verified.expanded | "CountExpanded" >> beam.CombineGlobally(sum)
-    accepted = verified.accepted
+    verified = portable.by_tag(
+        {"images": blocks, "candidates": by_block}
+        | "GroupBlock" >> beam.CoGroupByKey()
+        | "SpreadBlocks" >> beam.Reshuffle()
+        | "Verify" >> beam.ParDo(_Verify(settings)),
+        ("accepted", "near", "verified", "skipped", "expanded"), label="Verified")
+    num_verified = portable.total(verified["verified"], label="CountVerified")
+    num_skipped = portable.total(verified["skipped"], label="CountSkipped")
+    num_expanded = portable.total(verified["expanded"], label="CountExpanded")
+    accepted = verified["accepted"]
     if copy is not None:
         copied = pipeline | "CopyMatches" >> beam.Create(
             [((m.candidate.public_split, m.candidate.public_index), m) for m in copy.accepted])
@@ -214,26 +240,20 @@ def build(pipeline: beam.Pipeline, settings: GraphSettings, copy: CopyOutcome | 
                                                     kv[1].candidate.public_shard), kv[1])))
     shard_keys = (pipeline
                   | "Shards" >> beam.Create([(k, None) for k in sorted(settings.shard_ranges)]))
-    written = ({"shard": shard_keys, "matches": closest}
-               | "GroupShard" >> beam.CoGroupByKey()
-               | "WriteShards" >> beam.FlatMap(_filter_shard, settings=settings)
-                                      .with_outputs("removed", main="summaries"))
-    _ = (pipeline
-         | "Finish" >> beam.Create([None])
+    written = portable.by_tag(
+        {"shard": shard_keys, "matches": closest}
+        | "GroupShard" >> beam.CoGroupByKey()
+        | "WriteShards" >> beam.FlatMap(_filter_shard, settings=settings),
+        ("summaries", "removed"), label="Written")
+    _ = (portable.gather(pipeline, {
+            "summaries": written["summaries"], "removed": written["removed"],
+            "matches": closest | "Matches" >> beam.Values(), "matched_private": matched_private,
+            "near": verified["near"], "described": described_count, "num_candidates": num_candidates,
+            "num_verified": num_verified, "num_skipped": num_skipped, "num_expanded": num_expanded},
+            label="Finish")
          | "WriteReport" >> beam.Map(
-             output.write_outputs, public_path=settings.public, private_path=settings.private,
-             output_dir=settings.output_dir,
-             summaries=beam.pvalue.AsList(written.summaries),
-             removed=beam.pvalue.AsList(written.removed),
-             matches=beam.pvalue.AsList(closest | "Matches" >> beam.Values()),
-             matched_private=beam.pvalue.AsList(matched_private),
-             near=beam.pvalue.AsList(verified.near),
-             described=beam.pvalue.AsDict(described_count),
-             num_candidates=beam.pvalue.AsSingleton(num_candidates),
-             num_verified=beam.pvalue.AsSingleton(num_verified),
-             num_skipped=beam.pvalue.AsSingleton(num_skipped),
-             num_expanded=beam.pvalue.AsSingleton(num_expanded),
-             method=settings.method, num_public=settings.num_public,
+             _write_report, public_path=settings.public, private_path=settings.private,
+             output_dir=settings.output_dir, method=settings.method, num_public=settings.num_public,
              num_private=settings.num_private, public_splits=settings.public_splits,
              private_splits=settings.private_splits,
              copy_near=() if copy is None else copy.near,

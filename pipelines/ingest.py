@@ -1,7 +1,8 @@
 """The Beam graph of ``dpscale ingest``: read+decode -> group by shard -> write -> manifest.
 
 Only wiring lives here; every per-element step is a plain function in
-``data.sources``, ``data.examples`` or ``data.shards``.
+``data.sources``, ``data.examples`` or ``data.shards``. The graph uses neither tagged outputs
+nor side inputs, so every Beam runner runs it alike (``pipelines.portable``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import apache_beam as beam
 from dpscale.data import examples as ex
 from dpscale.data.raw_items import SourcePlan
 from dpscale.data.shards import write_outputs, write_shard
+from dpscale.pipelines import portable
 from dpscale.pipelines.progress import mark
 
 SMALL_DATA = 20_000  # below this many examples one in-memory worker beats two processes
@@ -41,7 +43,7 @@ class GraphSettings:
 
 
 class _ProcessTask(beam.DoFn):
-    """One read task -> batches keyed by (split, shard), shape counts, rejections."""
+    """One read task -> ``(tag, value)``: batches keyed by (split, shard), shape counts, rejections."""
 
     def __init__(self, class_names: tuple[str, ...], settings: GraphSettings) -> None:
         self.class_names = class_names
@@ -59,23 +61,38 @@ class _ProcessTask(beam.DoFn):
         mark(self.settings.progress_dir,
              len(out.rejections) + sum(out.shape_counts.values()) + out.num_excluded)
         if out.num_excluded:
-            yield beam.pvalue.TaggedOutput("excluded", out.num_excluded)
+            yield "excluded", out.num_excluded
         for rejection in out.rejections:
-            yield beam.pvalue.TaggedOutput("rejected", rejection.as_dict())
+            yield "rejected", rejection.as_dict()
         for shape_count in out.shape_counts.items():
-            yield beam.pvalue.TaggedOutput("shapes", shape_count)
-        yield from out.batches.items()
+            yield "shapes", shape_count
+        for batch in out.batches.items():
+            yield "batches", batch
 
 
-def _write_shard(group: tuple[tuple[str, int], Any], shape: Any, *,
-                 settings: GraphSettings, num_classes: int):
-    (split, shard), batches = group
+def _write_shard(group: tuple[tuple[str, int], dict[str, Any]], *, settings: GraphSettings, num_classes: int):
+    """One shard's batches (with the majority shape) -> ``("summaries", ...)`` and ``("rejected", ...)``."""
+    (split, shard), parts = group
+    if not parts["batches"]:  # a planned shard that no example hashed to: no file, as before
+        return
+    [shape] = parts["shape"]
     summary, rejected = write_shard(
         settings.output_dir, split, shard, settings.shards_per_split.get(split, 1),
-        itertools.chain.from_iterable(batches), num_classes=num_classes, shape=shape)
+        itertools.chain.from_iterable(parts["batches"]), num_classes=num_classes, shape=shape)
     for rejection in rejected:
-        yield beam.pvalue.TaggedOutput("rejected", rejection.as_dict())
-    yield summary
+        yield "rejected", rejection.as_dict()
+    yield "summaries", summary
+
+
+def _planned_shards(settings: GraphSettings) -> list[tuple[str, int]]:
+    return [(split, shard) for split, n in sorted(settings.shards_per_split.items()) for shard in range(n)]
+
+
+def _finish(parts: dict[str, list[Any]], **kwargs: Any) -> Any:
+    """``write_outputs`` once every shard is written, from the gathered lists."""
+    return write_outputs(None, summaries=parts["summaries"], rejections=parts["rejections"],
+                         image_shape=ex.majority_shape(parts["shape_counts"]),
+                         num_excluded=sum(parts["excluded"]), **kwargs)
 
 
 def build(pipeline: beam.Pipeline, plan: SourcePlan, settings: GraphSettings) -> None:
@@ -85,36 +102,32 @@ def build(pipeline: beam.Pipeline, plan: SourcePlan, settings: GraphSettings) ->
     Beam's per-element overhead in Python outweighed the decoding itself.
     """
     classes = settings.class_names if settings.class_names is not None else plan.class_names
-    processed = (pipeline
-                 | "Tasks" >> beam.Create(list(plan.tasks))
-                 | "SpreadTasks" >> beam.Reshuffle()
-                 | "ReadDecodeEncode" >> beam.ParDo(_ProcessTask(plan.class_names, settings))
-                                             .with_outputs("rejected", "shapes", "excluded",
-                                                           main="batches"))
-    excluded = processed.excluded | "CountExcluded" >> beam.CombineGlobally(sum)
-    shape = (processed.shapes
-             | "SumShapes" >> beam.CombinePerKey(sum)
-             | "ShapeList" >> beam.combiners.ToList()
-             | "Majority" >> beam.Map(ex.majority_shape))
-    written = (processed.batches
-               | "GroupShards" >> beam.GroupByKey()
-               | "WriteShards" >> beam.FlatMap(
-                   _write_shard, beam.pvalue.AsSingleton(shape), settings=settings,
-                   num_classes=len(classes)).with_outputs("rejected", main="summaries"))
-    summaries = written.summaries | "SummaryList" >> beam.combiners.ToList()
-    rejections = ((processed.rejected, written.rejected)
-                  | "AllRejections" >> beam.Flatten()
-                  | "RejectionList" >> beam.combiners.ToList())
-    _ = (pipeline
-         | "Finish" >> beam.Create([None])
+    processed = portable.by_tag(
+        pipeline
+        | "Tasks" >> beam.Create(list(plan.tasks))
+        | "SpreadTasks" >> beam.Reshuffle()
+        | "ReadDecodeEncode" >> beam.ParDo(_ProcessTask(plan.class_names, settings)),
+        ("batches", "rejected", "shapes", "excluded"), label="Processed")
+    shape_counts = processed["shapes"] | "SumShapes" >> beam.CombinePerKey(sum)
+    # the majority shape, handed to every planned shard (a shard's group waits for it)
+    majority = (shape_counts
+                | "KeyShapes" >> beam.Map(lambda sc: (None, sc))
+                | "AllShapes" >> beam.GroupByKey()
+                | "Majority" >> beam.Map(lambda kv: ex.majority_shape(list(kv[1]))))
+    shard_shape = portable.broadcast(majority, lambda _: _planned_shards(settings), label="ShapePerShard")
+    written = portable.by_tag(
+        {"batches": processed["batches"], "shape": shard_shape}
+        | "GroupShards" >> beam.CoGroupByKey()
+        | "WriteShards" >> beam.FlatMap(_write_shard, settings=settings, num_classes=len(classes)),
+        ("summaries", "rejected"), label="Written")
+    rejections = ((processed["rejected"], written["rejected"]) | "AllRejections" >> beam.Flatten())
+    _ = (portable.gather(pipeline, {"summaries": written["summaries"], "rejections": rejections,
+                                    "shape_counts": shape_counts, "excluded": processed["excluded"]},
+                         label="Finish")
          | "WriteManifest" >> beam.Map(
-             write_outputs, output_dir=settings.output_dir,
-             summaries=beam.pvalue.AsSingleton(summaries),
-             rejections=beam.pvalue.AsSingleton(rejections),
-             image_shape=beam.pvalue.AsSingleton(shape),
-             source=plan.spec.text, class_names=classes,
+             _finish, output_dir=settings.output_dir, source=plan.spec.text, class_names=classes,
              validation_fraction=settings.validation_fraction, encoding=settings.encoding,
-             num_inputs=settings.num_inputs, num_excluded=beam.pvalue.AsSingleton(excluded),
+             num_inputs=settings.num_inputs,
              source_class_names=plan.class_names if settings.label_map is not None else None))
 
 

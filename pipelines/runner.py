@@ -19,11 +19,18 @@ Local runs are guarded against two failure modes of Beam's local runner:
 
 Beam's own logging (and its worker processes' stderr) goes to a log file unless
 ``verbose``; a failure names that file and the next thing to try.
+
+Other runners take Beam's own options after ``--``. ``DaskRunner`` is accepted by that short
+name (Beam knows it only by its module path). On ``DataflowRunner`` the workers must be able to
+install dpscale (``--setup_file``, ``--extra_package`` or ``--sdk_container_image``: refused
+without one), and ``--dry_run`` builds the job without submitting it, writing its description
+to ``--dataflow_job_file`` (``DryRun``). See docs/cluster.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -38,6 +45,7 @@ from dpscale.errors import PipelineError, PipelineStalledError
 from dpscale.pipelines.progress import LocalProgress
 
 DEFAULT_RUNNER = "FnApiRunner"
+DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 _LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner", "bundlebaseddirectrunner")
 STALL_SECONDS = 300.0  # no CPU used by any local process for this long = stalled
 _IDLE_CPU = 0.02  # CPU-seconds per second below which the process tree counts as idle
@@ -57,6 +65,8 @@ def pipeline_options(args: Sequence[str], *, parallel: bool) -> PipelineOptions:
     standard = options.view_as(StandardOptions)
     if standard.runner is None:
         standard.runner = DEFAULT_RUNNER
+    if str(standard.runner).lower() in ("daskrunner", "dask"):
+        standard.runner = DASK_RUNNER
     if standard.runner.lower() in ("directrunner", "direct", "fnapirunner"):
         direct = options.view_as(DirectOptions)
         given = " ".join(args)
@@ -68,9 +78,51 @@ def pipeline_options(args: Sequence[str], *, parallel: bool) -> PipelineOptions:
     return options
 
 
+def _dry_run(options: PipelineOptions) -> bool:
+    from apache_beam.options.pipeline_options import TestOptions
+
+    return str(options.view_as(TestOptions).dry_run).lower() in ("true", "1")
+
+
 def is_local_runner(options: PipelineOptions) -> bool:
     """Whether workers share this machine's disk (progress markers can reach us)."""
     return str(options.view_as(StandardOptions).runner or "").lower() in _LOCAL_RUNNERS
+
+
+class DryRun(PipelineError):
+    """A Dataflow job was built and checked but, as asked (``--dry_run``), not submitted: nothing ran."""
+
+
+def _is_dataflow(options: PipelineOptions) -> bool:
+    return str(options.view_as(StandardOptions).runner or "").lower() in ("dataflowrunner", "dataflow")
+
+
+def check_dataflow_options(options: PipelineOptions) -> None:
+    """Refuse a Dataflow job whose workers could not import dpscale (they would fail after minutes)."""
+    from apache_beam.options.pipeline_options import SetupOptions, WorkerOptions
+
+    setup = options.view_as(SetupOptions)
+    if not (setup.setup_file or setup.extra_packages or options.view_as(WorkerOptions).sdk_container_image):
+        raise PipelineError("Dataflow workers need dpscale: add --setup_file PATH/pyproject.toml (a source "
+                            "checkout), --extra_package dpscale-*.whl or --sdk_container_image IMAGE "
+                            "(docs/cluster.md, Run on Dataflow)")
+
+
+def _write_job(result: object, options: PipelineOptions) -> str | None:
+    """The built job as JSON at ``--dataflow_job_file``: its options and its portable pipeline."""
+    from apache_beam.options.pipeline_options import DebugOptions
+    from google.protobuf import json_format
+
+    from dpscale import files
+
+    path = options.view_as(DebugOptions).dataflow_job_file
+    job = getattr(result, "job", None)
+    if not path or job is None:
+        return None
+    payload = {"options": options.get_all_options(drop_default=True, retain_unknown_options=True),
+               "pipeline": json_format.MessageToDict(job.proto_pipeline)}
+    files.write_json_atomic(path, payload)
+    return path
 
 
 def avoid_flush_race() -> None:
@@ -165,6 +217,9 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     import apache_beam as beam
 
     options = pipeline_options(args, parallel=parallel)
+    dataflow = _is_dataflow(options)
+    if dataflow:
+        check_dataflow_options(options)
     local = is_local_runner(options)
     if local:
         avoid_flush_race()
@@ -172,11 +227,19 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:
+        pipeline = None
         try:
             with beam.Pipeline(options=options) as pipeline:
                 build(pipeline, progress.directory if progress else None)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             outcome["error"] = exc
+        finally:
+            result = getattr(pipeline, "result", None)
+            outcome["result"] = result  # type: ignore[assignment]
+            client = getattr(result, "client", None)  # Beam's DaskRunner leaves its client open
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.close()
 
     with beam_log_to_file(verbose) as log_path, progress or contextlib.nullcontext():
         thread = threading.Thread(target=target, name="beam-pipeline", daemon=True)
@@ -199,6 +262,11 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     if error is None:
         if log_path:
             os.unlink(log_path)
+        if dataflow and _dry_run(options):
+            where = _write_job(outcome.get("result"), options)
+            raise DryRun("dry run: the Dataflow job was built and not submitted"
+                         + (f" (its description: {where})" if where else " (add --dataflow_job_file PATH to keep it)")
+                         + "; nothing was computed")
         return
     if isinstance(error, KeyboardInterrupt):
         raise error

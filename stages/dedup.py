@@ -18,12 +18,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import time
 from typing import Any
 
-from apache_beam.io.filesystems import FileSystems
-
+from dpscale import files
 from dpscale.data import shards
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.manifest import Manifest
@@ -125,10 +123,7 @@ class DedupResult:
 
 
 def _remove_work(work_dir: str) -> None:
-    if shards.is_local(work_dir):
-        shutil.rmtree(work_dir, ignore_errors=True)
-    elif FileSystems.exists(work_dir):
-        FileSystems.delete([work_dir])
+    files.rmtree(work_dir)
 
 
 def run(config: DedupConfig) -> DedupResult:

@@ -34,6 +34,7 @@ import os
 import time
 from typing import Any
 
+from dpscale import files
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.identity import directory_secret, keyed_identity
 from dpscale.data.sources import parse_source, plan_source
@@ -119,7 +120,7 @@ def _split_classes(config: QuickstartConfig, names: tuple[str, ...]) -> tuple[tu
 
 def _ingested(config: QuickstartConfig, name: str, classes: tuple[str, ...], validation: float) -> str:
     """Ingest ``classes`` of the source into the work dir, or reuse an earlier identical ingest."""
-    data_dir = os.path.join(config.work_dir, "data", f"{_safe(config.data)}-{name}")
+    data_dir = files.join(config.work_dir, "data", f"{_safe(config.data)}-{name}")
     try:
         manifest = IngestedDataset(data_dir).manifest
         if (manifest.source == config.data and manifest.class_names == classes
@@ -136,7 +137,7 @@ def _deduplicated(config: QuickstartConfig, public: str, private: str) -> tuple[
     """``public`` minus near duplicates of ``private`` (all splits), and how many went."""
     private_identity = keyed_identity(directory_secret(config.work_dir), IngestedDataset(private).content_hash)
     hashes = {"public": IngestedDataset(public).content_hash, "private": private_identity}
-    out = os.path.join(config.work_dir, "data", f"dedup-{_digest(hashes)}")
+    out = files.join(config.work_dir, "data", f"dedup-{_digest(hashes)}")
     try:
         provenance = IngestedDataset(out).manifest.dedup
         if provenance is not None and provenance.public_content_hash == hashes["public"]:
@@ -155,32 +156,34 @@ def _pretrained_backbone(config: QuickstartConfig, public: str, runs: str) -> tu
         images=dataclasses.replace(config.pretrain.images,
                                    augment_pad=1 if dataset.image_shape[0] <= 16 else config.pretrain.images.augment_pad))
     settings = {"data": dataset.content_hash, "training": dataclasses.replace(training, show_progress=True).to_json()}
-    backbone = os.path.join(config.work_dir, "backbones",
+    backbone = files.join(config.work_dir, "backbones",
                             f"{_safe(training.images.model)}-{_digest(settings)}")
-    info_path = os.path.join(backbone, _PRETRAIN_FILE)
+    info_path = files.join(backbone, _PRETRAIN_FILE)
     if pretrained.is_complete(backbone):
         try:
-            with open(info_path) as f:
+            with files.open(info_path, "r") as f:
                 return backbone, json.load(f) | {"reused": True}
         except (OSError, ValueError):  # not written (or cut short): pre-train again
             pass
-    run_dir = os.path.join(runs, "pretrain")
+    run_dir = files.join(runs, "pretrain")
     train.run(train.TrainConfig(data=public, run_dir=run_dir, training=training))
     split = "test" if "test" in dataset.splits else "validation"
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split))
     export_backbone.run(export_backbone.ExportBackboneConfig(run_dir, backbone, force=True))
-    info = {"run_dir": os.path.abspath(run_dir), "public_test_accuracy": scores.ema_top1}
-    with open(info_path, "w") as f:
+    info = {"run_dir": files.absolute(run_dir), "public_test_accuracy": scores.ema_top1}
+    with files.open(info_path, "w") as f:
         json.dump(info, f)
     return backbone, info | {"reused": False}
 
 
 def _run_dir(config: QuickstartConfig) -> str:
-    base = os.path.join(config.work_dir, "runs", time.strftime("%Y%m%d-%H%M%S"))
+    base = files.join(config.work_dir, "runs", time.strftime("%Y%m%d-%H%M%S"))
     suffix = 0
-    while os.path.exists(base + (f"-{suffix}" if suffix else "")):
+    while files.exists(base + (f"-{suffix}" if suffix else "")):
         suffix += 1
     path = base + (f"-{suffix}" if suffix else "")
+    if files.is_url(path):  # an object store has no empty directories: the run's files will make it
+        return path
     os.makedirs(path)
     return path
 
@@ -238,9 +241,9 @@ def run(config: QuickstartConfig) -> QuickstartResult:
     backbone, pretrain = _pretrained_backbone(config, public, runs)
     now = lap("pretrain", now)
     features = featurize.run(featurize.FeaturizeConfig(
-        data=private, backbone=backbone, cache_dir=os.path.join(config.work_dir, "cache")))
+        data=private, backbone=backbone, cache_dir=files.join(config.work_dir, "cache")))
     now = lap("featurize", now)
-    run_dir = os.path.join(runs, "private")
+    run_dir = files.join(runs, "private")
     private = config.private
     if private.microbatch_size is None and private.batch_size is not None:  # one micro-batch per step, as a rule
         private = dataclasses.replace(private, microbatch_size=64 * math.ceil(1.25 * private.batch_size / 64))
@@ -253,11 +256,11 @@ def run(config: QuickstartConfig) -> QuickstartResult:
         private_classes=list(private_classes),
         public_removed_by_dedup=removed if config.dedup and config.private_diagnostics else None,
         public_test_accuracy=pretrain["public_test_accuracy"], pretrain_run_dir=pretrain["run_dir"],
-        pretrain_reused=pretrain["reused"], backbone=os.path.abspath(backbone),
-        features=os.path.abspath(features.path), epsilon=trained.epsilon, delta=trained.delta,
+        pretrain_reused=pretrain["reused"], backbone=files.absolute(backbone),
+        features=files.absolute(features.path), epsilon=trained.epsilon, delta=trained.delta,
         noise_multiplier=trained.noise_multiplier, batch_size=trained.batch_size, steps=trained.steps,
         test_split=held_out, test_accuracy=scores.ema_top1, test_accuracy_last=scores.top1,
-        test_examples=scores.num_examples, run_dir=os.path.abspath(run_dir), stage_seconds=seconds,
+        test_examples=scores.num_examples, run_dir=files.absolute(run_dir), stage_seconds=seconds,
         seconds=round(time.perf_counter() - started, 1),
         warnings=trained.warnings + ((release.warning("public_removed_by_dedup"),) if config.dedup
                                      and config.private_diagnostics else ()))

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import statistics
 from typing import Any
 
+from dpscale import files
 from dpscale.errors import InvalidConfigError
 from dpscale.stages import evaluate, train
 from dpscale.training import release, sweep_report
@@ -208,7 +208,7 @@ def _scores(run: RunDirectory, split: str, *, diagnostic: bool) -> dict[str, Any
 
 def _score(config: SweepConfig, run_dir: str, split: str, *, private: bool) -> dict[str, Any]:
     """The run's scores on ``split``: saved ones if they are of that split, else evaluated now."""
-    run = RunDirectory(os.path.abspath(run_dir))
+    run = RunDirectory(files.absolute(run_dir))
     diagnostic = private and split in (HOLDOUT_SPLIT, config.training.train_split)
     scores = _scores(run, split, diagnostic=diagnostic)
     if scores is None:
@@ -221,13 +221,13 @@ def _score(config: SweepConfig, run_dir: str, split: str, *, private: bool) -> d
 def _one(config: SweepConfig, directory: SweepDirectory, point: GridPoint,
          simulation: Simulation | None) -> dict[str, Any]:
     run_dir = directory.run_dir(point)
-    run = RunDirectory(os.path.abspath(run_dir))
+    run = RunDirectory(files.absolute(run_dir))
     if simulation is not None:
         directory.mark_simulation(run, simulation)  # before the first step: a crashed simulation is marked too
     if not directory.finished(run):
         if point.kind == "baseline":
             directory.make_baseline_dir()
-        if os.path.exists(run.file(CONFIG)):
+        if files.exists(run.file(CONFIG)):
             train.run(train.ResumeConfig(run_dir, show_progress=config.training.show_progress))
         else:
             train.run(train.TrainConfig(data=config.data, run_dir=run_dir, training=point.training))
@@ -279,7 +279,7 @@ def _selection(config: SweepConfig) -> str:
 def _simulation_summary(config: SweepConfig, simulations: dict[str, Simulation],
                         rows: list[dict[str, Any]]) -> dict[str, Any]:
     """What each simulated run stands for, and what it actually spent (its ledger's epsilon and sigma)."""
-    spent = {os.path.basename(r["run_dir"]): r for r in rows}
+    spent = {r["run_dir"].rstrip("/").rsplit("/", 1)[-1]: r for r in rows}
     return {"batch_size": config.simulate_batch, "note": SIMULATION_NOTE, "runs": [
         s.as_dict() | {"run": name, "noise_multiplier": spent[name]["noise_multiplier"],
                        "epsilon": spent[name]["achieved_epsilon"]}

@@ -15,9 +15,9 @@ JAX computation (importing this module makes none).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
+from dpscale import files
 from dpscale.distributed import initialize as initialize_distributed
 from dpscale.privacy.accounting import ACCOUNTANTS, SAMPLING_SCHEMES
 from dpscale.training import trainer
@@ -54,7 +54,7 @@ class ResumeConfig:
 
 def started(run_dir: str) -> bool:
     """Whether ``run_dir`` holds a run that has started, i.e. one ``ResumeConfig`` can continue."""
-    return os.path.isfile(os.path.join(run_dir, CONFIG))
+    return files.isfile(files.join(run_dir, CONFIG))
 
 
 def run(config: TrainConfig | ResumeConfig) -> TrainResult:

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from dpscale import files
 from dpscale.data.dataset import IngestedDataset
 from dpscale.dedup import copy_model
 from dpscale.dedup.planning import select_splits
@@ -61,6 +62,7 @@ class TrainCopyModelResult:
 
 def run(config: TrainCopyModelConfig) -> TrainCopyModelResult:
     """Train the copy embedding on ``config.public`` and write it to ``config.output_dir``."""
+    files.require_local(config.output_dir, "the copy model's directory")
     if os.path.isfile(os.path.join(config.output_dir, copy_model.WEIGHTS)) and not config.overwrite:
         raise DataError(f"{config.output_dir!r} already holds a copy model; pass --overwrite to replace it")
     if os.path.realpath(config.output_dir) == os.path.realpath(config.public):

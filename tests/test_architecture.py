@@ -15,7 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Lowest first. A module may import from its own package and from packages of lower layers only.
 LAYERS = [
-    {"errors", "files"},
+    {"errors"},
+    {"files"},
     {"progress", "distributed"},
     {"models"},
     {"privacy", "data"},

@@ -317,6 +317,7 @@ def build_train_model(data: str, config: TrainingConfig) -> TrainModel:
 
 def detect_mode(data: str) -> str:
     """``features`` when ``data`` is a feature-cache entry, else ``images`` (an ingested dataset)."""
+    from dpscale import files
     from dpscale.cache.feature_store import METADATA
 
-    return "features" if os.path.isfile(os.path.join(data, METADATA)) else "images"
+    return "features" if files.isfile(files.join(data, METADATA)) else "images"

@@ -12,7 +12,8 @@
     run_dir/params.sha256.json   the sha256 of every file of params/ at save time: damage is one line
     run_dir/metrics.json    the last evaluation's scores on a split outside the private training data
     run_dir/metrics.<split>.NOT-PRIVATE.json   scores on the private training rows (0600)
-    run_dir/run.lock        flock'ed by the process training in the directory (released when it dies)
+    run_dir/run.lock        flock'ed by the process training in the directory (released when it dies); on
+                            gs:// an object created only if absent, naming the host and pid that hold it
 
 A run directory is self-contained and relocatable: every file is found relative to the
 directory the command names, never through a path stored inside it; the data (and a
@@ -33,20 +34,29 @@ releases nothing new, so the total privacy spent is exactly the planned T steps.
 *fresh* noise for a redone step would instead be a second release of that step. Orbax
 writes each checkpoint to a temporary directory and renames it when complete, so a kill -9
 during a save leaves the previous checkpoint intact.
+
+A run directory may be a URL (``gs://...``, through ``dpscale.files``; orbax writes its
+checkpoints there itself). There, ``metrics.jsonl`` is rewritten whenever the ledger is (each
+checkpoint), not at every step: an object cannot be appended to, and the lines of steps after
+the last checkpoint are dropped on resume anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import os
+import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+from dpscale import files
 from dpscale.errors import DataError, DpscaleError
 from dpscale.files import open_for_writing, write_atomic, write_json_atomic
 from dpscale.privacy.plan import Ledger, PrivacyPlan
@@ -67,7 +77,7 @@ T = TypeVar("T")
 
 def _absolute(path: str) -> str:
     """A local path made absolute, so a stored reference resolves from any directory; URLs as given."""
-    return path if "://" in path else os.path.abspath(path)
+    return files.absolute(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +150,12 @@ class RunLock:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = None
+        self._held_remote = False
+        if files.is_url(path):
+            self._take_remote()
+            return
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -151,16 +166,61 @@ class RunLock:
         os.ftruncate(self._fd, 0)
         os.write(self._fd, f"{os.getpid()}\n".encode())
 
+    def _take_remote(self) -> None:
+        """An object store has no flock: the lock is an object created only if absent (the store decides
+        between hosts). A killed holder cannot delete it, so one left by a process of this host that no
+        longer runs is taken over; one from another host is refused with what to do."""
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        for _ in range(2):
+            if files.create_exclusive(self.path, json.dumps(me).encode()):
+                self._held_remote = True
+                return
+            try:
+                holder = json.loads(files.read_text(self.path))
+            except FileNotFoundError:
+                continue  # released meanwhile: try again
+            except (OSError, ValueError):
+                holder = {}
+            if holder.get("host") != me["host"] or _process_alive(int(holder.get("pid", 0))):
+                break
+            files.remove(self.path)  # its holder was killed; two resumers racing here is not guarded
+        else:
+            holder = {}
+        where = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
+        raise DataError(f"{self.path.rsplit('/', 1)[0]!r} is in use: another process ({where}) is training in it; "
+                        f"wait for it to finish or stop it (if it was killed on another host, delete {self.path})")
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._held_remote:
+            self._held_remote = False
+            with contextlib.suppress(FileNotFoundError):
+                files.remove(self.path)
 
     def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, killed but not yet reaped, does not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class Checkpoints:
@@ -192,21 +252,23 @@ class Checkpoints:
 @dataclasses.dataclass(frozen=True)
 class RunDirectory:
     path: str
+    # metric lines not yet written, by file name (URLs only: see the module docstring)
+    _pending: dict[str, list[str]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def new(cls, path: str) -> RunDirectory:
         """Where a new run will go (nothing is written yet); refuses a directory that holds a run."""
-        run = cls(os.path.abspath(path))
+        run = cls(files.absolute(path))
         run._check_free()
         return run
 
     def _check_free(self) -> None:
-        if os.path.exists(self.file(CONFIG)):
+        if files.exists(self.file(CONFIG)):
             raise DataError(f"{self.path!r} already holds a run; choose a new run directory")
 
     def begin(self, spec: RunSpec, secrets: RunSecrets) -> RunLock:
         """Create the run, locked (``lock``): its secrets, then ``config.json`` (what makes it a run)."""
-        os.makedirs(self.path, exist_ok=True)
+        files.makedirs(self.path)
         lock = self.lock()
         try:
             self._check_free()  # again, under the lock: another start may have won the race
@@ -219,8 +281,8 @@ class RunDirectory:
 
     @classmethod
     def existing(cls, path: str) -> RunDirectory:
-        path = os.path.abspath(path)
-        if not os.path.isfile(os.path.join(path, CONFIG)):
+        path = files.absolute(path)
+        if not files.isfile(files.join(path, CONFIG)):
             raise DataError(f"{path!r} is not a run directory (no {CONFIG})")
         return cls(path)
 
@@ -229,14 +291,14 @@ class RunDirectory:
         return RunLock(self.file(LOCK))
 
     def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        return files.join(self.path, name)
 
     # -- what the run is ------------------------------------------------------------------
 
     def _read(self, name: str, parse: Callable[[Any], T], *, hint: str = "") -> T:
         """``parse`` of the JSON file ``name``; one ``DataError`` line if it is missing or malformed."""
         try:
-            with open(self.file(name)) as f:
+            with files.open(self.file(name), "r") as f:
                 return parse(json.load(f))
         except (OSError, ValueError, KeyError, TypeError, DpscaleError) as exc:
             reason = " ".join(str(exc).split()) or type(exc).__name__
@@ -249,18 +311,19 @@ class RunDirectory:
         write_json_atomic(self.file(SEED_FILE), dataclasses.asdict(secrets), private=True)
 
     def read_secrets(self) -> RunSecrets:
-        if not os.path.exists(self.file(SEED_FILE)) and self.has_params:
+        if not files.exists(self.file(SEED_FILE)) and self.has_params:
             raise DataError(f"{self.path!r} is a finished run: there is nothing to resume")
         return self._read(SEED_FILE, lambda payload: RunSecrets(**payload), hint="; cannot resume this run")
 
     def delete_secrets(self) -> None:
         """A finished run needs no resume: its seed would only let a copy of the run replay the noise."""
-        if os.path.exists(self.file(SEED_FILE)):
-            os.remove(self.file(SEED_FILE))
+        if files.exists(self.file(SEED_FILE)):
+            files.remove(self.file(SEED_FILE))
 
     # -- what it has spent and done --------------------------------------------------------
 
     def write_ledger(self, ledger: Ledger) -> None:
+        self._write_pending_metrics()
         write_json_atomic(self.file(LEDGER), ledger.to_json())
 
     def read_ledger(self) -> Ledger:
@@ -269,17 +332,26 @@ class RunDirectory:
     def append_metrics(self, metrics: dict[str, Any], *, diagnostic: bool = False) -> None:
         """One step's covered metrics (``metrics.jsonl``), or its private diagnostics (0600)."""
         name = DIAGNOSTICS_FILE if diagnostic else METRICS
+        if files.is_url(self.path):
+            self._pending.setdefault(name, []).append(json.dumps(metrics, sort_keys=True) + "\n")
+            return
         with open_for_writing(self.file(name), private=diagnostic, append=True) as f:
             f.write(json.dumps(metrics, sort_keys=True) + "\n")
+
+    def _write_pending_metrics(self) -> None:
+        for name, lines in list(self._pending.items()):
+            with open_for_writing(self.file(name), private=name == DIAGNOSTICS_FILE, append=True) as f:
+                f.writelines(lines)
+            del self._pending[name]
 
     def read_metrics(self, *, diagnostic: bool = False) -> list[dict[str, Any]]:
         """Every logged step's metrics, in order (a line cut short by a crash is skipped)."""
         name = DIAGNOSTICS_FILE if diagnostic else METRICS
-        if not os.path.exists(self.file(name)):
+        if not files.exists(self.file(name)) and not self._pending.get(name):
             return []
         records = []
-        with open(self.file(name)) as f:
-            for line in f:
+        with (files.open(self.file(name), "r") if files.exists(self.file(name)) else io.StringIO()) as f:
+            for line in [*f, *self._pending.get(name, [])]:
                 try:
                     records.append(json.loads(line))
                 except ValueError:
@@ -289,7 +361,7 @@ class RunDirectory:
     def truncate_metrics(self, *, after_step: int) -> None:
         """Drop metric and diagnostic lines past ``after_step`` (and a line cut short by a crash)."""
         for diagnostic, name in ((False, METRICS), (True, DIAGNOSTICS_FILE)):
-            if not os.path.exists(self.file(name)):
+            if not files.exists(self.file(name)):
                 continue
             kept = [json.dumps(r, sort_keys=True) + "\n" for r in self.read_metrics(diagnostic=diagnostic)
                     if r.get("step", 0) <= after_step]
@@ -302,7 +374,7 @@ class RunDirectory:
 
     @property
     def has_params(self) -> bool:
-        return os.path.isdir(self.file(PARAMS))
+        return files.isdir(self.file(PARAMS))
 
     def save_params(self, **trees: Any) -> None:
         """Save the trees (every process: orbax coordinates them), then the sha256 of each file."""
@@ -315,19 +387,17 @@ class RunDirectory:
         """sha256 of every file under ``params/``, by relative path (the parameters are a released output)."""
         root = self.file(PARAMS)
         digests = {}
-        for folder, _, names in os.walk(root):
-            for name in names:
-                path = os.path.join(folder, name)
-                digest = hashlib.sha256()
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
-                digests[os.path.relpath(path, root)] = digest.hexdigest()
+        for name in files.find(root):
+            digest = hashlib.sha256()
+            with files.open(files.join(root, name), "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            digests[name] = digest.hexdigest()
         return dict(sorted(digests.items()))
 
     def _check_params(self) -> None:
         """Refuse damaged parameters before orbax reads them (its failures are tracebacks from threads)."""
-        if not os.path.exists(self.file(PARAMS_DIGESTS)):
+        if not files.exists(self.file(PARAMS_DIGESTS)):
             return  # saved by an older dpscale: orbax's own errors are all there is
         recorded = self._read(PARAMS_DIGESTS, lambda payload: {str(k): str(v) for k, v in payload.items()})
         found = self._params_digests()
@@ -344,7 +414,7 @@ class RunDirectory:
         """
         if not self.has_params:
             resume = (f": its training did not finish; continue it with `dpscale train --resume {self.path}`"
-                      if os.path.exists(self.file(SEED_FILE)) else "")
+                      if files.exists(self.file(SEED_FILE)) else "")
             raise DataError(f"{self.path!r} has no saved parameters ({PARAMS}/){resume}")
         self._check_params()
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -373,7 +443,7 @@ class RunDirectory:
     def read_scores(self, split: str = "test", *, diagnostic: bool = False) -> dict[str, Any] | None:
         """The last evaluation's scores (on ``split`` if ``diagnostic``), or None if not evaluated."""
         try:
-            with open(self.file(self.scores_file(split, diagnostic=diagnostic))) as f:
+            with files.open(self.file(self.scores_file(split, diagnostic=diagnostic)), "r") as f:
                 return json.load(f)
         except (OSError, ValueError):
             return None

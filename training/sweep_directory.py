@@ -22,6 +22,7 @@ from typing import Any
 
 from dpscale.data.identity import directory_secret, keyed_identity
 from dpscale.errors import DataError
+from dpscale import files
 from dpscale.files import write_json_atomic
 from dpscale.privacy.plan import composed_epsilon
 from dpscale.training import release
@@ -37,9 +38,11 @@ BASELINE_DIR = f"baseline.{release.NOT_PRIVATE}"
 _NEW_DIR = "use a new OUT_DIR"
 
 
-def absolute(path: str) -> str:
-    """A local path made absolute (as a run stores its data), URLs as given."""
-    return path if "://" in path else os.path.abspath(path)
+def _relative(path: str, base: str) -> str:
+    """``path`` below ``base``, as a name to show (URLs too)."""
+    if files.is_url(path):
+        return path[len(base.rstrip("/")) + 1:]
+    return os.path.relpath(path, base)
 
 
 def finite(value: float) -> float | str:
@@ -58,31 +61,31 @@ class SweepDirectory:
     path: str
 
     def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        return files.join(self.path, name)
 
     def run_dir(self, point: GridPoint) -> str:
         parent = self.file(BASELINE_DIR) if point.kind == "baseline" else self.path
-        return os.path.join(parent, RUNS, point.name)
+        return files.join(parent, RUNS, point.name)
 
     def make_baseline_dir(self) -> str:
         """The baseline's directory, owner-only before its first file."""
         path = self.file(BASELINE_DIR)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        os.chmod(path, 0o700)
+        files.makedirs(path, mode=0o700)
+        if not files.is_url(path):
+            os.chmod(path, 0o700)
         return path
 
     # -- what may be reused ---------------------------------------------------------------------
 
     def check_data(self, data: str, training: TrainingConfig) -> None:
         """Runs here are of ``data`` only: recorded on first use, and other data refused afterwards."""
-        os.makedirs(self.path, exist_ok=True)
-        record = {"data": absolute(data), "mode": training.mode, "train_split": training.train_split,
+        files.makedirs(self.path)
+        record = {"data": files.absolute(data), "mode": training.mode, "train_split": training.train_split,
                   "data_identity": keyed_identity(directory_secret(self.path), data_hash(data, training))}
         hint = f"{_NEW_DIR} (or give the data and settings of the sweep it holds to continue it)"
-        if os.path.exists(self.file(RECORD)):
+        if files.exists(self.file(RECORD)):
             try:
-                with open(self.file(RECORD)) as f:
-                    found = json.load(f)
+                found = json.loads(files.read_text(self.file(RECORD)))
             except (OSError, ValueError) as error:
                 raise DataError(f"{self.file(RECORD)!r} is unreadable ({error}); {hint}") from None
             for key, what in (("data", "other data"), ("mode", "another mode"), ("train_split", "another split"),
@@ -92,8 +95,8 @@ class SweepDirectory:
                     raise DataError(f"{self.path!r} holds a sweep on {what}{shown}; its results are not those of "
                                     f"{data!r}: {hint}")
             return
-        started = [d for d in (self.file(RUNS), os.path.join(self.file(BASELINE_DIR), RUNS))
-                   if os.path.isdir(d) and os.listdir(d)]
+        started = [d for d in (self.file(RUNS), files.join(self.file(BASELINE_DIR), RUNS))
+                   if files.isdir(d) and files.listdir(d)]
         if started:
             raise DataError(f"{self.path!r} holds runs without a record of their data ({RECORD}: made by an older "
                             f"dpscale): they cannot be checked against {data!r}; {_NEW_DIR}")
@@ -101,8 +104,8 @@ class SweepDirectory:
 
     def check_reusable(self, point: GridPoint, data: str) -> None:
         """A run already here under ``point``'s name must be ``point``'s run (data and every setting), else refuse."""
-        run = RunDirectory(os.path.abspath(self.run_dir(point)))
-        if not os.path.exists(run.file(CONFIG)):
+        run = RunDirectory(files.absolute(self.run_dir(point)))
+        if not files.exists(run.file(CONFIG)):
             return
         spec = run.read_spec()
         asked = RunSpec.new(data, point.training, spec.plan, {})
@@ -118,15 +121,15 @@ class SweepDirectory:
     @staticmethod
     def finished(run: RunDirectory) -> bool:
         """Trained to the end (parameters saved, secrets gone): nothing left to resume."""
-        return os.path.exists(run.file(CONFIG)) and run.has_params and not os.path.exists(run.file(SEED_FILE))
+        return files.exists(run.file(CONFIG)) and run.has_params and not files.exists(run.file(SEED_FILE))
 
     @staticmethod
     def mark_simulation(run: RunDirectory, simulation: Simulation) -> None:
         """A simulated run says so in its directory (before its first step) and in its ledger; idempotent."""
-        os.makedirs(run.path, exist_ok=True)
-        if not os.path.exists(run.file(SIMULATION_FILE)):
+        files.makedirs(run.path)
+        if not files.exists(run.file(SIMULATION_FILE)):
             write_json_atomic(run.file(SIMULATION_FILE), simulation.as_dict(), private=True)
-        if not os.path.exists(run.file(LEDGER)):
+        if not files.exists(run.file(LEDGER)):
             return
         ledger = run.read_ledger()
         if any(note.startswith(SIMULATION_NOTE) for note in ledger.not_covered):
@@ -142,11 +145,11 @@ class SweepDirectory:
     def runs(self) -> list[RunDirectory]:
         """Every run that started here (a config.json), finished or not: private ones, then the baseline's."""
         found = []
-        for directory in (self.file(RUNS), os.path.join(self.file(BASELINE_DIR), RUNS)):
-            if os.path.isdir(directory):
-                found += [RunDirectory(os.path.join(os.path.abspath(directory), name))
-                          for name in sorted(os.listdir(directory))
-                          if os.path.isfile(os.path.join(directory, name, CONFIG))]
+        for directory in (self.file(RUNS), files.join(self.file(BASELINE_DIR), RUNS)):
+            if files.isdir(directory):
+                found += [RunDirectory(files.join(files.absolute(directory), name))
+                          for name in sorted(files.listdir(directory))
+                          if files.isfile(files.join(directory, name, CONFIG))]
         return found
 
     def privacy_record(self, *, delta: float, accountant: str) -> dict[str, Any]:
@@ -162,8 +165,8 @@ class SweepDirectory:
             except DataError as error:  # a run we cannot account for: no record rather than a short one
                 raise DataError(f"{error}; privacy.json must compose every run in {self.path!r}: repair or remove "
                                 "that run") from None
-            runs.append({"run_dir": os.path.relpath(run.path, os.path.abspath(self.path)), "private": plan.private,
-                         "epsilon": finite(plan.epsilon()), "simulated": os.path.exists(run.file(SIMULATION_FILE))})
+            runs.append({"run_dir": _relative(run.path, files.absolute(self.path)), "private": plan.private,
+                         "epsilon": finite(plan.epsilon()), "simulated": files.exists(run.file(SIMULATION_FILE))})
             if plan.private:
                 plans.append(plan)
                 warnings += plan.warnings

@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from dpscale import files
 from dpscale.files import open_for_writing
 from dpscale.training import release
 from dpscale.training.grid import flag, value_text
@@ -72,7 +73,7 @@ def _percent(value: float) -> str:
 
 def _open(out_dir: str, name: str, *, diagnostic: bool, binary: bool = False) -> Any:
     """A table file; private diagnostics get their name and mode 0600."""
-    path = os.path.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
+    path = files.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
     return open_for_writing(path, private=diagnostic, binary=binary)
 
 
@@ -80,9 +81,9 @@ def remove_stale_tables(out_dir: str) -> None:
     """Drop the tables of an earlier invocation: they describe its grid, not this one's (its runs stay)."""
     for name in TABLES:
         for variant in (name, release.diagnostic_name(name)):
-            path = os.path.join(out_dir, variant)
-            if os.path.lexists(path):
-                os.remove(path)
+            path = files.join(out_dir, variant)
+            if files.is_url(path) and files.exists(path) or not files.is_url(path) and os.path.lexists(path):
+                files.remove(path)
 
 
 def _csv(out_dir: str, name: str, table: Sequence[dict[str, Any]], *, diagnostic: bool) -> None:
