@@ -33,7 +33,7 @@ from dpscale.cli_options import (
     floats,
     ints,
 )
-from dpscale.errors import DpscaleError, PipelineStalledError
+from dpscale.errors import DpscaleError, PipelineStalledError, storage_error
 
 
 class _DpscaleGroup(click.Group):
@@ -50,6 +50,12 @@ class _DpscaleGroup(click.Group):
             sys.exit(130)
         except click.ClickException as exc:
             click.echo(f"dpscale: error: {exc.format_message()}", err=True)
+            sys.exit(2)
+        except OSError as exc:  # a full disk, a read-only file system, missing permissions: one line
+            fault = storage_error(exc)
+            if fault is None:
+                raise
+            click.echo(f"dpscale: error: {fault}", err=True)
             sys.exit(2)
         except DpscaleError as exc:
             message = " ".join(str(exc).split())

@@ -26,14 +26,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
+from dpscale import errors
 from dpscale.errors import PipelineError, PipelineStalledError
 from dpscale.pipelines.progress import LocalProgress
 
@@ -103,8 +106,17 @@ def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
                 for h in getattr(logging.getLogger(name), "handlers", [])
                 if isinstance(h, logging.StreamHandler) and h.stream is old_stderr]
     beam_logger = logging.getLogger("apache_beam")
-    old_level = beam_logger.level
+    old_level, old_propagate = beam_logger.level, beam_logger.propagate
     beam_logger.setLevel(logging.ERROR)
+    to_file = logging.StreamHandler(os.fdopen(os.dup(fd), "w", buffering=1))  # a worker's error and its trace
+    beam_logger.addHandler(to_file)
+    beam_logger.propagate = False
+    old_hook = threading.excepthook
+
+    def thread_error_to_file(args: threading.ExceptHookArgs) -> None:  # e.g. a worker process that died
+        traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback, file=to_file.stream)
+
+    threading.excepthook = thread_error_to_file
     os.dup2(fd, 2)
     sys.stderr = terminal
     for h in handlers:
@@ -120,7 +132,11 @@ def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
         for h in handlers:
             h.setStream(old_stderr)
         terminal.close()
+        threading.excepthook = old_hook
+        beam_logger.removeHandler(to_file)
+        to_file.stream.close()
         beam_logger.setLevel(old_level)
+        beam_logger.propagate = old_propagate
 
 
 def _tree_cpu_seconds() -> float:
@@ -143,6 +159,33 @@ def _stop_children() -> None:
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             p.kill()
+
+
+_USER_ERROR = re.compile(r"dpscale\.errors\.(\w+): (.+)")
+_BEAM_CONTEXT = re.compile(r" \[while running '[^']*'\]")
+
+
+def _user_error(exc: BaseException) -> errors.DpscaleError | None:
+    """The dpscale error a worker raised (a damaged shard, a full disk), if that is why the pipeline failed.
+
+    In one process Beam re-raises the worker's exception (with the step's name added to its
+    message); from worker processes only its traceback's text arrives. Either way the user
+    gets the worker's own one line, not Beam's wrapping or a hint about running modes.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, errors.DpscaleError):
+            return type(error)(_BEAM_CONTEXT.sub("", " ".join(str(error).split())))
+        error = error.__cause__ or error.__context__
+    found = _USER_ERROR.findall(str(exc))
+    if found:
+        name, text = found[-1]
+        kind = getattr(errors, name, None)
+        if isinstance(kind, type) and issubclass(kind, errors.DpscaleError):
+            return kind(_BEAM_CONTEXT.sub("", text.strip()))
+    return errors.storage_error(exc)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -204,7 +247,14 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
         raise error
     if verbose:
         log.error("Beam pipeline failed", exc_info=error)
+    user_error = _user_error(error)
+    if user_error is not None:  # its own line says it all
+        if log_path:
+            os.unlink(log_path)
+        raise user_error from None
     where = f" (Beam's log: {log_path})" if log_path else ""
-    hint = (TRY_IN_MEMORY if local else "see the runner's job log")
-    raise PipelineError(f"the Beam pipeline failed: {_one_line(error)}{where}; {hint}, "
-                        "or add --verbose for the full trace") from error
+    # One process cannot fail the way several can (pickling, worker start-up, the data plane).
+    several = local and options.view_as(DirectOptions).direct_running_mode != "in_memory"
+    hints = [TRY_IN_MEMORY] if several else [] if local else ["see the runner's job log"]
+    hints.append("add --verbose for the full trace")
+    raise PipelineError(f"the Beam pipeline failed: {_one_line(error)}{where}; {', or '.join(hints)}") from error
