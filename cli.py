@@ -468,16 +468,26 @@ def _resume_hint_on_interrupt(run_dir: str) -> Any:
 @cli.command("evaluate")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--split", default="test", show_default=True)
-@click.option("--data", default=None, help="Ingested data (default: the data the run trained on).")
+@click.option("--data", default=None,
+              help="Data made like the run's (same classes, image shape, backbone and preprocessing); default: the "
+                   "data the run trained on.")
+@click.option("--force-other-data", is_flag=True,
+              help="Score --data even though it is not the data the run trained on; the scores go to "
+                   "metrics.other-data.<name>.json, never metrics.json.")
 @click.option("--private-diagnostics", is_flag=True,
               help="Allow scoring the run's own training rows (its train split or held-out rows): exact statistics "
                    "of private data that epsilon does NOT cover, written to a *.NOT-PRIVATE.json file (mode 0600).")
-def evaluate_command(run_dir: str, split: str, data: str | None, private_diagnostics: bool) -> None:
-    """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json."""
+def evaluate_command(run_dir: str, split: str, data: str | None, force_other_data: bool,
+                     private_diagnostics: bool) -> None:
+    """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json.
+
+    The JSON line restates the run's (epsilon, delta) and names the data scored.
+    """
     from dpscale.stages import evaluate
 
     result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data,
-                                                  private_diagnostics=private_diagnostics))
+                                                  private_diagnostics=private_diagnostics,
+                                                  force_other_data=force_other_data))
     _echo_warnings(result.warnings)
     _print_json_line(result.as_dict())
 

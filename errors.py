@@ -7,9 +7,14 @@ permissions) are the user's environment, not a bug: ``storage_error`` turns them
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class DpscaleError(Exception):
@@ -89,3 +94,60 @@ def storage_error(exc: BaseException, *, path: str | None = None, stopped: str |
     prefix = f"{where!r}: " if where else ""
     state = f"{stopped}: " if stopped else ""
     return StorageError(f"{prefix}{what}; {state}{_REMEDIES[number]}, then {then}")
+
+
+@contextlib.contextmanager
+def storage_faults(*, path: str | None = None, stopped: str | Callable[[], str] | None = None,
+                   then: str = "run the command again") -> Iterator[None]:
+    """Inside: an operating-system fault ends in ``storage_error``'s one line (``stopped`` may be a
+    function, asked only then), and the libraries' own reports of it stay off the terminal.
+
+    orbax and tensorstore write a failed write's traceback to the absl log from every writer
+    thread, then asyncio logs the tasks whose failure nobody awaited and reports, as unraisable,
+    the threads that call back into the closed event loop of the failed save; some come after
+    the error reached us, so once a fault happened their filters stay for the rest of the process.
+    """
+    echoes = _FaultEchoes()
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    for logger in loggers:
+        logger.addFilter(echoes)
+    faulted = False
+    try:
+        yield
+    except Exception as exc:
+        fault = storage_error(exc, path=path, stopped=stopped() if callable(stopped) else stopped, then=then)
+        if fault is None:
+            raise
+        faulted = True
+        sys.unraisablehook = _without_closed_loop_reports(sys.unraisablehook)
+        raise fault from None
+    finally:
+        if not faulted:
+            for logger in loggers:
+                logger.removeFilter(echoes)
+
+
+def _closed_loop(exc: BaseException | None) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+class _FaultEchoes(logging.Filter):
+    """Drops a library's log record of an operating-system fault (or of its closed event loop)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and (_closed_loop(exc) or os_fault(exc) is not None):
+            return False
+        return os_fault(Exception(record.getMessage())) is None
+
+
+def _without_closed_loop_reports(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``sys.unraisablehook`` minus "Event loop is closed" (see ``storage_faults``)."""
+    if getattr(hook, "__qualname__", "").startswith("_without_closed_loop_reports"):
+        return hook
+
+    def report(unraisable: Any) -> None:
+        if not _closed_loop(unraisable.exc_value):
+            hook(unraisable)
+
+    return report

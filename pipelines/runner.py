@@ -165,7 +165,8 @@ _USER_ERROR = re.compile(r"dpscale\.errors\.(\w+): (.+)")
 _BEAM_CONTEXT = re.compile(r" \[while running '[^']*'\]")
 
 
-def _user_error(exc: BaseException) -> errors.DpscaleError | None:
+def _user_error(exc: BaseException, *, writes_to: str | None = None,
+                rerun: str = "run the command again") -> errors.DpscaleError | None:
     """The dpscale error a worker raised (a damaged shard, a full disk), if that is why the pipeline failed.
 
     In one process Beam re-raises the worker's exception (with the step's name added to its
@@ -185,7 +186,7 @@ def _user_error(exc: BaseException) -> errors.DpscaleError | None:
         kind = getattr(errors, name, None)
         if isinstance(kind, type) and issubclass(kind, errors.DpscaleError):
             return kind(_BEAM_CONTEXT.sub("", text.strip()))
-    return errors.storage_error(exc)
+    return errors.storage_error(exc, path=writes_to, then=rerun)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -198,12 +199,15 @@ def _one_line(exc: BaseException) -> str:
 
 def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel: bool,
                  progress_total: int, progress_label: str, log: logging.Logger,
-                 verbose: bool = False, stall_seconds: float = STALL_SECONDS) -> None:
+                 verbose: bool = False, stall_seconds: float = STALL_SECONDS,
+                 writes_to: str | None = None, rerun: str = "run the command again") -> None:
     """Build the graph with ``build(pipeline, progress_dir)`` and run it to completion.
 
     ``progress_dir`` is where workers ``mark`` finished work (None on a remote runner, whose
     own monitoring takes over). A failure raises ``PipelineError`` and a local stall
-    ``PipelineStalledError``: one line each, with what to try.
+    ``PipelineStalledError``: one line each, with what to try. A worker's own user error
+    (``DpscaleError``) is raised as it is, and an operating-system fault (a full disk) as a
+    ``StorageError`` naming ``writes_to`` (where the pipeline writes) and ``rerun``.
     """
     import apache_beam as beam
 
@@ -247,7 +251,7 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
         raise error
     if verbose:
         log.error("Beam pipeline failed", exc_info=error)
-    user_error = _user_error(error)
+    user_error = _user_error(error, writes_to=writes_to, rerun=rerun)
     if user_error is not None:  # its own line says it all
         if log_path:
             os.unlink(log_path)

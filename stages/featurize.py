@@ -128,4 +128,5 @@ def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,
     run_pipeline(build, args=config.pipeline_args,
                  parallel=graph.parallel(len(chunks)),
                  progress_total=rows, progress_label="featurize", log=log,
-                 verbose=config.verbose)
+                 verbose=config.verbose, writes_to=store.path,
+                 rerun="run the command again (it computes only the missing chunks)")

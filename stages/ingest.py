@@ -100,7 +100,8 @@ def run(config: IngestConfig) -> IngestResult:
 
     run_pipeline(build, args=config.pipeline_args, parallel=graph.parallel(total),
                  progress_total=total, progress_label="ingest: read+decode", log=log,
-                 verbose=config.verbose)
+                 verbose=config.verbose, writes_to=config.output_dir,
+                 rerun="run the command again with --overwrite")
     manifest = shards.read_manifest(config.output_dir)
     seconds = time.perf_counter() - start
     for split, entry in manifest.splits.items():

@@ -20,14 +20,13 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
 
 import jax
 import optax
 
 from dpscale import distributed
 from dpscale.data.identity import keyed_identity, seed_secret
-from dpscale.errors import DataError, InvalidConfigError, storage_error
+from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.privacy.dpsgd import TrainState
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.seeds import resolve_seed
@@ -147,9 +146,8 @@ class Trainer:
                     if self.diagnostics:
                         self.run.append_metrics(diagnostic, diagnostic=True)
                 if self.checkpoints.should_save(done, total):
-                    with _quiet_orbax():
-                        self.checkpoints.save(done, state)  # every process: orbax coordinates them
-                    self.write_ledger(done)
+                    self.write_ledger(done)  # first: a saved checkpoint is never ahead of what the ledger counts
+                    self.checkpoints.save(done, state)  # every process: orbax coordinates them
                 # Only what epsilon covers: the noisy update's norm (a non-private run shows its loss).
                 fields = {"shown": f"loss {metrics['loss']:.3f}" if "loss" in metrics
                           else f"|update| {metrics['update_norm']:.3g}"}
@@ -158,31 +156,27 @@ class Trainer:
                 bar.advance(**fields)
         return state, metrics, time.perf_counter() - started
 
-    @contextlib.contextmanager
-    def stopping_cleanly(self) -> Iterator[None]:
+    def stopping_cleanly(self) -> contextlib.AbstractContextManager:
         """A full disk (or a file system turned read-only) ends the run in one line that says how to resume.
 
         Every file of the run is written atomically (orbax renames a finished checkpoint into
-        place), so what is on disk is the last complete checkpoint and the ledger of its step;
-        a resume redoes the steps since, with the same noise (``training.run_directory``).
+        place, the ledger is written before its checkpoint), so what is on disk is the last
+        complete checkpoint; a resume redoes the steps since, with the same noise
+        (``training.run_directory``).
         """
-        try:
-            yield
-        except Exception as exc:
+        def where() -> str:
             try:
                 latest = self.checkpoints.latest_step()
             except Exception:  # noqa: BLE001 - the checkpoint directory itself may be unreadable now
                 latest = None
             at = f"its checkpoint of step {latest} of {self.plan.steps}" if latest else "its start (no checkpoint yet)"
-            fault = storage_error(exc, path=self.run.path, stopped=f"training stopped, the run is intact at {at}",
-                                  then=f"continue it with `dpscale train --resume {self.run.path}`")
-            if fault is None:
-                raise
-            raise fault from None
+            return f"training stopped, the run is intact at {at}"
+
+        return storage_faults(path=self.run.path, stopped=where,
+                              then=f"continue it with `dpscale train --resume {self.run.path}`")
 
     def finish(self, state: TrainState, metrics: dict[str, float], seconds: float) -> TrainResult:
-        with _quiet_orbax():
-            self.run.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
+        self.run.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
         self.checkpoints.close()
         if self.primary:
             self.run.delete_secrets()  # a finished run needs no resume
@@ -190,19 +184,6 @@ class Trainer:
                            noise_multiplier=self.plan.noise_multiplier, steps=self.plan.steps,
                            batch_size=self.plan.batch_size, train_seconds=seconds, final_metrics=metrics,
                            warnings=self.warnings())
-
-
-@contextlib.contextmanager
-def _quiet_orbax() -> Iterator[None]:
-    """Keep orbax's own error logs (a traceback per writer thread) off the terminal while it saves:
-    if the save fails, its error reaches ``Trainer.stopping_cleanly``, which says it in one line."""
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        absl.setLevel(level)
 
 
 def _check_processes_agree(spec: RunSpec, model: TrainModel) -> None:
