@@ -101,7 +101,7 @@ def run(config: IngestConfig) -> IngestResult:
             class_names=kept, label_map=label_map))
 
     run_pipeline(build, args=config.pipeline_args, parallel=graph.parallel(total),
-                 progress_total=total, progress_label="ingest: read+decode", log=log,
+                 progress_total=total, progress_label="ingest: read+decode", log=log, progress_unit="images",
                  verbose=config.verbose, writes_to=config.output_dir,
                  rerun="run the command again with --overwrite")
     manifest = shards.read_manifest(config.output_dir)

@@ -51,6 +51,7 @@ class TrainResult:
     train_seconds: float
     final_metrics: dict[str, float]  # the last step's metrics that epsilon covers (training.release)
     warnings: tuple[str, ...] = ()  # what the user must know about the guarantee (e.g. delta >= 1/N)
+    examples_per_second: float = 0.0  # expected batch size x steps run by this process / train_seconds
 
 
 def plan_for(config: TrainingConfig, model: TrainModel) -> PrivacyPlan:
@@ -131,7 +132,9 @@ class Trainer:
         metrics: dict[str, float] = {}
         log_every = max(1, math.ceil(total / 20))
         show = self.config.show_progress and self.primary
-        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown")) as bar:
+        self.steps_run = total - start
+        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown"),
+                          unit=("examples", self.plan.batch_size)) as bar:
             for step in range(start, total):
                 batch = self.sampler.sample(step)
                 state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
@@ -183,7 +186,9 @@ class Trainer:
         return TrainResult(run_dir=self.run.path, epsilon=self.plan.epsilon(), delta=self.plan.delta,
                            noise_multiplier=self.plan.noise_multiplier, steps=self.plan.steps,
                            batch_size=self.plan.batch_size, train_seconds=seconds, final_metrics=metrics,
-                           warnings=self.warnings())
+                           warnings=self.warnings(),
+                           examples_per_second=round(self.steps_run * self.plan.batch_size / seconds, 1)
+                           if seconds > 0 else 0.0)
 
 
 def _check_processes_agree(spec: RunSpec, model: TrainModel) -> None:
