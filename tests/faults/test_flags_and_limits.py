@@ -93,3 +93,31 @@ def test_training_shows_examples_per_second_in_its_progress_and_its_result(cache
     assert code == 0 and json.loads(out)["examples_per_second"] > 0
     assert any(line.split(" ", 1)[1].startswith("train: 6/6") and "examples/s" in line for line in err.splitlines())
 
+
+# --- every accountant call bounded in time ------------------------------------------------------
+
+PLAN = ["--noise-multiplier", "1.0", "--batch-size", "256", "--num-examples", "50000"]
+
+
+@pytest.mark.parametrize("command", [["epsilon", *PLAN, "--steps", "1000000000000"],
+                                     ["epsilon", *PLAN, "--steps", "100000001", "--accountant", "rdp"],
+                                     ["calibrate", "--epsilon", "8", "--num-examples", "50000", "--batch-size",
+                                      "256", "--steps", "1000000000000"]])
+def test_an_epsilon_that_would_take_too_long_is_refused_at_once(command, capfd):
+    started = time.perf_counter()
+    refused(capfd, *command, saying=("steps: epsilon is computed for at most 100,000,000 steps",
+                                     "no training run needs as many"))
+    assert time.perf_counter() - started < 10
+
+
+def test_a_run_whose_epsilon_would_take_too_long_is_refused_before_it_starts(cache, tmp_path, capfd):
+    refused(capfd, "train", cache, tmp_path / "r", "--noise-multiplier", "1", "--batch-size", "64",
+            "--steps", "200000000", saying="at most 100,000,000 steps")
+    assert not (tmp_path / "r" / "config.json").exists()
+
+
+def test_the_most_steps_accounted_answer_in_seconds(capfd):
+    started = time.perf_counter()
+    out = ok(capfd, "epsilon", *PLAN, "--steps", "100000000", "--json")
+    assert time.perf_counter() - started < 60  # measured: see the report of MAX_ACCOUNTED_STEPS
+    assert json.loads(out)["steps"] == 10**8
