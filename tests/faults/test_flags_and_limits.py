@@ -111,8 +111,8 @@ def test_an_epsilon_that_would_take_too_long_is_refused_at_once(command, capfd):
 
 
 def test_a_run_whose_epsilon_would_take_too_long_is_refused_before_it_starts(cache, tmp_path, capfd):
-    refused(capfd, "train", cache, tmp_path / "r", "--noise-multiplier", "1", "--batch-size", "64",
-            "--steps", "200000000", saying="at most 100,000,000 steps")
+    refused(capfd, "train", cache, tmp_path / "r", "--batch-size", "64", "--steps", "200000000",
+            saying="at most 100,000,000 steps")
     assert not (tmp_path / "r" / "config.json").exists()
 
 

@@ -120,7 +120,7 @@ def test_a_full_disk_stops_training_at_its_last_checkpoint_and_says_how_to_resum
 
     def save_until_full(self, step, state):
         if step > 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(self.directory, str(step)))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run / "checkpoints" / str(step)))
         save(self, step, state)
 
     monkeypatch.setattr(Checkpoints, "save", save_until_full)
