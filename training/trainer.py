@@ -75,9 +75,10 @@ class Trainer:
         count = mesh.devices.size
         if config.physical_batch % count:
             processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
+            below, above = config.physical_batch // count * count, (config.physical_batch // count + 1) * count
             raise InvalidConfigError(
-                f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes} "
-                "(or set --devices)")
+                f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes}: "
+                f"give {f'{below} or ' if below else ''}{above} (or set --devices)")
         self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch)
         optimizer = optax.chain(
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),

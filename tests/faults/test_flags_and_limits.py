@@ -72,7 +72,7 @@ def test_more_devices_than_exist_is_one_line_saying_how_to_get_more(cache, tmp_p
 
 def test_a_micro_batch_the_devices_cannot_share_is_one_line(cache, tmp_path, capfd):
     refused(capfd, "train", cache, tmp_path / "r", *TRAIN, "--microbatch-size", 6,
-            saying=("--microbatch-size 6", "divisible by the 4 devices", "--devices"))
+            saying=("--microbatch-size 6", "divisible by the 4 devices: give 4 or 8", "--devices"))
     assert not (tmp_path / "r" / "config.json").exists()
 
 
