@@ -168,13 +168,13 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
                                           "image_shape": list(manifest.image_shape or ())})
     other = data is not None and not _is_runs_data(spec, data)
     name = other_data_name(path) if other else None
-    if other and not force_other_data:
-        raise DataError(f"{data!r} is not the data the run trained on ({spec.data!r}), so its scores are not the "
-                        f"run's scores; pass --force-other-data to score it anyway (saved to "
-                        f"{run.scores_file(split, diagnostic=diagnostic, other_data=name)}, metrics.json kept)")
     model = build_train_model(path, spec.training)
     _check_made_alike(path, trained, model.inputs, images=spec.training.mode == "images",
                       backbone=spec.training.images.backbone)
+    if other and not force_other_data:  # data not made alike is refused above, even when forced
+        raise DataError(f"{data!r} is not the data the run trained on ({spec.data!r}), so its scores are not the "
+                        f"run's scores; pass --force-other-data to score it anyway (saved to "
+                        f"{run.scores_file(split, diagnostic=diagnostic, other_data=name)}, metrics.json kept)")
     trained_params = run.load_params()
     state = trained_params.get("model_state", {})
     inputs, labels = model.eval_inputs(split, state)  # transformed as in training (e.g. the saved mean)

@@ -10,6 +10,7 @@ import errno
 import io
 import json
 import os
+import re
 
 import pytest
 
@@ -39,6 +40,17 @@ def digits(tmp_path_factory):
             cli.main([str(a) for a in args], prog_name="dpscale")
         assert info.value.code == 0
     return root / "digits", root / "run"
+
+
+def refused_after_progress(capfd, *args, saying=()):
+    """``refused`` for a Beam stage, whose dated progress lines may come first: one error line, at the end."""
+    code, out, err = dpscale(capfd, *args)
+    lines = [line for line in err.strip().splitlines() if not re.match(r"\d\d:\d\d:\d\d ", line)]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("dpscale: error: "), err
+    assert "Traceback" not in err and out == "" and err.strip().splitlines()[-1] == lines[0]
+    for text in (saying,) if isinstance(saying, str) else saying:
+        assert text in lines[0], lines[0]
+    return lines[0]
 
 
 def read_only(monkeypatch, root) -> None:
@@ -79,7 +91,7 @@ def read_only(monkeypatch, root) -> None:
 
 def test_ingest_into_a_read_only_directory_is_one_line(tmp_path, monkeypatch, capfd):
     read_only(monkeypatch, tmp_path)
-    refused(capfd, "ingest", "digits", tmp_path / "out", "--", *IN_MEMORY,
+    refused_after_progress(capfd, "ingest", "digits", tmp_path / "out", "--", *IN_MEMORY,
             saying=(str(tmp_path), "permission denied", "fix the permissions"))
     monkeypatch.undo()
     assert not (tmp_path / "out").exists() or snapshot(tmp_path / "out") == {}
@@ -95,7 +107,7 @@ def test_train_into_a_read_only_directory_is_one_line(cache, tmp_path, monkeypat
 def test_featurize_into_a_read_only_cache_is_one_line(digits, tmp_path, monkeypatch, capfd):
     data, _ = digits
     read_only(monkeypatch, tmp_path)
-    refused(capfd, "featurize", data, "--backbone", "scatternet-linear", "--cache-dir", tmp_path / "c",
+    refused_after_progress(capfd, "featurize", data, "--backbone", "scatternet-linear", "--cache-dir", tmp_path / "c",
             "--", *IN_MEMORY, saying=(str(tmp_path), "permission denied"))
     monkeypatch.undo()
     assert snapshot(tmp_path) == {}
@@ -160,7 +172,7 @@ def test_a_damaged_shard_is_one_line_naming_it_and_the_rebuild(digits, tmp_path,
     before = snapshot(data)
     args = (["train", data, tmp_path / "run", *IMAGES] if command == "train" else
             ["featurize", data, "--backbone", "scatternet-linear", "--cache-dir", tmp_path / "c", "--", *IN_MEMORY])
-    refused(capfd, *args, saying=(os.path.basename(shard), "damaged", f"`dpscale ingest digits {data}", "--overwrite`"))
+    refused_after_progress(capfd, *args, saying=(os.path.basename(shard), "damaged", f"`dpscale ingest digits {data}", "--overwrite`"))
     assert snapshot(data) == before
     assert not (tmp_path / "run" / CONFIG).exists()
 
@@ -170,7 +182,7 @@ def test_a_damaged_shard_is_one_line_naming_it_and_the_rebuild(digits, tmp_path,
 def test_an_unprepared_tfds_dataset_is_one_line_and_writes_nothing(tmp_path, capfd):
     pytest.importorskip("tensorflow_datasets")
     (tmp_path / "tfds").mkdir()
-    refused(capfd, "ingest", "tfds:mnist", tmp_path / "out", "--tfds-data-dir", tmp_path / "tfds",
+    refused_after_progress(capfd, "ingest", "tfds:mnist", tmp_path / "out", "--tfds-data-dir", tmp_path / "tfds",
             saying=("'mnist' is not prepared", "never downloads", "tfds build mnist"))
     assert not (tmp_path / "out").exists() and snapshot(tmp_path / "tfds") == {}
 
