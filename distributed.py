@@ -157,7 +157,7 @@ def training_mesh(devices: int | None = None) -> Mesh:
                 f"XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment"
                 if platform == "cpu" and count > have else "")
         raise InvalidConfigError(f"--devices {devices}: this machine has {have} {platform} "
-                                 f"device{'s' if have != 1 else ''} (give 1 to {have}){more}")
+                                 f"device{'s' if have != 1 else ''} (give {f'1 to {have}' if have > 1 else 1}){more}")
     return Mesh(available[:count], (DATA_AXIS,))
 
 
