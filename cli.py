@@ -35,13 +35,17 @@ from dpscale.cli_options import (
     grid_axes,
     ints,
 )
-from dpscale.errors import DpscaleError, PipelineStalledError
+from dpscale.errors import DpscaleError, PipelineStalledError, storage_error
 
 
 class _DpscaleGroup(click.Group):
     """A click group whose user errors are one line on stderr with exit code 2."""
 
     def main(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401 - click API
+        with _warnings_as_lines():
+            self._main(*args, **kwargs)
+
+    def _main(self, *args: Any, **kwargs: Any) -> None:
         kwargs["standalone_mode"] = False
         try:
             super().main(*args, **kwargs)
@@ -53,6 +57,12 @@ class _DpscaleGroup(click.Group):
         except click.ClickException as exc:
             click.echo(f"dpscale: error: {exc.format_message()}", err=True)
             sys.exit(2)
+        except OSError as exc:  # a full disk, a read-only file system, missing permissions: one line
+            fault = storage_error(exc)
+            if fault is None:
+                raise
+            click.echo(f"dpscale: error: {fault}", err=True)
+            sys.exit(2)
         except DpscaleError as exc:
             message = " ".join(str(exc).split())
             click.echo(f"dpscale: error: {message}", err=True)
@@ -62,6 +72,42 @@ class _DpscaleGroup(click.Group):
                 os._exit(2)
             sys.exit(2)
         sys.exit(0)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Any:
+    """While a command runs, dpscale's logged warnings (e.g. a fixed seed) read ``dpscale: warning: ...``
+    like every other warning, instead of in the root logger's format (stage progress lines have
+    their own handler, ``_show_stage_progress``, with the same format for warnings). dpscale's Python
+    warnings are logged as well, so they are not shown twice. Undone afterwards: the CLI may run in-process."""
+    import warnings
+
+    log = logging.getLogger("dpscale")
+    handler = _StderrHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_StageFormatter())
+    propagate = log.propagate
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"dpscale\.")
+            yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
+class _StageFormatter(logging.Formatter):
+    """Progress lines with the time of day; warnings and errors as ``dpscale: warning: ...``, like every other."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(message)s", "%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING:
+            return f"dpscale: {record.levelname.lower()}: {record.getMessage()}"
+        return super().format(record)
 
 
 def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
@@ -112,7 +158,7 @@ def _show_stage_progress(log: logging.Logger) -> None:
     """Print a Beam stage's progress lines (one per stage and split) once, with a timestamp."""
     if not log.handlers:
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        handler.setFormatter(_StageFormatter())
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False  # Beam configures the root logger too: print once
@@ -163,11 +209,13 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
     reasons = ", ".join(f"{n} {reason}" for reason, n in manifest.rejected_by_reason.items())
     _note(f"rejected: {result.num_rejected}{f' ({reasons})' if reasons else ''} (see report.json)")
     _note(f"content hash: {manifest.content_hash}")
-    _note(f"wrote {result.output_dir} in {result.seconds:.1f} s")
+    read = _per_second(sum(result.num_examples.values()) + result.num_rejected, result.seconds)
+    _note(f"wrote {result.output_dir} in {result.seconds:.1f} s ({read:.4g} images/s read)")
     _print_json_line({"output_dir": result.output_dir, "num_examples": result.num_examples,
                       "num_classes": manifest.num_classes, "num_rejected": result.num_rejected,
                       "rejected_by_reason": dict(manifest.rejected_by_reason),
-                      "content_hash": manifest.content_hash, "seconds": round(result.seconds, 3)})
+                      "content_hash": manifest.content_hash, "seconds": round(result.seconds, 3),
+                      "images_per_second": read})
 
 
 @cli.command("dedup", context_settings={"ignore_unknown_options": True,
@@ -355,11 +403,12 @@ def featurize_command(data: str, backbone: str, cache_dir: str | None, resolutio
     status = ("cache hit" if result.cache_hit else
               f"computed {result.chunks_computed} of {result.chunks_total} chunks")
     counts = ", ".join(f"{s}: {n}" for s, n in result.num_examples.items())
-    _note(f"{status} ({counts}) in {result.seconds:.1f} s")
+    speed = _per_second(result.images_computed, result.seconds)
+    _note(f"{status} ({counts}) in {result.seconds:.1f} s" + (f" ({speed:.4g} images/s)" if speed else ""))
     _note(f"entry: {result.path}")
     _print_json_line({"path": result.path, "cache_hit": result.cache_hit, "chunks_computed": result.chunks_computed,
                       "chunks_total": result.chunks_total, "num_examples": dict(result.num_examples),
-                      "seconds": round(result.seconds, 3)})
+                      "seconds": round(result.seconds, 3), "images_per_second": speed})
 
 
 @cli.command("models")
@@ -401,7 +450,8 @@ def _print_json_line(payload: dict) -> None:
 @click.argument("data", type=click.Path(file_okay=False), required=False)
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
-              help="Continue the killed run in this directory from its last checkpoint (no other arguments).")
+              help="Continue the killed run in this directory from its last checkpoint, with the settings it started "
+                   "with (no other arguments or training options; multi-host flags only).")
 @click.option("--epsilon", type=floats(0, min_open=True, allow_inf=True), default=8.0, show_default=True,
               help="Target epsilon; `inf` = non-private.")
 @click.option("--noise-multiplier", type=POSITIVE, default=None, help="sigma; calibrated when left out.")
@@ -429,6 +479,8 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
     """
     from dpscale.stages import train
 
+    if resume_dir is not None:
+        _refuse_settings_with_resume(click.get_current_context())
     # Before anything touches a JAX backend (importing the train stage does not).
     train.initialize_distributed(coordinator_address, num_processes, process_id, auto=auto_distributed)
     if resume_dir is not None:
@@ -448,6 +500,19 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
     _print_json_line(dataclasses_asdict(result))
 
 
+def _refuse_settings_with_resume(ctx: click.Context) -> None:
+    """A resumed run continues with the settings, plan and seed it started with (its config.json): a
+    training option given with --resume would be ignored, so it is refused (the multi-host flags,
+    which say how this process joins, are the only ones that apply)."""
+    joining = {"resume_dir", "coordinator_address", "num_processes", "process_id", "auto_distributed"}
+    given = [param.opts[0] for param in ctx.command.params
+             if param.name not in joining and isinstance(param, click.Option)
+             and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise click.UsageError(f"--resume continues the run with the settings it started with; {', '.join(given)} "
+                               "cannot change them (start a new run in a new directory instead)")
+
+
 @contextlib.contextmanager
 def _resume_hint_on_interrupt(run_dir: str) -> Any:
     """On Ctrl-C in a run that has started, say how to continue it (then abort as usual)."""
@@ -464,16 +529,26 @@ def _resume_hint_on_interrupt(run_dir: str) -> Any:
 @cli.command("evaluate")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--split", default="test", show_default=True)
-@click.option("--data", default=None, help="Ingested data (default: the data the run trained on).")
+@click.option("--data", default=None,
+              help="Data made like the run's (same classes, image shape, backbone and preprocessing); default: the "
+                   "data the run trained on.")
+@click.option("--force-other-data", is_flag=True,
+              help="Score --data even though it is not the data the run trained on; the scores go to "
+                   "metrics.other-data.<name>.json, never metrics.json.")
 @click.option("--private-diagnostics", is_flag=True,
               help="Allow scoring the run's own training rows (its train split or held-out rows): exact statistics "
                    "of private data that epsilon does NOT cover, written to a *.NOT-PRIVATE.json file (mode 0600).")
-def evaluate_command(run_dir: str, split: str, data: str | None, private_diagnostics: bool) -> None:
-    """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json."""
+def evaluate_command(run_dir: str, split: str, data: str | None, force_other_data: bool,
+                     private_diagnostics: bool) -> None:
+    """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json.
+
+    The JSON line restates the run's (epsilon, delta) and names the data scored.
+    """
     from dpscale.stages import evaluate
 
     result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data,
-                                                  private_diagnostics=private_diagnostics))
+                                                  private_diagnostics=private_diagnostics,
+                                                  force_other_data=force_other_data))
     _echo_warnings(result.warnings)
     _print_json_line(result.as_dict())
 
@@ -628,6 +703,11 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
     if any(row["violation"] for row in result.rows):
         click.echo("dpscale: AUDIT FAILED: a lower bound exceeds the nominal epsilon", err=True)
         sys.exit(1)
+
+
+def _per_second(count: int, seconds: float) -> float:
+    """Throughput over a stage's whole wall time (start-up included), as the JSON result reports it."""
+    return round(count / seconds, 1) if seconds > 0 else 0.0
 
 
 def _note(line: str) -> None:

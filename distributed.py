@@ -152,7 +152,12 @@ def training_mesh(devices: int | None = None) -> Mesh:
     available = jax.local_devices()
     count = len(available) if devices is None else devices
     if not 1 <= count <= len(available):
-        raise InvalidConfigError(f"devices must be in [1, {len(available)}], got {devices}")
+        platform, have = available[0].platform, len(available)
+        more = (f"; JAX makes N CPU devices of this machine's cores when started with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment"
+                if platform == "cpu" and count > have else "")
+        raise InvalidConfigError(f"--devices {devices}: this machine has {have} {platform} "
+                                 f"device{'s' if have != 1 else ''} (give {f'1 to {have}' if have > 1 else 1}){more}")
     return Mesh(available[:count], (DATA_AXIS,))
 
 

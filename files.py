@@ -92,7 +92,10 @@ def write_atomic(path: str, write: Callable[[IO[Any]], None], *, private: bool =
             write(f)
         return
     tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-    fd = _create_new(tmp, private=private)
+    try:
+        fd = _create_new(tmp, private=private)
+    except OSError as exc:  # name the file being written, not its temporary name
+        raise type(exc)(exc.errno, exc.strerror, path) from None
     try:
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)

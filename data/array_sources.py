@@ -171,16 +171,37 @@ def _tfds_argument(rest: str) -> tuple[str, str | None] | None:
 
 
 def plan_tfds(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
+    """A TFDS dataset already prepared in ``tfds_data_dir`` (or TFDS's default): dpscale never downloads.
+
+    Preparing a dataset (``download_and_prepare``) fetches it from the internet, prints on stdout
+    and needs packages that reading a prepared one does not, so a dataset that is not there is
+    refused in one line that says how to prepare it, and reads never fall back to preparing.
+    """
     import tensorflow_datasets as tfds
 
     chunk_size, data_dir = options.chunk_size, options.tfds_data_dir
     try:
         builder = tfds.builder(spec.location, data_dir=data_dir)
-        splits = [spec.split] if spec.split else sorted(builder.info.splits.keys())
-        sources = {s: tfds.data_source(spec.location, split=s, data_dir=data_dir)
-                   for s in splits}
+        available = sorted(builder.info.splits.keys())  # empty when it was never prepared
     except Exception as exc:  # noqa: BLE001 - TFDS raises many kinds; all are user-facing
-        raise DataError(f"cannot load TFDS dataset {spec.location!r}: {exc}") from exc
+        reason = " ".join(str(exc).split()).split(" Available datasets:")[0]  # not the whole catalogue
+        raise DataError(f"cannot load TFDS dataset {spec.location!r}: {reason[:200]}") from None
+    where = data_dir or "TFDS's default data directory"
+    not_prepared = DataError(
+        f"TFDS dataset {spec.location!r} is not prepared in {where} (dpscale reads prepared TFDS data only, it never "
+        f"downloads): prepare it there in ArrayRecord format, e.g. `tfds build {spec.location} "
+        f"--file_format=array_record{f' --data_dir={data_dir}' if data_dir else ''}`, or give --tfds-data-dir "
+        "where it is")
+    if not spec.split and not available:
+        raise not_prepared
+    splits = [spec.split] if spec.split else available
+    try:
+        sources = {s: tfds.data_source(spec.location, split=s, data_dir=data_dir, download=False) for s in splits}
+    except Exception as exc:  # noqa: BLE001 - e.g. a split that is not there, or not in ArrayRecord format
+        if not builder.is_prepared():
+            raise not_prepared from None
+        raise DataError(f"cannot read TFDS dataset {spec.location!r} (splits {', '.join(available) or '?'}): "
+                        f"{' '.join(str(exc).split())[:200]}") from None
     image_key, label_key = _tfds_keys(builder.info.features)
     classes = tuple(builder.info.features[label_key].names)
     tasks, sizes = [], {}

@@ -69,7 +69,15 @@ class IngestedDataset:
             from array_record.python.array_record_data_source import ArrayRecordDataSource
 
             files = [shards.join(self.path, s.file) for s in self._split(split).shards if s.num_examples]
-            self._sources[split] = ArrayRecordDataSource(files) if files else []
+            try:
+                source = ArrayRecordDataSource(files) if files else []
+            except (RuntimeError, OSError) as exc:  # a shard missing, cut off or unreadable
+                raise shards.damaged_shard_error(self.path, self.manifest, split, exc) from None
+            if len(source) != self.num_examples(split):
+                raise shards.damaged_shard_error(self.path, self.manifest, split,
+                                                 ValueError(f"{len(source)} records instead of "
+                                                            f"{self.num_examples(split)}"))
+            self._sources[split] = source
         return self._sources[split]
 
     def records(self, split: str, indices: Sequence[int] | np.ndarray) -> list[bytes]:
@@ -80,7 +88,12 @@ class IngestedDataset:
             raise IndexError(f"index out of range for split {split!r} of size {n}")
         if not idx.size:
             return []
-        return list(self._source(split).__getitems__([int(i) for i in idx]))
+        wanted = [int(i) for i in idx]
+        source = self._source(split)
+        try:
+            return list(source.__getitems__(wanted))
+        except (RuntimeError, OSError) as exc:  # a checksum or a read failed: name the shard
+            raise shards.damaged_shard_error(self.path, self.manifest, split, exc, indices=wanted) from None
 
     def get(self, split: str, indices: Sequence[int] | np.ndarray, *,
             padding_index: int | None = None) -> tuple[np.ndarray, np.ndarray]:

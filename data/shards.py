@@ -27,6 +27,8 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from dpscale import files
 from dpscale.data.examples import Encoded, Rejection, check_shape, combine_hashes, element_hash
 from dpscale.data.manifest import ClassFilter, Manifest, ShardEntry, SplitEntry
@@ -152,6 +154,66 @@ def prepare_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[st
     for path in existing:
         files.remove(path)
     files.makedirs(output_dir)
+
+
+def rebuild_command(directory: str, manifest: Manifest) -> str:
+    """The command that writes ``directory`` again from its source, as the manifest records it."""
+    if manifest.source.startswith("dedup:"):
+        return f"the `dpscale dedup` command that wrote {directory!r}, with --overwrite"
+    options = [f"--validation-fraction {manifest.validation_fraction:g}"] if manifest.validation_fraction else []
+    if manifest.record_encoding != "raw":
+        options.append(f"--image-encoding {manifest.record_encoding}")
+    if manifest.class_filter is not None:
+        options.append(f"--classes {','.join(manifest.class_names)}")
+    return " ".join(["`dpscale ingest", manifest.source, directory, *options, "--overwrite`"])
+
+
+def _shard_problem(path: str, expected: int, positions: Sequence[int] | None) -> str | None:
+    """Why the shard at ``path`` cannot be read (None: it reads): opened, counted, ``positions`` read."""
+    from array_record.python.array_record_data_source import ArrayRecordDataSource
+
+    try:
+        with ArrayRecordDataSource([path]) as source:
+            if len(source) != expected:
+                return f"it holds {len(source)} records, the manifest says {expected}"
+            if positions:
+                source.__getitems__(list(positions))
+    except (RuntimeError, OSError, ValueError) as exc:
+        return _reason(exc)
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    """The first clause of a reader's error, short enough for one line."""
+    text = " ".join(str(exc).split()).split("; ")[0]
+    return (text if len(text) <= 150 else text[:147] + "...") or type(exc).__name__
+
+
+def damaged_shard_error(directory: str, manifest: Manifest, split: str, error: BaseException, *,
+                        indices: Sequence[int] | None = None) -> DataError:
+    """One line naming the shard of ``split`` that cannot be read, and the command that rebuilds the dataset.
+
+    ArrayRecord's reader says what is wrong (a checksum, a cut-off file) but not in which of a
+    split's files: the shards are probed one by one (only those holding ``indices``, if given),
+    which costs nothing unless something already failed.
+    """
+    entries = [s for s in manifest.splits[split].shards if s.num_examples]
+    wanted: dict[int, list[int]] = {}
+    if indices is not None:
+        bounds = np.cumsum([s.num_examples for s in entries])
+        for index in indices:
+            shard = int(np.searchsorted(bounds, index, side="right"))
+            wanted.setdefault(shard, []).append(int(index) - (int(bounds[shard - 1]) if shard else 0))
+    for number, entry in enumerate(entries):
+        if indices is not None and number not in wanted:
+            continue
+        path = join(directory, entry.file)
+        problem = _shard_problem(path, entry.num_examples, wanted.get(number))
+        if problem is not None:
+            return DataError(f"shard {path!r} of split {split!r} is damaged ({problem}); rebuild the dataset with "
+                             f"{rebuild_command(directory, manifest)}")
+    return DataError(f"split {split!r} of {directory!r} cannot be read ({_reason(error)}); rebuild the dataset with "
+                     f"{rebuild_command(directory, manifest)}")
 
 
 def write_json(path: str, payload: Any) -> None:

@@ -42,8 +42,8 @@ def _done(progress_dir: str) -> int:
 class LocalProgress:
     """Context manager: ``.directory`` for the workers, the progress bar for the user."""
 
-    def __init__(self, total: int, *, label: str, interval: float = 0.5) -> None:
-        self.total, self.label, self.interval = total, label, interval
+    def __init__(self, total: int, *, label: str, interval: float = 0.5, unit: str | None = None) -> None:
+        self.total, self.label, self.interval, self.unit = total, label, interval, unit
         self.directory = tempfile.mkdtemp(prefix="dpscale-progress-")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -60,7 +60,8 @@ class LocalProgress:
 
     def _watch(self) -> None:
         # transient: on a terminal the bar gives way to the stage's result; a log keeps a last line
-        with progress_bar(self.label, total=self.total, transient=True) as bar:
+        with progress_bar(self.label, total=self.total, transient=True,
+                          unit=(self.unit, 1) if self.unit else None) as bar:
             stopped = False
             while not stopped:  # one more count after the stop: the last marks are in the last line
                 stopped = self._stop.wait(self.interval)

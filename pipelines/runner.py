@@ -33,14 +33,17 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
+from dpscale import errors
 from dpscale.errors import PipelineError, PipelineStalledError
 from dpscale.pipelines.progress import LocalProgress
 
@@ -155,8 +158,17 @@ def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
                 for h in getattr(logging.getLogger(name), "handlers", [])
                 if isinstance(h, logging.StreamHandler) and h.stream is old_stderr]
     beam_logger = logging.getLogger("apache_beam")
-    old_level = beam_logger.level
+    old_level, old_propagate = beam_logger.level, beam_logger.propagate
     beam_logger.setLevel(logging.ERROR)
+    to_file = logging.StreamHandler(os.fdopen(os.dup(fd), "w", buffering=1))  # a worker's error and its trace
+    beam_logger.addHandler(to_file)
+    beam_logger.propagate = False
+    old_hook = threading.excepthook
+
+    def thread_error_to_file(args: threading.ExceptHookArgs) -> None:  # e.g. a worker process that died
+        traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback, file=to_file.stream)
+
+    threading.excepthook = thread_error_to_file
     os.dup2(fd, 2)
     sys.stderr = terminal
     for h in handlers:
@@ -172,7 +184,11 @@ def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
         for h in handlers:
             h.setStream(old_stderr)
         terminal.close()
+        threading.excepthook = old_hook
+        beam_logger.removeHandler(to_file)
+        to_file.stream.close()
         beam_logger.setLevel(old_level)
+        beam_logger.propagate = old_propagate
 
 
 def _tree_cpu_seconds() -> float:
@@ -197,6 +213,34 @@ def _stop_children() -> None:
             p.kill()
 
 
+_USER_ERROR = re.compile(r"dpscale\.errors\.(\w+): (.+)")
+_BEAM_CONTEXT = re.compile(r" \[while running '[^']*'\]")
+
+
+def _user_error(exc: BaseException, *, writes_to: str | None = None,
+                rerun: str = "run the command again") -> errors.DpscaleError | None:
+    """The dpscale error a worker raised (a damaged shard, a full disk), if that is why the pipeline failed.
+
+    In one process Beam re-raises the worker's exception (with the step's name added to its
+    message); from worker processes only its traceback's text arrives. Either way the user
+    gets the worker's own one line, not Beam's wrapping or a hint about running modes.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, errors.DpscaleError):
+            return type(error)(_BEAM_CONTEXT.sub("", " ".join(str(error).split())))
+        error = error.__cause__ or error.__context__
+    found = _USER_ERROR.findall(str(exc))
+    if found:
+        name, text = found[-1]
+        kind = getattr(errors, name, None)
+        if isinstance(kind, type) and issubclass(kind, errors.DpscaleError):
+            return kind(_BEAM_CONTEXT.sub("", text.strip()))
+    return errors.storage_error(exc, path=writes_to, then=rerun)
+
+
 def _one_line(exc: BaseException) -> str:
     """The last meaningful line of an error Beam wrapped around a worker's traceback."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
@@ -207,12 +251,16 @@ def _one_line(exc: BaseException) -> str:
 
 def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel: bool,
                  progress_total: int, progress_label: str, log: logging.Logger,
-                 verbose: bool = False, stall_seconds: float = STALL_SECONDS) -> None:
+                 progress_unit: str | None = None, verbose: bool = False, stall_seconds: float = STALL_SECONDS,
+                 writes_to: str | None = None, rerun: str = "run the command again") -> None:
     """Build the graph with ``build(pipeline, progress_dir)`` and run it to completion.
 
     ``progress_dir`` is where workers ``mark`` finished work (None on a remote runner, whose
-    own monitoring takes over). A failure raises ``PipelineError`` and a local stall
-    ``PipelineStalledError``: one line each, with what to try.
+    own monitoring takes over); ``progress_unit`` names what they count (e.g. ``"images"``), to
+    show the throughput. A failure raises ``PipelineError`` and a local stall
+    ``PipelineStalledError``: one line each, with what to try. A worker's own user error
+    (``DpscaleError``) is raised as it is, and an operating-system fault (a full disk) as a
+    ``StorageError`` naming ``writes_to`` (where the pipeline writes) and ``rerun``.
     """
     import apache_beam as beam
 
@@ -223,7 +271,7 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     local = is_local_runner(options)
     if local:
         avoid_flush_race()
-    progress = LocalProgress(progress_total, label=progress_label) if local else None
+    progress = LocalProgress(progress_total, label=progress_label, unit=progress_unit) if local else None
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:
@@ -272,7 +320,14 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
         raise error
     if verbose:
         log.error("Beam pipeline failed", exc_info=error)
+    user_error = _user_error(error, writes_to=writes_to, rerun=rerun)
+    if user_error is not None:  # its own line says it all
+        if log_path:
+            os.unlink(log_path)
+        raise user_error from None
     where = f" (Beam's log: {log_path})" if log_path else ""
-    hint = (TRY_IN_MEMORY if local else "see the runner's job log")
-    raise PipelineError(f"the Beam pipeline failed: {_one_line(error)}{where}; {hint}, "
-                        "or add --verbose for the full trace") from error
+    # One process cannot fail the way several can (pickling, worker start-up, the data plane).
+    several = local and options.view_as(DirectOptions).direct_running_mode != "in_memory"
+    hints = [TRY_IN_MEMORY] if several else [] if local else ["see the runner's job log"]
+    hints.append("add --verbose for the full trace")
+    raise PipelineError(f"the Beam pipeline failed: {_one_line(error)}{where}; {', or '.join(hints)}") from error

@@ -49,6 +49,11 @@ ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 SAMPLING_SCHEMES: tuple[str, ...] = ("poisson", "shuffle")
 # dp-accounting's own default grid; coarser only where it would not fit in memory (privacy.pld).
 PLD_DISCRETIZATION = DEFAULT_DISCRETIZATION
+# The most steps an epsilon is computed for. Up to here every setting answers in seconds (the PLD's
+# grid and blocked composition are sized for it, privacy.pld); beyond, dp-accounting's own bounds of
+# a composition grow with the steps, and with them its time and memory. 10^8 is three orders beyond
+# an ImageNet run (~10^5 steps), so a plan past it is refused rather than computed for minutes.
+MAX_ACCOUNTED_STEPS = 10**8
 
 
 def check_batch_size(*, batch_size: int, num_examples: int) -> None:
@@ -76,6 +81,7 @@ def check_mechanism(*, noise_multiplier: float, sampling_rate: float, steps: int
         raise InvalidConfigError(
             f"sampling rate q = batch size / number of examples must be in (0, 1], got {sampling_rate}")
     check_steps(steps)
+    check_accounted_steps(steps)
     if sampling not in SAMPLING_SCHEMES:
         raise InvalidConfigError(f"sampling must be one of {SAMPLING_SCHEMES}, got {sampling!r}")
 
@@ -84,6 +90,14 @@ def check_steps(steps: int) -> None:
     """Raise :class:`InvalidConfigError` unless ``steps`` is a positive integer."""
     if isinstance(steps, bool) or int(steps) != steps or steps < 1:
         raise InvalidConfigError(f"steps must be a positive integer, got {steps}")
+
+
+def check_accounted_steps(steps: int) -> None:
+    """Raise :class:`InvalidConfigError` past ``MAX_ACCOUNTED_STEPS``: an epsilon that would take too long."""
+    if steps > MAX_ACCOUNTED_STEPS:
+        raise InvalidConfigError(
+            f"{steps:,} steps: epsilon is computed for at most {MAX_ACCOUNTED_STEPS:,} steps (10^8, in seconds); "
+            "beyond that the accountant's time and memory grow without bound, and no training run needs as many")
 
 
 def check_releases(releases: tuple[float, ...]) -> None:
@@ -243,6 +257,7 @@ class EpsilonCurve:
         """(epsilon, the accountant whose bound it is) after ``steps`` steps."""
         if steps < 0:
             raise InvalidConfigError(f"steps must be >= 0, got {steps}")
+        check_accounted_steps(steps)
         if steps not in self._cache:
             with quiet_rdp_warnings():
                 self._cache[steps] = self._compute(int(steps))

@@ -21,8 +21,8 @@ def resolve_seed(seed: int | None, *, purpose: str = "noise") -> int:
     if seed < 0:
         raise ValueError(f"{purpose} seed must be non-negative, got {seed}")
     _log.warning(
-        "Using the fixed %s seed %d: the DP randomness is reproducible by anyone who "
-        "knows it. Use a fixed seed for debugging and tests only.",
+        "using the fixed %s seed %d: the DP randomness is reproducible by anyone who "
+        "knows it; use a fixed seed for debugging and tests only",
         purpose,
         seed,
     )

@@ -175,7 +175,8 @@ def run(config: DedupConfig) -> DedupResult:
                      parallel=graph.parallel(num_public, num_private),
                      progress_total=graph.progress_total(num_public, num_private, config.method.k),
                      progress_label="dedup: describe, neighbours, verify", log=log,
-                     verbose=config.verbose)
+                     verbose=config.verbose, writes_to=config.output_dir,
+                     rerun="run the command again with --overwrite")
     finally:
         _remove_work(work_dir)
     manifest = shards.read_manifest(config.output_dir)

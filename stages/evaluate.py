@@ -1,7 +1,9 @@
 """The evaluate command: top-1 / top-5 accuracy of a run's last and EMA parameters on one split.
 
 ``run(EvaluateConfig)`` scores the run (``training.evaluation``) and saves the scores in
-the run directory (``metrics.json``). On a split outside the private training data this is
+the run directory (``metrics.json``). Other data (``data``) must be made like the run's (classes,
+image shape, preprocessing, backbone); scores on data that is not the run's own go, only when
+forced, to ``metrics.other-data.<name>.json``, never into ``metrics.json``. On a split outside the private training data this is
 post-processing of the DP parameters and spends no privacy budget; on the run's training rows
 (``train``, ``holdout``) it is a private diagnostic, refused unless ``private_diagnostics``.
 """
@@ -21,6 +23,7 @@ class EvaluateConfig:
     batch_size: int = 256
     data: str | None = None  # defaults to the data the run trained on
     private_diagnostics: bool = False  # allow scoring the run's private training rows
+    force_other_data: bool = False  # score data other than the run's (made alike) into a file of its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,5 +38,6 @@ class EvaluateResult(Scores):
 
 def run(config: EvaluateConfig) -> EvaluateResult:
     scores, path = score_run(config.run_dir, split=config.split, data=config.data, batch_size=config.batch_size,
-                             private_diagnostics=config.private_diagnostics)
+                             private_diagnostics=config.private_diagnostics,
+                             force_other_data=config.force_other_data)
     return EvaluateResult(**dataclasses.asdict(scores), path=path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Literal
 
 import jax
@@ -25,9 +26,9 @@ import jax.numpy as jnp
 
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.image_data import PIXEL_MEAN, PIXEL_STD
-from dpscale.errors import DataError, InvalidConfigError
+from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.models import pretrained
-from dpscale.training.run_directory import RunDirectory, RunSpec
+from dpscale.training.run_directory import CHECKPOINTS, RunDirectory, RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,19 @@ def _check_fits(name: str, num_classes: int, prep: pretrained.Preprocessing, var
         raise DataError(f"the run's parameters do not fit model {name!r} with {num_classes} classes")
 
 
+def _progress(run_dir: RunDirectory, planned: int) -> str:
+    """How far an unfinished run got: its newest complete checkpoint, where a resume continues (the
+    ledger may lag it by one checkpoint in a run that an older dpscale saved)."""
+    if not os.path.isdir(run_dir.file(CHECKPOINTS)):
+        return f"no checkpoint yet of {planned} steps"
+    checkpoints = run_dir.checkpoints(every=1)
+    try:
+        latest = checkpoints.latest_step()
+    finally:
+        checkpoints.close()
+    return f"its last checkpoint is at step {latest} of {planned}" if latest else f"no checkpoint yet of {planned} steps"
+
+
 def run(config: ExportBackboneConfig) -> ExportBackboneResult:
     """Export the parameters of the finished image run ``config.run_dir`` as a backbone."""
     run_dir = RunDirectory.existing(config.run_dir)
@@ -89,9 +103,8 @@ def run(config: ExportBackboneConfig) -> ExportBackboneResult:
                         "over cached features, not an image backbone")
     ledger = run_dir.read_ledger()
     if not ledger.finished or not run_dir.has_params:
-        raise DataError(f"{config.run_dir!r} is not finished ({ledger.steps_done} of "
-                        f"{ledger.planned_steps} steps); finish it with "
-                        f"`dpscale train --resume {config.run_dir}` first")
+        raise DataError(f"{config.run_dir!r} is not finished ({_progress(run_dir, ledger.planned_steps)}); "
+                        f"finish it with `dpscale train --resume {config.run_dir}` first")
     name, num_classes, prep = _model_and_preprocessing(spec)
     trained = run_dir.load_params()
     params = trained["ema_params" if config.parameters == "ema" else "params"]
@@ -101,8 +114,10 @@ def run(config: ExportBackboneConfig) -> ExportBackboneResult:
     guarantee = (f"({epsilon:.4g}, {ledger.delta:g})-DP for its training data" if ledger.private
                  else "NON-PRIVATE: no guarantee for its training data")
     source = f"dpscale run {run_dir.path}: {config.parameters} parameters after {ledger.steps_done} steps; {guarantee}"
-    metadata = pretrained.save_pretrained(config.output_dir, variables, model=name,
-                                          num_classes=num_classes, preprocessing=prep,
-                                          source=source, force=config.force)
+    with storage_faults(path=config.output_dir, stopped="the backbone was not exported",
+                        then="export it again"):
+        metadata = pretrained.save_pretrained(config.output_dir, variables, model=name,
+                                              num_classes=num_classes, preprocessing=prep,
+                                              source=source, force=config.force)
     return ExportBackboneResult(config.output_dir, metadata, config.parameters, ledger.private, epsilon,
                                 ledger.delta)

@@ -70,6 +70,7 @@ class FeaturizeResult:
     chunks_total: int
     num_examples: dict[str, int]
     seconds: float
+    images_computed: int = 0  # rows featurized by this run (0 on a cache hit)
 
 
 def run(config: FeaturizeConfig) -> FeaturizeResult:
@@ -98,11 +99,10 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     log.info("featurize %s with %s at %d px%s: %d of %d chunks to compute -> %s", config.data,
              meta.model, key.resolution, ", flip-averaged" if key.flip_average else "", len(missing),
              total, path)
-    if missing:
-        _run_pipeline(config, store, missing)
+    rows = _run_pipeline(config, store, missing) if missing else 0
     store.finalize()
     return FeaturizeResult(path, key.digest, False, len(missing), total, sizes,
-                           time.perf_counter() - start)
+                           time.perf_counter() - start, images_computed=rows)
 
 
 def _absolute(path: str, *, only_if_exists: bool = False) -> str:
@@ -113,7 +113,7 @@ def _absolute(path: str, *, only_if_exists: bool = False) -> str:
 
 
 def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,
-                  chunks: list[tuple[str, int]]) -> None:
+                  chunks: list[tuple[str, int]]) -> int:
     from dpscale.pipelines import featurize as graph
     from dpscale.pipelines.runner import run_pipeline
 
@@ -127,5 +127,7 @@ def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,
 
     run_pipeline(build, args=config.pipeline_args,
                  parallel=graph.parallel(len(chunks)),
-                 progress_total=rows, progress_label="featurize", log=log,
-                 verbose=config.verbose)
+                 progress_total=rows, progress_label="featurize", log=log, progress_unit="images",
+                 verbose=config.verbose, writes_to=store.path,
+                 rerun="run the command again (it computes only the missing chunks)")
+    return rows

@@ -19,7 +19,7 @@ from dpscale.data import shards
 from dpscale.data.examples import ENCODINGS
 from dpscale.data.manifest import Manifest
 from dpscale.data.sources import parse_source, plan_source, select_classes
-from dpscale.errors import InvalidConfigError
+from dpscale.errors import DataError, InvalidConfigError
 
 log = logging.getLogger(__name__)
 IMAGE_ENCODINGS = tuple(ENCODINGS)  # how a record may store its pixels: raw, png
@@ -84,6 +84,8 @@ def run(config: IngestConfig) -> IngestResult:
     kept, label_map = (select_classes(plan.class_names, config.classes) if config.classes
                        else (None, None))
     total = sum(plan.split_sizes.values())
+    if not total:  # a dataset with no split would only fail later, as "has no split 'train'"
+        raise DataError(f"{config.source!r} holds no images to ingest (splits: {dict(plan.split_sizes) or 'none'})")
     log.info("ingest %s: %d inputs in splits %s, %d classes%s, %d read tasks", config.source,
              total, plan.split_sizes, len(plan.class_names),
              f" (keeping {len(kept)})" if kept else "", len(plan.tasks))
@@ -99,8 +101,9 @@ def run(config: IngestConfig) -> IngestResult:
             class_names=kept, label_map=label_map))
 
     run_pipeline(build, args=config.pipeline_args, parallel=graph.parallel(total),
-                 progress_total=total, progress_label="ingest: read+decode", log=log,
-                 verbose=config.verbose)
+                 progress_total=total, progress_label="ingest: read+decode", log=log, progress_unit="images",
+                 verbose=config.verbose, writes_to=config.output_dir,
+                 rerun="run the command again with --overwrite")
     manifest = shards.read_manifest(config.output_dir)
     seconds = time.perf_counter() - start
     for split, entry in manifest.splits.items():

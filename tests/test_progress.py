@@ -33,3 +33,21 @@ def test_a_disabled_bar_prints_nothing(capsys, monkeypatch):
     with progress.progress_bar("train", total=3, enabled=False) as bar:
         bar.advance()
     assert capsys.readouterr().err == ""
+
+
+def test_a_bar_with_a_unit_shows_the_throughput_in_that_unit(capsys):
+    lines = progress._Lines("train", 10, 0, 3600.0, ("examples", 256))
+    lines.start -= 4.0  # as if started 4 s ago
+    lines.update(None, advance=2)  # 2 steps of 256 examples
+    lines.line()
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d train: 2/10, 128 examples/s, 0:04 elapsed, ~0:1\d left", line), line
+    assert progress.rate(1234.5, "images") == "1,234 images/s" and progress.rate(3.14159, "images") == "3.14 images/s"
+
+
+def test_a_bar_without_a_unit_shows_no_throughput(capsys):
+    lines = progress._Lines("copy model", 4, 0, 3600.0)
+    lines.start -= 4.0
+    lines.update(None, advance=2)
+    lines.line()
+    assert "/s" not in capsys.readouterr().err

@@ -13,16 +13,20 @@ saved DP feature mean).
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpscale.errors import DataError, InvalidConfigError
+from dpscale.data import shards
+from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.training import release
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model
-from dpscale.training.run_directory import RunDirectory
+from dpscale.training.run_directory import RunDirectory, RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +38,15 @@ class Scores:
     ema_top1: float
     ema_top5: float
     covered_by_epsilon: bool = True  # False: scores on private training rows (a private diagnostic)
+    data: str = ""  # the data scored (absolute path): a score is never shown without its inputs
+    other_data: bool = False  # True: not the data the run trained on (a separate file, never metrics.json)
+    epsilon: float = math.inf  # the run's guarantee, restated beside its scores (inf: non-private)
+    delta: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        payload = dataclasses.asdict(self)
+        payload["epsilon"] = self.epsilon if math.isfinite(self.epsilon) else "inf"  # strict JSON
+        return payload
 
 
 def accuracies(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
@@ -60,12 +70,88 @@ def _differences(trained: dict[str, Any], given: dict[str, Any]) -> set[str]:
     return out
 
 
+def _absolute(path: str) -> str:
+    return path if "://" in path else os.path.realpath(path)
+
+
+def _stored_inputs(spec: RunSpec) -> dict[str, Any]:
+    """What the run's inputs are made of: as recorded, or for an images run of an older dpscale (which
+    recorded nothing) the classes and image shape of its own data, while that data is still there."""
+    if spec.inputs or spec.training.mode != "images":
+        return dict(spec.inputs)
+    try:
+        manifest = shards.read_manifest(spec.data)
+    except DataError:
+        return {}
+    return {"class_names": list(manifest.class_names), "image_shape": list(manifest.image_shape or ())}
+
+
+def _brief(value: Any) -> str:
+    """A list cut to its first items, so that 100 class names still fit in one line."""
+    if isinstance(value, list) and len(value) > 6:
+        return f"[{', '.join(map(repr, value[:5]))}, ... ({len(value)} in all)]"
+    return str(value)
+
+
+def _check_made_alike(data: str, trained: dict[str, Any], given: dict[str, Any], *, images: bool = False,
+                      backbone: str | None = None) -> None:
+    """Refuse ``data`` whose inputs differ from the run's in anything the run recorded."""
+    shared = set(trained) & set(given)  # an older run recorded less
+    differ = sorted(_differences({k: trained[k] for k in shared}, {k: given[k] for k in shared}))
+    if not differ:
+        return
+    if {"class_names", "image_shape"} & set(differ):
+        shown = "; ".join(f"{name} {_brief(given.get(name))} instead of {_brief(trained.get(name))}"
+                          for name in ("class_names", "image_shape") if name in differ)
+        raise DataError(f"{data!r} is not made like the data the run trained on ({shown}); evaluate the run "
+                        "on data of its own classes and image shape")
+    if images and backbone:  # the preprocessing and frozen statistics come from the run's backbone
+        raise DataError(f"the run's backbone {backbone!r} is not the one it trained with ({', '.join(differ)} "
+                        "differ): restore that backbone directory to evaluate the run")
+    if images:
+        raise DataError(f"the run was trained with another preprocessing than this dpscale's ({', '.join(differ)} "
+                        "differ): evaluate it with the dpscale version that trained it")
+    raise DataError(f"{data!r} is not made like the data the run trained on ({', '.join(differ)} differ: other "
+                    "backbone or preprocessing); featurize it with the run's backbone and preprocessing")
+
+
+def _identity(data: str, mode: str) -> str:
+    """What tells two data sets apart without reading them: the content hash of an ingested dataset's
+    manifest, the digest of a feature entry (its backbone, preprocessing and keyed data identity)."""
+    if mode == "features":
+        from dpscale.cache.feature_store import open_features
+
+        return open_features(data).digest
+    return shards.read_manifest(data).content_hash
+
+
+def _is_runs_data(spec: RunSpec, data: str) -> bool:
+    """Whether ``data`` is the data the run trained on: the same path, or the same content (a copy)."""
+    if _absolute(data) == _absolute(spec.data):
+        return True
+    if "://" not in spec.data and not os.path.exists(spec.data):
+        return False  # the run's data is gone: nothing to compare with, so it counts as other data
+    try:
+        return _identity(data, spec.training.mode) == _identity(spec.data, spec.training.mode)
+    except DataError:
+        return False
+
+
+def other_data_name(data: str) -> str:
+    """The name scores on ``data`` get in the run directory: its directory name, safe as a file name."""
+    name = os.path.basename(data.rstrip("/")) or "data"
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", name)[:64]
+
+
 def score_run(run_dir: str, *, split: str = "test", data: str | None = None, batch_size: int = 256,
-              private_diagnostics: bool = False) -> tuple[Scores, str]:
+              private_diagnostics: bool = False, force_other_data: bool = False) -> tuple[Scores, str]:
     """Score the run in ``run_dir`` on ``split`` of its data (or of ``data``); save the scores in the run.
 
     Returns the scores and the file they were saved to. Scoring the run's private training
-    rows needs ``private_diagnostics``.
+    rows needs ``private_diagnostics``. ``data`` must be made like the run's data (classes, image
+    shape, preprocessing, backbone); if it is not the run's own data, the scores are saved only
+    with ``force_other_data``, to ``metrics.other-data.<name>.json``: ``metrics.json`` holds
+    scores on the run's own data and nothing else.
     """
     run = RunDirectory.existing(run_dir)
     spec = run.read_spec()
@@ -74,13 +160,23 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
         raise InvalidConfigError(
             f"split {split!r} is the run's private training data: its scores are exact statistics that "
             "epsilon does not cover; pass --private-diagnostics to compute them anyway (kept to a 0600 file)")
-    model = build_train_model(spec.data_path(data), spec.training)
-    if data is not None and spec.inputs and model.inputs != spec.inputs:
-        differ = sorted(_differences(spec.inputs, model.inputs))
-        raise DataError(f"{data!r} is not made like the data the run trained on ({', '.join(differ)} differ: other "
-                        "backbone or preprocessing); featurize it with the run's backbone and preprocessing")
-    trained = run.load_params()
-    state = trained.get("model_state", {})
+    path = spec.data_path(data)
+    trained = _stored_inputs(spec)
+    if spec.training.mode == "images":  # before building a model for images it cannot take
+        manifest = shards.read_manifest(path)
+        _check_made_alike(path, trained, {"class_names": list(manifest.class_names),
+                                          "image_shape": list(manifest.image_shape or ())})
+    other = data is not None and not _is_runs_data(spec, data)
+    name = other_data_name(path) if other else None
+    model = build_train_model(path, spec.training)
+    _check_made_alike(path, trained, model.inputs, images=spec.training.mode == "images",
+                      backbone=spec.training.images.backbone)
+    if other and not force_other_data:  # data not made alike is refused above, even when forced
+        raise DataError(f"{data!r} is not the data the run trained on ({spec.data!r}), so its scores are not the "
+                        f"run's scores; pass --force-other-data to score it anyway (saved to "
+                        f"{run.scores_file(split, diagnostic=diagnostic, other_data=name)}, metrics.json kept)")
+    trained_params = run.load_params()
+    state = trained_params.get("model_state", {})
     inputs, labels = model.eval_inputs(split, state)  # transformed as in training (e.g. the saved mean)
     forward = jax.jit(model.logits_fn)
 
@@ -89,7 +185,11 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
                for start in range(0, len(labels), batch_size)]
         return np.concatenate(out)
 
-    top1, top5 = accuracies(logits_of(trained["params"]), labels)
-    ema_top1, ema_top5 = accuracies(logits_of(trained["ema_params"]), labels)
-    scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5, covered_by_epsilon=not diagnostic)
-    return scores, run.write_scores(scores.as_dict(), diagnostic=diagnostic)
+    top1, top5 = accuracies(logits_of(trained_params["params"]), labels)
+    ema_top1, ema_top5 = accuracies(logits_of(trained_params["ema_params"]), labels)
+    ledger = run.read_ledger()
+    scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5, covered_by_epsilon=not diagnostic,
+                    data=_absolute(path), other_data=other, epsilon=ledger.epsilon_spent, delta=ledger.delta)
+    with storage_faults(stopped="the scores were not saved",
+                        then="evaluate the run again (or a copy of it in a writable directory)"):
+        return scores, run.write_scores(scores.as_dict(), diagnostic=diagnostic, other_data=name)

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from dpscale.data.dataset import IngestedDataset
-from dpscale.data.image_data import InMemorySplit, normalize
+from dpscale.data.image_data import PIXEL_MEAN, PIXEL_STD, InMemorySplit, image_inputs, normalize
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
@@ -71,7 +71,7 @@ class TrainModel:
     # None: the state is ``model_state``. The privacy cost is in the run's releases.
     private_state: Callable[[int], PyTree] | None = None
     releases: tuple[float, ...] = ()  # noise multipliers of those releases, for the accountant
-    # What the inputs are made of besides the data (features: backbone, preprocessing, classes);
+    # What the inputs are made of besides the data (classes, shape, backbone, preprocessing);
     # the run records it, and evaluation refuses other data whose inputs differ.
     inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -167,10 +167,14 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
 
         resolution = prep.resolution
         input_shape = (resolution, resolution, channels)
+        meta = pretrained.read_metadata(pretrained.resolve_backbone(settings.backbone))
+        inputs = image_inputs(dataset, resolution=resolution, mean=prep.mean, std=prep.std,
+                              backbone={"model": meta.model, "weights_sha256": meta.weights_sha256})
     else:
         model, init_params, model_state = _registry_model(settings, dataset)
         normalize_fn, resolution = normalize, None
         input_shape = tuple(dataset.image_shape)
+        inputs = image_inputs(dataset, resolution=None, mean=(PIXEL_MEAN,), std=(PIXEL_STD,))
 
     def loss_fn(params: PyTree, state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
         return _cross_entropy(model.apply({"params": params, **state}, views["image"]), views["label"])
@@ -214,6 +218,7 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
         eval_inputs=eval_inputs,
         clipped_sum_fn=layerwise_clipped_sum,
+        inputs=inputs,
     )
 
 

@@ -12,6 +12,7 @@
     run_dir/params.sha256.json   the sha256 of every file of params/ at save time: damage is one line
     run_dir/metrics.json    the last evaluation's scores on a split outside the private training data
     run_dir/metrics.<split>.NOT-PRIVATE.json   scores on the private training rows (0600)
+    run_dir/metrics.other-data.<name>.json   scores on other data made like the run's (evaluate --force-other-data)
     run_dir/run.lock        flock'ed by the process training in the directory (released when it dies); on
                             gs:// an object created only if absent, naming the host and pid that hold it
 
@@ -431,12 +432,14 @@ class RunDirectory:
             reason = " ".join(str(exc).split())[:120] or type(exc).__name__
             raise DataError(f"{self.path!r}: its saved parameters ({PARAMS}/) are damaged ({reason})") from None
 
-    def scores_file(self, split: str, *, diagnostic: bool) -> str:
-        """``metrics.json``, or for scores on private training rows ``metrics.<split>.NOT-PRIVATE.json``."""
-        return diagnostic_name(f"metrics.{split}.json") if diagnostic else SCORES
+    def scores_file(self, split: str, *, diagnostic: bool, other_data: str | None = None) -> str:
+        """``metrics.json``, or for scores on private training rows ``metrics.<split>.NOT-PRIVATE.json``;
+        scores on data other than the run's go to ``metrics.other-data.<other_data>[...].json`` instead."""
+        stem = f"metrics.other-data.{other_data}" if other_data else "metrics"
+        return diagnostic_name(f"{stem}.{split}.json") if diagnostic else f"{stem}.json" if other_data else SCORES
 
-    def write_scores(self, scores: dict[str, Any], *, diagnostic: bool = False) -> str:
-        name = self.scores_file(scores["split"], diagnostic=diagnostic)
+    def write_scores(self, scores: dict[str, Any], *, diagnostic: bool = False, other_data: str | None = None) -> str:
+        name = self.scores_file(scores["split"], diagnostic=diagnostic, other_data=other_data)
         write_json_atomic(self.file(name), scores, private=diagnostic)
         return self.file(name)
 

@@ -26,7 +26,7 @@ import optax
 
 from dpscale import distributed
 from dpscale.data.identity import keyed_identity, seed_secret
-from dpscale.errors import DataError, InvalidConfigError
+from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.privacy.dpsgd import TrainState
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.seeds import resolve_seed
@@ -51,6 +51,7 @@ class TrainResult:
     train_seconds: float
     final_metrics: dict[str, float]  # the last step's metrics that epsilon covers (training.release)
     warnings: tuple[str, ...] = ()  # what the user must know about the guarantee (e.g. delta >= 1/N)
+    examples_per_second: float = 0.0  # expected batch size x steps run by this process / train_seconds
 
 
 def plan_for(config: TrainingConfig, model: TrainModel) -> PrivacyPlan:
@@ -74,9 +75,10 @@ class Trainer:
         count = mesh.devices.size
         if config.physical_batch % count:
             processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
+            below, above = config.physical_batch // count * count, (config.physical_batch // count + 1) * count
             raise InvalidConfigError(
-                f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes} "
-                "(or set --devices)")
+                f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes}: "
+                f"give {f'{below} or ' if below else ''}{above} (or set --devices)")
         self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch)
         optimizer = optax.chain(
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
@@ -131,7 +133,9 @@ class Trainer:
         metrics: dict[str, float] = {}
         log_every = max(1, math.ceil(total / 20))
         show = self.config.show_progress and self.primary
-        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown")) as bar:
+        self.steps_run = total - start
+        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown"),
+                          unit=("examples", self.plan.batch_size)) as bar:
             for step in range(start, total):
                 batch = self.sampler.sample(step)
                 state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
@@ -146,8 +150,8 @@ class Trainer:
                     if self.diagnostics:
                         self.run.append_metrics(diagnostic, diagnostic=True)
                 if self.checkpoints.should_save(done, total):
+                    self.write_ledger(done)  # first: a saved checkpoint is never ahead of what the ledger counts
                     self.checkpoints.save(done, state)  # every process: orbax coordinates them
-                    self.write_ledger(done)
                 # Only what epsilon covers: the noisy update's norm (a non-private run shows its loss).
                 fields = {"shown": f"loss {metrics['loss']:.3f}" if "loss" in metrics
                           else f"|update| {metrics['update_norm']:.3g}"}
@@ -155,6 +159,25 @@ class Trainer:
                     fields["epsilon"] = f"eps {metrics['epsilon_spent']:.3f}"
                 bar.advance(**fields)
         return state, metrics, time.perf_counter() - started
+
+    def stopping_cleanly(self) -> contextlib.AbstractContextManager:
+        """A full disk (or a file system turned read-only) ends the run in one line that says how to resume.
+
+        Every file of the run is written atomically (orbax renames a finished checkpoint into
+        place, the ledger is written before its checkpoint), so what is on disk is the last
+        complete checkpoint; a resume redoes the steps since, with the same noise
+        (``training.run_directory``).
+        """
+        def where() -> str:
+            try:
+                latest = self.checkpoints.latest_step()
+            except Exception:  # noqa: BLE001 - the checkpoint directory itself may be unreadable now
+                latest = None
+            at = f"its checkpoint of step {latest} of {self.plan.steps}" if latest else "its start (no checkpoint yet)"
+            return f"training stopped, the run is intact at {at}"
+
+        return storage_faults(path=self.run.path, stopped=where,
+                              then=f"continue it with `dpscale train --resume {self.run.path}`")
 
     def finish(self, state: TrainState, metrics: dict[str, float], seconds: float) -> TrainResult:
         self.run.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
@@ -164,7 +187,9 @@ class Trainer:
         return TrainResult(run_dir=self.run.path, epsilon=self.plan.epsilon(), delta=self.plan.delta,
                            noise_multiplier=self.plan.noise_multiplier, steps=self.plan.steps,
                            batch_size=self.plan.batch_size, train_seconds=seconds, final_metrics=metrics,
-                           warnings=self.warnings())
+                           warnings=self.warnings(),
+                           examples_per_second=round(self.steps_run * self.plan.batch_size / seconds, 1)
+                           if seconds > 0 else 0.0)
 
 
 def _check_processes_agree(spec: RunSpec, model: TrainModel) -> None:
@@ -198,8 +223,9 @@ def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
     with _locked(distributed.run_on_primary(lambda: run.begin(spec, secrets))):
         state = trainer.step.init(model.init_params(seed), trainer.model_state)
         trainer.write_ledger(0)
-        state, metrics, seconds = trainer.loop(state, 0)
-        return trainer.finish(state, metrics, seconds)
+        with trainer.stopping_cleanly():
+            state, metrics, seconds = trainer.loop(state, 0)
+            return trainer.finish(state, metrics, seconds)
 
 
 def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
@@ -231,5 +257,6 @@ def _resume(run: RunDirectory, *, show_progress: bool) -> TrainResult:
     if trainer.primary:
         run.truncate_metrics(after_step=first)
     _log.info("resuming %s at step %d of %d", run.path, first, spec.plan.steps)
-    state, metrics, seconds = trainer.loop(state, first)
-    return trainer.finish(state, metrics, seconds)
+    with trainer.stopping_cleanly():
+        state, metrics, seconds = trainer.loop(state, first)
+        return trainer.finish(state, metrics, seconds)

@@ -288,6 +288,7 @@ def digits(tmp_path_factory):
     result = CliRunner().invoke(cli, ["ingest", "digits", str(out), "--classes", "0,1"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["num_classes"] == 2
+    assert json.loads(result.stdout)["images_per_second"] > 0 and "images/s read" in result.stderr
     return str(out)
 
 
@@ -301,11 +302,13 @@ def _json_only(args):
 def test_stdout_is_one_json_line_for_every_command_that_runs(digits, tmp_path):
     # (train's stdout is checked in tests/training/test_release.py, audit's in tests/stages/test_audit.py)
     entry = _json_only(["featurize", digits, "--backbone", "scatternet-linear", "--cache-dir", str(tmp_path / "c")])
+    assert entry["images_per_second"] > 0
     sweep = _json_only(["sweep", entry["path"], str(tmp_path / "sweep"), "--epsilons", "2", "--learning-rates", "1",
                         "--repeats", "1", "--no-baseline", "--accountant", "rdp", "--batch-size", "64", "--steps", "2"])
     assert [row["epsilon"] for row in sweep["summary"]] == [2.0]
     (run,) = os.listdir(tmp_path / "sweep" / "runs")
-    assert "ema" in json.dumps(_json_only(["evaluate", str(tmp_path / "sweep" / "runs" / run)]))
+    scores = _json_only(["evaluate", str(tmp_path / "sweep" / "runs" / run)])
+    assert "ema" in json.dumps(scores) and 0 < scores["epsilon"] <= 2 and 0 < scores["delta"] < 1  # the run's own
     dedup = _json_only(["dedup", digits, digits, str(tmp_path / "dedup"), "--public-splits", "train",
                         "--private-splits", "test"])
     assert os.path.isfile(os.path.join(dedup["output_dir"], "manifest.json"))

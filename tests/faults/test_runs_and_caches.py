@@ -189,9 +189,11 @@ def test_evaluate_refuses_features_of_another_backbone_or_preprocessing(run, tmp
     refused(capfd, "evaluate", run, "--data", elsewhere, saying=("not made like the data the run trained on",
                                                                  next(iter(other))))
     assert ((run / SCORES).read_bytes() if (run / SCORES).exists() else None) == scores
-    # the same backbone and preprocessing on other rows is fine
+    # the same backbone and preprocessing on other rows is scored when asked to, never into metrics.json
     same = write_synthetic_feature_cache(str(tmp_path / "same"), seed=5, sizes=SIZES, chunk_rows=64, data_hash_char="g")
-    assert json.loads(ok(capfd, "evaluate", run, "--data", same))["num_examples"] == 100
+    refused(capfd, "evaluate", run, "--data", same, saying=("is not the data the run trained on", "--force-other-data"))
+    assert json.loads(ok(capfd, "evaluate", run, "--data", same, "--force-other-data"))["num_examples"] == 100
+    assert ((run / SCORES).read_bytes() if (run / SCORES).exists() else None) == scores
 
 
 # --- 3. relocatable run directories, 4. the lock, 6. the resume hint --------------------------

@@ -16,7 +16,7 @@ import apache_beam as beam
 import numpy as np
 import pytest
 
-from dpscale.errors import PipelineError, PipelineStalledError
+from dpscale.errors import DataError, PipelineError, PipelineStalledError
 from dpscale.pipelines.runner import run_pipeline
 
 TWO = ("--direct_num_workers=2", "--direct_running_mode=multi_processing")
@@ -62,7 +62,27 @@ def test_a_failing_pipeline_is_one_error_naming_the_cause_and_what_to_try():
         run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="test",
                      log=logging.getLogger("test"))
     message = str(info.value)
-    assert "bad element 7" in message and "in_memory" in message and "\n" not in message
+    assert "bad element 7" in message and "--verbose" in message and "\n" not in message
+    assert "in_memory" not in message  # it ran in one process already: that hint cannot help
+    with pytest.raises(PipelineError) as info:
+        run_pipeline(build, args=TWO, parallel=True, progress_total=1, progress_label="test",
+                     log=logging.getLogger("test"))
+    assert "bad element 7" in str(info.value) and "in_memory" in str(info.value)
+
+
+def test_a_user_error_in_a_worker_is_its_own_line_without_beams_wrapping(capfd):
+    def fail(_):
+        raise DataError("shard 'x' is damaged; rebuild it")
+
+    def build(pipeline, _):
+        _ = pipeline | beam.Create([1]) | beam.Map(fail)
+
+    for args in ((), TWO):  # in this process, and in worker processes (only the traceback's text arrives)
+        with pytest.raises(DataError) as info:
+            run_pipeline(build, args=args, parallel=bool(args), progress_total=1, progress_label="test",
+                         log=logging.getLogger("test"))
+        assert str(info.value) == "shard 'x' is damaged; rebuild it"
+        assert "Traceback" not in capfd.readouterr().err  # Beam's log of the failure went to its file
 
 
 _release = threading.Event()

@@ -186,7 +186,7 @@ def test_cli_prints_the_entry_and_errors_are_one_line(env, done):
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.stdout) | {"seconds": 0} == {"path": first.path, "cache_hit": True, "chunks_computed": 0,
                                                       "chunks_total": 0, "num_examples": first.num_examples,
-                                                      "seconds": 0}
+                                                      "seconds": 0, "images_per_second": 0.0}  # none computed
     assert "cache hit" in ok.stderr
     bad = CliRunner().invoke(cli, ["featurize", str(cache / "nowhere"), "--backbone", env["backbone"]])
     assert bad.exit_code == 2
