@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from dpscale.cli import cli
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
 from dpscale.privacy.accounting import epsilon
+from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 from dpscale.stages.calibrate import CalibrateConfig
 from dpscale.stages.calibrate import run as run_calibrate
 from dpscale.stages.epsilon import EpsilonConfig
@@ -36,8 +37,21 @@ def test_run_epsilon_matches_dp_accounting():
         dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.2)), 3000
     )
     reference = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
-    assert result.epsilon == pytest.approx(reference, rel=1e-12)
+    # Batches truncated at the rule's capacity: at most ~0.1% above untruncated Poisson sampling.
+    assert reference <= result.epsilon <= reference * 1.002
     assert result.sampling_rate == 0.01 and result.exact and result.warnings == ()
+    assert result.batch_capacity > 500
+
+
+def test_run_epsilon_with_a_ledgers_capacity_equals_the_runs_epsilon():
+    plan = PrivacyPlan.calibrate(PrivacyTarget(2.0, 1e-5), num_examples=50_000, batch_size=500, steps=1000)
+    result = run_epsilon(EpsilonConfig(noise_multiplier=plan.noise_multiplier, steps=1000, batch_size=500,
+                                       batch_capacity=plan.ledger(steps_done=1000).batch_capacity, **SMALL))
+    assert result.epsilon == plan.epsilon() and result.batch_capacity == plan.batch_capacity
+    out = _invoke("epsilon", "--noise-multiplier", str(plan.noise_multiplier), "--steps", "1000",
+                  "--batch-size", "500", "--num-examples", "50000", "--delta", "1e-5",
+                  "--batch-capacity", str(plan.batch_capacity), "--json")
+    assert out.exit_code == 0 and json.loads(out.stdout)["epsilon"] == plan.epsilon()
 
 
 def test_shuffled_sampling_result_is_flagged_and_warned():
@@ -106,7 +120,8 @@ def test_cli_epsilon_json(accountant):
     result = _invoke(*EPSILON_ARGS, "--accountant", accountant, "--json")
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert payload["epsilon"] == pytest.approx(_eps(1.2, 0.01, 3000, accountant), rel=1e-12)
+    untruncated = _eps(1.2, 0.01, 3000, accountant)
+    assert untruncated <= payload["epsilon"] <= untruncated * 1.002  # truncated at the rule's capacity
     assert payload["delta"] == 1e-5 and payload["accountant"] == accountant
     assert payload["noise_multiplier"] == 1.2 and payload["steps"] == 3000
     assert payload["batch_size"] == 500 and payload["num_examples"] == 50000
