@@ -57,7 +57,7 @@ def plan_for(config: TrainingConfig, model: TrainModel) -> PrivacyPlan:
     """The run's privacy plan: calibrated to the target over the model's training rows and releases."""
     return PrivacyPlan.calibrate(config.target, num_examples=model.num_examples, batch_size=config.batch_size,
                                  steps=config.steps, noise_multiplier=config.noise_multiplier,
-                                 releases=tuple(model.releases))
+                                 releases=tuple(model.releases)).resolved()  # the capacity recorded
 
 
 class Trainer:
@@ -77,7 +77,7 @@ class Trainer:
             raise InvalidConfigError(
                 f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes} "
                 "(or set --devices)")
-        self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch)
+        self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch, multiple=count)
         optimizer = optax.chain(
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
             optax.sgd(config.learning_rate, momentum=config.momentum or None),
