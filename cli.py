@@ -556,13 +556,14 @@ def quickstart_command(**options: Any) -> None:
 @delta_option()
 @click.option("--num-examples", type=COUNT, default=1000, show_default=True, help="|D|: a random subset.")
 @click.option("--batch-size", type=COUNT, default=None,
-              help="Expected batch size [black-box: 100; white-box: |D|, the only one it takes].")
-@click.option("--steps", type=COUNT, default=50, show_default=True)
+              help="Expected batch size [black-box: 100; white-box: |D|, the only one it takes; sampler: (|D|+1)/10].")
+@click.option("--steps", type=COUNT, default=None, help="Steps [50; sampler: one epoch, (|D|+1) / batch size].")
 @click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--threat-model", type=StageChoice("audit.THREAT_MODELS"), default="black-box",
               show_default=True, help="black-box: the adversary sees the final model and a canary input; "
-              "white-box: a gradient canary, and the adversary sees every update.")
+              "white-box: a gradient canary, and the adversary sees every update (q = 1); sampler: the same at "
+              "q < 1 with the real sampler, against the accounted privacy profile.")
 @click.option("--model", type=StageChoice("audit.MODELS"), default="linear", show_default=True,
               help="black-box: linear or mlp; white-box: linear or cnn.")
 @click.option("--microbatches", type=COUNT, default=2, show_default=True,
