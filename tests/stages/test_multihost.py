@@ -213,7 +213,7 @@ def test_two_processes_train_exactly_like_one(features, tmp_path):
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     diagnostics = run_dir / "diagnostics.NOT-PRIVATE.jsonl"
     assert stat.S_IMODE(diagnostics.stat().st_mode) == 0o600
-    assert not (run_dir / "seed.json").exists()
+    assert not (run_dir / "seed.json").exists() and not RunDirectory(str(run_dir)).has_secrets
     assert json.loads((run_dir / "ledger.json").read_text())["steps_done"] == steps
 
     reference = train.run(train.TrainConfig(data=features, run_dir=str(tmp_path / "one"), training=TrainingConfig(
