@@ -132,6 +132,16 @@ class RunSecrets:
 
     seed: int
     data_identity: str
+    # The versions that fix the noise of a step (``noise_versions``): a redone step's noise is the
+    # crashed attempt's only under the same ones. {}: recorded before they were.
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def noise_versions() -> dict[str, str]:
+    """The library versions a step's noise (and batch) depends on, bit for bit: jax and jaxlib (XLA)."""
+    import jaxlib
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
 class RunLock:
