@@ -11,7 +11,7 @@ from dpscale.privacy.plan import PrivacyPlan
 
 ROWS, BATCH, MODELS = 60, 6, 400  # plan rows: D (59) and the canary's slot; T = one epoch
 #: Little noise per step, so an inclusion is plainly visible: where samplers differ most.
-PLAN = PrivacyPlan(num_examples=ROWS, batch_size=BATCH, steps=ROWS // BATCH, noise_multiplier=0.4, delta=1e-5)
+PLAN = PrivacyPlan(num_examples=ROWS, batch_size=BATCH, steps=ROWS // BATCH, noise_multiplier=0.25, delta=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def data():
     return rng.normal(size=(ROWS - 1, 6)).astype(np.float32), rng.integers(0, 3, size=ROWS - 1)
 
 
-def _audit(data, seed=0):
+def _audit(data, seed=1):
     features, labels = data
     return sampler_row(features, labels, 3, setup=SamplerAuditSetup(plan=PLAN), nominal_epsilon=PLAN.epsilon(),
                        delta=1e-5, num_models=MODELS, confidence=0.95, holdout_fraction=0.5, seed=seed)
@@ -36,7 +36,7 @@ def test_the_real_sampler_is_not_flagged_and_comes_close_to_its_rate(data):
 @pytest.mark.parametrize("broken", [DoubleRate, ShuffledAsPoisson])
 def test_a_sampler_unlike_the_accounted_one_is_flagged(data, broken):
     with substituted_sampler(broken):
-        row = _audit(data, seed=1)
+        row = _audit(data)
     assert row["violation"] and row["profile_margin"] > 0 and row["rate_fraction"] > 1.0, row
 
 
@@ -55,7 +55,7 @@ def test_the_verdict_compares_rates_with_the_whole_profile():
 def test_the_statistic_is_the_accounted_likelihood_ratio():
     shifted = np.asarray(likelihood_ratio(np.array([1.0, 0.0]), sampling_rate=0.1, noise_multiplier=1.0))
     assert shifted[0] > 0 > shifted[1]
-    np.testing.assert_allclose(shifted[0], np.log(0.9 + 0.1 * np.exp(0.5)))
+    np.testing.assert_allclose(shifted[0], np.log(0.9 + 0.1 * np.exp(0.5)), rtol=1e-6)  # float32
 
 
 def test_a_full_batch_plan_is_refused():

@@ -89,7 +89,7 @@ def test_on_device_sampling_is_the_same_truncated_distribution():
     assert index.shape == mask.shape == (draws, cap)
     sizes = mask.sum(axis=1)
     expected = np.minimum(np.random.default_rng(0).binomial(n - 5, q, size=200_000), cap)
-    assert sizes.mean() == pytest.approx(expected.mean(), abs=0.1)
+    assert sizes.mean() == pytest.approx(expected.mean(), abs=0.2)
     assert np.mean(sizes == cap) == pytest.approx(np.mean(expected == cap), abs=0.03)
     counts = np.bincount(index[mask > 0], minlength=n)
     assert counts[-5:].sum() == 0 and np.all(index[mask == 0] == 0)

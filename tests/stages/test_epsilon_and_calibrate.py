@@ -1,6 +1,7 @@
 """The epsilon and calibrate commands: contract, JSON fields, one-line errors."""
 
 import json
+import re
 
 import dp_accounting
 import pytest
@@ -8,7 +9,7 @@ from click.testing import CliRunner
 
 from dpscale.cli import cli
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy.accounting import epsilon
+from dpscale.privacy.accounting import Truncation, epsilon
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 from dpscale.stages.calibrate import CalibrateConfig
 from dpscale.stages.calibrate import run as run_calibrate
@@ -16,8 +17,11 @@ from dpscale.stages.epsilon import EpsilonConfig
 from dpscale.stages.epsilon import run as run_epsilon
 
 
-def _eps(sigma, q, steps, accountant):
-    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=1e-5, accountant=accountant)
+def _eps(sigma, q, steps, accountant, capacity=None):
+    """Epsilon of untruncated Poisson sampling, or truncated to ``capacity`` (of SMALL's N)."""
+    truncation = None if capacity is None else Truncation(SMALL["num_examples"], capacity)
+    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=1e-5, accountant=accountant,
+                   truncation=truncation)
 
 SMALL = dict(num_examples=50_000, delta=1e-5)
 
@@ -73,7 +77,7 @@ def test_run_calibrate_solves_the_missing_knob_without_overshoot(solve_for):
         if value is not None:
             assert getattr(result, name) == value  # the given knobs are untouched
     q = result.batch_size / SMALL["num_examples"]
-    assert result.epsilon == _eps(result.noise_multiplier, q, result.steps, "rdp") <= 3.0
+    assert result.epsilon == _eps(result.noise_multiplier, q, result.steps, "rdp", result.batch_capacity) <= 3.0
 
 
 @pytest.mark.parametrize(
@@ -131,7 +135,8 @@ def test_cli_epsilon_json(accountant):
 def test_cli_epsilon_text_defaults_to_pld():
     result = _invoke(*EPSILON_ARGS)
     assert result.exit_code == 0
-    assert f"{_eps(1.2, 0.01, 3000, 'pld'):.6g}" in result.stdout and "PLD" in result.stdout
+    capacity = int(re.search(r"truncated to (\d+)", result.stdout).group(1))
+    assert f"{_eps(1.2, 0.01, 3000, 'pld', capacity):.6g}" in result.stdout and "PLD" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -152,7 +157,7 @@ def test_cli_calibrate_json(given, solved):
     assert payload["solved_for"] == solved and payload["accountant"] == "rdp"
     assert payload["epsilon"] <= 2.0
     q = payload["batch_size"] / 50000
-    assert payload["epsilon"] == _eps(payload["noise_multiplier"], q, payload["steps"], "rdp")
+    assert payload["epsilon"] == _eps(payload["noise_multiplier"], q, payload["steps"], "rdp", payload["batch_capacity"])
 
 
 BAD_CALIBRATIONS = {

@@ -86,7 +86,7 @@ def test_step_time_says_nothing_of_the_batch_size_or_a_nan_row():
     sizes, nan_sampled, seconds = np.array(sizes), np.array(nan_sampled), np.array(seconds)
     # Structure: one shape for every step, although the realised sizes span several micro-batches' worth.
     assert len(shapes) == 1
-    assert sizes.max() - sizes.min() > MICRO and sizes.max() <= plan.capacity
+    assert len(set(-(-sizes // MICRO))) >= 2 and sizes.max() <= plan.capacity  # unpadded: several counts
     assert 10 <= nan_sampled.sum() <= 150  # q = 1/4: both kinds of step are well represented
     assert np.all(np.isfinite(np.asarray(state.params["kernel"])))  # the NaN row never reached the update
     # Timing: no detectable dependence (thresholds generous enough for a loaded machine).
