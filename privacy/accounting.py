@@ -128,7 +128,7 @@ class Truncation:
     capacity: int
 
     def __post_init__(self) -> None:
-        check_batch_size(batch_size=self.capacity, num_examples=self.num_examples)
+        check_batch_size(batch_size=self.capacity, num_examples=self.dataset_size)
 
     @property
     def dataset_size(self) -> int:
@@ -173,6 +173,8 @@ def truncated_step_rdp(orders: np.ndarray, untruncated: np.ndarray, *, noise_mul
     half_orders, half_noise = _poisson_rdp(noise_multiplier / 2, sampling_rate)
     if not np.array_equal(half_orders, np.asarray(orders)):
         raise ValueError("RDP orders differ")  # both from dp-accounting's default orders: a bug
+    if p >= 1.0:  # e.g. q = 1: the added example always meets a full batch
+        return np.asarray(half_noise, dtype=float)
     scale = np.asarray(orders, dtype=float) - 1
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         both = np.logaddexp(math.log1p(-p) + scale * np.asarray(untruncated, dtype=float),

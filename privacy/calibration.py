@@ -268,7 +268,7 @@ def capacity_sigmas(*, noise_multiplier: float, num_examples: int, batch_size: i
 
         def passes(k: float) -> bool:
             capacity = batch_capacity(num_examples, batch_size, sigmas=k)
-            return capacity >= num_examples or spent(Truncation(num_examples, capacity)) <= allowed
+            return capacity > num_examples or spent(Truncation(num_examples, capacity)) <= allowed
 
         low, high = 0, len(CAPACITY_LADDER) - 1  # the answer is in [low, high]
         while low < high:

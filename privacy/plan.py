@@ -115,7 +115,7 @@ class PrivacyPlan:
         if self.sampling == "shuffle":
             object.__setattr__(self, "batch_capacity", self.batch_size)  # fixed-size batches
         if self.batch_capacity:
-            check_batch_size(batch_size=self.batch_capacity, num_examples=self.num_examples)
+            check_batch_size(batch_size=self.batch_capacity, num_examples=self.num_examples + 1)
         check_steps(self.steps)
         check_delta(self.delta)
         check_accountant(self.accountant)

@@ -45,11 +45,16 @@ CAPACITY_SIGMAS = 4.0
 
 
 def batch_capacity(num_examples: int, expected_batch_size: float, *, sigmas: float = CAPACITY_SIGMAS) -> int:
-    """The most examples a step holds: ``B + sigmas std`` of Binomial(N, q), at most N."""
+    """The most examples a step holds: ``B + sigmas std`` of Binomial(N, q), at most N + 1.
+
+    N + 1 holds every example of the larger neighbour (the accountant's data set): then
+    nothing is ever truncated, e.g. at q = 1, where a capacity of N would always truncate it."""
     _check_sizes(num_examples, expected_batch_size, 1)
     rate = expected_batch_size / num_examples
+    if rate >= 1:  # full batches: no spread, but the larger neighbour's N + 1 must fit
+        return int(num_examples) + 1
     spread = sigmas * math.sqrt(expected_batch_size * (1 - rate))
-    return min(int(num_examples), math.ceil(expected_batch_size + spread))
+    return min(int(num_examples) + 1, math.ceil(expected_batch_size + spread))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +139,8 @@ class PoissonSampler:
         self.expected_batch_size = float(expected_batch_size)
         self.sampling_rate = self.expected_batch_size / num_examples
         self.capacity = batch_capacity(num_examples, expected_batch_size) if capacity is None else int(capacity)
-        if not 0 < self.capacity <= num_examples:
-            raise InvalidConfigError(f"batch capacity must be in (0, {num_examples}], got {self.capacity}")
+        if not 0 < self.capacity <= num_examples + 1:
+            raise InvalidConfigError(f"batch capacity must be in (0, {num_examples + 1}], got {self.capacity}")
         self.layout = Layout.of(self.capacity, microbatch_size=microbatch_size, multiple=multiple)
         self.microbatch_size = self.layout.slot_size
         self._seed = seed

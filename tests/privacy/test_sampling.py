@@ -135,7 +135,7 @@ def test_rejects_impossible_sizes(kwargs):
 
 
 def test_capacity_is_k_standard_deviations_above_the_batch_size():
-    assert batch_capacity(100, 100) == 100
+    assert batch_capacity(100, 100) == 101  # N + 1: a full batch of the larger neighbour is never truncated
     assert batch_capacity(50_000, 10_000) == 10_000 + int(np.ceil(4 * np.sqrt(10_000 * 0.8)))
     assert batch_capacity(10_000, 100, sigmas=8) == 100 + int(np.ceil(8 * np.sqrt(99)))
-    assert batch_capacity(10, 9, sigmas=10) == 10  # never above N
+    assert batch_capacity(10, 9, sigmas=10) == 11  # never above N + 1
