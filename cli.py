@@ -658,13 +658,14 @@ def quickstart_command(**options: Any) -> None:
 @delta_option()
 @click.option("--num-examples", type=COUNT, default=1000, show_default=True, help="|D|: a random subset.")
 @click.option("--batch-size", type=COUNT, default=None,
-              help="Expected batch size [black-box: 100; white-box: |D|, the only one it takes].")
-@click.option("--steps", type=COUNT, default=50, show_default=True)
+              help="Expected batch size [black-box: 100; white-box: |D|, the only one it takes; sampler: (|D|+1)/10].")
+@click.option("--steps", type=COUNT, default=None, help="Steps [50; sampler: one epoch, (|D|+1) / batch size].")
 @click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--threat-model", type=StageChoice("audit.THREAT_MODELS"), default="black-box",
               show_default=True, help="black-box: the adversary sees the final model and a canary input; "
-              "white-box: a gradient canary, and the adversary sees every update.")
+              "white-box: a gradient canary, and the adversary sees every update (q = 1); sampler: the same at "
+              "q < 1 with the real sampler, against the accounted privacy profile.")
 @click.option("--model", type=StageChoice("audit.MODELS"), default="linear", show_default=True,
               help="black-box: linear or mlp; white-box: linear or cnn.")
 @click.option("--microbatches", type=COUNT, default=2, show_default=True,
@@ -726,17 +727,20 @@ def _echo_warnings(warnings: tuple[str, ...]) -> None:
 @click.option("--steps", type=COUNT, required=True, help="Number of DP-SGD steps T.")
 @click.option("--batch-size", type=COUNT, required=True, help="Expected (Poisson) batch size B.")
 @click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
+@click.option("--batch-capacity", type=COUNT, default=None,
+              help="Most examples a step holds (a run's ledger records it) [the rule train uses].")
 @delta_option()
 @click.option("--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True,
               help=ACCOUNTANT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_examples: int,
-                    delta: float, accountant: str, as_json: bool) -> None:
-    """Epsilon spent by T steps of DP-SGD with Poisson sampling.
+                    batch_capacity: int | None, delta: float, accountant: str, as_json: bool) -> None:
+    """Epsilon spent by T steps of DP-SGD with (truncated) Poisson sampling.
 
-    Each step samples every example with probability q = B/N and adds Gaussian noise
-    of sigma times the clip norm; neighbouring data sets differ by adding or removing
-    one example. Uses dp-accounting's PLD (default) or RDP accountant.
+    Each step samples every example with probability q = B/N, keeps a random subset of
+    the batch capacity when more joined, and adds Gaussian noise of sigma times the clip
+    norm; neighbouring data sets differ by adding or removing one example. Uses
+    dp-accounting's PLD (default) or RDP accountant.
 
     \b
     Example (an ImageNet-sized run):
@@ -747,14 +751,14 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
 
     result = stage.run(stage.EpsilonConfig(
         noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size,
-        num_examples=num_examples, delta=delta, accountant=accountant))
+        num_examples=num_examples, delta=delta, accountant=accountant, batch_capacity=batch_capacity or 0))
     _echo_warnings(result.warnings)
     if as_json:
         _print_json_line(result.as_dict())
         return
     click.echo(f"epsilon = {result.epsilon:.6g} at delta = {result.delta:g} "
-               f"({result.accountant.upper()} accountant, Poisson sampling q = {result.sampling_rate:.6g}, "
-               f"sigma = {result.noise_multiplier:g}, {result.steps} steps)")
+               f"({result.accountant.upper()} accountant, Poisson sampling q = {result.sampling_rate:.6g} "
+               f"truncated to {result.batch_capacity}, sigma = {result.noise_multiplier:g}, {result.steps} steps)")
 
 
 @cli.command("calibrate")

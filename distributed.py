@@ -10,7 +10,7 @@ of all processes. What must agree across processes, and how it does:
   the whole padded micro-batch and feeds only the rows its own devices hold
   (``BatchPlacement``); XLA all-reduces the clipped sum over the global mesh, so
   the noise is added once, to the global sum, identically on every device;
-* the files: only process 0 writes seed.json, config, ledger, metrics and the
+* the files: only process 0 writes the secrets, config, ledger, metrics and the
   progress bar; orbax writes checkpoints with all processes together, which needs
   the run directory on a filesystem every host sees.
 

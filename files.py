@@ -118,6 +118,27 @@ def write_json_atomic(path: str, payload: Any, *, private: bool = False) -> None
     write_atomic(path, write, private=private)
 
 
+def owner_only(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` with every file and directory it creates owner-only (umask 077), for stages that write private data.
+
+    Ingested shards, feature caches and dedup's output *are* the private data (or derived from it
+    without noise); the umask covers every writer underneath (Beam's, zarr's, orbax's) without
+    each setting modes, and is restored afterwards. Workers on other machines (a remote Beam
+    runner) use their own umask.
+    """
+    import functools
+
+    @functools.wraps(run)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        previous = os.umask(0o077)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            os.umask(previous)
+
+    return wrapped
+
+
 # ---- Local paths and URLs (gs://...): the one filesystem layer ------------------------------------
 #
 # Every path dpscale reads or writes may be a local path or a URL. Local paths keep the exact

@@ -1,10 +1,11 @@
-"""Deliberately broken DP-SGD steps, and the one way to make an audit run one.
+"""Deliberately broken DP-SGD steps and samplers, and the one way to make an audit run one.
 
 An audit's verdict is only worth something if it flags broken code. Its tests and the audit
 benchmark's ``--bug`` runs check that it does, by swapping the step that every
 ``PrivacyPlan.dp_step`` builds for a broken subclass of ``DpsgdStep`` inside
-:func:`substituted_step`. That is the only seam for it: no product signature takes a step
-class, and no run of dpscale imports this module.
+:func:`substituted_step`, or the sampler ``PrivacyPlan.sampler`` builds for a broken subclass of
+``PoissonSampler`` inside :func:`substituted_sampler`. That is the only seam for them: no
+product signature takes a step or sampler class, and no run of dpscale imports this module.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import jax
+import numpy as np
 
 from dpscale.privacy import plan
 from dpscale.privacy.clipping import ClippedSum
 from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.noise import add_gaussian_noise, step_key
+from dpscale.privacy.sampling import Layout, PoissonSampler, SampledBatch, batch_capacity, pad_into
+from dpscale.privacy.streams import Stream, stream_rng
 
 
 @contextmanager
@@ -32,6 +36,39 @@ def substituted_step(broken: type[DpsgdStep]) -> Iterator[None]:
         yield
     finally:
         plan.DpsgdStep = saved
+
+
+@contextmanager
+def substituted_sampler(broken: type[PoissonSampler]) -> Iterator[None]:
+    """Within the block, ``PrivacyPlan.sampler`` builds ``broken`` instead of ``PoissonSampler``."""
+    if not (isinstance(broken, type) and issubclass(broken, PoissonSampler)):
+        raise TypeError(f"a substituted sampler must subclass PoissonSampler, got {broken!r}")
+    saved = plan.PoissonSampler
+    plan.PoissonSampler = broken
+    try:
+        yield
+    finally:
+        plan.PoissonSampler = saved
+
+
+class DoubleRate(PoissonSampler):
+    """Every example joins with probability 2q (capacity grown to match): twice the accounted rate."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sampling_rate = min(1.0, 2 * self.sampling_rate)
+        self.capacity = batch_capacity(self.num_examples, self.sampling_rate * self.num_examples)
+        self.layout = Layout.of(self.capacity, microbatch_size=self.microbatch_size)
+
+
+class ShuffledAsPoisson(PoissonSampler):
+    """Fixed-size batches of round(q N) from one permutation per epoch, while the plan accounts Poisson."""
+
+    def sample(self, step: int) -> SampledBatch:
+        size = max(1, round(self.expected_batch_size))
+        epoch, position = divmod(step, max(1, self.num_examples // size))
+        order = stream_rng(self._seed, Stream.SAMPLING, epoch).permutation(self.num_examples)
+        return pad_into(np.sort(order[position * size:(position + 1) * size]), self.layout)
 
 
 class HalfNoise(DpsgdStep):

@@ -16,7 +16,8 @@ import numpy as np
 from dpscale.cache import feature_store as fstore
 from dpscale.cache.keys import FeatureKey
 from dpscale.data.dataset import IngestedDataset
-from dpscale.data.identity import directory_secret, keyed_identity
+from dpscale.data.identity import keyed_identity
+from dpscale.data.key_store import directory_secret
 from dpscale.errors import DataError
 
 

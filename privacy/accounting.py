@@ -1,10 +1,17 @@
 """Privacy accounting of DP-SGD with dp-accounting's RDP and PLD accountants.
 
-One training step of DP-SGD is a Poisson-subsampled Gaussian mechanism: every example
-joins the batch independently with probability ``q = B / N`` and the clipped sum gets
-Gaussian noise of ``sigma`` times the clip norm. A run of ``T`` steps is the T-fold
+One training step of DP-SGD is a subsampled Gaussian mechanism: every example joins the
+batch independently with probability ``q = B / N`` (Poisson sampling), a batch larger than
+the plan's capacity keeps a uniformly random ``capacity`` of its examples (``Truncation``: what
+``privacy.sampling`` does so that every step has the same shape and wall time), and the clipped
+sum gets Gaussian noise of ``sigma`` times the clip norm. A run of ``T`` steps is the T-fold
 adaptive composition. Neighbouring data sets differ by adding or removing one example
 (ADD_OR_REMOVE_ONE), the relation under which Poisson subsampling amplifies privacy.
+
+Truncated Poisson sampling is accounted exactly: the PLD is dp-accounting's own
+(``TruncatedSubsampledGaussianDpEvent``). dp-accounting's RDP accountant does not support
+that event, so its RDP is computed here (``truncated_step_rdp``) from the same decomposition
+dp-accounting's PLD uses. Without a truncation the event is the plain Poisson-subsampled one.
 
 :func:`dp_event` is the single source of truth for that event, and :func:`epsilon` the
 single way an epsilon is computed (through :class:`EpsilonCurve`): the training ledger, the
@@ -30,6 +37,7 @@ every epsilon reported and calibrated for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
@@ -38,6 +46,7 @@ from typing import Literal
 
 import dp_accounting
 import numpy as np
+from scipy import stats
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.pld import DEFAULT_DISCRETIZATION, MIN_DELTA, NEIGHBORING_RELATION, BoundedPld
@@ -119,6 +128,75 @@ def check_accountant(accountant: str) -> None:
         raise InvalidConfigError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+    """Poisson batches of the run's ``num_examples`` examples truncated to ``capacity`` (``privacy.sampling``).
+
+    The accounted data set is the larger neighbour, N + 1 examples (the run's N and one added):
+    there N others can fill the capacity when the example is in; the removal neighbour
+    (N - 1 others) truncates less often and gets a smaller epsilon (dp-accounting's epsilon
+    grows with the data-set size at fixed q and capacity, tested).
+    """
+
+    num_examples: int
+    capacity: int
+
+    def __post_init__(self) -> None:
+        check_batch_size(batch_size=self.capacity, num_examples=self.dataset_size)
+
+    @property
+    def dataset_size(self) -> int:
+        return self.num_examples + 1
+
+    def probability(self, sampling_rate: float) -> float:
+        """P(at least ``capacity`` of the N others join): when the added example may be truncated."""
+        return float(stats.binom.sf(self.capacity - 1, self.dataset_size - 1, sampling_rate))
+
+
+def _poisson_rdp(noise_multiplier: float, sampling_rate: float) -> tuple[np.ndarray, np.ndarray]:
+    """(orders, per-order RDP) of one Poisson-subsampled Gaussian step, from dp-accounting.
+
+    dp-accounting has no public accessor for the per-order RDP vector; it is read from its
+    accountant (the same series it composes) so that it is computed once per mechanism.
+    """
+    accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
+    with quiet_rdp_warnings():
+        accountant.compose(step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate))
+    return np.asarray(accountant._orders), np.asarray(accountant._rdp)  # noqa: SLF001 - read-only use
+
+
+def truncated_step_rdp(orders: np.ndarray, untruncated: np.ndarray, *, noise_multiplier: float,
+                       sampling_rate: float, truncation: Truncation) -> np.ndarray:
+    """Per-order RDP of one truncated-Poisson step, given the untruncated step's RDP at ``orders``.
+
+    Condition on K, how many of the N others join. If K < capacity, the added example never
+    causes a truncation: the pair of outputs is the Poisson-subsampled Gaussian's
+    (``untruncated``). If K >= capacity (probability p), the example is kept with probability
+    q * capacity / (K + 1) <= q, and then replaces a uniformly random one of the others: the
+    sums differ by at most 2 clip norms, so the pair is dominated by the Poisson-subsampled
+    Gaussian at rate q with half the noise multiplier. K does not depend on the example, so
+    both outputs are the same mixture over K, and ``exp((alpha - 1) D_alpha)`` is jointly
+    convex: ``exp((a-1) rdp) <= (1-p) exp((a-1) rdp(q, sigma)) + p exp((a-1) rdp(q, sigma/2))``.
+    The same decomposition as dp-accounting's PLD of this event, whose second part is
+    tighter (a smaller rate); hand-written because dp-accounting's RDP accountant has no
+    truncated event.
+    """
+    p = truncation.probability(sampling_rate)
+    if p == 0.0:
+        return np.asarray(untruncated, dtype=float)
+    half_orders, half_noise = _poisson_rdp(noise_multiplier / 2, sampling_rate)
+    if not np.array_equal(half_orders, np.asarray(orders)):
+        raise ValueError("RDP orders differ")  # both from dp-accounting's default orders: a bug
+    if p >= 1.0:  # e.g. q = 1: the added example always meets a full batch
+        return np.asarray(half_noise, dtype=float)
+    scale = np.asarray(orders, dtype=float) - 1
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        both = np.logaddexp(math.log1p(-p) + scale * np.asarray(untruncated, dtype=float),
+                            math.log(p) + scale * half_noise)
+        rdp = both / scale
+    return np.where(np.isnan(rdp), np.inf, rdp)
+
+
 def bounds_for(accountant: Accountant, delta: float) -> tuple[str, ...]:
     """The accountants whose bounds are computed under ``accountant`` at ``delta``, cheapest first.
 
@@ -133,18 +211,22 @@ def bounds_for(accountant: Accountant, delta: float) -> tuple[str, ...]:
     return ("rdp",)
 
 
-def step_event(*, noise_multiplier: float, sampling_rate: float) -> dp_accounting.DpEvent:
-    """The DpEvent of one DP-SGD step: Poisson sampling, then the Gaussian mechanism."""
+def step_event(*, noise_multiplier: float, sampling_rate: float,
+               truncation: Truncation | None = None) -> dp_accounting.DpEvent:
+    """The DpEvent of one DP-SGD step: (truncated) Poisson sampling, then the Gaussian mechanism."""
+    if truncation is not None:
+        return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            truncation.dataset_size, sampling_rate, truncation.capacity, noise_multiplier)
     return dp_accounting.PoissonSampledDpEvent(
         sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
     )
 
 
 def dp_event(*, noise_multiplier: float, sampling_rate: float, steps: int,
-             releases: tuple[float, ...] = ()) -> dp_accounting.DpEvent:
+             releases: tuple[float, ...] = (), truncation: Truncation | None = None) -> dp_accounting.DpEvent:
     """The DpEvent of ``steps`` DP-SGD steps after the one-off ``releases``."""
     training = dp_accounting.SelfComposedDpEvent(
-        step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate), steps)
+        step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, truncation=truncation), steps)
     if not releases:
         return training
     return dp_accounting.ComposedDpEvent(
@@ -186,13 +268,69 @@ def quiet_rdp_warnings() -> Iterator[None]:
 
 
 def epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
-            accountant: Accountant = "pld", releases: tuple[float, ...] = ()) -> float:
+            accountant: Accountant = "pld", releases: tuple[float, ...] = (),
+            truncation: Truncation | None = None) -> float:
     """Epsilon at ``delta`` of ``steps`` DP-SGD steps after ``releases``, by ``accountant``."""
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=steps,
                     releases=tuple(releases))
     curve = EpsilonCurve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
-                         accountant=accountant, releases=tuple(releases))
+                         accountant=accountant, releases=tuple(releases), truncation=truncation)
     return curve(steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RdpParts:
+    """One mechanism's RDP on dp-accounting's default orders, composed by adding per order.
+
+    ``step`` is one training step's RDP (with a truncation: ``truncated_step_rdp``),
+    ``untruncated`` the same step without it and ``charge`` the probability that the added
+    example's step truncates (0 without a truncation).
+    """
+
+    orders: np.ndarray
+    step: np.ndarray
+    untruncated: np.ndarray
+    released: np.ndarray
+    charge: float
+
+    @classmethod
+    def of(cls, *, noise_multiplier: float, sampling_rate: float, releases: tuple[float, ...] = (),
+           truncation: Truncation | None = None) -> RdpParts:
+        orders, untruncated = _poisson_rdp(noise_multiplier, sampling_rate)
+        released = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
+        with quiet_rdp_warnings():
+            for sigma in releases:
+                released.compose(dp_accounting.GaussianDpEvent(sigma))
+        step, charge = untruncated, 0.0
+        if truncation is not None:
+            step = truncated_step_rdp(orders, untruncated, noise_multiplier=noise_multiplier,
+                                      sampling_rate=sampling_rate, truncation=truncation)
+            charge = truncation.probability(sampling_rate)
+        return cls(orders=orders, step=step, untruncated=untruncated,
+                   released=np.asarray(released._rdp), charge=charge)  # noqa: SLF001 (same default orders)
+
+
+def rdp_epsilon(parts: list[tuple[RdpParts, int]], delta: float) -> float:
+    """RDP epsilon at ``delta`` of ``steps`` steps (and the releases) of each ``(parts, steps)``.
+
+    With truncated sampling, the smaller of two bounds: the truncated steps' own RDP, and the
+    untruncated steps' RDP at ``delta - sum(steps * charge)``. The second holds because a run
+    is a mixture, with the same weights on both neighbours, of "no step truncated the added
+    example" (the untruncated pair) and the rest (probability at most steps * charge), so the
+    hockey-stick divergence grows by at most that probability at every epsilon.
+    """
+    def composed(vector: str) -> np.ndarray:
+        # 0 steps spend nothing at every order, also where one step's RDP is inf (0 * inf is nan).
+        return sum(((steps * getattr(p, vector) if steps else 0.0) + p.released for p, steps in parts),
+                   np.zeros_like(parts[0][0].orders, dtype=float))
+
+    orders = parts[0][0].orders
+    best = float(dp_accounting.rdp.compute_epsilon(orders, composed("step"), delta)[0])
+    charge = sum(steps * p.charge for p, steps in parts)
+    if 0 < charge < delta:
+        best = min(best, float(dp_accounting.rdp.compute_epsilon(orders, composed("untruncated"),
+                                                                 delta - charge)[0]))
+    return best
 
 
 class EpsilonCurve:
@@ -218,6 +356,7 @@ class EpsilonCurve:
         accountant: Accountant = "pld",
         pld_discretization: float = PLD_DISCRETIZATION,
         releases: tuple[float, ...] = (),
+        truncation: Truncation | None = None,
     ) -> None:
         check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1,
                         releases=tuple(releases))
@@ -228,22 +367,16 @@ class EpsilonCurve:
         self.delta = delta
         self.accountant = accountant
         self.releases = tuple(releases)
+        self.truncation = truncation
         self._cache: dict[int, tuple[float, str]] = {}
-        one_step = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
-        released = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
-        with quiet_rdp_warnings():
-            one_step.compose(step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate))
-            for sigma in self.releases:
-                released.compose(dp_accounting.GaussianDpEvent(sigma))
-        # dp-accounting has no public accessor for the per-order RDP vector; reading it once
-        # saves recomputing the per-order series (~30 ms) at every t.
-        self._orders = np.asarray(one_step._orders)  # noqa: SLF001 - read-only use
-        self._rdp_one_step = np.asarray(one_step._rdp)  # noqa: SLF001
-        self._rdp_releases = np.asarray(released._rdp)  # noqa: SLF001 (same default orders)
+        self._rdp_parts = RdpParts.of(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
+                                      releases=self.releases, truncation=truncation)
         self._pld = None
         if "pld" in bounds_for(accountant, delta):
             self._pld = BoundedPld(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
-                                   releases=self.releases, delta=delta, base=pld_discretization)
+                                   releases=self.releases, delta=delta, base=pld_discretization,
+                                   truncation=None if truncation is None else (truncation.dataset_size,
+                                                                               truncation.capacity))
 
     def __call__(self, steps: int) -> float:
         """Epsilon after ``steps`` steps (0 steps spend only the releases, if any)."""
@@ -263,17 +396,14 @@ class EpsilonCurve:
                 self._cache[steps] = self._compute(int(steps))
         return self._cache[steps]
 
-    def _rdp(self, steps: int) -> np.ndarray:
-        return steps * self._rdp_one_step + self._rdp_releases
-
     def _compute(self, steps: int) -> tuple[float, str]:
         if steps == 0 and not self.releases:
             return 0.0, self.accountant
-        rdp_epsilon = float(dp_accounting.rdp.compute_epsilon(self._orders, self._rdp(steps), self.delta)[0])
+        rdp_bound = rdp_epsilon([(self._rdp_parts, steps)], self.delta)
         if self._pld is None:
-            return rdp_epsilon, "rdp"
+            return rdp_bound, "rdp"
         pld_epsilon = self._pld.epsilon(steps, composed_span=self._composed_span(steps))
-        return (pld_epsilon, "pld") if pld_epsilon <= rdp_epsilon else (rdp_epsilon, "rdp")
+        return (pld_epsilon, "pld") if pld_epsilon <= rdp_bound else (rdp_bound, "rdp")
 
     def _composed_span(self, steps: int) -> float:
         """Span of the composed privacy loss outside which at most the PLD's tail mass lies.
@@ -283,6 +413,8 @@ class EpsilonCurve:
         E[exp(-L)] <= 1 for a privacy loss L.
         """
         log_tail = math.log(2 / self._pld.tail)
+        parts = self._rdp_parts
         with np.errstate(over="ignore", invalid="ignore"):
-            upper = np.min(self._rdp(steps) + log_tail / (self._orders - 1))
+            composed = (steps * parts.step if steps else 0.0) + parts.released
+            upper = np.min(composed + log_tail / (parts.orders - 1))
         return float(upper) + log_tail if math.isfinite(upper) else math.inf

@@ -24,6 +24,14 @@ epsilon is recomputed by ``accounting.epsilon``, the one computation every repor
 ``releases`` (noise multipliers of one-off Gaussian releases before training, see
 ``accounting``) are composed into every probe, so the calibrated
 training gets what remains of the budget after them.
+
+``truncation`` (truncated Poisson sampling, ``accounting.Truncation``) enters every probe the
+same way; when the batch size is solved for, each probe's capacity is the sampler's rule
+(``sampling.batch_capacity``, k standard deviations above B) at that batch size.
+``capacity_sigmas`` picks that k: the smallest of ``CAPACITY_LADDER`` whose truncation adds at
+most ``TRUNCATION_COST`` to the untruncated epsilon (a batch is truncated with probability
+~3e-5 at k = 4, but with little noise per step a truncated step costs a lot: k = 4 adds 35% to
+epsilon at sigma 0.8, q = 0.004, and nothing measurable at sigma 2.3, q = 0.08).
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ import math
 from collections.abc import Callable
 
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy.accounting import (Accountant, EpsilonCurve, check_accountant, check_batch_size,
+from dpscale.privacy.accounting import (Accountant, EpsilonCurve, Truncation, check_accountant, check_batch_size,
                                         check_delta, check_mechanism, epsilon, quiet_rdp_warnings)
 from dpscale.privacy.bracket_search import MonotoneProblem, solve_boundary
+from dpscale.privacy.sampling import batch_capacity
 
 # The search domain. Targets so loose that less noise or more steps would do get the
 # bound itself (its epsilon, far below the target, is reported): sigma = 0.1 already
@@ -47,6 +56,11 @@ SIGMA_MIN = 0.1
 SIGMA_MAX = 1e4  # needing more noise than this means the target is impractical
 MAX_STEPS = 10**7
 DEFAULT_RTOL = 1e-3
+#: Capacities tried, in standard deviations of the batch size above B (cheapest first).
+CAPACITY_LADDER = (3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 10.0)
+#: The most epsilon truncating batches may add, relative to untruncated Poisson sampling.
+TRUNCATION_COST = 1e-3
+CHOICE_DISCRETIZATION = 1e-3  # PLD grid of that comparison (the reported epsilon uses the default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,20 +70,22 @@ class Calibrated:
     value: float | int
     epsilon: float
     probes: int
+    slope: float = 0.0  # d log(epsilon) / d log(value) near the answer (where a nearby search starts)
 
 
 class _EpsilonCache:
-    """Epsilon of (sigma, q, steps), reusing one EpsilonCurve per (sigma, q)."""
+    """Epsilon of (sigma, q, steps, truncation), reusing one EpsilonCurve per (sigma, q, truncation)."""
 
     def __init__(self, *, delta: float, accountant: Accountant, releases: tuple[float, ...] = ()) -> None:
         self.delta = delta
         self.accountant = accountant
         self.releases = tuple(releases)
-        self._curves: dict[tuple[float, float], EpsilonCurve] = {}
+        self._curves: dict[tuple[float, float, Truncation | None], EpsilonCurve] = {}
         self.probes = 0
 
-    def __call__(self, noise_multiplier: float, sampling_rate: float, steps: int) -> float:
-        key = (float(noise_multiplier), float(sampling_rate))
+    def __call__(self, noise_multiplier: float, sampling_rate: float, steps: int,
+                 truncation: Truncation | None = None) -> float:
+        key = (float(noise_multiplier), float(sampling_rate), truncation)
         curve = self._curves.get(key)
         if curve is None:
             curve = EpsilonCurve(
@@ -78,31 +94,38 @@ class _EpsilonCache:
                 delta=self.delta,
                 accountant=self.accountant,
                 releases=self.releases,
+                truncation=truncation,
             )
             self._curves[key] = curve
         self.probes += 1
         return curve(int(steps))
 
 
-Mechanism = Callable[[float], tuple[float, float, int]]  # solved value -> (sigma, q, steps)
+# solved value -> (sigma, q, steps, truncation)
+Mechanism = Callable[[float], tuple[float, float, int, Truncation | None]]
 
 
 def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, accountant: Accountant,
            releases: tuple[float, ...], increasing: bool, integer: bool, lower: float, upper: float,
-           start: float, slope: float, nudge: Callable[[float], float], rtol: float = DEFAULT_RTOL) -> Calibrated:
+           start: float, slope: float, nudge: Callable[[float], float], rtol: float = DEFAULT_RTOL,
+           near: tuple[float, float] | None = None) -> Calibrated:
     """The feasible boundary of ``epsilon(mechanism(x)) <= target`` in x, by the search below.
 
     A cheap RDP search first, then one on the epsilon ``accountant`` reports (``EpsilonCurve``:
     the smallest of ``accounting.bounds_for``'s bounds) from the RDP answer and its slope,
-    which refines it even where that epsilon is RDP's own (tiny delta). The answer is
+    which refines it even where that epsilon is RDP's own (tiny delta). ``near``: (value,
+    slope) of a nearby answer (e.g. the answer without truncation): the second search starts
+    there and the first is skipped. The answer is
     re-checked with ``accounting.epsilon`` (what every report uses) and nudged towards the
     private end if it disagrees, a safety net that should never fire: the search's cached
     evaluations are the same computation.
     """
     _check_releases_fit(target=target, delta=delta, accountant=accountant, releases=releases)
     probes = 0
+    if near is not None:
+        start, slope = near
     with quiet_rdp_warnings():
-        for acc in dict.fromkeys(("rdp", accountant)):
+        for acc in dict.fromkeys((accountant,) if near is not None else ("rdp", accountant)):
             cache = _EpsilonCache(delta=delta, accountant=acc, releases=releases)
             problem = MonotoneProblem(name=name, eps_at=lambda x, c=cache: c(*mechanism(x)), target=target,
                                       increasing=increasing, integer=integer, lower=lower, upper=upper, rtol=rtol)
@@ -118,11 +141,11 @@ def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, acco
                 probes += cache.probes
     value = int(start) if integer else start
     for _ in range(64):
-        sigma, q, steps = mechanism(value)
+        sigma, q, steps, truncation = mechanism(value)
         achieved = epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta,
-                           accountant=accountant, releases=releases)
+                           accountant=accountant, releases=releases, truncation=truncation)
         if achieved <= target:
-            return Calibrated(value=value, epsilon=achieved, probes=probes)
+            return Calibrated(value=value, epsilon=achieved, probes=probes, slope=slope)
         value = nudge(value)
     raise RuntimeError("accounting.epsilon disagrees with the search")  # a bug
 
@@ -157,13 +180,16 @@ def calibrate_noise_multiplier(
     accountant: Accountant = "pld",
     rtol: float = DEFAULT_RTOL,
     releases: tuple[float, ...] = (),
+    truncation: Truncation | None = None,
+    near: tuple[float, float] | None = None,
 ) -> Calibrated:
-    """Smallest sigma (within relative ``rtol``) with epsilon <= target."""
+    """Smallest sigma (within relative ``rtol``) with epsilon <= target (``near``: see ``_solve``)."""
     _check_target(target_epsilon, delta, accountant)
     check_mechanism(noise_multiplier=1.0, sampling_rate=sampling_rate, steps=steps, releases=releases)
-    return _solve("noise multiplier", lambda s: (s, sampling_rate, steps), target=target_epsilon, delta=delta,
+    return _solve("noise multiplier", lambda s: (s, sampling_rate, steps, truncation), target=target_epsilon,
+                  delta=delta,
                   accountant=accountant, releases=releases, increasing=False, integer=False, lower=SIGMA_MIN,
-                  upper=SIGMA_MAX, start=1.0, slope=-1.0, rtol=rtol,
+                  upper=SIGMA_MAX, start=1.0, slope=-1.0, rtol=rtol, near=near,
                   nudge=lambda s: min(s * (1 + rtol / 4), SIGMA_MAX))
 
 
@@ -176,13 +202,16 @@ def calibrate_steps(
     sampling_rate: float,
     accountant: Accountant = "pld",
     releases: tuple[float, ...] = (),
+    truncation: Truncation | None = None,
+    near: tuple[float, float] | None = None,
 ) -> Calibrated:
-    """Largest number of steps with epsilon <= target."""
+    """Largest number of steps with epsilon <= target (``near``: see ``_solve``)."""
     _check_target(target_epsilon, delta, accountant)
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1, releases=releases)
-    return _solve("steps", lambda t: (noise_multiplier, sampling_rate, int(t)), target=target_epsilon, delta=delta,
+    return _solve("steps", lambda t: (noise_multiplier, sampling_rate, int(t), truncation), target=target_epsilon,
+                  delta=delta,
                   accountant=accountant, releases=releases, increasing=True, integer=True, lower=1,
-                  upper=MAX_STEPS, start=1000.0, slope=0.5,
+                  upper=MAX_STEPS, start=1000.0, slope=0.5, near=near,
                   nudge=lambda t: _decrement(t, "steps", target_epsilon))
 
 
@@ -196,15 +225,59 @@ def calibrate_batch_size(
     num_examples: int,
     accountant: Accountant = "pld",
     releases: tuple[float, ...] = (),
+    capacity_sigmas: float | None = None,
+    near: tuple[float, float] | None = None,
 ) -> Calibrated:
-    """Largest (expected) batch size with epsilon <= target, at most ``num_examples``."""
+    """Largest (expected) batch size with epsilon <= target, at most ``num_examples``.
+
+    ``capacity_sigmas``: Poisson batches truncated to ``sampling.batch_capacity`` (that many
+    standard deviations above each probed size); None: untruncated.
+    """
     _check_target(target_epsilon, delta, accountant)
     check_batch_size(batch_size=1, num_examples=num_examples)
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=1.0, steps=steps, releases=releases)
-    return _solve("batch size", lambda b: (noise_multiplier, int(b) / num_examples, steps), target=target_epsilon,
+
+    def mechanism(b: float) -> tuple[float, float, int, Truncation | None]:
+        truncation = (None if capacity_sigmas is None else
+                      Truncation(num_examples, batch_capacity(num_examples, int(b), sigmas=capacity_sigmas)))
+        return noise_multiplier, int(b) / num_examples, steps, truncation
+
+    return _solve("batch size", mechanism, target=target_epsilon,
                   delta=delta, accountant=accountant, releases=releases, increasing=True, integer=True, lower=1,
-                  upper=num_examples, start=max(1.0, num_examples / 100), slope=1.0,
+                  upper=num_examples, start=max(1.0, num_examples / 100), slope=1.0, near=near,
                   nudge=lambda b: _decrement(b, "batch size", target_epsilon))
+
+
+@functools.lru_cache(maxsize=256)  # pure; every plan of a sweep asks it
+def capacity_sigmas(*, noise_multiplier: float, num_examples: int, batch_size: int, steps: int, delta: float,
+                    accountant: Accountant = "pld", releases: tuple[float, ...] = ()) -> float:
+    """The smallest k of ``CAPACITY_LADDER`` whose truncation adds at most ``TRUNCATION_COST`` to epsilon.
+
+    Epsilon falls as the capacity grows (fewer truncations), so the first k that passes is
+    found by bisection over the ladder; the last k if none passes.
+    """
+    check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=batch_size / num_examples, steps=steps,
+                    releases=releases)
+    common = dict(noise_multiplier=noise_multiplier, sampling_rate=batch_size / num_examples, delta=delta,
+                  accountant=accountant, releases=releases)
+    def spent(truncation: Truncation | None) -> float:  # on a coarser grid: a comparison, not a report
+        return EpsilonCurve(**common, pld_discretization=CHOICE_DISCRETIZATION, truncation=truncation)(steps)
+
+    with quiet_rdp_warnings():
+        allowed = spent(None) * (1 + TRUNCATION_COST)
+
+        def passes(k: float) -> bool:
+            capacity = batch_capacity(num_examples, batch_size, sigmas=k)
+            return capacity > num_examples or spent(Truncation(num_examples, capacity)) <= allowed
+
+        low, high = 0, len(CAPACITY_LADDER) - 1  # the answer is in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if passes(CAPACITY_LADDER[middle]):
+                high = middle
+            else:
+                low = middle + 1
+    return CAPACITY_LADDER[low]
 
 
 def _decrement(value: float, name: str, target: float) -> int:

@@ -10,7 +10,8 @@ after clipping is the normalised form of De et al. (2022): the learning rate
 absorbs C, and the noise std is simply ``sigma * sensitivity`` with
 sensitivity 1.
 
-Padded slots (mask 0) and examples whose gradient is not finite get weight 0.
+Padded slots (mask 0) and examples whose gradient is not finite get weight 0, by selects
+that run on every step (no branch on the data, so the step's time does not depend on it).
 Non-finite gradients are also counted, so a run can report them.
 
 Speed: per-example norms are computed first and the clipped sum is then one
@@ -97,22 +98,17 @@ def clip_weights(
 def weighted_sum(per_example_grads: PyTree, weights: jax.Array, finite: jax.Array) -> PyTree:
     """``sum_i w_i g_i`` per leaf, with non-finite g_i replaced by zero.
 
-    ``0 * NaN`` is NaN, so a zero weight alone does not stop a poisoned gradient.
-    The guarded path (an extra pass over the per-example gradients) only runs when
-    some example is non-finite; the common path is a single contraction.
+    ``0 * NaN`` is NaN, so a zero weight alone does not stop a poisoned gradient: every
+    example's gradient goes through a select first. Always, not only when some example is
+    non-finite: one code path whatever the batch holds, so a step's time does not say whether
+    it sampled a NaN row (one extra pass over the per-example gradients; docs/privacy.md).
     """
 
-    def contract(grads: PyTree) -> PyTree:
-        return jax.tree_util.tree_map(lambda g: jnp.tensordot(weights, g, axes=1), grads)
+    def zero_then_contract(g: jax.Array) -> jax.Array:
+        keep = finite.reshape((-1,) + (1,) * (g.ndim - 1))
+        return jnp.tensordot(weights, jnp.where(keep, g, jnp.zeros((), g.dtype)), axes=1)
 
-    def zero_nonfinite_then_contract(grads: PyTree) -> PyTree:
-        def zero(g: jax.Array) -> jax.Array:
-            keep = finite.reshape((-1,) + (1,) * (g.ndim - 1))
-            return jnp.where(keep, g, jnp.zeros_like(g))
-
-        return contract(jax.tree_util.tree_map(zero, grads))
-
-    return jax.lax.cond(jnp.all(finite), contract, zero_nonfinite_then_contract, per_example_grads)
+    return jax.tree_util.tree_map(zero_then_contract, per_example_grads)
 
 
 def clipped_sum_from_gradients(

@@ -1,7 +1,8 @@
 """The privacy plan of a run: from an (epsilon, delta) target to the noise, in one object.
 
 A run's guarantee is a statement about four things that must agree: how batches are selected
-(Poisson sampling at rate q = B / N), how many steps T there are, how much noise sigma every
+(Poisson sampling at rate q = B / N, truncated to a fixed capacity so that every step has the
+same shape and wall time), how many steps T there are, how much noise sigma every
 step adds to the clipped sum (relative to its sensitivity), and the one-off Gaussian releases
 made from the data before training (e.g. the DP mean of ``center-l2`` features).
 ``PrivacyPlan`` holds exactly those. It is calibrated once (``PrivacyPlan.calibrate``: the
@@ -32,15 +33,16 @@ import optax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme, bounds_for,
-                                        check_accountant, check_batch_size, check_delta, check_mechanism,
-                                        check_releases, check_steps, dp_event, make_accountant,
-                                        quiet_rdp_warnings)
+from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme, Truncation,
+                                        bounds_for, check_accountant, check_batch_size, check_delta,
+                                        check_mechanism, check_releases, check_steps, dp_event, make_accountant,
+                                        quiet_rdp_warnings, RdpParts, rdp_epsilon)
 from dpscale.privacy.clipping import LossFn, make_unclipped_sum_fn
 from dpscale.privacy.dpsgd import ClippedSumFn, DpsgdStep
-from dpscale.privacy.sampling import PoissonSampler, ShuffledSampler
+from dpscale.privacy.sampling import Layout, PoissonSampler, ShuffledSampler, batch_capacity
 
 KNOBS = ("noise_multiplier", "steps", "batch_size")
+_POSITION = {"batch_size": 0, "steps": 1, "noise_multiplier": 2}  # in ``PrivacyPlan._solve``'s answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +106,16 @@ class PrivacyPlan:
     accountant: Accountant = "pld"
     sampling: SamplingScheme = "poisson"
     releases: tuple[float, ...] = ()  # noise multipliers of one-off releases (sensitivity 1, full data)
+    # Most examples a step holds (Poisson batches are truncated to it); 0: the rule (``capacity``).
+    batch_capacity: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "releases", tuple(float(r) for r in self.releases))  # a list from JSON
         check_batch_size(batch_size=self.batch_size, num_examples=self.num_examples)
+        if self.sampling == "shuffle":
+            object.__setattr__(self, "batch_capacity", self.batch_size)  # fixed-size batches
+        if self.batch_capacity:
+            check_batch_size(batch_size=self.batch_capacity, num_examples=self.num_examples + 1)
         check_steps(self.steps)
         check_delta(self.delta)
         check_accountant(self.accountant)
@@ -146,18 +154,45 @@ class PrivacyPlan:
         common = dict(target_epsilon=target.epsilon, delta=target.delta, accountant=target.accountant,
                       releases=tuple(releases))
         n = int(num_examples)
+        solved = cls._solve(solve, n, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
+                            sigmas=None, rtol=rtol, common=common)
+        capacity = 0
+        if target.sampling == "poisson":
+            # The truncation that costs at most ``TRUNCATION_COST`` at the untruncated answer, then the
+            # answer again with that truncation accounted.
+            sigmas = calibration.capacity_sigmas(
+                noise_multiplier=solved[2], num_examples=n, batch_size=solved[0], steps=solved[1],
+                delta=target.delta, accountant=target.accountant, releases=tuple(releases))
+            solved = cls._solve(solve, n, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
+                                sigmas=sigmas, rtol=rtol, common=common, near=solved)
+            capacity = batch_capacity(n, solved[0], sigmas=sigmas)
+        return cls(num_examples=n, batch_size=solved[0], steps=solved[1], noise_multiplier=solved[2],
+                   delta=target.delta, accountant=target.accountant, sampling=target.sampling,
+                   releases=tuple(releases), batch_capacity=capacity)
+
+    @staticmethod
+    def _solve(solve: str, n: int, *, batch_size: int | None, steps: int | None, noise_multiplier: float | None,
+               sigmas: float | None, rtol: float, common: dict[str, Any],
+               near: tuple[int, int, float, float] | None = None) -> tuple[int, int, float, float]:
+        """(B, T, sigma, slope) with the missing one calibrated; batches truncated ``sigmas`` std above B
+        (None: not). ``near``: an earlier answer (without truncation), where the search starts."""
+        truncation = None
+        if sigmas is not None and batch_size is not None:
+            truncation = Truncation(n, batch_capacity(n, batch_size, sigmas=sigmas))
+        start = None if near is None else (near[_POSITION[solve]], near[3])
         if solve == "noise_multiplier":
-            noise_multiplier = calibration.calibrate_noise_multiplier(
-                sampling_rate=batch_size / n, steps=int(steps), rtol=rtol, **common).value
+            found = calibration.calibrate_noise_multiplier(sampling_rate=batch_size / n, steps=int(steps), rtol=rtol,
+                                                           truncation=truncation, near=start, **common)
+            noise_multiplier = found.value
         elif solve == "steps":
-            steps = calibration.calibrate_steps(noise_multiplier=noise_multiplier, sampling_rate=batch_size / n,
-                                                **common).value
+            found = calibration.calibrate_steps(noise_multiplier=noise_multiplier, sampling_rate=batch_size / n,
+                                                truncation=truncation, near=start, **common)
+            steps = found.value
         else:
-            batch_size = calibration.calibrate_batch_size(noise_multiplier=noise_multiplier, steps=int(steps),
-                                                          num_examples=n, **common).value
-        return cls(num_examples=n, batch_size=int(batch_size), steps=int(steps),
-                   noise_multiplier=float(noise_multiplier), delta=target.delta, accountant=target.accountant,
-                   sampling=target.sampling, releases=tuple(releases))
+            found = calibration.calibrate_batch_size(noise_multiplier=noise_multiplier, steps=int(steps),
+                                                     num_examples=n, capacity_sigmas=sigmas, near=start, **common)
+            batch_size = found.value
+        return int(batch_size), int(steps), float(noise_multiplier), found.slope
 
     # -- what it guarantees ---------------------------------------------------------------
 
@@ -171,13 +206,43 @@ class PrivacyPlan:
 
     @property
     def exact(self) -> bool:
-        """True when the accountant's Poisson event describes the sampling exactly."""
+        """True when the accountant's event describes the sampling exactly (truncated Poisson)."""
         return self.sampling == "poisson"
+
+    @functools.cached_property
+    def capacity(self) -> int:
+        """The most examples a step holds: ``batch_capacity``, or when that is 0 the rule: B plus the
+        ``calibration.capacity_sigmas`` standard deviations of the batch size whose truncation costs
+        at most 0.1% of epsilon (4 for a non-private plan, which has no epsilon to spend)."""
+        if self.batch_capacity:
+            return self.batch_capacity
+        if not self.private:
+            return batch_capacity(self.num_examples, self.batch_size)
+        sigmas = calibration.capacity_sigmas(
+            noise_multiplier=self.noise_multiplier, num_examples=self.num_examples, batch_size=self.batch_size,
+            steps=self.steps, delta=self.delta, accountant=self.accountant, releases=self.releases)
+        return batch_capacity(self.num_examples, self.batch_size, sigmas=sigmas)
+
+    @property
+    def truncation(self) -> Truncation | None:
+        """The accounted truncation of Poisson batches (shuffled batches: accounted as untruncated Poisson)."""
+        if self.sampling != "poisson":
+            return None
+        return Truncation(self.num_examples, self.capacity)
+
+    def resolved(self) -> PrivacyPlan:
+        """This plan with its capacity written out (what a run records, so a resume never recomputes it)."""
+        return dataclasses.replace(self, batch_capacity=self.capacity)
+
+    def layout(self, microbatch_size: int, *, multiple: int = 1) -> Layout:
+        """Every step's micro-batches: the capacity in the fewest of at most ``microbatch_size`` slots."""
+        return Layout.of(self.capacity, microbatch_size=microbatch_size, multiple=multiple)
 
     @property
     def _curve(self) -> EpsilonCurve:
         return _epsilon_curve(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
-                              delta=self.delta, accountant=self.accountant, releases=self.releases)
+                              delta=self.delta, accountant=self.accountant, releases=self.releases,
+                              truncation=self.truncation)
 
     def epsilon(self, steps: int | None = None) -> float:
         """Epsilon after ``steps`` steps (default: all) and the releases; inf for a non-private plan."""
@@ -211,19 +276,22 @@ class PrivacyPlan:
         return Ledger(private=self.private, accountant=self.accountant if self.private else "none",
                       sampling=self.sampling if self.private else None, exact_accounting=self.private and self.exact,
                       sampling_rate=self.sampling_rate if self.private else None,
+                      batch_capacity=self.capacity,
                       noise_multiplier=self.noise_multiplier, releases=self.releases, planned_steps=self.steps,
                       steps_done=steps_done, delta=self.delta, epsilon_spent=self.epsilon(steps_done),
                       epsilon_bound=self.epsilon_bound(steps_done), not_covered=tuple(not_covered))
 
     # -- what runs ------------------------------------------------------------------------
 
-    def sampler(self, *, seed: int, microbatch_size: int) -> PoissonSampler | ShuffledSampler:
-        """The batch selection of this plan (a shuffled sampler warns that it is not accounted exactly)."""
+    def sampler(self, *, seed: int, microbatch_size: int, multiple: int = 1) -> PoissonSampler | ShuffledSampler:
+        """The batch selection of this plan, in ``layout(microbatch_size, multiple=multiple)`` at every step
+        (a shuffled sampler warns that it is not accounted exactly). A non-private plan samples the same way."""
         if self.sampling == "poisson":
             return PoissonSampler(num_examples=self.num_examples, expected_batch_size=self.batch_size,
-                                  microbatch_size=microbatch_size, seed=seed)
+                                  capacity=self.capacity, microbatch_size=microbatch_size, seed=seed,
+                                  multiple=multiple)
         return ShuffledSampler(num_examples=self.num_examples, batch_size=self.batch_size,
-                               microbatch_size=microbatch_size, seed=seed)
+                               microbatch_size=microbatch_size, seed=seed, multiple=multiple)
 
     def dp_step(self, loss_fn: LossFn, *, seed: int, clip_norm: float = 1.0,
                 clipped_sum_fn: ClippedSumFn | None = None, optimizer: optax.GradientTransformation | None = None,
@@ -262,11 +330,27 @@ def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: 
     counts = collections.Counter(plans)  # repeats of one setting compose by self-composition (faster)
     event = dp_accounting.ComposedDpEvent([
         dp_accounting.SelfComposedDpEvent(dp_event(noise_multiplier=p.noise_multiplier, sampling_rate=p.sampling_rate,
-                                                   steps=p.steps, releases=p.releases), count)
+                                                   steps=p.steps, releases=p.releases, truncation=p.truncation),
+                                          count)
         for p, count in counts.items()])
+    bounds = []
     with quiet_rdp_warnings():  # the smallest bound, as for one plan
-        return min(float(make_accountant(name).compose(event).get_epsilon(delta))
-                   for name in bounds_for(accountant, delta))
+        for name in bounds_for(accountant, delta):
+            if name == "pld":
+                bounds.append(float(make_accountant(name).compose(event).get_epsilon(delta)))
+            else:  # dp-accounting's RDP accountant has no truncated event: sum the per-order RDP here
+                bounds.append(_composed_rdp_epsilon(counts, delta))
+    return min(bounds)
+
+
+def _composed_rdp_epsilon(counts: collections.Counter, delta: float) -> float:
+    """RDP epsilon of every plan's releases and steps, ``count`` times each (RDP adds per order)."""
+    parts = []
+    for plan, count in counts.items():
+        one = RdpParts.of(noise_multiplier=plan.noise_multiplier, sampling_rate=plan.sampling_rate,
+                          releases=plan.releases, truncation=plan.truncation)
+        parts += [(one, plan.steps)] * count
+    return rdp_epsilon(parts, delta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +368,7 @@ class PlanReport:
     sampling_rate: float
     sampling: str
     exact: bool
+    batch_capacity: int  # the most examples a step holds (Poisson batches truncated to it)
     warnings: tuple[str, ...]
 
     @classmethod
@@ -292,7 +377,7 @@ class PlanReport:
                    epsilon_bound=plan.epsilon_bound(),
                    noise_multiplier=plan.noise_multiplier, steps=plan.steps, batch_size=plan.batch_size,
                    num_examples=plan.num_examples, sampling_rate=plan.sampling_rate, sampling=plan.sampling,
-                   exact=plan.exact, warnings=plan.warnings, **extra)
+                   exact=plan.exact, warnings=plan.warnings, batch_capacity=plan.capacity, **extra)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"warnings": list(self.warnings)}
@@ -316,6 +401,7 @@ class Ledger:
     epsilon_bound: str = ""  # whose bound epsilon_spent is: "pld" or "rdp" (the smaller of both under pld)
     not_covered: tuple[str, ...] = ()  # outputs of the run that epsilon does not cover, and why
     neighboring_relation: str = "add_or_remove_one"
+    batch_capacity: int = 0  # Poisson batches are truncated to this many examples (0: an older ledger)
 
     @property
     def finished(self) -> bool:

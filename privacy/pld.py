@@ -26,9 +26,12 @@ therefore not computed at all and RDP answers alone (``accounting.EpsilonCurve``
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import dp_accounting
+import numpy as np
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
+from scipy import stats
 
 NEIGHBORING_RELATION = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 # dp-accounting's own default interval; every ordinary setting keeps it.
@@ -46,15 +49,39 @@ SPLIT_BLOCK = 1024
 MAX_DISCRETIZATION = 500.0
 
 
-def step_loss_span(noise_multiplier: float, sampling_rate: float = 1.0) -> tuple[float, float]:
-    """(width, highest loss) of one (subsampled) Gaussian step's grid, the wider of its two directions."""
+def step_loss_span(noise_multiplier: float, sampling_rate: float = 1.0, *,
+                   truncation: tuple[int, int] | None = None) -> tuple[float, float]:
+    """(width, highest loss) of one (subsampled) Gaussian step's grid, the wider of its two directions.
+
+    With ``truncation`` (dataset size, capacity), the wider of the two parts dp-accounting mixes
+    (``truncated_parts``): the Poisson step, and the replace-one step at half the noise.
+    """
+    parts = [(noise_multiplier, sampling_rate, (privacy_loss_mechanism.AdjacencyType.REMOVE,
+                                                privacy_loss_mechanism.AdjacencyType.ADD))]
+    if truncation is not None:
+        truncated = truncated_parts(noise_multiplier, sampling_rate, *truncation)
+        if truncated is not None:
+            parts.append((noise_multiplier / 2, truncated[1], (privacy_loss_mechanism.AdjacencyType.REPLACE,)))
     width, high = 0.0, 0.0
-    for adjacency in (privacy_loss_mechanism.AdjacencyType.REMOVE, privacy_loss_mechanism.AdjacencyType.ADD):
-        bounds = privacy_loss_mechanism.GaussianPrivacyLoss(
-            noise_multiplier, sampling_prob=sampling_rate, adjacency_type=adjacency).connect_dots_bounds()
-        width = max(width, bounds.epsilon_upper - bounds.epsilon_lower)
-        high = max(high, bounds.epsilon_upper)
+    for sigma, rate, adjacencies in parts:
+        for adjacency in adjacencies:
+            bounds = privacy_loss_mechanism.GaussianPrivacyLoss(
+                sigma, sampling_prob=rate, adjacency_type=adjacency).connect_dots_bounds()
+            width = max(width, bounds.epsilon_upper - bounds.epsilon_lower)
+            high = max(high, bounds.epsilon_upper)
     return width, high
+
+
+def truncated_parts(noise_multiplier: float, sampling_rate: float, dataset_size: int,
+                    capacity: int) -> tuple[float, float] | None:
+    """(truncation probability, sampling rate of the replace-one part) as dp-accounting computes them
+    for a truncated-Poisson step (``from_truncated_subsampled_gaussian_mechanism``); None: never truncated."""
+    del noise_multiplier
+    probability = stats.binom.sf(capacity - 1, dataset_size - 1, sampling_rate)
+    if probability == 0.0:
+        return None
+    rate = stats.binom.sf(capacity, dataset_size, sampling_rate) * capacity / probability / dataset_size
+    return float(probability), float(min(1.0, rate))
 
 
 def discretization(*, step_span: float, composed_span: float,
@@ -80,11 +107,14 @@ class BoundedPld:
     """
 
     def __init__(self, *, noise_multiplier: float, sampling_rate: float, releases: tuple[float, ...],
-                 delta: float, base: float = DEFAULT_DISCRETIZATION) -> None:
+                 delta: float, base: float = DEFAULT_DISCRETIZATION,
+                 truncation: tuple[int, int] | None = None) -> None:
         self.noise_multiplier, self.sampling_rate, self.releases = noise_multiplier, sampling_rate, releases
+        self.truncation = truncation  # (dataset size, capacity) of truncated Poisson sampling, or None
         self.delta, self.base = delta, base
         self.tail = TAIL_MASS
-        spans = [step_loss_span(noise_multiplier, sampling_rate)] + [step_loss_span(s) for s in releases]
+        spans = ([step_loss_span(noise_multiplier, sampling_rate, truncation=truncation)]
+                 + [step_loss_span(s) for s in releases])
         self.step_span = max(width for width, _ in spans)
         self.step_high = max(high for _, high in spans)
         self._built: dict[float, tuple[object, object]] = {}
@@ -96,9 +126,16 @@ class BoundedPld:
     def _parts(self, interval: float) -> tuple[object, object]:
         """(one training step, all releases) on the grid ``interval``: built once per grid."""
         if interval not in self._built:
-            step = privacy_loss_distribution.from_gaussian_mechanism(
-                standard_deviation=self.noise_multiplier, sampling_prob=self.sampling_rate,
-                value_discretization_interval=interval, neighboring_relation=NEIGHBORING_RELATION)
+            if self.truncation is None:
+                step = privacy_loss_distribution.from_gaussian_mechanism(
+                    standard_deviation=self.noise_multiplier, sampling_prob=self.sampling_rate,
+                    value_discretization_interval=interval, neighboring_relation=NEIGHBORING_RELATION)
+            else:
+                dataset_size, capacity = self.truncation
+                step = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
+                    dataset_size=dataset_size, sampling_probability=self.sampling_rate,
+                    truncated_batch_size=capacity, noise_multiplier=self.noise_multiplier,
+                    value_discretization_interval=interval, neighboring_relation=NEIGHBORING_RELATION)
             released = privacy_loss_distribution.identity(value_discretization_interval=interval)
             for sigma in self.releases:
                 released = released.compose(privacy_loss_distribution.from_gaussian_mechanism(
@@ -139,3 +176,25 @@ class BoundedPld:
             composed = composed.compose(step.self_compose(steps % SPLIT_BLOCK, tail_mass_truncation=self.tail),
                                         tail_mass_truncation=self.tail)
         return composed
+
+
+def privacy_profile(*, noise_multiplier: float, sampling_rate: float, steps: int, epsilons: Sequence[float],
+                    truncation: tuple[int, int] | None = None, discretization: float = 1e-2) -> np.ndarray:
+    """delta(eps) of ``steps`` (truncated) Poisson-subsampled Gaussian steps at each of ``epsilons``.
+
+    dp-accounting's pessimistic PLD on a grid of ``discretization``: each value is an upper
+    bound on the mechanism's delta(eps), the coarser the grid the looser. The whole profile
+    (the f-DP trade-off curve in another form) is what an audit compares a test's error
+    rates with (``audit.sampler``).
+    """
+    if truncation is None:
+        step = privacy_loss_distribution.from_gaussian_mechanism(
+            standard_deviation=noise_multiplier, sampling_prob=sampling_rate,
+            value_discretization_interval=discretization, neighboring_relation=NEIGHBORING_RELATION)
+    else:
+        step = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
+            dataset_size=truncation[0], sampling_probability=sampling_rate, truncated_batch_size=truncation[1],
+            noise_multiplier=noise_multiplier, value_discretization_interval=discretization,
+            neighboring_relation=NEIGHBORING_RELATION)
+    composed = step.self_compose(steps, tail_mass_truncation=TAIL_MASS)
+    return np.asarray(composed.get_delta_for_epsilon(np.asarray(epsilons, dtype=float)), dtype=float)

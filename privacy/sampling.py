@@ -1,18 +1,27 @@
-"""Batch selection: Poisson sampling in fixed-shape padded micro-batches.
+"""Batch selection: truncated Poisson sampling in a fixed number of padded micro-batches.
 
-The accountant assumes Poisson sampling: every example joins each batch
-independently with probability q = B / N, so the realised batch size is
-Binomial(N, q). To keep shapes static (one compilation for the whole run), a
-batch is cut into micro-batches of a fixed size and the last one is padded with
-index -1 and mask 0. Only the *number* of micro-batches varies from step to step;
-nothing is ever truncated, so the sampling is exactly what is accounted for.
+The accountant's event (``privacy.accounting``) is *truncated* Poisson sampling: every example
+joins the batch independently with probability q = B / N, and a batch larger than a fixed
+``capacity`` keeps a uniformly random subset of ``capacity`` of them. dp-accounting accounts
+for exactly this (``TruncatedSubsampledGaussianDpEvent``), so nothing is charged to delta.
 
-Each step's sample is a pure function of (seed, step), so a resumed run draws the
-same batches it would have drawn without the interruption.
+Why truncate: a step's wall time must not depend on the private data. With plain Poisson
+sampling the number of micro-batches follows the realised batch size, and per-step time
+would tell it. Here every step has the same ``[num_microbatches, slot_size]`` shape whatever
+was drawn. The capacity is ``B + k sqrt(B (1 - q))`` (``batch_capacity``), k standard deviations
+of the Binomial batch size above B: the privacy plan picks the smallest k of a short ladder whose
+truncation costs at most 0.1% of epsilon (``privacy.calibration.capacity_sigmas``; docs/privacy.md
+gives the numbers and the compute it costs). It does not depend on the micro-batch size, so
+``dpscale epsilon`` needs no layout to give a run's exact epsilon.
+The capacity is spread over the fewest micro-batches of at most ``microbatch_size`` slots, in
+equal slots (``Layout``), so a large micro-batch size wastes no slot.
 
-Shuffled fixed-size batches are available for comparison with non-private
-baselines, but the Poisson accountant does not describe them: constructing a
-``ShuffledSampler`` warns loudly.
+Each step's sample is a pure function of (seed, step), so a resumed run draws the same batches
+it would have drawn without the interruption. ``truncated_poisson_slots`` is the same
+distribution inside ``jit``/``vmap`` (the many small models of an audit).
+
+Shuffled fixed-size batches are available for comparison with non-private baselines, but the
+Poisson accountant does not describe them: constructing a ``ShuffledSampler`` warns loudly.
 """
 
 from __future__ import annotations
@@ -31,11 +40,51 @@ from dpscale.privacy.streams import Stream, stream_rng
 
 _log = logging.getLogger(__name__)
 PADDING_INDEX = -1
+#: Standard deviations of the Binomial batch size between B and the capacity, by default.
+CAPACITY_SIGMAS = 4.0
+
+
+def batch_capacity(num_examples: int, expected_batch_size: float, *, sigmas: float = CAPACITY_SIGMAS) -> int:
+    """The most examples a step holds: ``B + sigmas std`` of Binomial(N, q), at most N + 1.
+
+    N + 1 holds every example of the larger neighbour (the accountant's data set): then
+    nothing is ever truncated, e.g. at q = 1, where a capacity of N would always truncate it."""
+    _check_sizes(num_examples, expected_batch_size, 1)
+    rate = expected_batch_size / num_examples
+    if rate >= 1:  # full batches: no spread, but the larger neighbour's N + 1 must fit
+        return int(num_examples) + 1
+    spread = sigmas * math.sqrt(expected_batch_size * (1 - rate))
+    return min(int(num_examples) + 1, math.ceil(expected_batch_size + spread))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How ``capacity`` slots are cut: ``num_microbatches`` micro-batches of ``slot_size`` slots.
+
+    The fewest micro-batches of at most ``microbatch_size`` slots that hold the capacity, each
+    of equal size rounded up to a multiple of ``multiple`` (the number of devices).
+    """
+
+    num_microbatches: int
+    slot_size: int
+
+    @classmethod
+    def of(cls, capacity: int, *, microbatch_size: int, multiple: int = 1) -> Layout:
+        if capacity <= 0 or microbatch_size <= 0 or multiple <= 0:
+            raise InvalidConfigError(f"capacity, micro-batch size and multiple must be positive, got "
+                                     f"{capacity}, {microbatch_size}, {multiple}")
+        count = math.ceil(capacity / microbatch_size)
+        size = multiple * math.ceil(math.ceil(capacity / count) / multiple)
+        return cls(num_microbatches=count, slot_size=max(size, 1))
+
+    @property
+    def slots(self) -> int:
+        return self.num_microbatches * self.slot_size
 
 
 @dataclasses.dataclass(frozen=True)
 class SampledBatch:
-    """One logical batch as ``[num_microbatches, microbatch_size]`` indices and mask."""
+    """One logical batch as ``[num_microbatches, slot_size]`` indices and mask."""
 
     indices: np.ndarray  # int64, PADDING_INDEX in padded slots
     mask: np.ndarray  # float32, 1 for a real example, 0 for padding
@@ -50,16 +99,23 @@ class SampledBatch:
         return int(self.indices.shape[0])
 
 
-def pad_into_microbatches(indices: np.ndarray, microbatch_size: int) -> SampledBatch:
-    """Cut ``indices`` into micro-batches, padding the last with -1 (at least one micro-batch)."""
+def pad_into(indices: np.ndarray, layout: Layout) -> SampledBatch:
+    """``indices`` in the slots of ``layout``, the rest padded with -1 (mask 0)."""
     count = len(indices)
-    num_micro = max(1, math.ceil(count / microbatch_size))
-    padded = np.full(num_micro * microbatch_size, PADDING_INDEX, dtype=np.int64)
+    if count > layout.slots:
+        raise ValueError(f"{count} examples do not fit {layout.slots} slots")
+    padded = np.full(layout.slots, PADDING_INDEX, dtype=np.int64)
     padded[:count] = indices
-    mask = np.zeros(num_micro * microbatch_size, dtype=np.float32)
+    mask = np.zeros(layout.slots, dtype=np.float32)
     mask[:count] = 1.0
-    shape = (num_micro, microbatch_size)
+    shape = (layout.num_microbatches, layout.slot_size)
     return SampledBatch(indices=padded.reshape(shape), mask=mask.reshape(shape))
+
+
+def pad_into_microbatches(indices: np.ndarray, microbatch_size: int) -> SampledBatch:
+    """Cut ``indices`` into micro-batches of ``microbatch_size``, padding the last (at least one)."""
+    count = max(1, math.ceil(len(indices) / microbatch_size))
+    return pad_into(indices, Layout(num_microbatches=count, slot_size=microbatch_size))
 
 
 def _check_sizes(num_examples: int, batch_size: float, microbatch_size: int) -> None:
@@ -74,32 +130,36 @@ def _check_sizes(num_examples: int, batch_size: float, microbatch_size: int) -> 
 
 
 class PoissonSampler:
-    """Poisson sampling with rate ``expected_batch_size / num_examples``."""
+    """Poisson sampling at rate ``expected_batch_size / num_examples``, truncated to ``capacity``."""
 
-    def __init__(
-        self, *, num_examples: int, expected_batch_size: float, microbatch_size: int, seed: int
-    ) -> None:
+    def __init__(self, *, num_examples: int, expected_batch_size: float, microbatch_size: int, seed: int,
+                 capacity: int | None = None, multiple: int = 1) -> None:
         _check_sizes(num_examples, expected_batch_size, microbatch_size)
         self.num_examples = num_examples
         self.expected_batch_size = float(expected_batch_size)
         self.sampling_rate = self.expected_batch_size / num_examples
-        self.microbatch_size = microbatch_size
+        self.capacity = batch_capacity(num_examples, expected_batch_size) if capacity is None else int(capacity)
+        if not 0 < self.capacity <= num_examples + 1:
+            raise InvalidConfigError(f"batch capacity must be in (0, {num_examples + 1}], got {self.capacity}")
+        self.layout = Layout.of(self.capacity, microbatch_size=microbatch_size, multiple=multiple)
+        self.microbatch_size = self.layout.slot_size
         self._seed = seed
 
-    #: The accountant's Poisson event describes this sampler exactly.
+    #: The accountant's truncated-Poisson event describes this sampler exactly.
     exact_accounting = True
 
     def sample(self, step: int) -> SampledBatch:
-        """The batch of optimiser step ``step``.
+        """The batch of optimiser step ``step``, always in ``self.layout``.
 
-        Drawing the size from Binomial(N, q) and then a uniform subset of that size
-        is the same distribution as N independent Bernoulli(q) draws, in O(batch)
-        memory rather than O(N).
+        Drawing the size from Binomial(N, q), capping it at the capacity and then drawing a
+        uniform subset of that size is the same distribution as N independent Bernoulli(q)
+        draws followed by a uniform subset of ``capacity`` of them when there are more, in
+        O(batch) memory rather than O(N).
         """
         rng = stream_rng(self._seed, Stream.SAMPLING, step)
-        size = rng.binomial(self.num_examples, self.sampling_rate)
+        size = min(int(rng.binomial(self.num_examples, self.sampling_rate)), self.capacity)
         chosen = np.sort(rng.choice(self.num_examples, size=size, replace=False))
-        return pad_into_microbatches(chosen, self.microbatch_size)
+        return pad_into(chosen, self.layout)
 
 
 class ShuffledSampler:
@@ -107,7 +167,8 @@ class ShuffledSampler:
 
     exact_accounting = False
 
-    def __init__(self, *, num_examples: int, batch_size: int, microbatch_size: int, seed: int) -> None:
+    def __init__(self, *, num_examples: int, batch_size: int, microbatch_size: int, seed: int,
+                 multiple: int = 1) -> None:
         _check_sizes(num_examples, batch_size, microbatch_size)
         message = (
             "Shuffled fixed-size batches are not Poisson sampling: the epsilon reported by "
@@ -120,7 +181,9 @@ class ShuffledSampler:
         self.batch_size = int(batch_size)
         self.expected_batch_size = float(batch_size)
         self.sampling_rate = batch_size / num_examples
-        self.microbatch_size = microbatch_size
+        self.capacity = self.batch_size
+        self.layout = Layout.of(self.batch_size, microbatch_size=microbatch_size, multiple=multiple)
+        self.microbatch_size = self.layout.slot_size
         self.steps_per_epoch = num_examples // self.batch_size
         self._seed = seed
 
@@ -130,30 +193,21 @@ class ShuffledSampler:
         order = rng.permutation(self.num_examples)
         start = position * self.batch_size
         chosen = np.sort(order[start : start + self.batch_size])
-        return pad_into_microbatches(chosen, self.microbatch_size)
+        return pad_into(chosen, self.layout)
 
 
-def batch_capacity(num_rows: int, rate: float) -> int:
-    """Fixed slots for one Poisson batch drawn on device: mean + 8 std (+8), at most all rows.
+def truncated_poisson_slots(key: jax.Array, sampling_rate: float, eligible: jax.Array,
+                            capacity: int) -> tuple[jax.Array, jax.Array]:
+    """``PoissonSampler``'s distribution inside ``jit``/``vmap``: (indices, mask) of ``capacity`` slots.
 
-    A batch that would need more slots is an overflow that callers must refuse (truncating
-    it would not be Poisson sampling); at 8 standard deviations it practically never happens.
+    Every eligible row (a boolean ``[rows]``: the data set of this model) joins with
+    probability q; if more than ``capacity`` joined, a uniformly random ``capacity`` of them are
+    kept (those with the smallest of independent uniform priorities). Padding points at row 0
+    with mask 0. The work is the same whatever was drawn.
     """
-    mean = num_rows * rate
-    return min(num_rows, math.ceil(mean + 8 * math.sqrt(mean * (1 - rate)) + 8))
-
-
-def poisson_slots(key: jax.Array, sampling_rate: float, eligible: jax.Array,
-                  capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Poisson sampling inside ``jit``/``vmap``: every eligible row joins with probability q.
-
-    ``eligible`` is a boolean ``[rows]`` (the data set of this model). Returns the chosen
-    rows' indices padded to ``capacity`` (padding points at row 0), their mask, and whether
-    the batch overflowed ``capacity`` (see ``batch_capacity``). The same distribution as
-    ``PoissonSampler``, for the many small models of an audit that run on device.
-    """
-    chosen = jax.random.bernoulli(key, sampling_rate, eligible.shape) & eligible
-    count = jnp.sum(chosen)
-    (index,) = jnp.nonzero(chosen, size=capacity, fill_value=0)
-    mask = (jnp.arange(capacity) < count).astype(jnp.float32)
-    return index, mask, count > capacity
+    join_key, order_key = jax.random.split(key)
+    chosen = jax.random.bernoulli(join_key, sampling_rate, eligible.shape) & eligible
+    priority = jnp.where(chosen, jax.random.uniform(order_key, eligible.shape), 2.0)
+    neg_top, index = jax.lax.top_k(-priority, capacity)
+    mask = (neg_top > -2.0).astype(jnp.float32)
+    return jnp.where(mask > 0, index, 0), mask

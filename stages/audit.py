@@ -8,7 +8,11 @@ one-run audit turn their scores into lower bounds (``audit.game``, ``audit.bound
 
 ``threat_model="white-box"`` instead inserts a gradient canary into the real step and lets the
 adversary see every update (``audit.whitebox``); its Gaussian-DP bound is close to the nominal
-epsilon for correct code, so a broken privatiser shows up above it.
+epsilon for correct code, so a broken privatiser shows up above it. It runs at q = 1.
+
+``threat_model="sampler"`` audits the sampling at q < 1 (``audit.sampler``): every model draws
+its batches from the plan's own sampler, a gradient canary shows when it was drawn, and the
+models' error rates are compared with the accounted mechanism's whole privacy profile.
 
 A lower bound above the nominal epsilon is a bug in the DP code (or the audit): the result
 says so loudly.
@@ -23,6 +27,7 @@ from typing import Literal, get_args
 from dpscale import distributed
 from dpscale.audit.canaries import CanaryKind, Data, load_data
 from dpscale.audit.game import audit_setting, markdown_table, one_run, write_reports
+from dpscale.audit.sampler import SamplerAuditSetup, sampler_row
 from dpscale.audit.whitebox import PerExample, WhiteBoxSetup, white_box_row
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
@@ -31,12 +36,13 @@ from dpscale.privacy.streams import Stream, stream_rng
 from dpscale.progress import progress_bar
 from dpscale.training.vmapped import TrainingSetup
 
-ThreatModel = Literal["black-box", "white-box"]
+ThreatModel = Literal["black-box", "white-box", "sampler"]
 # The choices of the audit's flags, each defined once: by its type, or here.
 THREAT_MODELS: tuple[str, ...] = get_args(ThreatModel)
 CANARIES: tuple[str, ...] = get_args(CanaryKind)
 PER_EXAMPLE: tuple[str, ...] = get_args(PerExample)
-MODELS_BY_THREAT: dict[str, tuple[str, ...]] = {"black-box": ("linear", "mlp"), "white-box": ("linear", "cnn")}
+MODELS_BY_THREAT: dict[str, tuple[str, ...]] = {"black-box": ("linear", "mlp"), "white-box": ("linear", "cnn"),
+                                                "sampler": ("linear",)}
 MODELS: tuple[str, ...] = tuple(dict.fromkeys(m for models in MODELS_BY_THREAT.values() for m in models))
 
 _log = logging.getLogger(__name__)
@@ -51,8 +57,8 @@ class AuditConfig:
     epsilons: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     delta: float = 1e-5
     num_examples: int = 1000  # |D|
-    batch_size: int | None = None  # black-box: 100; white-box: |D| (full batches, the only kind it takes)
-    steps: int = 50
+    batch_size: int | None = None  # black-box: 100; white-box: |D| (full batches); sampler: (|D| + 1) / 10
+    steps: int | None = None  # black-box, white-box: 50; sampler: one epoch, (|D| + 1) / batch size
     learning_rate: float = 1.0
     clip_norm: float = 1.0
     model: str = "linear"  # black-box: linear, mlp; white-box: linear, cnn
@@ -87,7 +93,7 @@ class AuditConfig:
         if not 0 < self.one_run_guess_fraction <= 1:
             raise InvalidConfigError("one_run_guess_fraction must be in (0, 1]")
         if self.threat_model not in THREAT_MODELS:
-            raise InvalidConfigError(f"threat_model must be 'black-box' or 'white-box', got {self.threat_model!r}")
+            raise InvalidConfigError(f"threat_model must be one of {THREAT_MODELS}, got {self.threat_model!r}")
         models = MODELS_BY_THREAT[self.threat_model]
         if self.model not in models:
             raise InvalidConfigError(f"the {self.threat_model} audit supports models {models}, got {self.model!r}")
@@ -96,14 +102,27 @@ class AuditConfig:
                                      f"({self.num_examples}) or left out")
         if self.devices != 1 and self.threat_model != "white-box":
             raise InvalidConfigError("only the white-box audit runs on several devices (--devices)")
-        if self.threat_model == "white-box" and self.one_run_canaries:
+        if self.threat_model != "black-box" and self.one_run_canaries:
             raise InvalidConfigError("the one-run audit is black-box only")
+        if self.threat_model == "sampler" and not 1 <= self.effective_batch_size <= self.num_examples:
+            raise InvalidConfigError("the sampler audit needs q < 1: --batch-size at most |D| (the plan samples "
+                                     f"|D| + 1 rows, D and the canary's slot); got {self.batch_size}")
 
     @property
     def effective_batch_size(self) -> int:
         if self.batch_size is not None:
             return self.batch_size
+        if self.threat_model == "sampler":
+            return max(1, (self.num_examples + 1) // 10)
         return self.num_examples if self.threat_model == "white-box" else 100
+
+    @property
+    def effective_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        if self.threat_model == "sampler":  # one epoch: where shuffling and Poisson sampling differ most
+            return max(1, (self.num_examples + 1) // self.effective_batch_size)
+        return 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +148,15 @@ def run(config: AuditConfig) -> AuditResult:
                         canaries=canaries, rng=rng)
     rows = []
     for epsilon in config.epsilons:
-        plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, config.delta), num_examples=config.num_examples,
-                                     batch_size=config.effective_batch_size, steps=config.steps)
+        sampled = config.num_examples + (config.threat_model == "sampler")  # the sampler's rows: D and a slot
+        plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, config.delta), num_examples=sampled,
+                                     batch_size=config.effective_batch_size, steps=config.effective_steps)
         nominal = plan.epsilon()
         if config.threat_model == "white-box":
             rows.append(_white_box(config, data, plan, nominal, seed))
+            continue
+        if config.threat_model == "sampler":
+            rows.append(_sampler(config, data, plan, nominal, seed))
             continue
         setup = TrainingSetup(plan=plan, learning_rate=config.learning_rate, clip_norm=config.clip_norm,
                               model=config.model, hidden=config.hidden)
@@ -155,6 +178,22 @@ def run(config: AuditConfig) -> AuditResult:
     if config.out_dir:
         write_reports(result.as_dict(), rows, config.out_dir)
     return result
+
+
+def _sampler(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: float, seed: int) -> dict:
+    setup = SamplerAuditSetup(plan=plan, learning_rate=config.learning_rate, clip_norm=config.clip_norm,
+                              canary_norm=config.canary_norm)
+    n = config.num_examples
+    with progress_bar(f"sampler audit eps={plan.epsilon():.3g}", total=config.num_models,
+                      enabled=config.show_progress) as bar:
+        row = sampler_row(data.features[:n], data.labels[:n], int(data.labels.max()) + 1, setup=setup,
+                          nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
+                          confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
+                          chunk_size=config.chunk_size, bar=bar)
+    if row["violation"]:
+        _log.error("AUDIT VIOLATION: the sampler includes the canary more often than accounted (nominal epsilon "
+                   "%.3f): %s", nominal, row)
+    return row
 
 
 def _white_box(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: float, seed: int) -> dict:

@@ -41,6 +41,7 @@ from dpscale.dedup.planning import (
 from dpscale.dedup.verify import COARSE_CUT  # the upper bound of --threshold, for the command line
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.training import release
+from dpscale.files import owner_only
 
 log = logging.getLogger(__name__)
 WORK = "_dedup_work"  # descriptor files of a running dedup, inside the output directory
@@ -126,6 +127,7 @@ def _remove_work(work_dir: str) -> None:
     files.rmtree(work_dir)
 
 
+@owner_only  # the output is private data
 def run(config: DedupConfig) -> DedupResult:
     """Write ``config.public`` minus near duplicates of ``config.private`` to the output."""
     from dpscale.pipelines import dedup as graph

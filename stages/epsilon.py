@@ -1,8 +1,9 @@
 """The epsilon command: what a planned DP-SGD run spends.
 
 ``run(EpsilonConfig)`` builds the ``PrivacyPlan`` of (sigma, T steps, expected batch B out
-of N examples) and reports its epsilon at delta, with the warnings every command shows for
-such a plan (delta >= 1/N, shuffled batches).
+of N examples, batches truncated to the capacity a run's ledger records, or the rule's) and
+reports its epsilon at delta, with the warnings every command shows for such a plan
+(delta >= 1/N, shuffled batches).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class EpsilonConfig:
     delta: float
     accountant: Accountant = "pld"
     sampling: SamplingScheme = "poisson"
+    batch_capacity: int = 0  # Poisson batches truncated to this many examples (a run's ledger); 0: the rule
 
     def __post_init__(self) -> None:
         plan = self.plan()  # refuses a bad setting at once, in one line
@@ -34,7 +36,7 @@ class EpsilonConfig:
     def plan(self) -> PrivacyPlan:
         return PrivacyPlan(num_examples=self.num_examples, batch_size=self.batch_size, steps=self.steps,
                            noise_multiplier=self.noise_multiplier, delta=self.delta, accountant=self.accountant,
-                           sampling=self.sampling)
+                           sampling=self.sampling, batch_capacity=self.batch_capacity)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dpscale.cache import featurizer
 from dpscale.cache.keys import RESIZE_METHODS  # also --resize-method's choices
 from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InvalidConfigError
+from dpscale.files import owner_only
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class FeaturizeResult:
     images_computed: int = 0  # rows featurized by this run (0 on a cache hit)
 
 
+@owner_only  # the output is private data
 def run(config: FeaturizeConfig) -> FeaturizeResult:
     """Featurize ``config.data`` with ``config.backbone`` into the cache (or find it there)."""
     start = time.perf_counter()

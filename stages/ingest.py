@@ -20,6 +20,7 @@ from dpscale.data.examples import ENCODINGS
 from dpscale.data.manifest import Manifest
 from dpscale.data.sources import parse_source, plan_source, select_classes
 from dpscale.errors import DataError, InvalidConfigError
+from dpscale.files import owner_only
 
 log = logging.getLogger(__name__)
 IMAGE_ENCODINGS = tuple(ENCODINGS)  # how a record may store its pixels: raw, png
@@ -70,6 +71,7 @@ class IngestResult:
         return self.manifest.num_rejected
 
 
+@owner_only  # the output is private data
 def run(config: IngestConfig) -> IngestResult:
     """Ingest ``config.source`` into ``config.output_dir``."""
     from dpscale.pipelines import ingest as graph

@@ -26,7 +26,6 @@ match (then the features are a cache hit too); every run gets its own run direct
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -36,7 +35,8 @@ from typing import Any
 
 from dpscale import files
 from dpscale.data.dataset import IngestedDataset
-from dpscale.data.identity import directory_secret, keyed_identity
+from dpscale.data.identity import keyed_identity
+from dpscale.data.key_store import directory_secret
 from dpscale.data.sources import parse_source, plan_source
 from dpscale.errors import DataError, DpscaleError, InvalidConfigError
 from dpscale.models import pretrained
@@ -98,8 +98,14 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text).strip("_")
 
 
-def _digest(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+def _keyed_name(config: QuickstartConfig, payload: Any) -> str:
+    """A folder name for outputs of ``payload`` (which holds data-dependent values): keyed, never a plain hash.
+
+    A plain hash of the deduplicated data would let anyone with the public data test which
+    images dedup removed (so which private images exist); the HMAC under the work directory's
+    secret (in the user's key store) tells them nothing.
+    """
+    return keyed_identity(directory_secret(config.work_dir), json.dumps(payload, sort_keys=True))[:16]
 
 
 def _split_classes(config: QuickstartConfig, names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -137,7 +143,7 @@ def _deduplicated(config: QuickstartConfig, public: str, private: str) -> tuple[
     """``public`` minus near duplicates of ``private`` (all splits), and how many went."""
     private_identity = keyed_identity(directory_secret(config.work_dir), IngestedDataset(private).content_hash)
     hashes = {"public": IngestedDataset(public).content_hash, "private": private_identity}
-    out = files.join(config.work_dir, "data", f"dedup-{_digest(hashes)}")
+    out = files.join(config.work_dir, "data", f"dedup-{_keyed_name(config, hashes)}")
     try:
         provenance = IngestedDataset(out).manifest.dedup
         if provenance is not None and provenance.public_content_hash == hashes["public"]:
@@ -157,7 +163,7 @@ def _pretrained_backbone(config: QuickstartConfig, public: str, runs: str) -> tu
                                    augment_pad=1 if dataset.image_shape[0] <= 16 else config.pretrain.images.augment_pad))
     settings = {"data": dataset.content_hash, "training": dataclasses.replace(training, show_progress=True).to_json()}
     backbone = files.join(config.work_dir, "backbones",
-                            f"{_safe(training.images.model)}-{_digest(settings)}")
+                          f"{_safe(training.images.model)}-{_keyed_name(config, settings)}")
     info_path = files.join(backbone, _PRETRAIN_FILE)
     if pretrained.is_complete(backbone):
         try:

@@ -16,6 +16,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # share compilations across tests and across pytest-xdist workers.
 import tempfile  # noqa: E402
 
+# Secrets go to the user's key store (data.key_store): tests use a fresh one of their own.
+os.environ["DPSCALE_KEY_STORE"] = tempfile.mkdtemp(prefix="dpscale-test-keys-")
+
 import jax  # noqa: E402
 
 jax.config.update(

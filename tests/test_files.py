@@ -104,14 +104,18 @@ def test_a_runs_seed_and_diagnostics_are_owner_only_even_over_old_files(tmp_path
     from dpscale.training.run_directory import SEED_FILE, RunDirectory, RunSecrets
 
     run = RunDirectory(str(tmp_path))
-    for name in (SEED_FILE, DIAGNOSTICS_FILE):
-        (tmp_path / name).write_text("")
-        os.chmod(tmp_path / name, 0o644)
-    with open(tmp_path / SEED_FILE) as spy:
+    seed_file = run.secrets_file  # in the key store, never in the run directory
+    assert os.path.dirname(seed_file) != str(tmp_path) and os.path.basename(seed_file).endswith(SEED_FILE)
+    for name in (seed_file, tmp_path / DIAGNOSTICS_FILE):
+        with open(name, "w"):
+            pass
+        os.chmod(name, 0o644)
+    with open(seed_file) as spy:
         run.write_secrets(RunSecrets(seed=12345, data_identity="x"))
         assert "12345" not in spy.read()
     run.append_metrics({"step": 1, "loss": 0.5}, diagnostic=True)
     run.truncate_metrics(after_step=1)
-    assert _mode(tmp_path / SEED_FILE) == 0o600
+    assert _mode(seed_file) == 0o600
     assert _mode(tmp_path / DIAGNOSTICS_FILE) == 0o600
     assert run.read_secrets().seed == 12345
+    assert not any("12345" in p.read_text() for p in tmp_path.iterdir() if p.is_file())

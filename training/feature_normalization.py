@@ -45,9 +45,19 @@ def releases(kind: str, mean_noise_multiplier: float, *, private: bool) -> tuple
 
 
 def _unit_rows(x: jax.Array) -> jax.Array:
-    """Rows scaled to norm 1; all-zero rows stay zero, non-finite rows stay non-finite."""
-    norms = jnp.linalg.norm(x, axis=-1, keepdims=True)
-    return x / jnp.where(norms > 0, norms, 1.0)
+    """Rows scaled to norm 1 (at most 1 as computed); all-zero rows stay zero, non-finite rows non-finite.
+
+    The bound is what the mean's sensitivity and the clipping rely on, so it must survive float32
+    arithmetic: squares of entries below ~1e-19 are denormal, and XLA on CPU flushes them to zero,
+    so ``x / ||x||`` of such a row came out with norm ~30. Rows are first divided by their largest
+    entry (then ||y|| >= 1 and no square that matters underflows), and a last division by
+    ``max(1, ||u||)`` makes the bound hold for whatever was computed.
+    """
+    peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scaled = x / jnp.where(peak > 0, peak, 1.0)
+    norms = jnp.linalg.norm(scaled, axis=-1, keepdims=True)
+    unit = scaled / jnp.where(norms > 0, norms, 1.0)
+    return unit / jnp.maximum(1.0, jnp.linalg.norm(unit, axis=-1, keepdims=True))
 
 
 def feature_mean(x: np.ndarray, *, noise_multiplier: float | None, seed: int) -> np.ndarray:

@@ -86,9 +86,13 @@ class FeatureFeed:
         self.placement = placement or BatchPlacement(None)
         self.features = np.asarray(features, np.float32)
         self.labels = np.asarray(labels, np.int32)
-        # A non-finite row gives a non-finite norm, which the clipped sum treats as non-finite.
+        # A non-finite row gives a non-finite norm, which the clipped sum treats as non-finite; its
+        # features are zeroed once here, so no step carries a NaN into the product.
         with np.errstate(over="ignore", invalid="ignore"):
             self.sq_norms = np.einsum("ij,ij->i", self.features, self.features)
+        finite = np.isfinite(self.sq_norms)
+        if not finite.all():
+            self.features = np.where(finite[:, None], self.features, np.float32(0))
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -2,10 +2,12 @@
 
 A run's (epsilon, delta) covers the noisy updates and anything computed from them alone
 (parameters, EMA parameters, the norm of the noisy update), plus what does not depend on the
-private data at all (the configuration, the plan and its epsilon, step numbers, wall time).
-Everything else a run could report about its private batches is a *private diagnostic*: the
-loss, gradient norms, the clipped fraction, the realised batch size, the count of non-finite
-gradients, scores on rows of the private training data (``holdout``). They are statistics of
+private data at all (the configuration, the plan and its epsilon, step numbers, a run's total
+wall time). Everything else a run could report about its private batches is a *private
+diagnostic*: the loss, gradient norms, the clipped fraction, the realised batch size, the count
+of non-finite gradients, scores on rows of the private training data (``holdout``), and the
+per-step wall time (every step has the same shape and code path, but a step's time is still a
+measurement taken while it read private rows, so it is not published step by step). They are statistics of
 the private data without noise; a canary with a NaN or a huge gradient shows up in them with
 certainty. So they are off by default. With ``private_diagnostics`` they go to files whose
 name says so, readable by the owner only (0600), and the run warns once; they never reach the
@@ -20,7 +22,7 @@ from typing import Any
 
 #: Per-step fields covered by epsilon: post-processing of the noisy update, or data-independent.
 #: Every other per-step field (loss, gradient norms, ...) is a private diagnostic.
-COVERED_STEP_FIELDS = ("step", "epsilon_spent", "update_norm", "seconds")
+COVERED_STEP_FIELDS = ("step", "epsilon_spent", "update_norm")
 #: The file name of every private diagnostic says it is not private.
 NOT_PRIVATE = "NOT-PRIVATE"
 DIAGNOSTICS_FILE = f"diagnostics.{NOT_PRIVATE}.jsonl"

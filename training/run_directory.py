@@ -2,8 +2,10 @@
 
     run_dir/config.json     what the run is: its data, its ``TrainingConfig``, its ``PrivacyPlan`` and what
                             its inputs are made of (feature mode: the backbone and preprocessing)
-    run_dir/seed.json       secrets (mode 0600): the seed, and a keyed identity of the data, so a
-                            killed run can resume exactly; deleted when the run completes
+    run_dir/key.id          names the run's secrets in the user's key store (``data.key_store``, mode 0600):
+                            the seed and a keyed identity of the data, so a killed run can resume
+                            exactly; deleted when the run completes. Never in the run directory: a
+                            copy of it carries no seed (which would reveal the noise)
     run_dir/ledger.json     the privacy ledger (``privacy.plan.Ledger``): sigma, q, T, epsilon spent
     run_dir/metrics.jsonl   per optimiser step, what epsilon covers (``training.release``)
     run_dir/diagnostics.NOT-PRIVATE.jsonl   per step, private diagnostics (only if asked for; 0600)
@@ -58,6 +60,7 @@ from typing import Any, TypeVar
 import jax
 import orbax.checkpoint as ocp
 from dpscale import files
+from dpscale.data import key_store
 from dpscale.errors import DataError, DpscaleError
 from dpscale.files import open_for_writing, write_atomic, write_json_atomic
 from dpscale.privacy.plan import Ledger, PrivacyPlan
@@ -65,7 +68,7 @@ from dpscale.training.config import TrainingConfig
 from dpscale.training.release import DIAGNOSTICS_FILE, diagnostic_name
 
 CONFIG = "config.json"
-SEED_FILE = "seed.json"
+SEED_FILE = "seed.json"  # in the key store: <key id>.seed.json
 LEDGER = "ledger.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -131,7 +134,7 @@ class RunSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RunSecrets:
-    """What only the machine that trains may know (``seed.json``, mode 0600).
+    """What only the user who trains may know (in the key store, mode 0600).
 
     ``data_identity`` is a keyed hash of the data (keyed with the seed itself), so a resume can
     refuse data that changed since the start, even with the same number of rows, without any
@@ -140,6 +143,16 @@ class RunSecrets:
 
     seed: int
     data_identity: str
+    # The versions that fix the noise of a step (``noise_versions``): a redone step's noise is the
+    # crashed attempt's only under the same ones. {}: recorded before they were.
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def noise_versions() -> dict[str, str]:
+    """The library versions a step's noise (and batch) depends on, bit for bit: jax and jaxlib (XLA)."""
+    import jaxlib
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
 class RunLock:
@@ -308,18 +321,37 @@ class RunDirectory:
     def read_spec(self) -> RunSpec:
         return self._read(CONFIG, RunSpec.from_json)
 
+    @property
+    def secrets_file(self) -> str:
+        """Where this run's secrets are: the user's key store, under the run's ``key.id`` (made on first use)."""
+        return key_store.secret_path(key_store.key_id(self.path), SEED_FILE)
+
+    @property
+    def has_secrets(self) -> bool:
+        """Whether this user can resume the run (its secrets are in this key store)."""
+        named = files.is_url(self.path) or os.path.exists(self.file(key_store.ID_FILE))  # a URL names its key
+        return named and os.path.exists(self.secrets_file)
+
     def write_secrets(self, secrets: RunSecrets) -> None:
-        write_json_atomic(self.file(SEED_FILE), dataclasses.asdict(secrets), private=True)
+        write_json_atomic(self.secrets_file, dataclasses.asdict(secrets), private=True)
 
     def read_secrets(self) -> RunSecrets:
-        if not files.exists(self.file(SEED_FILE)) and self.has_params:
-            raise DataError(f"{self.path!r} is a finished run: there is nothing to resume")
-        return self._read(SEED_FILE, lambda payload: RunSecrets(**payload), hint="; cannot resume this run")
+        if not self.has_secrets:
+            if self.has_params:
+                raise DataError(f"{self.path!r} is a finished run: there is nothing to resume")
+            raise DataError(f"{self.path!r}: its secrets are not in this user's key store "
+                            f"({key_store.store_dir()}; ${key_store.ENV}); a run resumes only where it started")
+        try:
+            with open(self.secrets_file) as f:
+                return RunSecrets(**json.load(f))
+        except (OSError, ValueError, TypeError) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise DataError(f"{self.path!r}: unreadable secrets ({reason}); cannot resume this run") from None
 
     def delete_secrets(self) -> None:
-        """A finished run needs no resume: its seed would only let a copy of the run replay the noise."""
-        if files.exists(self.file(SEED_FILE)):
-            files.remove(self.file(SEED_FILE))
+        """A finished run needs no resume: its seed would only let someone replay the noise."""
+        if self.has_secrets:
+            os.remove(self.secrets_file)
 
     # -- what it has spent and done --------------------------------------------------------
 
@@ -415,7 +447,7 @@ class RunDirectory:
         """
         if not self.has_params:
             resume = (f": its training did not finish; continue it with `dpscale train --resume {self.path}`"
-                      if files.exists(self.file(SEED_FILE)) else "")
+                      if self.has_secrets else "")
             raise DataError(f"{self.path!r} has no saved parameters ({PARAMS}/){resume}")
         self._check_params()
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -6,7 +6,7 @@
                                   invocation
     OUT_DIR/baseline.NOT-PRIVATE/ the non-private baseline's runs and tables (mode 0700: private diagnostics)
     OUT_DIR/privacy.json          the composed (epsilon, delta) of every private run in runs/, ever
-    OUT_DIR/identity.secret       the key of sweep.json's identity (``data.identity.directory_secret``, 0600)
+    OUT_DIR/key.id                names the key of sweep.json's identity in the per-user key store (``data.key_store``)
 
 A run directory is reused only when its settings are the ones asked for now; the record of what
 was released only grows: every run that started counts with its whole plan.
@@ -20,7 +20,8 @@ import math
 import os
 from typing import Any
 
-from dpscale.data.identity import directory_secret, keyed_identity
+from dpscale.data.identity import keyed_identity
+from dpscale.data.key_store import directory_secret
 from dpscale.errors import DataError
 from dpscale import files
 from dpscale.files import write_json_atomic
@@ -29,7 +30,7 @@ from dpscale.training import release
 from dpscale.training.config import TrainingConfig, options_of
 from dpscale.training.grid import SIMULATION_FILE, SIMULATION_NOTE, GridPoint, Simulation, flag
 from dpscale.training.model import data_hash
-from dpscale.training.run_directory import CONFIG, LEDGER, SEED_FILE, RunDirectory, RunSpec
+from dpscale.training.run_directory import CONFIG, LEDGER, RunDirectory, RunSpec
 
 RECORD = "sweep.json"
 PRIVACY_JSON = "privacy.json"
@@ -121,7 +122,7 @@ class SweepDirectory:
     @staticmethod
     def finished(run: RunDirectory) -> bool:
         """Trained to the end (parameters saved, secrets gone): nothing left to resume."""
-        return files.exists(run.file(CONFIG)) and run.has_params and not files.exists(run.file(SEED_FILE))
+        return files.exists(run.file(CONFIG)) and run.has_params and not run.has_secrets
 
     @staticmethod
     def mark_simulation(run: RunDirectory, simulation: Simulation) -> None:

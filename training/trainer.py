@@ -35,7 +35,7 @@ from dpscale.progress import progress_bar
 from dpscale.training.config import TrainingConfig
 from dpscale.training import release
 from dpscale.training.model import HOLDOUT_SPLIT, TrainModel, build_train_model
-from dpscale.training.run_directory import Checkpoints, RunDirectory, RunLock, RunSecrets, RunSpec
+from dpscale.training.run_directory import Checkpoints, RunDirectory, RunLock, RunSecrets, RunSpec, noise_versions
 
 _log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def plan_for(config: TrainingConfig, model: TrainModel) -> PrivacyPlan:
     """The run's privacy plan: calibrated to the target over the model's training rows and releases."""
     return PrivacyPlan.calibrate(config.target, num_examples=model.num_examples, batch_size=config.batch_size,
                                  steps=config.steps, noise_multiplier=config.noise_multiplier,
-                                 releases=tuple(model.releases))
+                                 releases=tuple(model.releases)).resolved()  # the capacity recorded
 
 
 class Trainer:
@@ -79,7 +79,7 @@ class Trainer:
             raise InvalidConfigError(
                 f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes}: "
                 f"give {f'{below} or ' if below else ''}{above} (or set --devices)")
-        self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch)
+        self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch, multiple=count)
         optimizer = optax.chain(
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
             optax.sgd(config.learning_rate, momentum=config.momentum or None),
@@ -219,13 +219,30 @@ def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
     _check_processes_agree(spec, model)
     seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
     trainer = Trainer(run, spec, seed, model)
-    secrets = RunSecrets(seed=seed, data_identity=keyed_identity(seed_secret(seed), model.data_hash))
+    secrets = RunSecrets(seed=seed, data_identity=keyed_identity(seed_secret(seed), model.data_hash),
+                         versions=noise_versions())
     with _locked(distributed.run_on_primary(lambda: run.begin(spec, secrets))):
         state = trainer.step.init(model.init_params(seed), trainer.model_state)
         trainer.write_ledger(0)
         with trainer.stopping_cleanly():
             state, metrics, seconds = trainer.loop(state, 0)
             return trainer.finish(state, metrics, seconds)
+
+
+def _check_redone_steps_keep_their_noise(run: RunDirectory, first: int) -> None:
+    """Refuse a resume whose redone steps (logged after the checkpoint) could draw other noise.
+
+    Their update norms were already written; redrawn noise would be a second, uncounted release
+    of those steps. The noise is bit-identical only under the versions that computed it.
+    """
+    redone = [m["step"] for m in run.read_metrics() if m.get("step", 0) > first]
+    recorded = run.read_secrets().versions
+    if redone and recorded != noise_versions():
+        raise DataError(
+            f"{run.path!r}: steps {first + 1}-{max(redone)} were logged before the crash and are redone from the "
+            f"checkpoint at step {first}; under {noise_versions()} their noise could differ from the first attempt "
+            f"({recorded or 'versions not recorded'}), an uncounted second release. Resume with the versions the "
+            "run started with, or start a new run")
 
 
 def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
@@ -253,6 +270,7 @@ def _resume(run: RunDirectory, *, show_progress: bool) -> TrainResult:
     trainer = Trainer(run, spec, distributed.agree_on_seed(0 if seed is None else seed), model)
     fresh = trainer.step.init(model.init_params(trainer.seed), trainer.model_state)
     first = trainer.checkpoints.latest_step() or 0
+    distributed.run_on_primary(lambda: _check_redone_steps_keep_their_noise(run, first))
     state = trainer.step.replicate(trainer.checkpoints.restore(first, fresh)) if first else fresh
     if trainer.primary:
         run.truncate_metrics(after_step=first)

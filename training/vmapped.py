@@ -6,15 +6,15 @@ optax SGD, EMA), ``vmap``-ed over models and ``scan``-ed over steps. What differ
 models is only what DP-SGD randomises and the caller controls:
 
 * which rows of the data set a model may see (``present``: D, or D plus canaries);
-* Poisson sampling: every present row joins each step with probability q = B / |D|
-  (``privacy.sampling.poisson_slots``, from ``Stream.SAMPLING`` at (model, step));
+* truncated Poisson sampling, the trainer's: every present row joins each step with
+  probability q = B / |D|, at most the plan's ``capacity`` of them
+  (``privacy.sampling.truncated_poisson_slots``, from ``Stream.SAMPLING`` at (model, step));
 * the noise: ``Stream.NOISE`` at (model, step).
 
 Keys come from ``privacy.streams.model_keys``. All models start from the same parameters
-(``Stream.INIT`` without a model index: the black-box adversary knows the initialisation). A Poisson batch has a random
-size; to keep shapes static it is gathered into ``batch_capacity`` slots (padding has mask
-0), and a batch that would not fit is counted and fails the call instead of being
-truncated silently.
+(``Stream.INIT`` without a model index: the black-box adversary knows the initialisation). Every
+batch is gathered into the plan's ``capacity`` slots (padding has mask 0); a larger draw
+keeps a uniformly random ``capacity`` of its rows, exactly as the accountant assumes.
 
 ``run_models`` is the harness under both this trainer and the white-box audit
 (``audit.whitebox``): models ``vmap``-ped, steps ``scan``-ned, each model's keys from
@@ -37,7 +37,7 @@ from dpscale.errors import DataError, InvalidConfigError
 from dpscale.privacy.dpsgd import DpsgdStep, TrainState
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
-from dpscale.privacy.sampling import batch_capacity, poisson_slots
+from dpscale.privacy.sampling import truncated_poisson_slots
 from dpscale.privacy.streams import ModelKeys, Stream, model_keys, stream_key
 
 PyTree = Any
@@ -170,32 +170,22 @@ def train_models(
     params = jax.jit(model.init)(stream_key(seed, Stream.INIT), features[:1])["params"]  # shared by all
     state0 = dp_step.init(params)
     rate = setup.plan.sampling_rate
-    capacity = batch_capacity(num_rows, rate)
+    capacity = min(setup.plan.capacity, num_rows)
 
-    def start(keys: ModelKeys, rows_present: jax.Array) -> tuple[TrainState, jax.Array]:
-        return state0, jnp.zeros((), jnp.int32)
+    def start(keys: ModelKeys, rows_present: jax.Array) -> TrainState:
+        return state0
 
-    def one_step(carry: tuple[TrainState, jax.Array], keys: ModelKeys, rows_present: jax.Array,
-                 step: jax.Array) -> tuple[TrainState, jax.Array]:
-        state, overflow = carry
-        index, mask, over = poisson_slots(jax.random.fold_in(keys.sampling, step), rate, rows_present, capacity)
+    def one_step(state: TrainState, keys: ModelKeys, rows_present: jax.Array, step: jax.Array) -> TrainState:
+        index, mask = truncated_poisson_slots(jax.random.fold_in(keys.sampling, step), rate, rows_present, capacity)
         batch = {"features": features[index], "label": labels[index]}
         if setup.model == "mlp":  # the generic path wants a view axis (augmult K = 1)
             batch = jax.tree_util.tree_map(lambda x: x[:, None], batch)
         total = dp_step.accumulate_pure(state.params, dp_step.zero_sum(state), batch, mask, state.model_state)
         state, _ = dp_step.apply_pure(state, total, keys.noise)
-        return state, overflow + over
+        return state
 
-    def finish(carries: tuple[TrainState, jax.Array]) -> tuple[Any, jax.Array]:
-        states, overflow = carries
-        return read_out(model, states), overflow
-
-    chunks = run_models(present, seed=seed, steps=setup.plan.steps, start=start, step=one_step, finish=finish,
-                        chunk_size=chunk_size, on_chunk=on_chunk)
-    overflow = sum(int(np.sum(over)) for _, over in chunks)
-    if overflow:
-        raise RuntimeError(f"{overflow} Poisson batches exceeded {capacity} slots")
-    return [out for out, _ in chunks]
+    return run_models(present, seed=seed, steps=setup.plan.steps, start=start, step=one_step,
+                      finish=lambda states: read_out(model, states), chunk_size=chunk_size, on_chunk=on_chunk)
 
 
 def train_and_score(

@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dpscale.cache import feature_store as fstore
 from dpscale.cli import cli
-from dpscale.training.run_directory import CONFIG, LEDGER, PARAMS, PARAMS_DIGESTS, SCORES, SEED_FILE, Checkpoints
+from dpscale.training.run_directory import CONFIG, LEDGER, PARAMS, PARAMS_DIGESTS, SCORES, Checkpoints
 
 from ..conftest import write_synthetic_feature_cache
 
@@ -244,7 +245,7 @@ def test_a_run_with_a_relative_data_path_says_so_from_another_directory(run, tmp
 def test_a_second_process_is_refused_while_one_trains(run, capfd):
     from dpscale.training.run_directory import RunDirectory
 
-    (run / SEED_FILE).write_text("{}")  # (resumable as far as the lock check can tell)
+    Path(RunDirectory(str(run)).secrets_file).write_text("{}")  # (resumable as far as the lock check can tell)
     with RunDirectory(str(run)).lock():
         refused(capfd, "train", "--resume", run, saying=("is in use", "another process"))
 
@@ -272,7 +273,7 @@ def test_the_lock_is_released_when_its_process_is_killed(run, tmp_path):
 def test_a_start_that_fails_validation_leaves_no_run_behind(cache, tmp_path, bad, capfd):
     target = tmp_path / "r"
     refused(capfd, "train", cache, target, *TRAIN, *bad)
-    assert not (target / CONFIG).exists() and not (target / SEED_FILE).exists()
+    assert not (target / CONFIG).exists() and not (target / "key.id").exists()
     ok(capfd, "train", cache, target, *TRAIN)  # the directory is free for a run
 
 
@@ -327,7 +328,9 @@ def test_evaluate_on_a_damaged_run_is_one_line(run, case, capfd):
 
 def test_a_run_without_parameters_suggests_resuming_it(run, capfd):
     shutil.rmtree(run / PARAMS)
-    (run / SEED_FILE).write_text("{}")  # an unfinished run still has its seed
+    from dpscale.training.run_directory import RunDirectory
+
+    Path(RunDirectory(str(run)).secrets_file).write_text("{}")  # an unfinished run still has its seed
     refused(capfd, "evaluate", run, saying=("has no saved parameters", f"dpscale train --resume {run}"))
 
 

@@ -1,6 +1,7 @@
 """Accounting equals dp-accounting's own numbers and behaves like a privacy loss should."""
 
 import dp_accounting
+import numpy as np
 import pytest
 
 from dpscale.errors import InvalidConfigError
@@ -10,9 +11,9 @@ from dpscale.privacy.plan import PrivacyPlan, composed_epsilon
 from dpscale.privacy.pld import MIN_DELTA
 
 
-def _eps(sigma, q, steps, delta=1e-5, accountant="pld", releases=()):
+def _eps(sigma, q, steps, delta=1e-5, accountant="pld", releases=(), truncation=None):
     return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant,
-                   releases=releases)
+                   releases=releases, truncation=truncation)
 
 SETTINGS = [  # (sigma, q, steps, delta)
     (1.1, 256 / 60_000, 2_000, 1e-5),
@@ -58,7 +59,8 @@ def test_shuffled_batches_are_accounted_as_poisson_but_flagged_inexact():
     shuffled = PrivacyPlan(**kwargs, sampling="shuffle")
     poisson = PrivacyPlan(**kwargs)
     assert not shuffled.exact and poisson.exact
-    assert shuffled.epsilon() == poisson.epsilon()
+    assert shuffled.truncation is None and shuffled.epsilon() == _eps(1.5, 0.01, 100)  # untruncated Poisson
+    assert poisson.epsilon() == _eps(1.5, 0.01, 100, truncation=poisson.truncation) >= shuffled.epsilon()
     assert any("shuffle" in w for w in shuffled.warnings)
 
 
@@ -163,6 +165,21 @@ def test_one_run_composed_is_its_own_epsilon(delta):
     """Composing many runs follows the rule of one run: the smallest of ``bounds_for``'s bounds."""
     plan = PrivacyPlan(num_examples=60_000, batch_size=256, steps=2_000, noise_multiplier=1.1, delta=delta)
     composed = composed_epsilon([plan], delta=delta)
-    assert composed == min(_reference(acc, 1.1, 256 / 60_000, 2_000, delta) for acc in bounds_for("pld", delta))
-    assert composed == pytest.approx(plan.epsilon(), rel=1e-12)
+    untruncated = min(_reference(acc, 1.1, 256 / 60_000, 2_000, delta) for acc in bounds_for("pld", delta))
+    assert composed == pytest.approx(plan.epsilon(), rel=1e-9)
+    # Truncating batches at the plan's capacity costs at most ~0.1% (calibration.TRUNCATION_COST).
+    assert untruncated * (1 - 1e-9) <= composed <= untruncated * 1.002
     assert plan.epsilon_bound() == ("pld" if delta >= MIN_DELTA else "rdp")
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_the_step_zero_ledger_shows_the_release_even_where_a_step_has_infinite_rdp(accountant):
+    """0 steps times an infinite per-order RDP is no spending (it was nan, and the ledger showed epsilon 0)."""
+    from dpscale.privacy.accounting import RdpParts
+
+    assert np.isinf(RdpParts.of(noise_multiplier=0.3, sampling_rate=0.5).step).any()
+    plan = PrivacyPlan(num_examples=1000, batch_size=500, steps=10, noise_multiplier=0.3, delta=1e-5,
+                       accountant=accountant, releases=(20.0,))
+    alone = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    reference = alone.compose(dp_accounting.GaussianDpEvent(20.0)).get_epsilon(1e-5)
+    assert plan.ledger(steps_done=0).epsilon_spent == pytest.approx(reference, rel=1e-3) and reference > 0.1

@@ -1,12 +1,13 @@
-"""Batch selection: Poisson sizes, uniform inclusion, fixed shapes, shuffling warns."""
+"""Batch selection: truncated Poisson sizes, uniform inclusion, one fixed shape, shuffling warns."""
 
+import jax
 import numpy as np
 import pytest
 from scipy import stats
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.sampling import (PADDING_INDEX, PoissonSampler, ShuffledSampler, batch_capacity,
-                                      pad_into_microbatches)
+from dpscale.privacy.sampling import (PADDING_INDEX, Layout, PoissonSampler, ShuffledSampler, batch_capacity,
+                                      pad_into_microbatches, truncated_poisson_slots)
 
 
 def test_poisson_batch_sizes_follow_binomial():
@@ -40,13 +41,63 @@ def test_every_example_is_included_with_probability_q():
     assert abs(counts.mean() / steps - q) < 0.01
 
 
-def test_batches_have_fixed_microbatch_shape_and_masked_padding():
+def test_every_batch_has_the_same_shape_whatever_its_size():
+    """The number of micro-batches (hence a step's work and time) never follows the realised size."""
     sampler = PoissonSampler(num_examples=500, expected_batch_size=37, microbatch_size=8, seed=3)
-    for t in range(50):
+    shapes, sizes = set(), set()
+    for t in range(300):
         batch = sampler.sample(t)
-        assert batch.indices.shape[1] == 8 and batch.mask.shape == batch.indices.shape
+        shapes.add(batch.indices.shape)
+        sizes.add(batch.size)
+        assert batch.mask.shape == batch.indices.shape
         assert np.all((batch.indices == PADDING_INDEX) == (batch.mask == 0))
-        assert batch.num_microbatches == max(1, -(-batch.size // 8))
+    assert len(sizes) > 10 and shapes == {(sampler.layout.num_microbatches, sampler.layout.slot_size)}
+    assert sampler.layout.slots >= sampler.capacity == batch_capacity(500, 37)
+    assert sampler.layout.slot_size <= 8
+
+
+def test_batches_beyond_the_capacity_keep_a_uniform_subset_of_it():
+    n, b, cap, steps = 100, 20, 21, 6000
+    sampler = PoissonSampler(num_examples=n, expected_batch_size=b, microbatch_size=8, seed=2, capacity=cap)
+    sizes, counts = np.zeros(steps, int), np.zeros(n)
+    for t in range(steps):
+        batch = sampler.sample(t)
+        sizes[t] = batch.size
+        counts[batch.indices[batch.mask > 0]] += 1
+    assert sizes.max() == cap
+    # min(Binomial(n, q), cap): the mass at the cap is the Binomial's tail.
+    assert np.mean(sizes == cap) == pytest.approx(stats.binom.sf(cap - 1, n, b / n), abs=0.02)
+    _, p_value = stats.chisquare(counts, np.full(n, counts.sum() / n))
+    assert p_value > 1e-4
+
+
+def test_layout_spreads_the_capacity_over_the_fewest_equal_microbatches():
+    assert Layout.of(10_358, microbatch_size=5_000) == Layout(num_microbatches=3, slot_size=3_453)
+    assert Layout.of(10, microbatch_size=16) == Layout(num_microbatches=1, slot_size=10)
+    four = Layout.of(10, microbatch_size=8, multiple=4)
+    assert four.slot_size % 4 == 0 and four.slots >= 10 and four.slot_size <= 8
+    with pytest.raises(InvalidConfigError):
+        Layout.of(0, microbatch_size=4)
+
+
+def test_on_device_sampling_is_the_same_truncated_distribution():
+    n, q, cap, draws = 60, 0.3, 20, 4000
+    eligible = np.ones(n, bool)
+    eligible[-5:] = False  # rows outside this model's data set never join
+    draw = jax.jit(jax.vmap(lambda key: truncated_poisson_slots(key, q, eligible, cap)))
+    index, mask = map(np.asarray, draw(jax.random.split(jax.random.key(0), draws)))
+    assert index.shape == mask.shape == (draws, cap)
+    sizes = mask.sum(axis=1)
+    expected = np.minimum(np.random.default_rng(0).binomial(n - 5, q, size=200_000), cap)
+    assert sizes.mean() == pytest.approx(expected.mean(), abs=0.2)
+    assert np.mean(sizes == cap) == pytest.approx(np.mean(expected == cap), abs=0.03)
+    counts = np.bincount(index[mask > 0], minlength=n)
+    assert counts[-5:].sum() == 0 and np.all(index[mask == 0] == 0)
+    for row in range(0, draws, 97):  # no row twice in one batch
+        real = index[row][mask[row] > 0]
+        assert len(np.unique(real)) == len(real)
+    _, p_value = stats.chisquare(counts[:-5], np.full(n - 5, counts[:-5].sum() / (n - 5)))
+    assert p_value > 1e-4
 
 
 def test_empty_batch_is_one_padded_microbatch():
@@ -83,8 +134,8 @@ def test_rejects_impossible_sizes(kwargs):
         PoissonSampler(seed=0, **kwargs)
 
 
-def test_capacity_covers_poisson_batches():
-    assert batch_capacity(100, 1.0) == 100
-    cap = batch_capacity(10_000, 0.01)
-    assert 100 + 8 * np.sqrt(99) < cap < 200
-    assert np.random.default_rng(0).binomial(10_000, 0.01, size=100_000).max() <= cap
+def test_capacity_is_k_standard_deviations_above_the_batch_size():
+    assert batch_capacity(100, 100) == 101  # N + 1: a full batch of the larger neighbour is never truncated
+    assert batch_capacity(50_000, 10_000) == 10_000 + int(np.ceil(4 * np.sqrt(10_000 * 0.8)))
+    assert batch_capacity(10_000, 100, sigmas=8) == 100 + int(np.ceil(8 * np.sqrt(99)))
+    assert batch_capacity(10, 9, sigmas=10) == 11  # never above N + 1

@@ -130,3 +130,13 @@ def test_black_box_full_batch_rows_add_the_gdp_rates_bound(ingested_digits):
     (row,) = audit.run(config).rows
     assert set(row["estimators"]) == {"clopper-pearson", "gdp-rates"}
     assert 0 <= row["gdp_rates_epsilon_lower_bound"] <= row["nominal_epsilon"] and not row["violation"]
+
+
+def test_the_sampler_audit_runs_from_the_command_line_on_the_real_sampler(ingested_digits):
+    result = CliRunner().invoke(cli, ["audit", ingested_digits, "--threat-model", "sampler", "--epsilons", "8",
+                                      "--num-examples", "59", "--batch-size", "6", "--num-models", "200",
+                                      "--confidence", "0.95", "--seed", "0"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert row["threat_model"] == "sampler" and row["steps"] == 10 and row["num_examples"] == 60
+    assert not row["violation"] and row["batch_capacity"] >= 6

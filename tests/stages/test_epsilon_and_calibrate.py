@@ -1,6 +1,7 @@
 """The epsilon and calibrate commands: contract, JSON fields, one-line errors."""
 
 import json
+import re
 
 import dp_accounting
 import pytest
@@ -8,15 +9,19 @@ from click.testing import CliRunner
 
 from dpscale.cli import cli
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy.accounting import epsilon
+from dpscale.privacy.accounting import Truncation, epsilon
+from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
 from dpscale.stages.calibrate import CalibrateConfig
 from dpscale.stages.calibrate import run as run_calibrate
 from dpscale.stages.epsilon import EpsilonConfig
 from dpscale.stages.epsilon import run as run_epsilon
 
 
-def _eps(sigma, q, steps, accountant):
-    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=1e-5, accountant=accountant)
+def _eps(sigma, q, steps, accountant, capacity=None):
+    """Epsilon of untruncated Poisson sampling, or truncated to ``capacity`` (of SMALL's N)."""
+    truncation = None if capacity is None else Truncation(SMALL["num_examples"], capacity)
+    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=1e-5, accountant=accountant,
+                   truncation=truncation)
 
 SMALL = dict(num_examples=50_000, delta=1e-5)
 
@@ -36,8 +41,21 @@ def test_run_epsilon_matches_dp_accounting():
         dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.2)), 3000
     )
     reference = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
-    assert result.epsilon == pytest.approx(reference, rel=1e-12)
+    # Batches truncated at the rule's capacity: at most ~0.1% above untruncated Poisson sampling.
+    assert reference <= result.epsilon <= reference * 1.002
     assert result.sampling_rate == 0.01 and result.exact and result.warnings == ()
+    assert result.batch_capacity > 500
+
+
+def test_run_epsilon_with_a_ledgers_capacity_equals_the_runs_epsilon():
+    plan = PrivacyPlan.calibrate(PrivacyTarget(2.0, 1e-5), num_examples=50_000, batch_size=500, steps=1000)
+    result = run_epsilon(EpsilonConfig(noise_multiplier=plan.noise_multiplier, steps=1000, batch_size=500,
+                                       batch_capacity=plan.ledger(steps_done=1000).batch_capacity, **SMALL))
+    assert result.epsilon == plan.epsilon() and result.batch_capacity == plan.batch_capacity
+    out = _invoke("epsilon", "--noise-multiplier", str(plan.noise_multiplier), "--steps", "1000",
+                  "--batch-size", "500", "--num-examples", "50000", "--delta", "1e-5",
+                  "--batch-capacity", str(plan.batch_capacity), "--json")
+    assert out.exit_code == 0 and json.loads(out.stdout)["epsilon"] == plan.epsilon()
 
 
 def test_shuffled_sampling_result_is_flagged_and_warned():
@@ -59,7 +77,7 @@ def test_run_calibrate_solves_the_missing_knob_without_overshoot(solve_for):
         if value is not None:
             assert getattr(result, name) == value  # the given knobs are untouched
     q = result.batch_size / SMALL["num_examples"]
-    assert result.epsilon == _eps(result.noise_multiplier, q, result.steps, "rdp") <= 3.0
+    assert result.epsilon == _eps(result.noise_multiplier, q, result.steps, "rdp", result.batch_capacity) <= 3.0
 
 
 @pytest.mark.parametrize(
@@ -106,7 +124,8 @@ def test_cli_epsilon_json(accountant):
     result = _invoke(*EPSILON_ARGS, "--accountant", accountant, "--json")
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert payload["epsilon"] == pytest.approx(_eps(1.2, 0.01, 3000, accountant), rel=1e-12)
+    untruncated = _eps(1.2, 0.01, 3000, accountant)
+    assert untruncated <= payload["epsilon"] <= untruncated * 1.002  # truncated at the rule's capacity
     assert payload["delta"] == 1e-5 and payload["accountant"] == accountant
     assert payload["noise_multiplier"] == 1.2 and payload["steps"] == 3000
     assert payload["batch_size"] == 500 and payload["num_examples"] == 50000
@@ -116,7 +135,8 @@ def test_cli_epsilon_json(accountant):
 def test_cli_epsilon_text_defaults_to_pld():
     result = _invoke(*EPSILON_ARGS)
     assert result.exit_code == 0
-    assert f"{_eps(1.2, 0.01, 3000, 'pld'):.6g}" in result.stdout and "PLD" in result.stdout
+    capacity = int(re.search(r"truncated to (\d+)", result.stdout).group(1))
+    assert f"{_eps(1.2, 0.01, 3000, 'pld', capacity):.6g}" in result.stdout and "PLD" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -137,7 +157,7 @@ def test_cli_calibrate_json(given, solved):
     assert payload["solved_for"] == solved and payload["accountant"] == "rdp"
     assert payload["epsilon"] <= 2.0
     q = payload["batch_size"] / 50000
-    assert payload["epsilon"] == _eps(payload["noise_multiplier"], q, payload["steps"], "rdp")
+    assert payload["epsilon"] == _eps(payload["noise_multiplier"], q, payload["steps"], "rdp", payload["batch_capacity"])
 
 
 BAD_CALIBRATIONS = {

@@ -122,7 +122,7 @@ def test_interrupted_run_finishes_only_the_missing_chunks(env, done, tmp_path, m
     cache = tmp_path / "cache"
     entry = cache / os.path.basename(first.path)
     shutil.copytree(first.path, entry)
-    shutil.copy2(os.path.join(os.path.dirname(first.path), "identity.secret"), cache)  # the same cache, moved
+    shutil.copy2(os.path.join(os.path.dirname(first.path), "key.id"), cache)  # the same cache, moved (same owner)
     # what a kill -9 after two chunks leaves: no COMPLETE, two chunks without markers
     # (one of them with garbage rows, as if half written)
     os.remove(entry / fstore.COMPLETE)

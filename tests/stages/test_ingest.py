@@ -197,6 +197,18 @@ def test_digits_source_png_encoding(tmp_path):
     assert images.shape == (3, 8, 8, 1) and set(labels) <= set(range(10))
 
 
+def test_ingested_data_is_owner_only_and_the_umask_is_restored(tmp_path):
+    """Shards, manifest and report are the private data: nobody else may read them (they were 0644)."""
+    before = os.umask(0o022)
+    try:
+        ingest("digits", tmp_path / "out")
+        assert os.umask(0o022) == 0o022  # restored after the stage
+    finally:
+        os.umask(before)
+    found = [os.path.join(d, n) for d, dirs, files in os.walk(tmp_path / "out") for n in dirs + files]
+    assert found and all(not os.stat(p).st_mode & 0o077 for p in found + [str(tmp_path / "out")])
+
+
 def test_output_dir_is_not_silently_mixed(tmp_path, folder_dataset):
     _, _, root = folder_dataset
     ingest(f"folder:{root}", tmp_path / "out")

@@ -91,3 +91,25 @@ def test_cli_defaults_are_the_config_defaults():
     assert set(expected) <= set(params)
     for name, value in expected.items():
         assert params[name] == value, name
+
+
+def test_folder_names_are_keyed_not_a_plain_hash_of_the_deduplicated_data(tmp_path, monkeypatch):
+    """The review's reproducer: from the public data and the pre-training config, a plain hash in the
+    backbone's folder name confirmed which images dedup removed. A keyed name tests nothing without the
+    owner's key store (a copied work directory included)."""
+    import hashlib
+    import shutil
+
+    from dpscale.data import key_store
+
+    monkeypatch.setenv(key_store.ENV, str(tmp_path / "owner-keys"))
+    config = quickstart.QuickstartConfig(data="digits", work_dir=str(tmp_path / "work"))
+    settings = {"data": "content-hash-of-the-deduplicated-public-set", "training": {"steps": 200}}
+    name = quickstart._keyed_name(config, settings)
+    assert name == quickstart._keyed_name(config, settings) != quickstart._keyed_name(config, settings | {"data": "x"})
+    plain = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    assert name not in plain
+    shutil.copytree(tmp_path / "work", tmp_path / "copy")
+    monkeypatch.setenv(key_store.ENV, str(tmp_path / "someone-else"))
+    copied = quickstart.QuickstartConfig(data="digits", work_dir=str(tmp_path / "copy"))
+    assert quickstart._keyed_name(copied, settings) != name

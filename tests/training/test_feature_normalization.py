@@ -52,6 +52,26 @@ def test_l2_and_center_l2_give_unit_rows_and_center_l2_removes_the_mean():
                                32.0, rtol=1e-5)
 
 
+def test_unit_rows_stay_within_norm_one_for_denormal_tiny_and_huge_rows():
+    """The review's crafted rows: ~1e-19 entries (squares flushed to zero on CPU) came out with norm 29.8."""
+    d = 1280
+    rows = np.stack([np.full(d, 1e-19), np.full(d, 3e-20), np.r_[1e-19, np.full(d - 1, 1e-30)],
+                     np.full(d, 1e-40), np.r_[1e-38, np.zeros(d - 1)], np.full(d, 3e37), np.ones(d),
+                     np.zeros(d)]).astype(np.float32)
+    for kind in ("l2", "center-l2"):
+        mean = feature_normalization.feature_mean(rows, noise_multiplier=None, seed=0)
+        out = feature_normalization.apply(rows, kind, mean=mean if kind == "center-l2" else None)
+        norms = np.linalg.norm(out.astype(np.float64), axis=1)
+        assert np.all(np.isfinite(out)) and np.all(norms <= 1 + 1e-6), (kind, norms)
+        if kind == "l2":  # every non-zero row of normal numbers is a unit row
+            np.testing.assert_allclose(norms[[0, 1, 2, 5, 6]], 1.0, rtol=1e-5)
+            assert norms[-1] == 0.0
+    unit = np.asarray(feature_normalization._unit_rows(rows))
+    assert np.linalg.norm(unit.astype(np.float64), axis=1).max() <= 1 + 1e-6  # the mean's sensitivity is 1
+    bad = feature_normalization.apply(np.array([[np.nan, 1.0], [np.inf, 1.0]], np.float32), "l2")
+    assert not np.isfinite(bad).all(axis=1).any()  # non-finite rows stay non-finite (weight 0 in training)
+
+
 def test_dp_mean_is_seeded_gaussian_noise_of_the_right_scale_and_ignores_nonfinite_rows():
     x = np.ones((1000, 500), np.float32)
     x[0, 0] = np.nan

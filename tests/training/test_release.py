@@ -120,7 +120,7 @@ def test_default_outputs_hold_only_covered_fields_and_no_secret(caches, tmp_path
     assert result.stdout.count("\n") == 1 and "loss" not in result.stderr  # progress shows no loss
     assert not (run_dir / DIAGNOSTICS_FILE).exists() and run.read_ledger().not_covered == ()
     # The seed is gone with the run's end, and no file left behind holds it in any form.
-    assert not (run_dir / "seed.json").exists()
+    assert not (run_dir / "seed.json").exists() and not run.has_secrets
     seed = 2**62 + 12345
     forms = [str(seed).encode(), f"{seed:x}".encode(), seed.to_bytes(8, "big"), seed.to_bytes(8, "little"),
              (seed >> 32).to_bytes(4, "little") + (seed & 0xFFFFFFFF).to_bytes(4, "little")]
@@ -172,3 +172,28 @@ def test_resume_refuses_other_data_of_the_same_size(tmp_path, monkeypatch):
     shutil.rmtree(data)
     shutil.copytree(cache(0), data)  # the original data again: the resume goes through
     assert train.run(train.ResumeConfig(str(tmp_path / "run"), show_progress=False)).steps == 4
+
+
+def test_resume_refuses_to_redo_logged_steps_under_other_noise_versions(caches, tmp_path, monkeypatch):
+    """A redone step whose update norm was already logged must get the same noise, or it is a second release."""
+    import dataclasses
+    import shutil
+
+    from dpscale.training.run_directory import noise_versions
+
+    monkeypatch.setattr(RunDirectory, "delete_secrets", lambda self: None)
+    run_dir = tmp_path / "run"
+    train.run(train.TrainConfig(caches["none"], str(run_dir), TrainingConfig(
+        mode="features", target=PrivacyTarget(2.0), batch_size=64, steps=4, checkpoint_every=2,
+        show_progress=False)))
+    run = RunDirectory(str(run_dir))
+    assert run.read_secrets().versions == noise_versions()
+    # A crash after step 4 was logged but before its checkpoint: steps 3-4 are redone from step 2.
+    shutil.rmtree(run_dir / "params")
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    secrets = run.read_secrets()
+    run.write_secrets(dataclasses.replace(secrets, versions={"jax": "0.0.1", "jaxlib": "0.0.1"}))
+    with pytest.raises(DataError, match="steps 3-4 .* could differ"):
+        train.run(train.ResumeConfig(str(run_dir), show_progress=False))
+    run.write_secrets(secrets)  # the versions it started with: the redo is the same computation
+    assert train.run(train.ResumeConfig(str(run_dir), show_progress=False)).steps == 4
