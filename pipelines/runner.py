@@ -51,6 +51,7 @@ DEFAULT_RUNNER = "FnApiRunner"
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 _LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner", "bundlebaseddirectrunner")
 STALL_SECONDS = 300.0  # no CPU used by any local process for this long = stalled
+FAILED_WORKER_GRACE = 15.0  # idle this long after a worker logged its traceback = failed with it
 _IDLE_CPU = 0.02  # CPU-seconds per second below which the process tree counts as idle
 TRY_IN_MEMORY = "re-run with `-- --direct_running_mode=in_memory` (one process)"
 
@@ -215,6 +216,10 @@ def _stop_children() -> None:
 
 _USER_ERROR = re.compile(r"dpscale\.errors\.(\w+): (.+)")
 _BEAM_CONTEXT = re.compile(r" \[while running '[^']*'\]")
+# A worker's traceback as the log holds it: its last line starts with the exception's name (the
+# escaped copies inside Beam's one-line status messages do not start a line).
+_LOGGED_USER_ERROR = re.compile(r"^dpscale\.errors\.(\w+): (.+)$", re.MULTILINE)
+_LOGGED_EXCEPTION = re.compile(r"^((?:[\w.]+\.)?\w*(?:Error|Exception): .+)$", re.MULTILINE)
 
 
 def _user_error(exc: BaseException, *, writes_to: str | None = None,
@@ -239,6 +244,31 @@ def _user_error(exc: BaseException, *, writes_to: str | None = None,
         if isinstance(kind, type) and issubclass(kind, errors.DpscaleError):
             return kind(_BEAM_CONTEXT.sub("", text.strip()))
     return errors.storage_error(exc, path=writes_to, then=rerun)
+
+
+def logged_failure(log_path: str | None) -> errors.DpscaleError | None:
+    """Why a worker process failed, if Beam's log says so: its dpscale error (a damaged shard...)
+    as it is, any other exception as a ``PipelineError``; None if the log holds no traceback.
+
+    Beam's multi-process runner sometimes stops without ending the run after a worker's bundle
+    failed; the worker's traceback is then only in the log.
+    """
+    if not log_path:
+        return None
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for name, message in reversed(_LOGGED_USER_ERROR.findall(text)):
+        kind = getattr(errors, name, None)
+        if isinstance(kind, type) and issubclass(kind, errors.DpscaleError):
+            return kind(_BEAM_CONTEXT.sub("", message.strip()))
+    failures = _LOGGED_EXCEPTION.findall(text)
+    if not failures:
+        return None
+    line = _BEAM_CONTEXT.sub("", failures[-1].strip())
+    return errors.PipelineError(f"the Beam pipeline failed: {line[:300]} (Beam's log: {log_path}); {TRY_IN_MEMORY}")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -300,6 +330,10 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
             cpu, now = _tree_cpu_seconds(), time.monotonic()
             if cpu - last_cpu > _IDLE_CPU * (now - last_busy):
                 last_cpu, last_busy = cpu, now
+            elif now - last_busy > min(stall_seconds, FAILED_WORKER_GRACE) and (
+                    failed := logged_failure(log_path)) is not None:
+                _stop_children()  # a worker failed and Beam did not end the run (it can hang there)
+                raise failed
             elif now - last_busy > stall_seconds:
                 _stop_children()
                 where = f"; Beam's log: {log_path}" if log_path else ""
