@@ -38,14 +38,12 @@ import math
 import time
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from dpscale.audit import bounds as audit_bounds
-from dpscale.audit.whitebox import with_gradient_canary
+from dpscale.audit.whitebox import softmax_regression, with_gradient_canary
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
@@ -119,13 +117,7 @@ def sampler_scores(features: np.ndarray, labels: np.ndarray, num_classes: int, m
     x = np.zeros((n, flat.shape[1] + 1), np.float32)
     x[: n - 1, :-1] = flat
     x, y = jnp.asarray(x), jnp.asarray(np.r_[np.asarray(labels[: n - 1]), 0], jnp.int32)
-    model = nn.Dense(num_classes)
-
-    def loss_fn(params: PyTree, model_state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
-        logits = model.apply({"params": params}, views["features"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
-
-    init = lambda key: dict(model.init(key, x[:1])["params"])  # noqa: E731
+    loss_fn, init = softmax_regression(num_classes, x[:1])
     shapes = jax.eval_shape(init, jax.random.key(0))
     direction = {"kernel": jnp.zeros(shapes["kernel"].shape).at[-1, 0].set(1.0),
                  "bias": jnp.zeros(shapes["bias"].shape)}

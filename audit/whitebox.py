@@ -113,6 +113,20 @@ class _Task:
     direction: PyTree  # u, unit norm
 
 
+def softmax_regression(num_classes: int, example: jax.Array) -> tuple[Callable, Callable]:
+    """``(loss_fn, init)`` of a softmax regression on ``views["features"]``: the linear audits' model."""
+    model = nn.Dense(num_classes)
+
+    def loss_fn(params: PyTree, model_state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
+        logits = model.apply({"params": params}, views["features"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
+
+    def init(key: jax.Array) -> PyTree:
+        return dict(model.init(key, example)["params"])
+
+    return loss_fn, init
+
+
 def _one_hot_tree(params: PyTree, path: tuple[str, ...], flat_index: int) -> PyTree:
     direction = jax.tree_util.tree_map(jnp.zeros_like, params)
     node = direction
@@ -130,13 +144,7 @@ def _task(setup: WhiteBoxSetup, features: np.ndarray, labels: np.ndarray, num_cl
     clip = setup.clip_norm
     if setup.model == "linear":
         x = jnp.asarray(np.concatenate([features.reshape(n, -1), np.zeros((1, features[0].size))]), jnp.float32)
-        model = nn.Dense(num_classes)
-
-        def loss_fn(params: PyTree, model_state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
-            logits = model.apply({"params": params}, views["features"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
-
-        init = lambda key: dict(model.init(key, x[:1])["params"])  # noqa: E731
+        loss_fn, init = softmax_regression(num_classes, x[:1])
         params = jax.eval_shape(init, jax.random.key(0))
         unused = np.flatnonzero(np.all(features.reshape(n, -1) == 0, axis=0))
         feature = int(unused[0]) if len(unused) else 0
