@@ -82,7 +82,7 @@ def remove_stale_tables(out_dir: str) -> None:
     for name in TABLES:
         for variant in (name, release.diagnostic_name(name)):
             path = files.join(out_dir, variant)
-            if files.is_url(path) and files.exists(path) or not files.is_url(path) and os.path.lexists(path):
+            if os.path.lexists(path) or files.is_url(path) and files.exists(path):  # lexists: a dangling link too
                 files.remove(path)
 
 
