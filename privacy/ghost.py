@@ -24,7 +24,9 @@ channel o, ``s_o = (var(k_o) + eps)^(-1/2)``, the same map for every example. It
 so the parameter's gradient is ``J^T u`` for ``u`` the gradient w.r.t. the standardised kernel:
 
 * weighted sum: ``J^T (sum_i w_i u_i)``, one map after the sum;
-* norm: patches are centred first (then ``A^T G = C u``), and
+* explicit norm: ``C u_i`` is the centred product (``u_i - mean over the fan-in``: d x p numbers
+  per example, where centring the patches first reads P x d), then ``||J^T C u_i||``;
+* ghost norm: patches are centred first (then ``A^T G = C u``), and
   ``||J_o^T u||^2 = s_o^2 (||C u_o||^2 - (2 - a_o)/d (w_o . u_o)^2)``, ``a_o = ||w_o||^2 / d``,
   where ``w_o . u_o = sum_t y_to g_to`` reads the convolution's output ``y`` (before its bias).
 
@@ -158,11 +160,16 @@ class _WsGeometry:
         return self.s * (u - self.w * (wu[..., None, :] / self.d))
 
 
-def _centred_patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
-    """``[K*T, d]``: one example's patches (all views' positions), each centred over the fan-in."""
+def _patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
+    """``[K*T, d]``: one example's patches (all views' positions)."""
     kh, kw = as_pair(module.kernel_size)
     windows = bookkeeping.shifted_windows(x_one, (kh, kw), as_pair(module.strides), module.padding)
-    patches = windows.reshape(-1, d)
+    return windows.reshape(-1, d)
+
+
+def _centred_patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
+    """``[K*T, d]``: one example's patches, each centred over the fan-in."""
+    patches = _patches(module, x_one, d)
     return patches - jnp.mean(patches, axis=1, keepdims=True)
 
 
@@ -176,7 +183,9 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
     bias = jnp.sum(flat_g, axis=1) if module.use_bias else None
     if strategy == "explicit":
         def one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
-            return jnp.einsum("td,tp->dp", _centred_patches(module, x_one, d), g_one, precision=_HIGHEST)
+            # Centring the product (C A^T G = (A C)^T G) reads d x p numbers, not the P x d patches.
+            u_one = jnp.einsum("td,tp->dp", _patches(module, x_one, d), g_one, precision=_HIGHEST)
+            return u_one - jnp.mean(u_one, axis=0, keepdims=True)
 
         u = _chunked(one, (x, flat_g), 4 * positions * (d + p))
         folded = geometry.fold(u)

@@ -75,6 +75,33 @@ def test_conv_rules_match_autodiff_for_strides_paddings_and_shared_layers():
     _assert_trees_close(grads, ref)
 
 
+class _NormZoo(nn.Module):
+    """GroupNorms with and without scale or bias, and flax's own class, between convolutions."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = WSConv(8, 3, name="a")(x)
+        x = nn.relu(GroupNorm(num_groups=4, name="both")(x))
+        x = WSConv(8, 3, name="b")(x)
+        x = nn.relu(nn.GroupNorm(num_groups=2, use_scale=False, name="bias_only")(x))
+        x = WSConv(8, 3, strides=2, name="c")(x)
+        x = nn.relu(nn.GroupNorm(num_groups=8, use_bias=False, epsilon=1e-3, name="scale_only")(x))
+        return nn.Dense(5, name="fc")(jnp.mean(x, axis=(1, 2)))
+
+
+def test_group_norm_rule_matches_autodiff_with_and_without_scale_or_bias():
+    model = _NormZoo()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 9, 9, 3)))["params"]
+    params = jax.tree_util.tree_map(lambda a: a + 0.3, params)  # scales away from 1, biases away from 0
+    loss_fn = _loss_for(model)
+    batch = _batch(4, 3, 2, (9, 9, 3), classes=5)
+    ref_losses, ref = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
+    losses, grads = jax.jit(lambda p, b: per_example_gradients_bk(loss_fn, p, {}, b))(params, batch)
+    assert set(grads["bias_only"]) == {"bias"} and set(grads["scale_only"]) == {"scale"}
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    _assert_trees_close(grads, ref)
+
+
 def _compare_clipped_sums(name, shape, size=6, views=2):
     model = get_model(name)
     params = _random_params(model, shape)
