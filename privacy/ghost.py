@@ -8,13 +8,16 @@ weighted sum ``sum_i w_i U_i``. Per layer, two ways to the norm (mixed ghost cli
 
 * explicit: form ``U_i`` (P*d*p multiply-adds and d*p floats per example), keep it, and the
   weighted sum is one contraction over examples;
+* streamed: form ``U_i`` a chunk of examples at a time for its norm only, and take the weighted
+  sum as ghost does: nothing of the parameter's size is held per example;
 * ghost: ``||U_i||^2 = <A_i A_i^T, G_i G_i^T>`` (P^2 (d + p) per example, nothing of the
   parameter's size), and the weighted sum is the layer's own weight gradient over the batch
   (one VJP) with each example's output gradient scaled by ``w_i``.
 
 Ghost wins where positions are few and the kernel large (late, low-resolution convolutions,
-dense heads); explicit wins at high resolution. ``choose_strategy`` decides from the shapes
-at trace time. With augmentation multiplicity the K views' positions are stacked (P = K*T)
+dense heads); explicit wins at high resolution, and is streamed where holding ``U_i`` would
+take more memory than the output gradient the layer already records. ``choose_strategy``
+decides from the shapes at trace time. With augmentation multiplicity the K views' positions are stacked (P = K*T)
 and the 1/K of the view average is already inside ``G``: the norm is that of the averaged
 gradient, exactly what the vmap path clips.
 
@@ -60,8 +63,8 @@ from dpscale.privacy.clipping import ClippedSum, LossFn, clipped_sum_from_norms
 
 PyTree = Any
 Path = tuple[str, ...]
-Strategy = Literal["ghost", "explicit"]
-STRATEGIES: tuple[str, ...] = ("ghost", "explicit")
+Strategy = Literal["ghost", "explicit", "streamed"]
+STRATEGIES: tuple[str, ...] = ("ghost", "explicit", "streamed")
 _log = logging.getLogger(__name__)
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Bytes of one chunk's per-example working set (patches, Gram matrices): about what stays in a
@@ -80,15 +83,20 @@ GHOST_RATIO = 300
 
 
 def choose_strategy(*, positions: int, fan_in: int, fan_out: int) -> Strategy:
-    """Ghost when its Gram matrices cost less than holding the per-example gradient.
+    """Ghost when its Gram matrices cost less than holding the per-example gradient, else explicit.
 
     Both paths contract P*d*p per example once (explicit: to form ``U_i``; ghost: in the
     batch's weight gradient). On top, ghost forms two P x P Gram matrices, ``P^2 (d + p)``
     multiply-adds, while explicit writes ``d * p`` floats per example and reads them back for
     the norm and the sum: memory traffic, which costs ~GHOST_RATIO multiply-adds a float here.
+    Explicit holds ``U_i`` (d*p floats per example) only where that is no more than the
+    layer's recorded output gradient (P*p), i.e. d <= P; else it is streamed (one more
+    contraction, the batch's weight gradient, instead of the held ``U_i``).
     """
     cost_ghost = positions * positions * (fan_in + fan_out)
-    return "ghost" if cost_ghost < GHOST_RATIO * fan_in * fan_out else "explicit"
+    if cost_ghost < GHOST_RATIO * fan_in * fan_out:
+        return "ghost"
+    return "explicit" if fan_in <= positions else "streamed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +105,7 @@ class LayerChoice:
 
     path: Path
     kind: str  # "WSConv", "Dense", ...
-    strategy: str  # "ghost", "explicit", or "book-keeping" (shared or normalisation layers)
+    strategy: str  # "ghost", "explicit", "streamed", or "book-keeping" (shared or normalisation layers)
     positions: int = 0
     fan_in: int = 0
     fan_out: int = 0
@@ -181,13 +189,15 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
     positions = math.prod(g.shape[1:-1])
     flat_g = g.reshape(g.shape[0], positions, p)
     bias = jnp.sum(flat_g, axis=1) if module.use_bias else None
-    if strategy == "explicit":
-        def one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
-            # Centring the product (C A^T G = (A C)^T G) reads d x p numbers, not the P x d patches.
-            u_one = jnp.einsum("td,tp->dp", _patches(module, x_one, d), g_one, precision=_HIGHEST)
-            return u_one - jnp.mean(u_one, axis=0, keepdims=True)
 
-        u = _chunked(one, (x, flat_g), 4 * positions * (d + p))
+    def centred_product(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+        """``C u`` of one example: centring the product (C A^T G = (A C)^T G) reads d x p
+        numbers, not the P x d patches."""
+        u_one = jnp.einsum("td,tp->dp", _patches(module, x_one, d), g_one, precision=_HIGHEST)
+        return u_one - jnp.mean(u_one, axis=0, keepdims=True)
+
+    if strategy == "explicit":
+        u = _chunked(centred_product, (x, flat_g), 4 * positions * (d + p))
         folded = geometry.fold(u)
         squares = jnp.einsum("bdp,bdp->b", folded, folded, precision=_HIGHEST)
 
@@ -197,6 +207,15 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
             if bias is not None:
                 grads["bias"] = jnp.tensordot(weights, _guard(finite, bias), axes=1)
             return grads
+    elif strategy == "streamed":
+        def one_square(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+            folded = geometry.fold(centred_product(x_one, g_one))
+            return jnp.einsum("dp,dp->", folded, folded, precision=_HIGHEST)
+
+        squares = _chunked(one_square, (x, flat_g), 4 * positions * (d + p))
+
+        def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
+            return _batch_vjp_sum(module, params, x, g, weights, finite)
     else:
         scaled_g = flat_g * geometry.s
 
@@ -224,6 +243,15 @@ def _dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array,
     b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
     flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
     bias = jnp.sum(flat_g, axis=1) if module.use_bias else None
+    if strategy == "streamed":
+        def one_square(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+            u_one = jnp.einsum("tf,to->fo", x_one, g_one, precision=_HIGHEST)
+            return jnp.einsum("fo,fo->", u_one, u_one, precision=_HIGHEST)
+
+        squares = _chunked(one_square, (flat_x, flat_g), 4 * flat_x.shape[1] * (fan_in + fan_out))
+        if bias is not None:
+            squares = squares + jnp.einsum("bo,bo->b", bias, bias, precision=_HIGHEST)
+        return squares, lambda weights, finite: _batch_vjp_sum(module, params, x, g, weights, finite)
     if strategy == "explicit":
         held = {"kernel": jnp.einsum("btf,bto->bfo", flat_x, flat_g, precision=_HIGHEST)}
         if bias is not None:
