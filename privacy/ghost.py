@@ -121,7 +121,7 @@ def _guard(finite: jax.Array, a: jax.Array) -> jax.Array:
     return jnp.where(finite.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
 
 
-def _chunked(fn: Callable[..., jax.Array], arrays: tuple[jax.Array, ...], bytes_per_example: int) -> jax.Array:
+def _chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_example: int) -> PyTree:
     """``fn`` over examples (leading axis), a cache-sized chunk of examples at a time.
 
     The chunk divides the number of examples: a remainder chunk costs a second program and
@@ -196,10 +196,14 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
         u_one = jnp.einsum("td,tp->dp", _patches(module, x_one, d), g_one, precision=_HIGHEST)
         return u_one - jnp.mean(u_one, axis=0, keepdims=True)
 
+    def folded_square(u_one: jax.Array) -> jax.Array:
+        folded = geometry.fold(u_one)
+        return jnp.einsum("dp,dp->", folded, folded, precision=_HIGHEST)
+
     if strategy == "explicit":
-        u = _chunked(centred_product, (x, flat_g), 4 * positions * (d + p))
-        folded = geometry.fold(u)
-        squares = jnp.einsum("bdp,bdp->b", folded, folded, precision=_HIGHEST)
+        # The square inside the chunk: the folded gradients never exist for the whole batch.
+        u, squares = _chunked(lambda x_one, g_one: (lambda u_one: (u_one, folded_square(u_one)))(
+            centred_product(x_one, g_one)), (x, flat_g), 4 * positions * (d + p))
 
         def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
             u_sum = jnp.tensordot(weights, _guard(finite, u), axes=1)
@@ -208,11 +212,8 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
                 grads["bias"] = jnp.tensordot(weights, _guard(finite, bias), axes=1)
             return grads
     elif strategy == "streamed":
-        def one_square(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
-            folded = geometry.fold(centred_product(x_one, g_one))
-            return jnp.einsum("dp,dp->", folded, folded, precision=_HIGHEST)
-
-        squares = _chunked(one_square, (x, flat_g), 4 * positions * (d + p))
+        squares = _chunked(lambda x_one, g_one: folded_square(centred_product(x_one, g_one)), (x, flat_g),
+                           4 * positions * (d + p))
 
         def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
             return _batch_vjp_sum(module, params, x, g, weights, finite)
