@@ -68,7 +68,7 @@ STRATEGIES: tuple[str, ...] = ("ghost", "explicit", "streamed")
 _log = logging.getLogger(__name__)
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Bytes of one chunk's per-example working set (patches, Gram matrices): about what stays in a
-# CPU's last-level cache, measured fastest on the 2-core machine of benchmarks/results/ghost.md.
+# CPU's last-level cache; measured fastest, per layer, on a 2-core CPU when this module was written.
 CHUNK_BYTES = 8 * 2**20
 # The cancellation in ||C u||^2 - (...)(w.u)^2 can round the ghost norm down; this share of the
 # subtracted term is added back so the clip weight never exceeds 1/norm by rounding.
@@ -76,9 +76,9 @@ _CANCELLATION_SLACK = 2.0**-18
 
 
 # Ghost when P^2 (d + p) < GHOST_RATIO * d * p (P positions, fan-in d, fan-out p per example).
-# Measured on a 2-core CPU (benchmarks/results/ghost.md): ghost won at ratios 18-78 (late
-# convolutions of cnn-small and WRN-16-4), tied at 284 (where ghost holds less memory), lost at
-# 569 and above.
+# Measured per layer on a 2-core CPU: ghost won at ratios 18-78 (late convolutions of cnn-small and
+# WRN-16-4), tied at 284, lost at 569 and above; the whole step's effect is in
+# benchmarks/results/dp_step_cost.md.
 GHOST_RATIO = 300
 
 
