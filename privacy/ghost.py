@@ -17,9 +17,9 @@ weighted sum ``sum_i w_i U_i``. Per layer, two ways to the norm (mixed ghost cli
 Ghost wins where positions are few and the kernel large (late, low-resolution convolutions,
 dense heads); explicit wins at high resolution, and is streamed where holding ``U_i`` would
 take more memory than the output gradient the layer already records. ``choose_strategy``
-decides from the shapes at trace time. With augmentation multiplicity the K views' positions are stacked (P = K*T)
-and the 1/K of the view average is already inside ``G``: the norm is that of the averaged
-gradient, exactly what the vmap path clips.
+decides from the shapes at trace time. With augmentation multiplicity the K views' positions
+are stacked (P = K*T) and the 1/K of the view average is already inside ``G``: the norm is
+that of the averaged gradient, exactly what the vmap path clips.
 
 Weight standardisation: a WS convolution uses ``w_o = s_o (k_o - mean(k_o))`` per output
 channel o, ``s_o = (var(k_o) + eps)^(-1/2)``, the same map for every example. Its Jacobian is
@@ -201,9 +201,12 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
         return jnp.einsum("dp,dp->", folded, folded, precision=_HIGHEST)
 
     if strategy == "explicit":
-        # The square inside the chunk: the folded gradients never exist for the whole batch.
-        u, squares = _chunked(lambda x_one, g_one: (lambda u_one: (u_one, folded_square(u_one)))(
-            centred_product(x_one, g_one)), (x, flat_g), 4 * positions * (d + p))
+        def held_and_square(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, jax.Array]:
+            # The square inside the chunk: the folded gradients never exist for the whole batch.
+            u_one = centred_product(x_one, g_one)
+            return u_one, folded_square(u_one)
+
+        u, squares = _chunked(held_and_square, (x, flat_g), 4 * positions * (d + p))
 
         def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
             u_sum = jnp.tensordot(weights, _guard(finite, u), axes=1)

@@ -187,8 +187,8 @@ def test_ghost_for_late_layers_explicit_or_streamed_for_early_ones():
     assert choose_strategy(positions=16 * 16, fan_in=144, fan_out=32) == "explicit"
     assert choose_strategy(positions=8 * 8, fan_in=288, fan_out=64) == "ghost"
     assert choose_strategy(positions=4 * 4, fan_in=576, fan_out=128) == "ghost"
-    # WRN-16-4: the 8x8 stage is ghost, the 16x16 one explicit; with K = 4 views the 8x8 stage
-    # has 256 positions and is ghost still (its per-example gradient is 590k floats).
+    # WRN-16-4: the 8x8 stage is ghost; with K = 4 views it has 256 positions and is ghost still
+    # (its per-example gradient is 590k floats).
     assert choose_strategy(positions=8 * 8, fan_in=2304, fan_out=256) == "ghost"
     assert choose_strategy(positions=4 * 8 * 8, fan_in=2304, fan_out=256) == "ghost"
     # Its 16x16 stage's per-example gradient (147k floats) is larger than the layer's output
