@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -196,6 +197,8 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
         u_one = jnp.einsum("td,tp->dp", _patches(module, x_one, d), g_one, precision=_HIGHEST)
         return u_one - jnp.mean(u_one, axis=0, keepdims=True)
 
+    batch_vjp_sum: Summer = functools.partial(_batch_vjp_sum, module, params, x, g)  # streamed and ghost
+
     def folded_square(u_one: jax.Array) -> jax.Array:
         folded = geometry.fold(u_one)
         return jnp.einsum("dp,dp->", folded, folded, precision=_HIGHEST)
@@ -217,9 +220,7 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
     elif strategy == "streamed":
         squares = _chunked(lambda x_one, g_one: folded_square(centred_product(x_one, g_one)), (x, flat_g),
                            4 * positions * (d + p))
-
-        def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
-            return _batch_vjp_sum(module, params, x, g, weights, finite)
+        summer = batch_vjp_sum
     else:
         scaled_g = flat_g * geometry.s
 
@@ -234,9 +235,7 @@ def _wsconv(module: WSConv, params: PyTree, x: jax.Array, y: jax.Array, g: jax.A
         wu = jnp.einsum("btp,btp->bp", conv_out, flat_g, precision=_HIGHEST)  # w_o . u_o per example
         along_w = jnp.einsum("p,bp->b", geometry.s**2 * (2 - geometry.a) / d, wu * wu, precision=_HIGHEST)
         squares = jnp.maximum(centred - along_w, 0.0) + _CANCELLATION_SLACK * along_w
-
-        def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
-            return _batch_vjp_sum(module, params, x, g, weights, finite)
+        summer = batch_vjp_sum
     if bias is not None:
         squares = squares + jnp.einsum("bp,bp->b", bias, bias, precision=_HIGHEST)
     return squares, summer
@@ -247,24 +246,22 @@ def _dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array,
     b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
     flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
     bias = jnp.sum(flat_g, axis=1) if module.use_bias else None
-    if strategy == "streamed":
-        def one_square(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
-            u_one = jnp.einsum("tf,to->fo", x_one, g_one, precision=_HIGHEST)
-            return jnp.einsum("fo,fo->", u_one, u_one, precision=_HIGHEST)
-
-        squares = _chunked(one_square, (flat_x, flat_g), 4 * flat_x.shape[1] * (fan_in + fan_out))
-        if bias is not None:
-            squares = squares + jnp.einsum("bo,bo->b", bias, bias, precision=_HIGHEST)
-        return squares, lambda weights, finite: _batch_vjp_sum(module, params, x, g, weights, finite)
     if strategy == "explicit":
         held = {"kernel": jnp.einsum("btf,bto->bfo", flat_x, flat_g, precision=_HIGHEST)}
         if bias is not None:
             held["bias"] = bias
         squares = sum(jnp.einsum("b...,b...->b", v, v, precision=_HIGHEST) for v in held.values())
         return squares, lambda weights, finite: _held_sum(held, weights, finite)
-    gram_x = jnp.einsum("btf,bsf->bts", flat_x, flat_x, precision=_HIGHEST)
-    gram_g = jnp.einsum("bto,bso->bts", flat_g, flat_g, precision=_HIGHEST)
-    squares = jnp.einsum("bts,bts->b", gram_x, gram_g, precision=_HIGHEST)
+    if strategy == "streamed":
+        def one_square(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+            u_one = jnp.einsum("tf,to->fo", x_one, g_one, precision=_HIGHEST)
+            return jnp.einsum("fo,fo->", u_one, u_one, precision=_HIGHEST)
+
+        squares = _chunked(one_square, (flat_x, flat_g), 4 * flat_x.shape[1] * (fan_in + fan_out))
+    else:
+        gram_x = jnp.einsum("btf,bsf->bts", flat_x, flat_x, precision=_HIGHEST)
+        gram_g = jnp.einsum("bto,bso->bts", flat_g, flat_g, precision=_HIGHEST)
+        squares = jnp.einsum("bts,bts->b", gram_x, gram_g, precision=_HIGHEST)
     if bias is not None:
         squares = squares + jnp.einsum("bo,bo->b", bias, bias, precision=_HIGHEST)
     return squares, lambda weights, finite: _batch_vjp_sum(module, params, x, g, weights, finite)
