@@ -1,54 +1,32 @@
-"""Deliberately broken DP-SGD steps and samplers, and the one way to make an audit run one.
+"""Deliberately broken DP-SGD steps and samplers, and plans that build them.
 
 An audit's verdict is only worth something if it flags broken code. Its tests and the audit
-benchmark's ``--bug`` runs check that it does, by swapping the step that every
-``PrivacyPlan.dp_step`` builds for a broken subclass of ``DpsgdStep`` inside
-:func:`substituted_step`, or the sampler ``PrivacyPlan.sampler`` builds for a broken subclass of
-``PoissonSampler`` inside :func:`substituted_sampler`. That is the only seam for them: no
-product signature takes a step or sampler class, and no run of dpscale imports this module.
+benchmark's ``--bug`` runs check that it does on a plan whose parts (``PrivacyPlan.parts``) are
+a broken subclass of ``DpsgdStep`` or of ``PoissonSampler``: :func:`with_parts` builds that
+plan, visibly, where the audit is set up. Nothing is swapped for the whole process, and no run
+of dpscale imports this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
-from dpscale.privacy import plan
 from dpscale.privacy.clipping import ClippedSum
 from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.noise import add_gaussian_noise, step_key
+from dpscale.privacy.plan import MechanismParts, PrivacyPlan
 from dpscale.privacy.sampling import Layout, PoissonSampler, SampledBatch, batch_capacity, pad_into
 from dpscale.privacy.streams import Stream, stream_rng
 
 
-@contextmanager
-def substituted_step(broken: type[DpsgdStep]) -> Iterator[None]:
-    """Within the block, ``PrivacyPlan.dp_step`` builds ``broken`` instead of ``DpsgdStep``."""
-    if not (isinstance(broken, type) and issubclass(broken, DpsgdStep)):
-        raise TypeError(f"a substituted step must subclass DpsgdStep, got {broken!r}")
-    saved = plan.DpsgdStep
-    plan.DpsgdStep = broken
-    try:
-        yield
-    finally:
-        plan.DpsgdStep = saved
-
-
-@contextmanager
-def substituted_sampler(broken: type[PoissonSampler]) -> Iterator[None]:
-    """Within the block, ``PrivacyPlan.sampler`` builds ``broken`` instead of ``PoissonSampler``."""
-    if not (isinstance(broken, type) and issubclass(broken, PoissonSampler)):
-        raise TypeError(f"a substituted sampler must subclass PoissonSampler, got {broken!r}")
-    saved = plan.PoissonSampler
-    plan.PoissonSampler = broken
-    try:
-        yield
-    finally:
-        plan.PoissonSampler = saved
+def with_parts(plan: PrivacyPlan, *, step: type[DpsgdStep] = DpsgdStep,
+               sampler: type[PoissonSampler] = PoissonSampler) -> PrivacyPlan:
+    """``plan`` building its DP step from ``step`` and its Poisson sampler from ``sampler``."""
+    return dataclasses.replace(plan, parts=MechanismParts(step=step, poisson_sampler=sampler))
 
 
 class DoubleRate(PoissonSampler):

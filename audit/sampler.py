@@ -3,7 +3,7 @@
 The white-box audit (``audit.whitebox``) runs at q = 1, where its Gaussian statistic is exact,
 so it never sees the sampler. This audit runs the real one: every model draws its batches from
 ``PrivacyPlan.sampler`` (truncated Poisson sampling, the sampler ``dpscale train`` uses, or
-whatever an audit's own checks substitute for it: ``audit.broken_steps.substituted_sampler``)
+or a broken one that an audit's own checks put in the plan's parts: ``audit.broken_steps.with_parts``)
 and trains on them with the plan's DP step (``DpsgdStep.accumulate_pure`` / ``apply_pure``).
 
 The canary is a gradient canary (as in the white-box audit) along a feature that is 0 in every
@@ -41,6 +41,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dpscale.audit import bounds as audit_bounds
 from dpscale.audit.whitebox import softmax_regression, with_gradient_canary
@@ -51,6 +52,7 @@ from dpscale.privacy.pld import privacy_profile
 from dpscale.privacy.sampling import PADDING_INDEX
 from dpscale.privacy.streams import ModelKeys, Stream, stream_rng
 from dpscale.progress import Bar
+from dpscale.training.config import TrainingConfig
 from dpscale.training.vmapped import run_models
 
 PyTree = Any
@@ -64,8 +66,8 @@ class SamplerAuditSetup:
 
     plan: PrivacyPlan
     microbatch_size: int = 16
-    learning_rate: float = 1.0
-    clip_norm: float = 1.0
+    learning_rate: float = TrainingConfig.learning_rate
+    clip_norm: float = TrainingConfig.clip_norm
     canary_norm: float = 10.0  # |canary gradient| / C: >= 1, so it is always clipped to exactly C
     discretization: float = 1e-2  # of the accounted profile's PLD (coarser: looser, never invalid)
 
@@ -122,7 +124,8 @@ def sampler_scores(features: np.ndarray, labels: np.ndarray, num_classes: int, m
     direction = {"kernel": jnp.zeros(shapes["kernel"].shape).at[-1, 0].set(1.0),
                  "bias": jnp.zeros(shapes["bias"].shape)}
     canary = jax.tree_util.tree_map(lambda u: u * setup.canary_norm * setup.clip_norm, direction)
-    dp_step = plan.dp_step(loss_fn, seed=seed, clip_norm=setup.clip_norm, learning_rate=setup.learning_rate,
+    dp_step = plan.dp_step(loss_fn, seed=seed, clip_norm=setup.clip_norm, optimizer=optax.sgd(setup.learning_rate),
+                           ema_decay=TrainingConfig.ema_decay,  # unused: the audit scores the parameters
                            clipped_sum_fn=with_gradient_canary(softmax_regression_clipped_sum(clip_norm=setup.clip_norm),
                                                                canary, clip_norm=setup.clip_norm))
     indices, masks = sampled_batches(plan, seed=seed, num_models=len(member), microbatch_size=setup.microbatch_size)

@@ -43,11 +43,12 @@ from dpscale.models.cnn import small_cnn
 from dpscale.privacy import clipping
 from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
-from dpscale.privacy.clipping import ClippedSum, make_clipped_sum_fn
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, make_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.streams import ModelKeys
 from dpscale.progress import Bar
+from dpscale.training.config import TrainingConfig
 from dpscale.training.vmapped import run_models
 
 PyTree = Any
@@ -62,8 +63,8 @@ class WhiteBoxSetup:
     plan: PrivacyPlan
     model: WhiteBoxModel = "linear"
     per_example: PerExample = "vmap"  # the CNN's per-example gradients (the linear head is closed form)
-    learning_rate: float = 1.0
-    clip_norm: float = 1.0
+    learning_rate: float = TrainingConfig.learning_rate
+    clip_norm: float = TrainingConfig.clip_norm
     microbatches: int = 2  # > 1 so accumulation across micro-batches is audited too
     canary_norm: float = 10.0  # |v| / C: >= 1 so the canary is always clipped
     channels: tuple[int, ...] = (8, 16)
@@ -82,7 +83,7 @@ class WhiteBoxSetup:
             raise InvalidConfigError("microbatches must be >= 1 and canary_norm >= 1")
 
 
-def with_gradient_canary(base_fn: Callable, v: PyTree, *, clip_norm: float) -> Callable:
+def with_gradient_canary(base_fn: ClippedSumFn, v: PyTree, *, clip_norm: float) -> ClippedSumFn:
     """``base_fn`` for rows whose ``batch["canary"]`` is 0; the row flagged 1 has per-example gradient ``v``.
 
     A micro-batch holds at most one canary row (the audit's layout), so the canary's
@@ -99,8 +100,7 @@ def with_gradient_canary(base_fn: Callable, v: PyTree, *, clip_norm: float) -> C
         canary_part = clipping.clipped_sum_from_gradients(grads, present, clip_norm=clip_norm)
         return data_part.plus(canary_part)
 
-    clipped_sum.sensitivity = base_fn.sensitivity
-    return clipped_sum
+    return ClippedSumFn(clipped_sum, sensitivity=base_fn.sensitivity, layers=base_fn.layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +213,8 @@ def white_box_scores(
     task = _task(setup, features, labels, num_classes, image_shape)
     v = jax.tree_util.tree_map(lambda u: u * setup.canary_norm * setup.clip_norm, task.direction)
     dp_step = setup.plan.dp_step(
-        task.loss_fn, seed=seed, clip_norm=setup.clip_norm, learning_rate=setup.learning_rate,
+        task.loss_fn, seed=seed, clip_norm=setup.clip_norm, optimizer=optax.sgd(setup.learning_rate),
+        ema_decay=TrainingConfig.ema_decay,  # unused: the audit scores the parameters, not their EMA
         clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), mesh=mesh)
     accumulate = dp_step.accumulate_traceable
     k = setup.microbatches

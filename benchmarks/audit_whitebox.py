@@ -14,7 +14,6 @@ the rows as JSON beside it. Exit status 1 if correct code is flagged, or a bug i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -23,13 +22,14 @@ import time
 
 import jax
 
-from dpscale.audit.broken_steps import HalfNoise, substituted_step
+from dpscale.audit.broken_steps import HalfNoise
+from dpscale.privacy.plan import MechanismParts
 from dpscale.audit.game import markdown_table
 from dpscale.stages import audit
 
 
-def _injected(bug: str) -> contextlib.AbstractContextManager:
-    return substituted_step(HalfNoise) if bug == "half-noise" else contextlib.nullcontext()
+def _parts(bug: str) -> MechanismParts:
+    return MechanismParts(step=HalfNoise) if bug == "half-noise" else MechanismParts()
 
 
 def _run_rows(args: argparse.Namespace) -> list[dict]:
@@ -40,7 +40,7 @@ def _run_rows(args: argparse.Namespace) -> list[dict]:
             steps=args.steps, model=args.model, num_models=args.num_models, confidence=args.confidence,
             canary=args.canary, seed=args.seed, threat_model=args.threat_model, microbatches=args.microbatches,
             per_example=args.per_example, chunk_size=args.chunk_size, show_progress=False,
-            devices=args.devices)
+            devices=args.devices, parts=_parts(args.bug))
         before = os.getloadavg()
         started, cpu = time.perf_counter(), time.process_time()
         (row,) = audit.run(config).rows
@@ -73,8 +73,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "audit_runs.md"))
     args = parser.parse_args()
-    with _injected(args.bug):
-        rows = _run_rows(args)
+    rows = _run_rows(args)
 
     flagged = [r["violation"] for r in rows]
     ok = all(flagged) if args.bug != "none" else not any(flagged)

@@ -40,9 +40,12 @@ class _Step:
 
     def __init__(self, args, noise_fn) -> None:
         import jax
+        import optax
+
         from dpscale.privacy import dpsgd
         from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
         from dpscale.privacy.plan import PrivacyPlan
+        from dpscale.training.config import TrainingConfig
 
         from benchmarks.peers_run_jax import _problem
 
@@ -53,7 +56,8 @@ class _Step:
         clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, self.batches[0][0]))
         plan = PrivacyPlan(num_examples=args.logical, batch_size=args.logical, steps=1, delta=1e-5,
                            noise_multiplier=args.noise_multiplier)
-        self.dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, learning_rate=0.1, clipped_sum_fn=clipped)
+        self.dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, optimizer=optax.sgd(0.1),
+                               ema_decay=TrainingConfig.ema_decay, clipped_sum_fn=clipped)
         self.state = self.dp.init(params)
         self._copy = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x + 0, tree))
         for _ in range(2):  # compile, then one warm step

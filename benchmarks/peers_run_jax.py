@@ -63,10 +63,12 @@ def _problem(workload: str, physical: int, micro: int):
 
 def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     import jax
+    import optax
 
     from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
     from dpscale.privacy.linear import softmax_regression_clipped_sum
     from dpscale.privacy.plan import PrivacyPlan
+    from dpscale.training.config import TrainingConfig
 
     private = args.framework in ("dpscale", "dpscale-vmap")
     if private and linear:
@@ -87,7 +89,8 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     # The step as `dpscale train` builds it, from a plan (q = 1: only the step's shape matters here).
     plan = PrivacyPlan(num_examples=args.logical, batch_size=args.logical, steps=1, delta=1e-5,
                        noise_multiplier=args.noise_multiplier if private else 0.0)
-    dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, learning_rate=0.1, clipped_sum_fn=clipped)
+    dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, optimizer=optax.sgd(0.1),
+                      ema_decay=TrainingConfig.ema_decay, clipped_sum_fn=clipped)
     holder = {"state": dp.init(params)}
 
     def step() -> None:

@@ -42,90 +42,18 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
 
 import dp_accounting
 import numpy as np
 from scipy import stats
 
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.checks import (Accountant, check_accountant, check_accounted_steps, check_batch_size,
+                                    check_delta, check_mechanism)
 from dpscale.privacy.pld import DEFAULT_DISCRETIZATION, MIN_DELTA, NEIGHBORING_RELATION, BoundedPld
 
-Accountant = Literal["pld", "rdp"]
-SamplingScheme = Literal["poisson", "shuffle"]
-
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-SAMPLING_SCHEMES: tuple[str, ...] = ("poisson", "shuffle")
 # dp-accounting's own default grid; coarser only where it would not fit in memory (privacy.pld).
 PLD_DISCRETIZATION = DEFAULT_DISCRETIZATION
-# The most steps an epsilon is computed for. Up to here every setting answers in seconds (the PLD's
-# grid and blocked composition are sized for it, privacy.pld); beyond, dp-accounting's own bounds of
-# a composition grow with the steps, and with them its time and memory. 10^8 is three orders beyond
-# an ImageNet run (~10^5 steps), so a plan past it is refused rather than computed for minutes.
-MAX_ACCOUNTED_STEPS = 10**8
-
-
-def check_batch_size(*, batch_size: int, num_examples: int) -> None:
-    """Raise :class:`InvalidConfigError` unless ``1 <= batch_size <= num_examples``."""
-    if isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1:
-        raise InvalidConfigError(
-            f"number of examples must be a positive integer, got {num_examples}"
-        )
-    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-        raise InvalidConfigError(f"batch size must be a positive integer, got {batch_size}")
-    if batch_size > num_examples:
-        raise InvalidConfigError(
-            f"batch size {batch_size} exceeds the number of examples {num_examples} "
-            f"(sampling rate q = {batch_size / num_examples:.4g} > 1)"
-        )
-
-
-def check_mechanism(*, noise_multiplier: float, sampling_rate: float, steps: int,
-                    sampling: str = "poisson", releases: tuple[float, ...] = ()) -> None:
-    """Raise :class:`InvalidConfigError` unless (sigma, q, T, sampling, releases) describe a DP-SGD run."""
-    check_releases(releases)
-    if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-        raise InvalidConfigError(f"noise multiplier must be a positive number, got {noise_multiplier}")
-    if not (0 < sampling_rate <= 1):
-        raise InvalidConfigError(
-            f"sampling rate q = batch size / number of examples must be in (0, 1], got {sampling_rate}")
-    check_steps(steps)
-    check_accounted_steps(steps)
-    if sampling not in SAMPLING_SCHEMES:
-        raise InvalidConfigError(f"sampling must be one of {SAMPLING_SCHEMES}, got {sampling!r}")
-
-
-def check_steps(steps: int) -> None:
-    """Raise :class:`InvalidConfigError` unless ``steps`` is a positive integer."""
-    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-        raise InvalidConfigError(f"steps must be a positive integer, got {steps}")
-
-
-def check_accounted_steps(steps: int) -> None:
-    """Raise :class:`InvalidConfigError` past ``MAX_ACCOUNTED_STEPS``: an epsilon that would take too long."""
-    if steps > MAX_ACCOUNTED_STEPS:
-        raise InvalidConfigError(
-            f"{steps:,} steps: epsilon is computed for at most {MAX_ACCOUNTED_STEPS:,} steps (10^8, in seconds); "
-            "beyond that the accountant's time and memory grow without bound, and no training run needs as many")
-
-
-def check_releases(releases: tuple[float, ...]) -> None:
-    """Raise :class:`InvalidConfigError` unless every release noise multiplier is positive and finite."""
-    for sigma in releases:
-        if isinstance(sigma, bool) or not (math.isfinite(sigma) and sigma > 0):
-            raise InvalidConfigError(f"release noise multipliers must be positive numbers, got {releases}")
-
-
-def check_delta(delta: float) -> None:
-    """Raise :class:`InvalidConfigError` unless ``0 < delta < 1``."""
-    if not (0 < delta < 1):
-        raise InvalidConfigError(f"delta must be in (0, 1), got {delta}")
-
-
-def check_accountant(accountant: str) -> None:
-    """Raise :class:`InvalidConfigError` for an unknown accountant name."""
-    if accountant not in ACCOUNTANTS:
-        raise InvalidConfigError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
 
 @dataclasses.dataclass(frozen=True)

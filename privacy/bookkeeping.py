@@ -42,7 +42,8 @@ from jax.extend import core as jex_core
 
 from dpscale.errors import InvalidConfigError
 from dpscale.models.layers import GroupNorm, WSConv, as_pair, standardize_kernel
-from dpscale.privacy.clipping import ClippedSum, LossFn, clipped_sum_from_gradients
+from dpscale.privacy.checks import check_clip_norm
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_gradients
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -332,15 +333,14 @@ def per_example_gradients_bk(
 
 def make_bookkeeping_clipped_sum_fn(
     loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None
-) -> Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]:
+) -> ClippedSumFn:
     """Drop-in for ``make_clipped_sum_fn`` on supported models.
 
     ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
     ``[b, K, ...]``) checks support now, raising ``UnsupportedModelError``; without it the
     check runs on the first trace.
     """
-    if not clip_norm > 0:
-        raise InvalidConfigError(f"clip_norm must be positive, got {clip_norm}")
+    check_clip_norm(clip_norm)
     if example is not None:
         params, model_state, batch = example
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
@@ -350,5 +350,4 @@ def make_bookkeeping_clipped_sum_fn(
         losses, grads = per_example_gradients_bk(loss_fn, params, model_state, batch)
         return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
 
-    clipped_sum.sensitivity = 1.0  # declared up front, as make_clipped_sum_fn does
-    return clipped_sum
+    return ClippedSumFn(clipped_sum, sensitivity=1.0)

@@ -28,7 +28,7 @@ training gets what remains of the budget after them.
 ``truncation`` (truncated Poisson sampling, ``accounting.Truncation``) enters every probe the
 same way; when the batch size is solved for, each probe's capacity is the sampler's rule
 (``sampling.batch_capacity``, k standard deviations above B) at that batch size.
-``capacity_sigmas`` picks that k: the smallest of ``CAPACITY_LADDER`` whose truncation adds at
+``capacity_stds`` picks that k: the smallest of ``CAPACITY_LADDER`` whose truncation adds at
 most ``TRUNCATION_COST`` to the untruncated epsilon (a batch is truncated with probability
 ~3e-5 at k = 4, but with little noise per step a truncated step costs a lot: k = 4 adds 35% to
 epsilon at sigma 0.8, q = 0.004, and nothing measurable at sigma 2.3, q = 0.08).
@@ -42,8 +42,8 @@ import math
 from collections.abc import Callable
 
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy.accounting import (Accountant, EpsilonCurve, Truncation, check_accountant, check_batch_size,
-                                        check_delta, check_mechanism, epsilon, quiet_rdp_warnings)
+from dpscale.privacy.accounting import EpsilonCurve, Truncation, epsilon, quiet_rdp_warnings
+from dpscale.privacy.checks import Accountant, check_accountant, check_batch_size, check_delta, check_mechanism
 from dpscale.privacy.bracket_search import MonotoneProblem, solve_boundary
 from dpscale.privacy.sampling import batch_capacity
 
@@ -225,12 +225,12 @@ def calibrate_batch_size(
     num_examples: int,
     accountant: Accountant = "pld",
     releases: tuple[float, ...] = (),
-    capacity_sigmas: float | None = None,
+    capacity_stds: float | None = None,
     near: tuple[float, float] | None = None,
 ) -> Calibrated:
     """Largest (expected) batch size with epsilon <= target, at most ``num_examples``.
 
-    ``capacity_sigmas``: Poisson batches truncated to ``sampling.batch_capacity`` (that many
+    ``capacity_stds``: Poisson batches truncated to ``sampling.batch_capacity`` (that many
     standard deviations above each probed size); None: untruncated.
     """
     _check_target(target_epsilon, delta, accountant)
@@ -238,8 +238,8 @@ def calibrate_batch_size(
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=1.0, steps=steps, releases=releases)
 
     def mechanism(b: float) -> tuple[float, float, int, Truncation | None]:
-        truncation = (None if capacity_sigmas is None else
-                      Truncation(num_examples, batch_capacity(num_examples, int(b), sigmas=capacity_sigmas)))
+        truncation = (None if capacity_stds is None else
+                      Truncation(num_examples, batch_capacity(num_examples, int(b), stds=capacity_stds)))
         return noise_multiplier, int(b) / num_examples, steps, truncation
 
     return _solve("batch size", mechanism, target=target_epsilon,
@@ -249,7 +249,7 @@ def calibrate_batch_size(
 
 
 @functools.lru_cache(maxsize=256)  # pure; every plan of a sweep asks it
-def capacity_sigmas(*, noise_multiplier: float, num_examples: int, batch_size: int, steps: int, delta: float,
+def capacity_stds(*, noise_multiplier: float, num_examples: int, batch_size: int, steps: int, delta: float,
                     accountant: Accountant = "pld", releases: tuple[float, ...] = ()) -> float:
     """The smallest k of ``CAPACITY_LADDER`` whose truncation adds at most ``TRUNCATION_COST`` to epsilon.
 
@@ -267,7 +267,7 @@ def capacity_sigmas(*, noise_multiplier: float, num_examples: int, batch_size: i
         allowed = spent(None) * (1 + TRUNCATION_COST)
 
         def passes(k: float) -> bool:
-            capacity = batch_capacity(num_examples, batch_size, sigmas=k)
+            capacity = batch_capacity(num_examples, batch_size, stds=k)
             return capacity > num_examples or spent(Truncation(num_examples, capacity)) <= allowed
 
         low, high = 0, len(CAPACITY_LADDER) - 1  # the answer is in [low, high]

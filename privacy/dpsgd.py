@@ -36,14 +36,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dpscale.distributed import put_replicated
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.clipping import ClippedSum, LossFn, make_clipped_sum_fn
+from dpscale.privacy.checks import check_ema_decay, check_noise_multiplier, check_positive
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn
 from dpscale.privacy.ema import ema_update
 from dpscale.privacy.noise import add_gaussian_noise, step_key
 from dpscale.privacy.streams import Stream, stream_key
 
 PyTree = Any
 DATA_AXIS = "data"
-ClippedSumFn = Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]
 
 
 @struct.dataclass
@@ -82,47 +82,43 @@ class DpsgdStep:
 
     Use ``init`` once, then per optimiser step either ``update(state, microbatches)``
     or, for custom loops, ``zero_sum`` / ``accumulate`` (per micro-batch) / ``apply``.
-    The noise of step t is drawn from ``Stream.NOISE`` of ``seed`` (which must come
-    from ``privacy.seeds.resolve_seed``) at t. ``noise_multiplier`` sigma is relative to
-    the clipped sum's sensitivity, ``expected_batch_size`` is the B the noisy sum is
-    divided by (the expected size under Poisson sampling), ``clip_norm`` is C of the default
-    ``vmap`` clipped sum, and ``ema_decay`` the EMA's decay after its warm-up.
+    ``clipped_sum_fn`` forms each micro-batch's clipped sum and states its sensitivity
+    (``privacy.clipping.ClippedSumFn``). The noise of step t is drawn from ``Stream.NOISE``
+    of ``seed`` (which must come from ``privacy.seeds.resolve_seed``) at t.
+    ``noise_multiplier`` sigma is relative to that sensitivity, ``expected_batch_size`` is
+    the B the noisy sum is divided by (the expected size under Poisson sampling), and
+    ``ema_decay`` the EMA's decay after its warm-up.
     """
 
     def __init__(
         self,
-        loss_fn: LossFn,
+        clipped_sum_fn: ClippedSumFn,
         *,
         noise_multiplier: float,
         expected_batch_size: float,
         seed: int,
-        clip_norm: float = 1.0,
-        ema_decay: float = 0.9999,
-        optimizer: optax.GradientTransformation | None = None,
-        learning_rate: float = 1.0,
+        optimizer: optax.GradientTransformation,
+        ema_decay: float,
         mesh: Mesh | None = None,
-        clipped_sum_fn: ClippedSumFn | None = None,
     ) -> None:
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise InvalidConfigError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-        if not expected_batch_size > 0:
-            raise InvalidConfigError(f"expected_batch_size must be positive, got {expected_batch_size}")
-        if not (clip_norm > 0 and math.isfinite(clip_norm)):
-            raise InvalidConfigError(f"clip_norm must be positive and finite, got {clip_norm}")
-        if not 0 <= ema_decay < 1:
-            raise InvalidConfigError(f"ema_decay must be in [0, 1), got {ema_decay}")
+        if not isinstance(clipped_sum_fn, ClippedSumFn):
+            raise TypeError(f"clipped_sum_fn must be a ClippedSumFn (a function with its stated sensitivity), "
+                            f"got {type(clipped_sum_fn).__name__}")
+        check_noise_multiplier(noise_multiplier, zero_allowed=True)
+        check_positive(expected_batch_size, "expected batch size")
+        check_ema_decay(ema_decay)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.ema_decay = float(ema_decay)
-        self.optimizer = optimizer if optimizer is not None else optax.sgd(learning_rate)
+        self.optimizer = optimizer
         self.mesh = mesh
         # Replicated like the state: with several processes every device holds the same key.
         self.noise_key = stream_key(seed, Stream.NOISE)
         self._noise_base_key = self.replicate(self.noise_key)
-        self._clipped_sum = clipped_sum_fn or make_clipped_sum_fn(loss_fn, clip_norm=clip_norm)
-        self._sensitivity = getattr(self._clipped_sum, "sensitivity", None)
-        if self._sensitivity is None:
-            raise InvalidConfigError("clipped_sum_fn must declare its `sensitivity` attribute")
+        self._clipped_sum = clipped_sum_fn
+        self._sensitivity = clipped_sum_fn.sensitivity
+        if self.noise_multiplier > 0 and not math.isfinite(self._sensitivity):
+            raise InvalidConfigError("noise cannot be calibrated to a sum of unbounded sensitivity")
         replicated = self._sharding(PartitionSpec())
         batch_sharded = self._sharding(PartitionSpec(DATA_AXIS))
         self._accumulate = jax.jit(

@@ -60,7 +60,8 @@ from flax import linen as nn
 from dpscale.errors import InvalidConfigError
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping
-from dpscale.privacy.clipping import ClippedSum, LossFn, clipped_sum_from_norms
+from dpscale.privacy.checks import check_clip_norm
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -318,15 +319,14 @@ def describe(choices: tuple[LayerChoice, ...]) -> str:
 def make_ghost_clipped_sum_fn(
     loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None,
     strategies: Mapping[Path, Strategy] | None = None,
-) -> Callable[[PyTree, PyTree, PyTree, jax.Array], ClippedSum]:
+) -> ClippedSumFn:
     """Drop-in for ``make_clipped_sum_fn`` on models book-keeping covers (else UnsupportedModelError).
 
     ``example = (params, model_state, batch)`` checks support now, as book-keeping does, and
-    sets ``.choices`` (how each layer call is clipped). ``strategies`` forces a layer's path
+    fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped). ``strategies`` forces a layer's path
     (``{("backbone", "conv_0"): "ghost"}``), for tests and benchmarks.
     """
-    if not clip_norm > 0:
-        raise InvalidConfigError(f"clip_norm must be positive, got {clip_norm}")
+    check_clip_norm(clip_norm)
 
     def plan(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
@@ -362,8 +362,5 @@ def make_ghost_clipped_sum_fn(
         return clipped_sum_from_norms(jnp.sqrt(squares), mask, clip_norm=clip_norm, weighted=weighted,
                                       losses=tape.losses)
 
-    clipped_sum.sensitivity = 1.0  # declared up front, as make_clipped_sum_fn does
-    clipped_sum.choices = ()
-    if example is not None:
-        clipped_sum.choices = plan(*example)[1]
-    return clipped_sum
+    choices = () if example is None else plan(*example)[1]
+    return ClippedSumFn(clipped_sum, sensitivity=1.0, layers=choices)

@@ -24,15 +24,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dpscale.privacy.clipping import ClippedSum, clip_weights
+from dpscale.privacy.checks import check_clip_norm
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, clip_weights
 
 PyTree = Any
 
 
-def softmax_regression_clipped_sum(*, clip_norm: float):
-    """``(params, model_state, batch, mask) -> ClippedSum`` for a linear softmax classifier."""
-    if not clip_norm > 0:
-        raise ValueError(f"clip_norm must be positive, got {clip_norm}")
+def softmax_regression_clipped_sum(*, clip_norm: float) -> ClippedSumFn:
+    """The clipped sum of a linear softmax classifier in closed form, sensitivity 1."""
+    check_clip_norm(clip_norm)
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
         del model_state
@@ -63,5 +63,4 @@ def softmax_regression_clipped_sum(*, clip_norm: float):
             sum_of_losses=jnp.sum(jnp.where(real & finite, losses, 0.0)),
         )
 
-    clipped_sum.sensitivity = 1.0
-    return clipped_sum
+    return ClippedSumFn(clipped_sum, sensitivity=1.0)

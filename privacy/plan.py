@@ -26,23 +26,56 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import dp_accounting
 import optax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (SAMPLING_SCHEMES, Accountant, EpsilonCurve, SamplingScheme, Truncation,
-                                        bounds_for, check_accountant, check_batch_size, check_delta,
-                                        check_mechanism, check_releases, check_steps, dp_event, make_accountant,
+from dpscale.privacy.accounting import (EpsilonCurve, Truncation, bounds_for, dp_event, make_accountant,
                                         quiet_rdp_warnings, RdpParts, rdp_epsilon)
-from dpscale.privacy.clipping import LossFn, make_unclipped_sum_fn
-from dpscale.privacy.dpsgd import ClippedSumFn, DpsgdStep
+from dpscale.privacy.checks import (Accountant, SamplingScheme, check_accountant, check_batch_size, check_delta,
+                                    check_mechanism, check_positive, check_positive_integer, check_releases,
+                                    check_sampling, check_steps)
+from dpscale.privacy.clipping import ClippedSumFn, LossFn, make_clipped_sum_fn, make_unclipped_sum_fn
+from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.sampling import Layout, PoissonSampler, ShuffledSampler, batch_capacity
 
 KNOBS = ("noise_multiplier", "steps", "batch_size")
-_POSITION = {"batch_size": 0, "steps": 1, "noise_multiplier": 2}  # in ``PrivacyPlan._solve``'s answer
+
+
+class Solution(NamedTuple):
+    """A calibrated setting: the three knobs and ``slope``, where the search for the solved one ended
+    (``privacy.calibration``'s answer, given back as a starting point to the next search)."""
+
+    batch_size: int
+    steps: int
+    noise_multiplier: float
+    slope: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MechanismParts:
+    """The classes a plan builds its sampler and DP step from.
+
+    The one seam to run a plan with other parts: a privacy audit proves it has teeth by building
+    a plan with a deliberately broken step or sampler (``audit.broken_steps``), visibly, where the
+    plan is made. A run directory never records a plan with other parts (``PrivacyPlan.to_json``).
+    """
+
+    step: type[DpsgdStep] = DpsgdStep
+    poisson_sampler: type[PoissonSampler] = PoissonSampler
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.step, type) and issubclass(self.step, DpsgdStep)):
+            raise TypeError(f"a plan's step must subclass DpsgdStep, got {self.step!r}")
+        if not (isinstance(self.poisson_sampler, type) and issubclass(self.poisson_sampler, PoissonSampler)):
+            raise TypeError(f"a plan's sampler must subclass PoissonSampler, got {self.poisson_sampler!r}")
+
+    @property
+    def standard(self) -> bool:
+        return self == MechanismParts()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,30 +92,21 @@ class PrivacyTarget:
             raise InvalidConfigError(f"epsilon must be positive (inf for non-private), got {self.epsilon}")
         check_delta(self.delta)
         check_accountant(self.accountant)
-        if self.sampling not in SAMPLING_SCHEMES:
-            raise InvalidConfigError(f"sampling must be one of {SAMPLING_SCHEMES}, got {self.sampling!r}")
+        check_sampling(self.sampling)
 
     @property
     def private(self) -> bool:
         return math.isfinite(self.epsilon)
 
 
-def _check_knob(name: str, value: float | None, *, integer: bool) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise InvalidConfigError(f"{name.replace('_', ' ')} must be positive, got {value}")
-    if integer and int(value) != value:
-        raise InvalidConfigError(f"{name.replace('_', ' ')} must be an integer, got {value}")
-
-
 def knob_to_solve(*, num_examples: int, batch_size: int | None, steps: int | None,
                   noise_multiplier: float | None) -> str:
     """Check a calibration request and name the one knob of ``KNOBS`` it leaves out."""
-    _check_knob("num_examples", num_examples, integer=True)
-    _check_knob("noise_multiplier", noise_multiplier, integer=False)
-    _check_knob("steps", steps, integer=True)
-    _check_knob("batch_size", batch_size, integer=True)
+    check_positive_integer(num_examples, "number of examples")
+    if noise_multiplier is not None:
+        check_positive(noise_multiplier, "noise multiplier")
+    if steps is not None:
+        check_positive_integer(steps, "steps")
     if batch_size is not None:
         check_batch_size(batch_size=batch_size, num_examples=num_examples)
     given = dict(noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size)
@@ -108,6 +132,8 @@ class PrivacyPlan:
     releases: tuple[float, ...] = ()  # noise multipliers of one-off releases (sensitivity 1, full data)
     # Most examples a step holds (Poisson batches are truncated to it); 0: the rule (``capacity``).
     batch_capacity: int = 0
+    # What the sampler and the step are built from; not part of what a run records.
+    parts: MechanismParts = dataclasses.field(default=MechanismParts(), repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "releases", tuple(float(r) for r in self.releases))  # a list from JSON
@@ -122,8 +148,7 @@ class PrivacyPlan:
         if self.noise_multiplier == 0:
             if self.releases:
                 raise InvalidConfigError("a non-private plan makes no DP releases")
-            if self.sampling not in SAMPLING_SCHEMES:
-                raise InvalidConfigError(f"sampling must be one of {SAMPLING_SCHEMES}, got {self.sampling!r}")
+            check_sampling(self.sampling)
         else:
             check_mechanism(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
                             steps=self.steps, sampling=self.sampling, releases=self.releases)
@@ -155,31 +180,33 @@ class PrivacyPlan:
                       releases=tuple(releases))
         n = int(num_examples)
         solved = cls._solve(solve, n, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
-                            sigmas=None, rtol=rtol, common=common)
+                            capacity_stds=None, rtol=rtol, common=common)
         capacity = 0
         if target.sampling == "poisson":
             # The truncation that costs at most ``TRUNCATION_COST`` at the untruncated answer, then the
             # answer again with that truncation accounted.
-            sigmas = calibration.capacity_sigmas(
-                noise_multiplier=solved[2], num_examples=n, batch_size=solved[0], steps=solved[1],
-                delta=target.delta, accountant=target.accountant, releases=tuple(releases))
+            stds = calibration.capacity_stds(
+                noise_multiplier=solved.noise_multiplier, num_examples=n, batch_size=solved.batch_size,
+                steps=solved.steps, delta=target.delta, accountant=target.accountant, releases=tuple(releases))
             solved = cls._solve(solve, n, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
-                                sigmas=sigmas, rtol=rtol, common=common, near=solved)
-            capacity = batch_capacity(n, solved[0], sigmas=sigmas)
-        return cls(num_examples=n, batch_size=solved[0], steps=solved[1], noise_multiplier=solved[2],
+                                capacity_stds=stds, rtol=rtol, common=common, near=solved)
+            capacity = batch_capacity(n, solved.batch_size, stds=stds)
+        return cls(num_examples=n, batch_size=solved.batch_size, steps=solved.steps,
+                   noise_multiplier=solved.noise_multiplier,
                    delta=target.delta, accountant=target.accountant, sampling=target.sampling,
                    releases=tuple(releases), batch_capacity=capacity)
 
     @staticmethod
     def _solve(solve: str, n: int, *, batch_size: int | None, steps: int | None, noise_multiplier: float | None,
-               sigmas: float | None, rtol: float, common: dict[str, Any],
-               near: tuple[int, int, float, float] | None = None) -> tuple[int, int, float, float]:
-        """(B, T, sigma, slope) with the missing one calibrated; batches truncated ``sigmas`` std above B
-        (None: not). ``near``: an earlier answer (without truncation), where the search starts."""
+               capacity_stds: float | None, rtol: float, common: dict[str, Any],
+               near: Solution | None = None) -> Solution:
+        """The setting with the ``solve`` knob calibrated; batches truncated ``capacity_stds`` standard
+        deviations of the batch size above B (None: not). ``near``: an earlier answer (without
+        truncation), where the search starts."""
         truncation = None
-        if sigmas is not None and batch_size is not None:
-            truncation = Truncation(n, batch_capacity(n, batch_size, sigmas=sigmas))
-        start = None if near is None else (near[_POSITION[solve]], near[3])
+        if capacity_stds is not None and batch_size is not None:
+            truncation = Truncation(n, batch_capacity(n, batch_size, stds=capacity_stds))
+        start = None if near is None else (getattr(near, solve), near.slope)
         if solve == "noise_multiplier":
             found = calibration.calibrate_noise_multiplier(sampling_rate=batch_size / n, steps=int(steps), rtol=rtol,
                                                            truncation=truncation, near=start, **common)
@@ -190,9 +217,11 @@ class PrivacyPlan:
             steps = found.value
         else:
             found = calibration.calibrate_batch_size(noise_multiplier=noise_multiplier, steps=int(steps),
-                                                     num_examples=n, capacity_sigmas=sigmas, near=start, **common)
+                                                     num_examples=n, capacity_stds=capacity_stds, near=start,
+                                                     **common)
             batch_size = found.value
-        return int(batch_size), int(steps), float(noise_multiplier), found.slope
+        return Solution(batch_size=int(batch_size), steps=int(steps), noise_multiplier=float(noise_multiplier),
+                        slope=found.slope)
 
     # -- what it guarantees ---------------------------------------------------------------
 
@@ -212,16 +241,16 @@ class PrivacyPlan:
     @functools.cached_property
     def capacity(self) -> int:
         """The most examples a step holds: ``batch_capacity``, or when that is 0 the rule: B plus the
-        ``calibration.capacity_sigmas`` standard deviations of the batch size whose truncation costs
+        ``calibration.capacity_stds`` standard deviations of the batch size whose truncation costs
         at most 0.1% of epsilon (4 for a non-private plan, which has no epsilon to spend)."""
         if self.batch_capacity:
             return self.batch_capacity
         if not self.private:
             return batch_capacity(self.num_examples, self.batch_size)
-        sigmas = calibration.capacity_sigmas(
+        stds = calibration.capacity_stds(
             noise_multiplier=self.noise_multiplier, num_examples=self.num_examples, batch_size=self.batch_size,
             steps=self.steps, delta=self.delta, accountant=self.accountant, releases=self.releases)
-        return batch_capacity(self.num_examples, self.batch_size, sigmas=sigmas)
+        return batch_capacity(self.num_examples, self.batch_size, stds=stds)
 
     @property
     def truncation(self) -> Truncation | None:
@@ -287,27 +316,39 @@ class PrivacyPlan:
         """The batch selection of this plan, in ``layout(microbatch_size, multiple=multiple)`` at every step
         (a shuffled sampler warns that it is not accounted exactly). A non-private plan samples the same way."""
         if self.sampling == "poisson":
-            return PoissonSampler(num_examples=self.num_examples, expected_batch_size=self.batch_size,
+            return self.parts.poisson_sampler(num_examples=self.num_examples, expected_batch_size=self.batch_size,
                                   capacity=self.capacity, microbatch_size=microbatch_size, seed=seed,
                                   multiple=multiple)
         return ShuffledSampler(num_examples=self.num_examples, batch_size=self.batch_size,
                                microbatch_size=microbatch_size, seed=seed, multiple=multiple)
 
-    def dp_step(self, loss_fn: LossFn, *, seed: int, clip_norm: float = 1.0,
-                clipped_sum_fn: ClippedSumFn | None = None, optimizer: optax.GradientTransformation | None = None,
-                learning_rate: float = 1.0, mesh: Any = None, ema_decay: float = 0.9999) -> DpsgdStep:
-        """The update of this plan: clipped sums of ``clipped_sum_fn`` (default: ``vmap`` per-example
-        gradients clipped to ``clip_norm``) plus noise sigma, divided by B; a non-private plan sums
-        plain gradients.
+    def dp_step(self, loss_fn: LossFn, *, seed: int, clip_norm: float, optimizer: optax.GradientTransformation,
+                ema_decay: float, clipped_sum_fn: ClippedSumFn | None = None, mesh: Any = None) -> DpsgdStep:
+        """The update of this plan (a ``parts.step``): clipped sums of ``clipped_sum_fn`` (default:
+        ``vmap`` per-example gradients clipped to ``clip_norm``) plus noise sigma, divided by B, then
+        ``optimizer`` and the EMA; a non-private plan sums plain gradients.
 
-        The class is looked up in this module when called: the one seam through which an audit's
-        own checks run a deliberately broken step (``audit.broken_steps.substituted_step``).
+        No defaults for the optimiser or the EMA: the recipe's live in ``training.config``.
         """
         if not self.private:
             clipped_sum_fn = make_unclipped_sum_fn(loss_fn)
-        return DpsgdStep(loss_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
-                         seed=seed, clip_norm=clip_norm, ema_decay=ema_decay, optimizer=optimizer,
-                         learning_rate=learning_rate, mesh=mesh, clipped_sum_fn=clipped_sum_fn)
+        elif clipped_sum_fn is None:
+            clipped_sum_fn = make_clipped_sum_fn(loss_fn, clip_norm=clip_norm)
+        return self.parts.step(clipped_sum_fn, noise_multiplier=self.noise_multiplier,
+                               expected_batch_size=self.batch_size, seed=seed, optimizer=optimizer,
+                               ema_decay=ema_decay, mesh=mesh)
+
+    def to_json(self) -> dict[str, Any]:
+        """What a run records of its plan (``PrivacyPlan(**to_json())`` rebuilds it).
+
+        A plan with other parts (an audit's broken step) is never recorded: a resumed or
+        evaluated run would silently get the standard parts back.
+        """
+        if not self.parts.standard:
+            raise InvalidConfigError("a plan with substituted parts (an audit's broken step or sampler) "
+                                     "cannot be recorded as a run")
+        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "parts"}
+        return payload | {"releases": list(self.releases)}
 
 
 # One curve per mechanism for the process: every plan of a sweep's repeats (and every ledger

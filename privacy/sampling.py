@@ -7,10 +7,10 @@ for exactly this (``TruncatedSubsampledGaussianDpEvent``), so nothing is charged
 
 Why truncate: a step's wall time must not depend on the private data. With plain Poisson
 sampling the number of micro-batches follows the realised batch size, and per-step time
-would tell it. Here every step has the same ``[num_microbatches, slot_size]`` shape whatever
+would tell it. Here every step has the same ``[num_microbatches, microbatch_size]`` shape whatever
 was drawn. The capacity is ``B + k sqrt(B (1 - q))`` (``batch_capacity``), k standard deviations
 of the Binomial batch size above B: the privacy plan picks the smallest k of a short ladder whose
-truncation costs at most 0.1% of epsilon (``privacy.calibration.capacity_sigmas``; docs/privacy.md
+truncation costs at most 0.1% of epsilon (``privacy.calibration.capacity_stds``; docs/privacy.md
 gives the numbers and the compute it costs). It does not depend on the micro-batch size, so
 ``dpscale epsilon`` needs no layout to give a run's exact epsilon.
 The capacity is spread over the fewest micro-batches of at most ``microbatch_size`` slots, in
@@ -36,16 +36,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.checks import check_positive, check_positive_integer, check_sampling_rate
 from dpscale.privacy.streams import Stream, stream_rng
 
 _log = logging.getLogger(__name__)
 PADDING_INDEX = -1
 #: Standard deviations of the Binomial batch size between B and the capacity, by default.
-CAPACITY_SIGMAS = 4.0
+CAPACITY_STDS = 4.0
 
 
-def batch_capacity(num_examples: int, expected_batch_size: float, *, sigmas: float = CAPACITY_SIGMAS) -> int:
-    """The most examples a step holds: ``B + sigmas std`` of Binomial(N, q), at most N + 1.
+def batch_capacity(num_examples: int, expected_batch_size: float, *, stds: float = CAPACITY_STDS) -> int:
+    """The most examples a step holds: B plus ``stds`` standard deviations of Binomial(N, q), at most N + 1.
 
     N + 1 holds every example of the larger neighbour (the accountant's data set): then
     nothing is ever truncated, e.g. at q = 1, where a capacity of N would always truncate it."""
@@ -53,20 +54,20 @@ def batch_capacity(num_examples: int, expected_batch_size: float, *, sigmas: flo
     rate = expected_batch_size / num_examples
     if rate >= 1:  # full batches: no spread, but the larger neighbour's N + 1 must fit
         return int(num_examples) + 1
-    spread = sigmas * math.sqrt(expected_batch_size * (1 - rate))
+    spread = stds * math.sqrt(expected_batch_size * (1 - rate))
     return min(int(num_examples) + 1, math.ceil(expected_batch_size + spread))
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How ``capacity`` slots are cut: ``num_microbatches`` micro-batches of ``slot_size`` slots.
+    """How ``capacity`` slots are cut: ``num_microbatches`` micro-batches of ``microbatch_size`` slots.
 
     The fewest micro-batches of at most ``microbatch_size`` slots that hold the capacity, each
     of equal size rounded up to a multiple of ``multiple`` (the number of devices).
     """
 
     num_microbatches: int
-    slot_size: int
+    microbatch_size: int
 
     @classmethod
     def of(cls, capacity: int, *, microbatch_size: int, multiple: int = 1) -> Layout:
@@ -75,16 +76,16 @@ class Layout:
                                      f"{capacity}, {microbatch_size}, {multiple}")
         count = math.ceil(capacity / microbatch_size)
         size = multiple * math.ceil(math.ceil(capacity / count) / multiple)
-        return cls(num_microbatches=count, slot_size=max(size, 1))
+        return cls(num_microbatches=count, microbatch_size=max(size, 1))
 
     @property
     def slots(self) -> int:
-        return self.num_microbatches * self.slot_size
+        return self.num_microbatches * self.microbatch_size
 
 
 @dataclasses.dataclass(frozen=True)
 class SampledBatch:
-    """One logical batch as ``[num_microbatches, slot_size]`` indices and mask."""
+    """One logical batch as ``[num_microbatches, microbatch_size]`` indices and mask."""
 
     indices: np.ndarray  # int64, PADDING_INDEX in padded slots
     mask: np.ndarray  # float32, 1 for a real example, 0 for padding
@@ -108,25 +109,21 @@ def pad_into(indices: np.ndarray, layout: Layout) -> SampledBatch:
     padded[:count] = indices
     mask = np.zeros(layout.slots, dtype=np.float32)
     mask[:count] = 1.0
-    shape = (layout.num_microbatches, layout.slot_size)
+    shape = (layout.num_microbatches, layout.microbatch_size)
     return SampledBatch(indices=padded.reshape(shape), mask=mask.reshape(shape))
 
 
 def pad_into_microbatches(indices: np.ndarray, microbatch_size: int) -> SampledBatch:
     """Cut ``indices`` into micro-batches of ``microbatch_size``, padding the last (at least one)."""
     count = max(1, math.ceil(len(indices) / microbatch_size))
-    return pad_into(indices, Layout(num_microbatches=count, slot_size=microbatch_size))
+    return pad_into(indices, Layout(num_microbatches=count, microbatch_size=microbatch_size))
 
 
 def _check_sizes(num_examples: int, batch_size: float, microbatch_size: int) -> None:
-    if num_examples <= 0:
-        raise InvalidConfigError(f"num_examples must be positive, got {num_examples}")
-    if not 0 < batch_size <= num_examples:
-        raise InvalidConfigError(
-            f"batch size must be in (0, num_examples={num_examples}], got {batch_size}"
-        )
-    if microbatch_size <= 0:
-        raise InvalidConfigError(f"microbatch_size must be positive, got {microbatch_size}")
+    check_positive_integer(num_examples, "number of examples")
+    check_positive(batch_size, "batch size")
+    check_sampling_rate(batch_size / num_examples)
+    check_positive_integer(microbatch_size, "micro-batch size")
 
 
 class PoissonSampler:
@@ -142,7 +139,7 @@ class PoissonSampler:
         if not 0 < self.capacity <= num_examples + 1:
             raise InvalidConfigError(f"batch capacity must be in (0, {num_examples + 1}], got {self.capacity}")
         self.layout = Layout.of(self.capacity, microbatch_size=microbatch_size, multiple=multiple)
-        self.microbatch_size = self.layout.slot_size
+        self.microbatch_size = self.layout.microbatch_size
         self._seed = seed
 
     #: The accountant's truncated-Poisson event describes this sampler exactly.
@@ -183,7 +180,7 @@ class ShuffledSampler:
         self.sampling_rate = batch_size / num_examples
         self.capacity = self.batch_size
         self.layout = Layout.of(self.batch_size, microbatch_size=microbatch_size, multiple=multiple)
-        self.microbatch_size = self.layout.slot_size
+        self.microbatch_size = self.layout.microbatch_size
         self.steps_per_epoch = num_examples // self.batch_size
         self._seed = seed
 

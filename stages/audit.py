@@ -30,7 +30,7 @@ from dpscale.audit.game import audit_setting, markdown_table, one_run, write_rep
 from dpscale.audit.sampler import SamplerAuditSetup, sampler_row
 from dpscale.audit.whitebox import PerExample, WhiteBoxSetup, white_box_row
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
+from dpscale.privacy.plan import MechanismParts, PrivacyPlan, PrivacyTarget
 from dpscale.privacy.seeds import resolve_seed
 from dpscale.privacy.streams import Stream, stream_rng
 from dpscale.progress import progress_bar
@@ -78,6 +78,9 @@ class AuditConfig:
     canary_norm: float = 10.0  # white-box: |canary gradient| / C
     per_example: PerExample = "vmap"  # white-box CNN: vmap, book-keeping or per-layer (ghost) norms
     devices: int = 1  # white-box: data-parallel devices of the audited step (> 1: the shard_map path)
+    # The step and sampler the audited plan builds: the real ones, or a deliberately broken one
+    # (audit.broken_steps) to prove the audit flags it. Not a flag of the command line.
+    parts: MechanismParts = MechanismParts()
 
     def __post_init__(self) -> None:
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
@@ -149,8 +152,10 @@ def run(config: AuditConfig) -> AuditResult:
     rows = []
     for epsilon in config.epsilons:
         sampled = config.num_examples + (config.threat_model == "sampler")  # the sampler's rows: D and a slot
-        plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, config.delta), num_examples=sampled,
-                                     batch_size=config.effective_batch_size, steps=config.effective_steps)
+        plan = dataclasses.replace(
+            PrivacyPlan.calibrate(PrivacyTarget(epsilon, config.delta), num_examples=sampled,
+                                  batch_size=config.effective_batch_size, steps=config.effective_steps),
+            parts=config.parts)
         nominal = plan.epsilon()
         if config.threat_model == "white-box":
             rows.append(_white_box(config, data, plan, nominal, seed))

@@ -12,7 +12,7 @@ import time
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import ACCOUNTANTS, Accountant, check_releases  # ACCOUNTANTS: --accountant's choices
+from dpscale.privacy.checks import ACCOUNTANTS, Accountant, check_releases  # ACCOUNTANTS: --accountant's choices
 from dpscale.privacy.plan import PlanReport, PrivacyPlan, PrivacyTarget, knob_to_solve
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.accounting import ACCOUNTANTS, Accountant, SamplingScheme  # ACCOUNTANTS: --accountant's choices
+from dpscale.privacy.checks import ACCOUNTANTS, Accountant, SamplingScheme  # ACCOUNTANTS: --accountant's choices
 from dpscale.privacy.plan import PlanReport, PrivacyPlan
 
 

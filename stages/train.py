@@ -19,7 +19,7 @@ from typing import Any
 
 from dpscale import files
 from dpscale.distributed import initialize as initialize_distributed
-from dpscale.privacy.accounting import ACCOUNTANTS, SAMPLING_SCHEMES
+from dpscale.privacy.checks import ACCOUNTANTS, SAMPLING_SCHEMES
 from dpscale.training import trainer
 from dpscale.training.config import FEATURE_NORMALIZATIONS, MODES, Mode, TrainingConfig, training_config
 from dpscale.training.model import detect_mode

@@ -169,10 +169,13 @@ def _code_lines(*, benchmarks: bool):
 
 
 @pytest.mark.parametrize("pattern, allowed, benchmarks", [
-    # The DP step and the samplers are built by the privacy plan only, benchmarks included; a
-    # deliberately broken step replaces the plan's class in one place (audit.broken_steps).
+    # The DP step and the samplers are built by the privacy plan only, benchmarks included, from
+    # its parts (a deliberately broken step is a plan with other parts: audit.broken_steps).
     (r"\b(DpsgdStep|PoissonSampler|ShuffledSampler)\(", {"privacy/plan.py"}, True),
-    (r"\.DpsgdStep\s*=[^=]|setattr\(.*[\"']DpsgdStep[\"']", {"audit/broken_steps.py"}, True),
+    (r"\bparts\.(step|poisson_sampler)\(", {"privacy/plan.py"}, True),
+    # Every clipped sum states its sensitivity when it is made (privacy.clipping.ClippedSumFn).
+    (r"\bClippedSumFn\(", {"privacy/clipping.py", "privacy/linear.py", "privacy/bookkeeping.py",
+                           "privacy/ghost.py", "audit/whitebox.py"}, True),
     # DP noise is drawn in one module, and random streams of the secret seed are derived in one.
     # (dedup's copy model draws pixel noise as one of its copy edits: augmentation of public
     # images for a contrastive model, never part of a DP step.)
@@ -186,8 +189,33 @@ def test_the_mechanism_is_assembled_in_one_place(pattern, allowed, benchmarks):
     assert found, f"{pattern} matches nothing: the check has gone stale"
 
 
+def test_no_module_attribute_is_reassigned():
+    """Nothing swaps a part of a dpscale module for the whole process (``plan.DpsgdStep = Broken``):
+    a broken step reaches an audit as a plan with other parts, visibly, where the plan is built."""
+    module_names = {name.rsplit(".", 1)[-1] for name in MODULES}
+    found = []
+    for path in _source_files():
+        tree = ast.parse(path.read_text())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("dpscale"))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dpscale"):
+                aliases.update(a.asname or a.name for a in node.names if a.name in module_names)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                        and target.value.id in aliases):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {target.value.id}.{target.attr}")
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in aliases):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} setattr({node.args[0].id}, ...)")
+    assert not found, f"module attributes reassigned: {found}"
+
+
 def test_no_signature_takes_a_step_class():
-    """A broken step reaches an audit through ``audit.broken_steps.substituted_step``, not a parameter."""
+    """A broken step reaches an audit as a plan with other parts (``audit.broken_steps.with_parts``)."""
     paths = [*_source_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]
     found = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path in paths
              for node in ast.walk(ast.parse(path.read_text()))

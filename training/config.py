@@ -17,7 +17,7 @@ import math
 from typing import Any, Literal
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.accounting import Accountant, SamplingScheme
+from dpscale.privacy.checks import Accountant, SamplingScheme, check_clip_norm, check_ema_decay, check_positive
 from dpscale.privacy.plan import PrivacyTarget
 
 Mode = Literal["images", "features"]
@@ -97,11 +97,11 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, f"mode must be 'images' or 'features', got {self.mode!r}")
-        _check(_finite_positive(self.clip_norm), f"clip norm must be positive and finite, got {self.clip_norm}")
-        _check(_finite_positive(self.learning_rate), f"learning rate must be positive and finite, got {self.learning_rate}")
+        check_clip_norm(self.clip_norm)
+        check_positive(self.learning_rate, "learning rate")
         _check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
         _check(0 <= self.weight_decay < math.inf, f"weight decay must be >= 0 and finite, got {self.weight_decay}")
-        _check(0 <= self.ema_decay < 1, f"EMA decay must be in [0, 1), got {self.ema_decay}")
+        check_ema_decay(self.ema_decay)
         for name in ("microbatch_size", "checkpoint_every", "devices"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and value >= 1),
@@ -121,7 +121,7 @@ class TrainingConfig:
         return self.target.private
 
     @property
-    def physical_batch(self) -> int:
+    def effective_microbatch_size(self) -> int:
         return self.microbatch_size or DEFAULT_MICROBATCH[self.mode]
 
     def to_json(self) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
 from dpscale.privacy.bookkeeping import UnsupportedModelError
 from dpscale.privacy.ghost import describe, make_ghost_clipped_sum_fn
-from dpscale.privacy.dpsgd import ClippedSumFn
+from dpscale.privacy.clipping import ClippedSumFn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
 from dpscale.training import feature_normalization, memory
@@ -203,7 +203,7 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         except UnsupportedModelError as error:
             _log.info("per-example gradients: vmap(grad) (%s)", error)
             return None
-        _log.info("per-example gradients: per-layer norms from one batched backward: %s", describe(fn.choices))
+        _log.info("per-example gradients: per-layer norms from one batched backward: %s", describe(fn.layers))
         return fn
 
     _check_memory(config, loss_fn, init_params, model_state, input_shape)
@@ -230,10 +230,10 @@ def _check_memory(config: TrainingConfig, loss_fn: Callable[..., jax.Array], ini
              "label": jax.ShapeDtypeStruct((settings.augmult,), jnp.int32)}
     on_cpu = jax.local_devices()[0].platform == "cpu"  # host devices share one RAM
     devices = config.devices or jax.device_count()
-    examples = config.physical_batch if on_cpu else max(1, config.physical_batch // devices)
+    examples = config.effective_microbatch_size if on_cpu else max(1, config.effective_microbatch_size // devices)
     found = memory.estimate(loss_fn, jax.eval_shape(lambda: init_params(0)), model_state, views,
                             examples=examples, momentum=bool(config.momentum))
-    memory.check_fits(found, model=settings.backbone or settings.model, microbatch_size=config.physical_batch,
+    memory.check_fits(found, model=settings.backbone or settings.model, microbatch_size=config.effective_microbatch_size,
                       devices=1 if on_cpu else devices)
 
 

@@ -108,7 +108,7 @@ class RunSpec:
         return cls(data=_absolute(data), training=training, plan=plan, inputs=dict(inputs))
 
     def to_json(self) -> dict[str, Any]:
-        return {"data": self.data, "training": self.training.to_json(), "plan": dataclasses.asdict(self.plan),
+        return {"data": self.data, "training": self.training.to_json(), "plan": self.plan.to_json(),
                 "inputs": self.inputs}
 
     @classmethod

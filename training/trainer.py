@@ -73,13 +73,13 @@ class Trainer:
         self.primary = distributed.is_primary()
         mesh = distributed.training_mesh(config.devices)
         count = mesh.devices.size
-        if config.physical_batch % count:
+        if config.effective_microbatch_size % count:
             processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
-            below, above = config.physical_batch // count * count, (config.physical_batch // count + 1) * count
+            below, above = config.effective_microbatch_size // count * count, (config.effective_microbatch_size // count + 1) * count
             raise InvalidConfigError(
-                f"--microbatch-size {config.physical_batch} must be divisible by the {count} devices{processes}: "
+                f"--microbatch-size {config.effective_microbatch_size} must be divisible by the {count} devices{processes}: "
                 f"give {f'{below} or ' if below else ''}{above} (or set --devices)")
-        self.sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch, multiple=count)
+        self.sampler = plan.sampler(seed=seed, microbatch_size=config.effective_microbatch_size, multiple=count)
         optimizer = optax.chain(
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
             optax.sgd(config.learning_rate, momentum=config.momentum or None),

@@ -39,6 +39,7 @@ from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.sampling import truncated_poisson_slots
 from dpscale.privacy.streams import ModelKeys, Stream, model_keys, stream_key
+from dpscale.training.config import TrainingConfig
 
 PyTree = Any
 Carry = Any
@@ -50,11 +51,11 @@ class TrainingSetup:
     """One DP-SGD configuration shared by every model: the plan (|D|, B, T, sigma) and the optimiser."""
 
     plan: PrivacyPlan
-    learning_rate: float = 1.0
-    clip_norm: float = 1.0
+    learning_rate: float = TrainingConfig.learning_rate
+    clip_norm: float = TrainingConfig.clip_norm
     model: ModelKind = "linear"
     hidden: int = 32
-    ema_decay: float = 0.9999
+    ema_decay: float = TrainingConfig.ema_decay
 
     def __post_init__(self) -> None:
         if self.model not in ("linear", "mlp"):
@@ -86,7 +87,7 @@ def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int) -> tuple[
 
     clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=setup.clip_norm) if setup.model == "linear" else None
     step = setup.plan.dp_step(loss, seed=seed, clip_norm=setup.clip_norm, clipped_sum_fn=clipped_sum_fn,
-                              learning_rate=setup.learning_rate, ema_decay=setup.ema_decay)
+                              optimizer=optax.sgd(setup.learning_rate), ema_decay=setup.ema_decay)
     return model, step
 
 

@@ -1,6 +1,6 @@
 """The white-box audit has teeth: it flags broken privatisers at nominal epsilon 2 and 4, never the real one.
 
-Broken steps run through the one seam for them (``audit.broken_steps.substituted_step``):
+Broken steps run as plans with other parts (``audit.broken_steps.with_parts``):
 half the noise, a sensitivity bug (noise for the mean gradient, then divided by B again),
 and noise added once per micro-batch with the per-step std split linearly over the
 micro-batches (total std sigma / sqrt(K)). One bug sits below the step, in the clipping
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpscale.audit.broken_steps import HalfNoise, NoiseOverBTwice, substituted_step
+from dpscale.audit.broken_steps import HalfNoise, NoiseOverBTwice, with_parts
 from dpscale.audit.whitebox import WhiteBoxSetup, white_box_row
 from dpscale.privacy import clipping
 from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
@@ -64,8 +64,9 @@ def tiny():
     return x, rng.integers(0, CLASSES, N).astype(np.int32)
 
 
-def _row(tiny, epsilon, seed=11, mesh=None):
+def _row(tiny, epsilon, seed=11, mesh=None, step=DpsgdStep):
     plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, DELTA), num_examples=N, batch_size=N, steps=STEPS)
+    plan = with_parts(plan, step=step)
     setup = WhiteBoxSetup(plan=plan, clip_norm=2.0, learning_rate=0.5, microbatches=MICRO)
     return white_box_row(*tiny, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(), delta=DELTA,
                          num_models=MODELS, confidence=CONFIDENCE, holdout_fraction=0.5, seed=seed,
@@ -85,8 +86,7 @@ def test_correct_code_is_not_flagged_and_the_bound_is_tight(tiny, epsilon):
 @pytest.mark.parametrize("bug", [*STEP_BUGS, "canary-path-unclipped"])
 def test_bug_is_flagged(tiny, epsilon, bug, monkeypatch):
     if bug in STEP_BUGS:
-        with substituted_step(STEP_BUGS[bug]):
-            row = _row(tiny, epsilon)
+        row = _row(tiny, epsilon, step=STEP_BUGS[bug])
     else:
         _unclip_the_canary_path(monkeypatch)
         row = _row(tiny, epsilon)
@@ -97,8 +97,7 @@ def test_bug_is_flagged(tiny, epsilon, bug, monkeypatch):
 @pytest.mark.parametrize("bug", ["none", "half-noise"])
 def test_four_device_step_has_teeth(tiny, bug):
     """The sharded step (micro-batches split over 4 devices, clipped sums psum'd, noise added once)."""
-    with substituted_step(HalfNoise if bug == "half-noise" else DpsgdStep):
-        row = _row(tiny, 4.0, mesh=data_mesh(jax.devices()[:4]))
+    row = _row(tiny, 4.0, mesh=data_mesh(jax.devices()[:4]), step=HalfNoise if bug == "half-noise" else DpsgdStep)
     assert row["devices"] == 4
     assert row["violation"] == (bug == "half-noise"), row
     if bug == "none":
@@ -112,12 +111,12 @@ def test_cnn_step_with_per_layer_ghost_norms_has_teeth(bug):
     images = rng.normal(size=(N, 8, 8, 1)).astype(np.float32)
     labels = rng.integers(0, CLASSES, N).astype(np.int32)
     plan = PrivacyPlan.calibrate(PrivacyTarget(4.0, DELTA), num_examples=N, batch_size=N, steps=3)
-    setup = WhiteBoxSetup(plan=plan, model="cnn", clip_norm=2.0, learning_rate=0.5, microbatches=MICRO,
-                          channels=(4,), num_groups=2, per_example="ghost")
-    with substituted_step(HalfNoise if bug == "half-noise" else DpsgdStep):
-        row = white_box_row(images.reshape(N, -1), labels, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(),
-                            delta=DELTA, num_models=2_000, confidence=CONFIDENCE, holdout_fraction=0.5, seed=11,
-                            chunk_size=2_000, image_shape=(8, 8, 1))
+    setup = WhiteBoxSetup(plan=with_parts(plan, step=HalfNoise if bug == "half-noise" else DpsgdStep), model="cnn",
+                          clip_norm=2.0, learning_rate=0.5, microbatches=MICRO, channels=(4,), num_groups=2,
+                          per_example="ghost")
+    row = white_box_row(images.reshape(N, -1), labels, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(),
+                        delta=DELTA, num_models=2_000, confidence=CONFIDENCE, holdout_fraction=0.5, seed=11,
+                        chunk_size=2_000, image_shape=(8, 8, 1))
     assert row["violation"] == (bug == "half-noise"), row
     if bug == "none":
         assert 0.5 * row["nominal_epsilon"] <= row["gdp_epsilon_lower_bound"] <= row["nominal_epsilon"]

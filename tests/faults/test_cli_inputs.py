@@ -156,7 +156,7 @@ def test_delta_has_one_default_everywhere():
 
 
 def test_a_choice_flag_offers_the_list_its_setting_is_checked_against():
-    from dpscale.privacy.accounting import ACCOUNTANTS, SAMPLING_SCHEMES
+    from dpscale.privacy.checks import ACCOUNTANTS, SAMPLING_SCHEMES
     from dpscale.training.config import FEATURE_NORMALIZATIONS, MODES
 
     def choices(command, name):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.accounting import (EpsilonCurve, bounds_for, check_batch_size, check_mechanism, dp_event,
-                                        epsilon)
+from dpscale.privacy.accounting import EpsilonCurve, bounds_for, dp_event, epsilon
+from dpscale.privacy.checks import check_batch_size, check_mechanism
 from dpscale.privacy.plan import PrivacyPlan, composed_epsilon
 from dpscale.privacy.pld import MIN_DELTA
 

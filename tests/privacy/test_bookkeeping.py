@@ -14,7 +14,7 @@ from dpscale.models.layers import GroupNorm, ScaledWSConv, WSConv
 from dpscale.models.registry import get_model
 from dpscale.privacy.bookkeeping import (UnsupportedModelError, make_bookkeeping_clipped_sum_fn,
                                          per_example_gradients_bk)
-from dpscale.privacy.clipping import clipped_sum_from_gradients, per_example_gradients
+from dpscale.privacy.clipping import clipped_sum_from_gradients, make_clipped_sum_fn, per_example_gradients
 from dpscale.privacy.dpsgd import DpsgdStep
 
 
@@ -143,10 +143,10 @@ def test_dpsgd_update_equals_default_path():
     params = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 12, 12, 1)))["params"]
     loss_fn = _loss_for(model)
     batch, mask = _batch(3, 4, 2, (12, 12, 1), classes=3), jnp.array([1.0, 1.0, 1.0, 0.0])
-    config = dict(noise_multiplier=0.7, expected_batch_size=4.0, clip_norm=0.05)
     results = []
-    for clipped in (None, make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=0.05)):
-        step = DpsgdStep(loss_fn, **config, seed=11, learning_rate=0.5, clipped_sum_fn=clipped)
+    config = dict(noise_multiplier=0.7, expected_batch_size=4.0)
+    for clipped in (make_clipped_sum_fn(loss_fn, clip_norm=0.05), make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=0.05)):
+        step = DpsgdStep(clipped, **config, seed=11, optimizer=optax.sgd(0.5), ema_decay=0.9999)
         results.append(step.update(step.init(params), [(batch, mask)]))
     (ref_state, ref_metrics), (state, metrics) = results
     _assert_trees_close(state.params, ref_state.params)

@@ -5,8 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
 from dpscale.privacy.clipping import (clipped_sum_from_gradients, make_clipped_sum_fn, per_example_gradients,
                                       per_example_norms)
+from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
+from dpscale.privacy.linear import softmax_regression_clipped_sum
 
 
 def test_clipped_sum_matches_explicit_per_example_loop(toy):
@@ -85,6 +89,13 @@ def test_norms_are_global_across_leaves():
     np.testing.assert_allclose(np.asarray(per_example_norms(grads)), [5.0, 2.0])
 
 
-def test_rejects_nonpositive_clip_norm():
-    with pytest.raises(ValueError):
-        clipped_sum_from_gradients({"a": jnp.ones((1, 2))}, jnp.ones(1), clip_norm=0.0)
+@pytest.mark.parametrize("clip_norm", [0.0, -1.0, float("inf"), float("nan")])
+def test_every_clipped_sum_rejects_a_clip_norm_that_is_not_positive_and_finite(clip_norm):
+    loss_fn = lambda params, model_state, views: jnp.sum(params["w"])  # noqa: E731
+    builders = [lambda c: make_clipped_sum_fn(loss_fn, clip_norm=c),
+                lambda c: make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=c),
+                lambda c: make_ghost_clipped_sum_fn(loss_fn, clip_norm=c),
+                lambda c: softmax_regression_clipped_sum(clip_norm=c)]
+    for build in builders:
+        with pytest.raises(InvalidConfigError, match="clip norm must be positive and finite"):
+            build(clip_norm)

@@ -7,8 +7,15 @@ import optax
 import pytest
 
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.clipping import make_clipped_sum_fn, make_unclipped_sum_fn
 from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
 from dpscale.privacy.ema import ema_decay
+
+
+def _step(loss_fn, *, clip_norm=1.0, optimizer=None, ema_decay=0.9999, **kwargs):
+    """A step over ``vmap`` clipped sums, plain SGD at learning rate 1 unless ``optimizer`` is given."""
+    return DpsgdStep(make_clipped_sum_fn(loss_fn, clip_norm=clip_norm), optimizer=optimizer or optax.sgd(1.0),
+                     ema_decay=ema_decay, **kwargs)
 
 
 def _accumulated_sum(step, state, batch, microbatch_size):
@@ -30,7 +37,7 @@ def test_noise_free_update_moves_at_most_one_over_b_per_example(toy, seed):
     """Add-or-remove-one sensitivity of the normalised update is 1/B, with augmult and accumulation."""
     rng = np.random.default_rng(seed)
     n, views, micro, b = int(rng.integers(4, 13)), 3, 4, 16.0
-    step = DpsgdStep(
+    step = _step(
         toy.loss_fn,
         noise_multiplier=0.0, expected_batch_size=b, clip_norm=float(rng.uniform(0.05, 2)), seed=seed,
     )
@@ -43,7 +50,7 @@ def test_noise_free_update_moves_at_most_one_over_b_per_example(toy, seed):
 
 
 def test_sensitivity_bound_is_attained_by_a_large_gradient(toy):
-    step = DpsgdStep(toy.loss_fn, noise_multiplier=0.0, expected_batch_size=8, seed=0)
+    step = _step(toy.loss_fn, noise_multiplier=0.0, expected_batch_size=8, seed=0)
     state = step.init(toy.init_params(1))
     data = toy.make_batch(2, 5, views=3, scale=100.0)
     g_with = toy.flat(step.privatized_gradient(_accumulated_sum(step, state, data, 2), 0))
@@ -53,7 +60,7 @@ def test_sensitivity_bound_is_attained_by_a_large_gradient(toy):
 
 def test_accumulation_equals_one_big_batch(toy):
     config = dict(noise_multiplier=0.0, expected_batch_size=24)
-    step = DpsgdStep(toy.loss_fn, **config, seed=0, optimizer=optax.sgd(0.5, momentum=0.9))
+    step = _step(toy.loss_fn, **config, seed=0, optimizer=optax.sgd(0.5, momentum=0.9))
     params = toy.init_params(11)
     data = toy.make_batch(12, 24, views=2, scale=4.0)
     results = []
@@ -70,7 +77,7 @@ def test_accumulation_equals_one_big_batch(toy):
 
 def _noise_samples(toy, *, sigma, b, microbatches, steps, seed=0):
     """The noise part of the privatised gradient for several steps (clipped sum removed)."""
-    step = DpsgdStep(toy.loss_fn, noise_multiplier=sigma, expected_batch_size=b, seed=seed)
+    step = _step(toy.loss_fn, noise_multiplier=sigma, expected_batch_size=b, seed=seed)
     big = {"w1": jnp.zeros((200, 100)), "b1": jnp.zeros(100), "w2": jnp.zeros((100, 3)), "b2": jnp.zeros(3)}
     state = step.init(big)
     total = step.zero_sum(state)
@@ -109,7 +116,7 @@ def test_update_is_the_same_on_one_and_four_devices(toy):
     config = dict(noise_multiplier=0.8, expected_batch_size=16)
     results = []
     for devices in (jax.devices()[:1], jax.devices()[:4]):
-        step = DpsgdStep(toy.loss_fn, **config, seed=123, mesh=data_mesh(devices))
+        step = _step(toy.loss_fn, **config, seed=123, mesh=data_mesh(devices))
         state = step.init(params)
         for _ in range(2):
             pieces = toy.split(data, [8, 8])
@@ -126,7 +133,7 @@ def test_update_is_the_same_on_one_and_four_devices(toy):
 
 
 def test_microbatch_must_divide_over_devices(toy):
-    step = DpsgdStep(
+    step = _step(
         toy.loss_fn, noise_multiplier=1.0, expected_batch_size=4, seed=0,
         mesh=data_mesh(jax.devices()[:4]),
     )
@@ -137,7 +144,7 @@ def test_microbatch_must_divide_over_devices(toy):
 
 def test_ema_follows_warmup_and_ignores_microsteps(toy):
     decay = 0.9
-    step = DpsgdStep(
+    step = _step(
         toy.loss_fn, noise_multiplier=0.5, expected_batch_size=8, ema_decay=decay, seed=3
     )
     state = step.init(toy.init_params(4))
@@ -155,11 +162,23 @@ def test_ema_follows_warmup_and_ignores_microsteps(toy):
 
 def test_step_rejects_bad_values(toy):
     with pytest.raises(InvalidConfigError):
-        DpsgdStep(toy.loss_fn, noise_multiplier=-1.0, expected_batch_size=8, seed=0)
+        _step(toy.loss_fn, noise_multiplier=-1.0, expected_batch_size=8, seed=0)
     with pytest.raises(InvalidConfigError):
-        DpsgdStep(toy.loss_fn, noise_multiplier=1.0, expected_batch_size=0, seed=0)
+        _step(toy.loss_fn, noise_multiplier=1.0, expected_batch_size=0, seed=0)
     with pytest.raises(InvalidConfigError):
-        DpsgdStep(toy.loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=float("inf"), seed=0)
+        _step(toy.loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=float("inf"), seed=0)
+    with pytest.raises(InvalidConfigError, match="EMA decay"):
+        _step(toy.loss_fn, noise_multiplier=1.0, expected_batch_size=8, ema_decay=1.0, seed=0)
+
+
+def test_step_takes_only_a_clipped_sum_with_a_stated_sensitivity(toy):
+    plain = make_clipped_sum_fn(toy.loss_fn, clip_norm=1.0).fn  # the function without its bound
+    with pytest.raises(TypeError, match="ClippedSumFn"):
+        DpsgdStep(plain, noise_multiplier=1.0, expected_batch_size=8, seed=0, optimizer=optax.sgd(1.0),
+                  ema_decay=0.9)
+    with pytest.raises(InvalidConfigError, match="unbounded sensitivity"):
+        DpsgdStep(make_unclipped_sum_fn(toy.loss_fn), noise_multiplier=1.0, expected_batch_size=8, seed=0,
+                  optimizer=optax.sgd(1.0), ema_decay=0.9)
 
 
 def test_sharded_clipped_sum_of_a_conv_model_moves_no_per_example_tensors():
@@ -185,7 +204,7 @@ def test_sharded_clipped_sum_of_a_conv_model_moves_no_per_example_tensors():
     mask = jnp.ones(8).at[7].set(0.0)
     sums = []
     for devices in (jax.devices()[:1], jax.devices()[:4]):
-        step = DpsgdStep(loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=0.1, seed=0,
+        step = _step(loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=0.1, seed=0,
                          mesh=data_mesh(devices))
         state = step.init(params)
         total = step.zero_sum(state)

@@ -114,9 +114,9 @@ def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views):
     clip = _median_clip(grads, size)
     ref, _ = _reference(loss_fn, params, batch, mask, clip)
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch))
-    assert {c.strategy for c in fn.choices} >= {"book-keeping"}
-    step = DpsgdStep(loss_fn, noise_multiplier=1.0, expected_batch_size=size, seed=0, clipped_sum_fn=fn,
-                     mesh=data_mesh(jax.devices()[:4]))
+    assert {c.strategy for c in fn.layers} >= {"book-keeping"}
+    step = DpsgdStep(fn, noise_multiplier=1.0, expected_batch_size=size, seed=0, optimizer=optax.sgd(1.0),
+                     ema_decay=0.9999, mesh=data_mesh(jax.devices()[:4]))
     state = step.init(params)
     out = step.accumulate(state, step.zero_sum(state), batch, mask)  # shard_map: 2 examples per device
     assert int(out.num_nonfinite) == 1 and 0 < int(out.num_clipped) < size - 2
@@ -154,7 +154,7 @@ def test_each_path_equals_vmap_on_every_layer_kind(strategy, views):
     ref, _ = _reference(loss_fn, params, batch, mask, clip)
     forced = {(name,): strategy for name in ("a", "b", "c", "d", "fc")}
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch), strategies=forced)
-    assert {c.path: c.strategy for c in fn.choices} == {**forced, ("n",): "book-keeping",
+    assert {c.path: c.strategy for c in fn.layers} == {**forced, ("n",): "book-keeping",
                                                         ("shared",): "book-keeping"}
     out = jax.jit(fn)(params, {}, batch, mask)
     assert fn.sensitivity == out.sensitivity == 1.0

@@ -51,9 +51,9 @@ def test_every_batch_has_the_same_shape_whatever_its_size():
         sizes.add(batch.size)
         assert batch.mask.shape == batch.indices.shape
         assert np.all((batch.indices == PADDING_INDEX) == (batch.mask == 0))
-    assert len(sizes) > 10 and shapes == {(sampler.layout.num_microbatches, sampler.layout.slot_size)}
+    assert len(sizes) > 10 and shapes == {(sampler.layout.num_microbatches, sampler.layout.microbatch_size)}
     assert sampler.layout.slots >= sampler.capacity == batch_capacity(500, 37)
-    assert sampler.layout.slot_size <= 8
+    assert sampler.layout.microbatch_size <= 8
 
 
 def test_batches_beyond_the_capacity_keep_a_uniform_subset_of_it():
@@ -72,10 +72,10 @@ def test_batches_beyond_the_capacity_keep_a_uniform_subset_of_it():
 
 
 def test_layout_spreads_the_capacity_over_the_fewest_equal_microbatches():
-    assert Layout.of(10_358, microbatch_size=5_000) == Layout(num_microbatches=3, slot_size=3_453)
-    assert Layout.of(10, microbatch_size=16) == Layout(num_microbatches=1, slot_size=10)
+    assert Layout.of(10_358, microbatch_size=5_000) == Layout(num_microbatches=3, microbatch_size=3_453)
+    assert Layout.of(10, microbatch_size=16) == Layout(num_microbatches=1, microbatch_size=10)
     four = Layout.of(10, microbatch_size=8, multiple=4)
-    assert four.slot_size % 4 == 0 and four.slots >= 10 and four.slot_size <= 8
+    assert four.microbatch_size % 4 == 0 and four.slots >= 10 and four.microbatch_size <= 8
     with pytest.raises(InvalidConfigError):
         Layout.of(0, microbatch_size=4)
 
@@ -137,5 +137,5 @@ def test_rejects_impossible_sizes(kwargs):
 def test_capacity_is_k_standard_deviations_above_the_batch_size():
     assert batch_capacity(100, 100) == 101  # N + 1: a full batch of the larger neighbour is never truncated
     assert batch_capacity(50_000, 10_000) == 10_000 + int(np.ceil(4 * np.sqrt(10_000 * 0.8)))
-    assert batch_capacity(10_000, 100, sigmas=8) == 100 + int(np.ceil(8 * np.sqrt(99)))
-    assert batch_capacity(10, 9, sigmas=10) == 11  # never above N + 1
+    assert batch_capacity(10_000, 100, stds=8) == 100 + int(np.ceil(8 * np.sqrt(99)))
+    assert batch_capacity(10, 9, stds=10) == 11  # never above N + 1

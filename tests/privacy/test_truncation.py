@@ -74,11 +74,11 @@ def test_truncated_rdp_lies_between_the_poisson_step_and_the_half_noise_step():
                                              sampling_rate=0.1, truncation=truncation), parts.step)
 
 
-@pytest.mark.parametrize("sigmas", [6, 7])
-def test_rdp_epsilon_is_the_smaller_of_the_mixture_and_the_delta_charge(sigmas):
+@pytest.mark.parametrize("stds", [6, 7])
+def test_rdp_epsilon_is_the_smaller_of_the_mixture_and_the_delta_charge(stds):
     """A truncated run's RDP bound: its own per-order RDP, or the untruncated RDP at delta - T p."""
     n, b, steps, delta = 50_000, 500, 100, 1e-5
-    truncation = Truncation(n, batch_capacity(n, b, sigmas=sigmas))
+    truncation = Truncation(n, batch_capacity(n, b, stds=stds))
     parts = RdpParts.of(noise_multiplier=1.0, sampling_rate=b / n, truncation=truncation)
     assert 0 < steps * parts.charge < delta
     mixture = dp_accounting.rdp.compute_epsilon(parts.orders, steps * parts.step, delta)[0]
@@ -89,17 +89,17 @@ def test_rdp_epsilon_is_the_smaller_of_the_mixture_and_the_delta_charge(sigmas):
     assert bound == min(mixture, charged) and bound >= untruncated
 
 
-def test_capacity_sigmas_picks_the_cheapest_rung_within_the_allowed_cost():
+def test_capacity_stds_picks_the_cheapest_rung_within_the_allowed_cost():
     common = dict(num_examples=50_000, batch_size=500, steps=1000, delta=1e-5)
-    k = calibration.capacity_sigmas(noise_multiplier=1.0, **common)
+    k = calibration.capacity_stds(noise_multiplier=1.0, **common)
     assert k in calibration.CAPACITY_LADDER
     untruncated = _eps(1.0, 0.01, 1000)
-    chosen = _eps(1.0, 0.01, 1000, truncation=Truncation(50_000, batch_capacity(50_000, 500, sigmas=k)))
+    chosen = _eps(1.0, 0.01, 1000, truncation=Truncation(50_000, batch_capacity(50_000, 500, stds=k)))
     assert chosen <= untruncated * (1 + 2 * calibration.TRUNCATION_COST)
     lower = calibration.CAPACITY_LADDER.index(k) - 1
     if lower >= 0:  # the rung below costs more than allowed
         cheaper = _eps(1.0, 0.01, 1000,
-                       truncation=Truncation(50_000, batch_capacity(50_000, 500, sigmas=calibration.CAPACITY_LADDER[lower])))
+                       truncation=Truncation(50_000, batch_capacity(50_000, 500, stds=calibration.CAPACITY_LADDER[lower])))
         assert cheaper > untruncated * (1 + calibration.TRUNCATION_COST / 2)
 
 
@@ -118,9 +118,9 @@ def test_a_calibrated_plan_meets_the_target_with_its_truncation_and_records_its_
 
 def test_a_plan_without_a_recorded_capacity_uses_the_rule_and_resolves_to_it():
     plan = PrivacyPlan(num_examples=50_000, batch_size=500, steps=1000, noise_multiplier=1.0, delta=1e-5)
-    k = calibration.capacity_sigmas(noise_multiplier=1.0, num_examples=50_000, batch_size=500, steps=1000,
+    k = calibration.capacity_stds(noise_multiplier=1.0, num_examples=50_000, batch_size=500, steps=1000,
                                     delta=1e-5)
-    assert plan.capacity == batch_capacity(50_000, 500, sigmas=k)
+    assert plan.capacity == batch_capacity(50_000, 500, stds=k)
     resolved = plan.resolved()
     assert resolved.batch_capacity == plan.capacity and resolved.epsilon() == plan.epsilon()
     smaller = PrivacyPlan(num_examples=50_000, batch_size=500, steps=1000, noise_multiplier=1.0, delta=1e-5,

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 from sklearn.datasets import load_digits
 
-from dpscale.audit.broken_steps import NoiseOverBTwice, substituted_step
+from dpscale.audit.broken_steps import NoiseOverBTwice, with_parts
 from dpscale.audit.canaries import build_data
 from dpscale.audit.game import audit_setting
 from dpscale.cli import cli
@@ -40,8 +40,7 @@ def _row(data, plan):
 
 
 def test_broken_privatizer_is_caught(digits_data, nominal):
-    with substituted_step(NoiseOverBTwice):
-        row = _row(digits_data, nominal)
+    row = _row(digits_data, with_parts(nominal, step=NoiseOverBTwice))
     assert row["epsilon_lower_bound"] > row["nominal_epsilon"]
     assert row["violation"] is True
     assert row["advantage"] > row["advantage_bound"]

@@ -41,3 +41,39 @@ def test_a_config_json_written_before_holdout_applied_to_both_modes_is_read():
 def test_a_bad_holdout_is_refused(holdout):
     with pytest.raises(InvalidConfigError, match="holdout must be in"):
         TrainingConfig(holdout=holdout)
+
+
+def test_every_default_of_a_training_setting_is_the_training_configs():
+    """One home for the recipe's defaults: the command line's flags and the library's setups read the
+    same values as ``TrainingConfig``; the DP step itself takes its optimiser and EMA decay from its caller."""
+    import inspect
+
+    import click
+
+    from dpscale.audit.sampler import SamplerAuditSetup
+    from dpscale.audit.whitebox import WhiteBoxSetup
+    from dpscale.cli import cli
+    from dpscale.privacy.dpsgd import DpsgdStep
+    from dpscale.privacy.plan import PrivacyPlan
+    from dpscale.training.vmapped import TrainingSetup
+
+    defaults = options_of(TrainingConfig())
+    compared = 0
+    for command in ("train", "sweep"):
+        context = click.Context(cli.commands[command])
+        for param in cli.commands[command].params:
+            default = param.get_default(context, call=False)
+            if param.name in defaults and default is not None:
+                assert default == defaults[param.name], f"{command} --{param.name}"
+                compared += 1
+    assert compared >= 20
+    for setup in (TrainingSetup, WhiteBoxSetup, SamplerAuditSetup):
+        fields = {f.name: f.default for f in dataclasses.fields(setup)}
+        for name in ("learning_rate", "clip_norm", "ema_decay"):
+            if name in fields:
+                assert fields[name] == defaults[name], f"{setup.__name__}.{name}"
+    for function in (DpsgdStep.__init__, PrivacyPlan.dp_step):
+        parameters = inspect.signature(function).parameters
+        for name in ("optimizer", "ema_decay", "learning_rate", "clip_norm"):
+            if name in parameters:
+                assert parameters[name].default is inspect.Parameter.empty, f"{function.__qualname__}({name}=...)"

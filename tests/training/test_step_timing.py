@@ -40,8 +40,8 @@ def _setup():
         logits = model.apply({"params": params}, batch["features"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
-    step = plan.dp_step(loss_fn, seed=0, clipped_sum_fn=softmax_regression_clipped_sum(clip_norm=1.0),
-                        learning_rate=0.1)
+    step = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, clipped_sum_fn=softmax_regression_clipped_sum(clip_norm=1.0),
+                        optimizer=optax.sgd(0.1), ema_decay=0.999)
     params = model.init(jax.random.key(0), features[:1])["params"]
     return plan, step, step.init(params), FeatureFeed(features, labels)
 
