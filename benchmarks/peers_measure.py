@@ -73,4 +73,6 @@ def parse_runner_args(frameworks: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="torch runners: where the step runs (auto: CUDA when present)")
     return parser.parse_args()

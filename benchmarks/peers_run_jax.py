@@ -166,7 +166,8 @@ def main() -> None:
     loss_fn, params, batches, linear = _problem(args.workload, args.physical, micro)
     build = _jax_privacy_step if args.framework == "jax-privacy" else _dpscale_step
     step = build(args, loss_fn, params, batches, linear)
-    extra = {"jax": jax.__version__, "devices": jax.device_count()}
+    extra = {"jax": jax.__version__, "devices": jax.device_count(), "platform": jax.devices()[0].platform,
+             "device_kind": jax.devices()[0].device_kind}
     if args.framework == "jax-privacy":
         import jax_privacy
 

@@ -12,6 +12,9 @@ the WS convolutions), accumulating micro-batches with ``signal_skip_step`` and a
 noise once per logical batch. ``opacus-plainconv`` is the same with plain convolutions
 (not dpscale's architecture: it isolates the cost of the functorch fallback). ``opacus-ghost`` uses Opacus's ghost clipping (norms without
 per-sample gradients, then a second, weighted backward): its best mode for linear layers.
+
+On a machine with CUDA the step runs on the GPU (``--device auto``, the default) and every
+timed call ends with ``torch.cuda.synchronize()``, so the wall time is the GPU's work.
 """
 
 from __future__ import annotations
@@ -28,15 +31,19 @@ def main() -> None:
     from benchmarks.peers_torch import build, without_weight_standardisation
 
     torch.manual_seed(0)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, shape = build(args.workload)
     if args.framework == "opacus-plainconv":
         model = without_weight_standardisation(model)
+    model = model.to(device)
     micro = args.logical // args.physical
-    batches = [(torch.randn(args.physical, *shape), torch.randint(0, 10, (args.physical,)))
-               for _ in range(micro)]
+    batches = [(torch.randn(args.physical, *shape, device=device),
+                torch.randint(0, 10, (args.physical,), device=device)) for _ in range(micro)]
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     criterion = nn.CrossEntropyLoss()
-    extra = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    extra = {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
+    if device == "cuda":
+        extra["gpu"] = torch.cuda.get_device_name()
 
     if args.framework == "torch":
         def step() -> None:
@@ -81,8 +88,18 @@ def main() -> None:
             dp.step()
             dp.zero_grad(set_to_none=True)
 
-    emit(measure(step, examples=args.logical, warmup=args.warmup, repeats=args.repeats,
-                 rss_base_mb=base, extra=extra))
+    if device == "cuda":
+        unsynchronised = step
+
+        def step() -> None:  # the GPU's work, not only its launch
+            unsynchronised()
+            torch.cuda.synchronize()
+
+    result = measure(step, examples=args.logical, warmup=args.warmup, repeats=args.repeats,
+                     rss_base_mb=base, extra=extra)
+    if device == "cuda":
+        result["peak_gpu_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    emit(result)
 
 
 if __name__ == "__main__":
