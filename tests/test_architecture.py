@@ -24,7 +24,8 @@ LAYERS = [
     {"training"},
     {"audit", "pipelines"},
     {"stages"},
-    {"cli_options"},
+    {"cli_options", "cli_output"},
+    {"cli_prepare"},
     {"cli"},
     {"__main__"},
 ]
@@ -132,7 +133,7 @@ def test_every_command_is_one_stage_module():
     assert expected == modules
 
 
-CLI_PACKAGES = {"cli", "cli_options"}  # the command line and its own helpers
+CLI_PACKAGES = {"cli", "cli_prepare", "cli_options", "cli_output"}  # the command line and its own helpers
 
 
 def _imports_by_name(path: pathlib.Path) -> list[str]:
@@ -157,6 +158,19 @@ def test_the_command_line_imports_only_stages_errors_and_its_own_helpers():
     wrong += [f"{module} -> import_module({name!r}...)" for module in cli_modules
               for name in _imports_by_name(MODULES[module]) if not name.startswith("dpscale.stages.")]
     assert not wrong, "the command line reaches past the stages:\n" + "\n".join(wrong)
+
+
+def test_the_command_line_writes_through_a_module_that_needs_no_stage():
+    """How results, warnings and errors are written (``cli_output``) is one thing for every command."""
+    assert GRAPH["dpscale.cli_output"] == {"dpscale.errors"}
+
+
+@pytest.mark.parametrize("module", ["dpscale.cli", "dpscale.cli_prepare"])
+def test_the_command_modules_stay_short(module):
+    """A command parses flags, builds a config, calls a stage and prints: more than 500 lines of that is
+    something else (output, checks, a second concept) that belongs in its own module."""
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines < 500, f"{module} has {lines} lines"
 
 
 def _code_lines(*, benchmarks: bool):
