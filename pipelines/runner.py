@@ -18,7 +18,8 @@ Local runs are guarded against two failure modes of Beam's local runner:
   ``stall_seconds`` and raises one clear error instead of hanging.
 
 Beam's own logging (and its worker processes' stderr) goes to a log file unless
-``verbose``; a failure names that file and the next thing to try.
+``verbose``; a failure names that file and the next thing to try (``pipelines.beam_log``
+captures the log and reads a worker's failure from it).
 
 Other runners take Beam's own options after ``--``. ``DaskRunner`` is accepted by that short
 name (Beam knows it only by its module path). On ``DataflowRunner`` the workers must be able to
@@ -30,21 +31,16 @@ to ``--dataflow_job_file`` (``DryRun``). See docs/cluster.md.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import re
-import sys
-import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
-from dpscale import errors
 from dpscale.errors import PipelineError, PipelineStalledError
+from dpscale.pipelines.beam_log import TRY_IN_MEMORY, beam_log_to_file, logged_failure, one_line, worker_error
 from dpscale.pipelines.progress import LocalProgress
 
 DEFAULT_RUNNER = "FnApiRunner"
@@ -53,7 +49,6 @@ _LOCAL_RUNNERS = ("directrunner", "direct", "fnapirunner", "bundlebaseddirectrun
 STALL_SECONDS = 300.0  # no CPU used by any local process for this long = stalled
 FAILED_WORKER_GRACE = 15.0  # idle this long after a worker logged its traceback = failed with it
 _IDLE_CPU = 0.02  # CPU-seconds per second below which the process tree counts as idle
-TRY_IN_MEMORY = "re-run with `-- --direct_running_mode=in_memory` (one process)"
 
 
 def pipeline_options(args: Sequence[str], *, parallel: bool) -> PipelineOptions:
@@ -140,58 +135,6 @@ def avoid_flush_race() -> None:
     worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 0
 
 
-@contextlib.contextmanager
-def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
-    """Send file descriptor 2 (Beam, gRPC, worker processes) to a log file unless ``verbose``.
-
-    dpscale's own messages keep the terminal: ``sys.stderr`` and every logging handler that
-    wrote to it are pointed at a duplicate of the original stderr for the duration.
-    """
-    if verbose:
-        yield None
-        return
-    fd, path = tempfile.mkstemp(prefix="dpscale-beam-", suffix=".log")
-    sys.stderr.flush()
-    saved = os.dup(2)
-    terminal = os.fdopen(os.dup(saved), "w", buffering=1)
-    old_stderr = sys.stderr
-    handlers = [h for name in (None, *logging.root.manager.loggerDict)
-                for h in getattr(logging.getLogger(name), "handlers", [])
-                if isinstance(h, logging.StreamHandler) and h.stream is old_stderr]
-    beam_logger = logging.getLogger("apache_beam")
-    old_level, old_propagate = beam_logger.level, beam_logger.propagate
-    beam_logger.setLevel(logging.ERROR)
-    to_file = logging.StreamHandler(os.fdopen(os.dup(fd), "w", buffering=1))  # a worker's error and its trace
-    beam_logger.addHandler(to_file)
-    beam_logger.propagate = False
-    old_hook = threading.excepthook
-
-    def thread_error_to_file(args: threading.ExceptHookArgs) -> None:  # e.g. a worker process that died
-        traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback, file=to_file.stream)
-
-    threading.excepthook = thread_error_to_file
-    os.dup2(fd, 2)
-    sys.stderr = terminal
-    for h in handlers:
-        h.setStream(terminal)
-    try:
-        yield path
-    finally:
-        terminal.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(fd)
-        sys.stderr = old_stderr
-        for h in handlers:
-            h.setStream(old_stderr)
-        terminal.close()
-        threading.excepthook = old_hook
-        beam_logger.removeHandler(to_file)
-        to_file.stream.close()
-        beam_logger.setLevel(old_level)
-        beam_logger.propagate = old_propagate
-
-
 def _tree_cpu_seconds() -> float:
     """CPU time of this process and all its descendants (Beam's worker processes)."""
     import psutil
@@ -212,71 +155,6 @@ def _stop_children() -> None:
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             p.kill()
-
-
-_USER_ERROR = re.compile(r"dpscale\.errors\.(\w+): (.+)")
-_BEAM_CONTEXT = re.compile(r" \[while running '[^']*'\]")
-# A worker's traceback as the log holds it: its last line starts with the exception's name (the
-# escaped copies inside Beam's one-line status messages do not start a line).
-_LOGGED_USER_ERROR = re.compile(r"^dpscale\.errors\.(\w+): (.+)$", re.MULTILINE)
-_LOGGED_EXCEPTION = re.compile(r"^((?:[\w.]+\.)?\w*(?:Error|Exception): .+)$", re.MULTILINE)
-
-
-def _user_error(exc: BaseException, *, writes_to: str | None = None,
-                rerun: str = "run the command again") -> errors.DpscaleError | None:
-    """The dpscale error a worker raised (a damaged shard, a full disk), if that is why the pipeline failed.
-
-    In one process Beam re-raises the worker's exception (with the step's name added to its
-    message); from worker processes only its traceback's text arrives. Either way the user
-    gets the worker's own one line, not Beam's wrapping or a hint about running modes.
-    """
-    seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, errors.DpscaleError):
-            return type(error)(_BEAM_CONTEXT.sub("", " ".join(str(error).split())))
-        error = error.__cause__ or error.__context__
-    found = _USER_ERROR.findall(str(exc))
-    if found:
-        name, text = found[-1]
-        kind = getattr(errors, name, None)
-        if isinstance(kind, type) and issubclass(kind, errors.DpscaleError):
-            return kind(_BEAM_CONTEXT.sub("", text.strip()))
-    return errors.storage_error(exc, path=writes_to, then=rerun)
-
-
-def logged_failure(log_path: str | None) -> errors.DpscaleError | None:
-    """Why a worker process failed, if Beam's log says so: its dpscale error (a damaged shard...)
-    as it is, any other exception as a ``PipelineError``; None if the log holds no traceback.
-
-    Beam's multi-process runner sometimes stops without ending the run after a worker's bundle
-    failed; the worker's traceback is then only in the log.
-    """
-    if not log_path:
-        return None
-    try:
-        with open(log_path, errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return None
-    for name, message in reversed(_LOGGED_USER_ERROR.findall(text)):
-        kind = getattr(errors, name, None)
-        if isinstance(kind, type) and issubclass(kind, errors.DpscaleError):
-            return kind(_BEAM_CONTEXT.sub("", message.strip()))
-    failures = _LOGGED_EXCEPTION.findall(text)
-    if not failures:
-        return None
-    line = _BEAM_CONTEXT.sub("", failures[-1].strip())
-    return errors.PipelineError(f"the Beam pipeline failed: {line[:300]} (Beam's log: {log_path}); {TRY_IN_MEMORY}")
-
-
-def _one_line(exc: BaseException) -> str:
-    """The last meaningful line of an error Beam wrapped around a worker's traceback."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ("Error" in ln or "Exception" in ln) and ":" in ln]
-    text = (errors or lines or [type(exc).__name__])[-1]
-    return text if len(text) < 300 else text[:297] + "..."
 
 
 def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel: bool,
@@ -354,7 +232,7 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
         raise error
     if verbose:
         log.error("Beam pipeline failed", exc_info=error)
-    user_error = _user_error(error, writes_to=writes_to, rerun=rerun)
+    user_error = worker_error(error, writes_to=writes_to, rerun=rerun)
     if user_error is not None:  # its own line says it all
         if log_path:
             os.unlink(log_path)
@@ -364,4 +242,4 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     several = local and options.view_as(DirectOptions).direct_running_mode != "in_memory"
     hints = [TRY_IN_MEMORY] if several else [] if local else ["see the runner's job log"]
     hints.append("add --verbose for the full trace")
-    raise PipelineError(f"the Beam pipeline failed: {_one_line(error)}{where}; {', or '.join(hints)}") from error
+    raise PipelineError(f"the Beam pipeline failed: {one_line(error)}{where}; {', or '.join(hints)}") from error

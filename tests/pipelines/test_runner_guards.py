@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dpscale.errors import DataError, PipelineError, PipelineStalledError
-from dpscale.pipelines.runner import logged_failure, run_pipeline
+from dpscale.pipelines.runner import run_pipeline
 
 TWO = ("--direct_num_workers=2", "--direct_running_mode=multi_processing")
 ELEMENTS, ROWS, WIDTH, KEYS = 480, 1000, 512, 240  # 480 elements of 0.5 MB = 240 MB
@@ -154,23 +154,3 @@ def test_the_runner_data_plane_as_configured_drops_nothing():
 
     avoid_flush_race()
     assert _send_through_runner_data_plane(16, 10) == 16 * 10 << 20
-
-
-def test_a_worker_error_found_only_in_beams_log_is_raised_as_its_own_line(tmp_path):
-    # What Beam's multi-process runner logs when a worker's bundle fails: the traceback, then a
-    # one-line status with the same text escaped. When Beam stops there without ending the run,
-    # the runner raises the logged error instead of waiting for the stall limit.
-    log = tmp_path / "beam.log"
-    log.write_text(
-        "Traceback (most recent call last):\n"
-        '  File "x.py", line 1, in fail\n'
-        "dpscale.errors.DataError: shard 'x' is damaged; rebuild it [while running 'Map(fail)']\n"
-        "Worker: severity: ERROR message: \"Traceback ...\\ndpscale.errors.StorageError: shard \\'x\\'\\n\"\n")
-    error = logged_failure(str(log))
-    assert isinstance(error, DataError) and str(error) == "shard 'x' is damaged; rebuild it"
-    log.write_text("Traceback (most recent call last):\nValueError: bad element 7 [while running 'Map(fail)']\n")
-    error = logged_failure(str(log))
-    assert type(error) is PipelineError and "ValueError: bad element 7 (" in str(error) and "in_memory" in str(error)
-    log.write_text("INFO nothing failed\n")
-    assert logged_failure(str(log)) is None
-    assert logged_failure(None) is None and logged_failure(str(tmp_path / "missing.log")) is None
