@@ -1,4 +1,5 @@
-"""The files of one training run directory: the only code that reads or writes them.
+"""The files of one training run directory: the only code that names them (the lock and the orbax
+checkpoints are written by ``training.run_lock`` and ``training.checkpoints``, where it says).
 
     run_dir/config.json     what the run is: its data, its ``TrainingConfig``, its ``PrivacyPlan`` and what
                             its inputs are made of (feature mode: the backbone and preprocessing)
@@ -46,26 +47,23 @@ the last checkpoint are dropped on resume anyway.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import hashlib
 import io
 import json
 import os
-import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-import orbax.checkpoint as ocp
 from dpscale import files
 from dpscale.data import key_store
 from dpscale.errors import DataError, DpscaleError
 from dpscale.files import open_for_writing, write_atomic, write_json_atomic
 from dpscale.privacy.plan import Ledger, PrivacyPlan
+from dpscale.training.checkpoints import Checkpoints, check_digests, restore_on_first_device, save_with_digests
 from dpscale.training.config import TrainingConfig
 from dpscale.training.release import DIAGNOSTICS_FILE, diagnostic_name
+from dpscale.training.run_lock import RunLock
 
 CONFIG = "config.json"
 SEED_FILE = "seed.json"  # in the key store: <key id>.seed.json
@@ -77,11 +75,6 @@ PARAMS_DIGESTS = "params.sha256.json"
 SCORES = "metrics.json"
 LOCK = "run.lock"
 T = TypeVar("T")
-
-
-def _absolute(path: str) -> str:
-    """A local path made absolute, so a stored reference resolves from any directory; URLs as given."""
-    return files.absolute(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +97,8 @@ class RunSpec:
         backbone = training.images.backbone
         if backbone and os.path.exists(backbone):
             training = dataclasses.replace(training, images=dataclasses.replace(training.images,
-                                                                                 backbone=_absolute(backbone)))
-        return cls(data=_absolute(data), training=training, plan=plan, inputs=dict(inputs))
+                                                                                 backbone=files.absolute(backbone)))
+        return cls(data=files.absolute(data), training=training, plan=plan, inputs=dict(inputs))
 
     def to_json(self) -> dict[str, Any]:
         return {"data": self.data, "training": self.training.to_json(), "plan": self.plan.to_json(),
@@ -153,114 +146,6 @@ def noise_versions() -> dict[str, str]:
     import jaxlib
 
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
-
-
-class RunLock:
-    """An exclusive ``flock`` on ``run.lock``: one process trains in a directory at a time.
-
-    The kernel drops the lock when its file descriptor closes, so it is released even when
-    the process is killed (kill -9) and a stale lock file never blocks a resume.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._held_remote = False
-        if files.is_url(path):
-            self._take_remote()
-            return
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(self._fd, 64).decode(errors="replace").strip() or "?"
-            self.release()
-            raise DataError(f"{os.path.dirname(path)!r} is in use: another process (pid {holder}) is training in "
-                            "it; wait for it to finish or stop it") from None
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
-
-    def _take_remote(self) -> None:
-        """An object store has no flock: the lock is an object created only if absent (the store decides
-        between hosts). A killed holder cannot delete it, so one left by a process of this host that no
-        longer runs is taken over; one from another host is refused with what to do."""
-        me = {"host": socket.gethostname(), "pid": os.getpid()}
-        for _ in range(2):
-            if files.create_exclusive(self.path, json.dumps(me).encode()):
-                self._held_remote = True
-                return
-            try:
-                holder = json.loads(files.read_text(self.path))
-            except FileNotFoundError:
-                continue  # released meanwhile: try again
-            except (OSError, ValueError):
-                holder = {}
-            if holder.get("host") != me["host"] or _process_alive(int(holder.get("pid", 0))):
-                break
-            files.remove(self.path)  # its holder was killed; two resumers racing here is not guarded
-        else:
-            holder = {}
-        where = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
-        raise DataError(f"{self.path.rsplit('/', 1)[0]!r} is in use: another process ({where}) is training in it; "
-                        f"wait for it to finish or stop it (if it was killed on another host, delete {self.path})")
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._held_remote:
-            self._held_remote = False
-            with contextlib.suppress(FileNotFoundError):
-                files.remove(self.path)
-
-    def __enter__(self) -> RunLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (a zombie, killed but not yet reaped, does not)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-class Checkpoints:
-    """Save every ``every`` steps (and at the end); keep the newest two."""
-
-    def __init__(self, directory: str, *, every: int) -> None:
-        self.every = max(1, every)
-        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(directory, options=options)
-
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
-    def should_save(self, step: int, total: int) -> bool:
-        return step == total or step % self.every == 0
-
-    def save(self, step: int, state: Any) -> None:
-        self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
-        self._manager.wait_until_finished()
-
-    def restore(self, step: int, like: Any) -> Any:
-        """Restore into the structure (and shardings) of ``like``."""
-        return self._manager.restore(step, args=ocp.args.StandardRestore(like))
-
-    def close(self) -> None:
-        self._manager.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,58 +296,23 @@ class RunDirectory:
 
     def save_params(self, **trees: Any) -> None:
         """Save the trees (every process: orbax coordinates them), then the sha256 of each file."""
-        with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(self.file(PARAMS), trees, force=True)
-        if jax.process_index() == 0:
-            write_json_atomic(self.file(PARAMS_DIGESTS), self._params_digests())
-
-    def _params_digests(self) -> dict[str, str]:
-        """sha256 of every file under ``params/``, by relative path (the parameters are a released output)."""
-        root = self.file(PARAMS)
-        digests = {}
-        for name in files.find(root):
-            digest = hashlib.sha256()
-            with files.open(files.join(root, name), "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            digests[name] = digest.hexdigest()
-        return dict(sorted(digests.items()))
+        save_with_digests(self.file(PARAMS), digests_file=self.file(PARAMS_DIGESTS), **trees)
 
     def _check_params(self) -> None:
         """Refuse damaged parameters before orbax reads them (its failures are tracebacks from threads)."""
         if not files.exists(self.file(PARAMS_DIGESTS)):
             return  # saved by an older dpscale: orbax's own errors are all there is
         recorded = self._read(PARAMS_DIGESTS, lambda payload: {str(k): str(v) for k, v in payload.items()})
-        found = self._params_digests()
-        for name, digest in recorded.items():
-            if found.get(name) != digest:
-                problem = "missing" if name not in found else "corrupt (its sha256 differs from the one saved)"
-                raise DataError(f"{self.path!r}: its saved parameters are damaged: {PARAMS}/{name} is {problem}")
+        check_digests(self.file(PARAMS), recorded, run=self.path)
 
     def load_params(self) -> dict[str, Any]:
-        """The saved trees, on this process's first device.
-
-        Orbax would otherwise restore onto the devices the run saved from, which do
-        not exist when evaluating a multi-device or multi-host run elsewhere.
-        """
+        """The saved trees, on this process's first device (``checkpoints.restore_on_first_device``)."""
         if not self.has_params:
             resume = (f": its training did not finish; continue it with `dpscale train --resume {self.path}`"
                       if self.has_secrets else "")
             raise DataError(f"{self.path!r} has no saved parameters ({PARAMS}/){resume}")
         self._check_params()
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        try:
-            with ocp.StandardCheckpointer() as checkpointer:
-                metadata = checkpointer.metadata(self.file(PARAMS))
-                if metadata is None:
-                    raise ValueError("no readable checkpoint metadata")
-                saved = metadata.item_metadata.tree
-                target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                                                saved)
-                return checkpointer.restore(self.file(PARAMS), target)
-        except Exception as exc:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
-            reason = " ".join(str(exc).split())[:120] or type(exc).__name__
-            raise DataError(f"{self.path!r}: its saved parameters ({PARAMS}/) are damaged ({reason})") from None
+        return restore_on_first_device(self.file(PARAMS), run=self.path)
 
     def scores_file(self, split: str, *, diagnostic: bool, other_data: str | None = None) -> str:
         """``metrics.json``, or for scores on private training rows ``metrics.<split>.NOT-PRIVATE.json``;

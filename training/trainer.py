@@ -35,7 +35,9 @@ from dpscale.progress import progress_bar
 from dpscale.training.config import TrainingConfig
 from dpscale.training import release
 from dpscale.training.model import HOLDOUT_SPLIT, TrainModel, build_train_model
-from dpscale.training.run_directory import Checkpoints, RunDirectory, RunLock, RunSecrets, RunSpec, noise_versions
+from dpscale.training.checkpoints import Checkpoints
+from dpscale.training.run_directory import RunDirectory, RunSecrets, RunSpec, noise_versions
+from dpscale.training.run_lock import RunLock
 
 _log = logging.getLogger(__name__)
 

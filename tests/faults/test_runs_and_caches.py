@@ -18,7 +18,8 @@ import pytest
 
 from dpscale.cache import feature_store as fstore
 from dpscale.cli import cli
-from dpscale.training.run_directory import CONFIG, LEDGER, PARAMS, PARAMS_DIGESTS, SCORES, Checkpoints
+from dpscale.training.checkpoints import Checkpoints
+from dpscale.training.run_directory import CONFIG, LEDGER, PARAMS, PARAMS_DIGESTS, SCORES
 
 from ..conftest import write_synthetic_feature_cache
 

@@ -14,7 +14,8 @@ import re
 
 import pytest
 
-from dpscale.training.run_directory import CONFIG, LEDGER, SCORES, Checkpoints
+from dpscale.training.checkpoints import Checkpoints
+from dpscale.training.run_directory import CONFIG, LEDGER, SCORES
 
 from .test_flags_and_limits import snapshot
 from .test_runs_and_caches import IN_MEMORY, SIZES, TRAIN, dpscale, ok, refused
