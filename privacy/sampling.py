@@ -113,12 +113,6 @@ def pad_into(indices: np.ndarray, layout: Layout) -> SampledBatch:
     return SampledBatch(indices=padded.reshape(shape), mask=mask.reshape(shape))
 
 
-def pad_into_microbatches(indices: np.ndarray, microbatch_size: int) -> SampledBatch:
-    """Cut ``indices`` into micro-batches of ``microbatch_size``, padding the last (at least one)."""
-    count = max(1, math.ceil(len(indices) / microbatch_size))
-    return pad_into(indices, Layout(num_microbatches=count, microbatch_size=microbatch_size))
-
-
 def _check_sizes(num_examples: int, batch_size: float, microbatch_size: int) -> None:
     check_positive_integer(num_examples, "number of examples")
     check_positive(batch_size, "batch size")

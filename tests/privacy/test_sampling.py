@@ -7,7 +7,7 @@ from scipy import stats
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.sampling import (PADDING_INDEX, Layout, PoissonSampler, ShuffledSampler, batch_capacity,
-                                      pad_into_microbatches, truncated_poisson_slots)
+                                      pad_into, truncated_poisson_slots)
 
 
 def test_poisson_batch_sizes_follow_binomial():
@@ -101,8 +101,8 @@ def test_on_device_sampling_is_the_same_truncated_distribution():
 
 
 def test_empty_batch_is_one_padded_microbatch():
-    batch = pad_into_microbatches(np.array([], dtype=np.int64), 4)
-    assert batch.indices.shape == (1, 4) and batch.size == 0
+    batch = pad_into(np.array([], dtype=np.int64), Layout.of(4, microbatch_size=4))
+    assert batch.indices.shape == (1, 4) and batch.size == 0 and np.all(batch.indices == PADDING_INDEX)
 
 
 def test_samples_are_a_function_of_seed_and_step():

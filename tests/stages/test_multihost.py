@@ -25,7 +25,7 @@ from dpscale import distributed
 from dpscale.cli import cli
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.plan import PrivacyTarget
-from dpscale.privacy.sampling import pad_into_microbatches
+from dpscale.privacy.sampling import Layout, pad_into
 from dpscale.stages import train
 from dpscale.training.config import TrainingConfig
 from dpscale.training.feeds import FeatureFeed
@@ -90,7 +90,7 @@ def test_local_rows_follow_the_mesh_order():
 
 def test_feature_feed_places_padded_microbatches_like_the_plain_feed():
     feats = np.arange(24.0, dtype=np.float32).reshape(6, 4)
-    batch = pad_into_microbatches(np.array([0, 2, 5]), 4)
+    batch = pad_into(np.array([0, 2, 5]), Layout(num_microbatches=1, microbatch_size=4))
     plain = FeatureFeed(feats, np.arange(6) % 3).microbatches(batch, step=0)
     placed = FeatureFeed(feats, np.arange(6) % 3,
                          distributed.BatchPlacement(distributed.training_mesh())).microbatches(batch, step=0)
