@@ -72,10 +72,6 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser(cache), "dpscale", "features")
 
 
-def _join(*parts: str) -> str:
-    return files.join(*parts)
-
-
 def _zarr_store(path: str, *, read_only: bool = False) -> Any:
     """What zarr opens: a local path as is; a URL through ``dpscale.files``'s file system.
 
@@ -92,17 +88,13 @@ def _zarr_store(path: str, *, read_only: bool = False) -> Any:
 
 
 def entry_path(cache_dir: str, key: FeatureKey) -> str:
-    return _join(cache_dir, key.digest)
+    return files.join(cache_dir, key.digest)
 
 
 def _write_text(path: str, text: str) -> None:
     """Write-then-rename, so a reader never sees half a file (local); GCS writes are atomic."""
     files.makedirs(os.path.dirname(path))
     files.write_atomic(path, lambda f: f.write(text.encode("utf-8")), binary=True)
-
-
-def _read_text(path: str) -> str:
-    return files.read_text(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +175,7 @@ class EntryLayout:
 
 def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
     try:
-        meta = json.loads(_read_text(_join(path, METADATA)))
+        meta = json.loads(files.read_text(files.join(path, METADATA)))
     except (OSError, ValueError) as exc:
         raise DataError(f"{path!r} is not a feature-store entry (no readable {METADATA}); "
                         "it may be an unfinished run: featurize again") from exc
@@ -200,7 +192,7 @@ def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
 def _arrays_open(path: str, layout: EntryLayout) -> bool:
     """Whether every array of the entry opens (its chunks may still be missing or damaged)."""
     try:
-        group = zarr.open_group(store=_zarr_store(_join(path, DATA), read_only=True), mode="r")
+        group = zarr.open_group(store=_zarr_store(files.join(path, DATA), read_only=True), mode="r")
         return all(f"{s}/{name}" in group for s in layout.splits for name in integrity.ARRAYS)
     except Exception:  # noqa: BLE001 - unreadable metadata: the entry is rebuilt
         return False
@@ -232,7 +224,7 @@ class FeatureStore:
             return store
         files.rmtree(path)
         files.makedirs(path)
-        group = zarr.open_group(store=_zarr_store(_join(path, DATA)), mode="w")
+        group = zarr.open_group(store=_zarr_store(files.join(path, DATA)), mode="w")
         for split, rows in sorted(layout.splits.items()):
             n, c = rows.num_examples, rows.chunk_rows
             sub = group.create_group(split)
@@ -242,7 +234,7 @@ class FeatureStore:
                              **integrity.codecs())
             sub.create_array("ids", shape=(n, ID_BYTES), dtype="uint8", chunks=(c, ID_BYTES),
                              fill_value=0, **integrity.codecs())
-        _write_text(_join(path, METADATA), json.dumps(layout.to_metadata(), indent=2) + "\n")
+        _write_text(files.join(path, METADATA), json.dumps(layout.to_metadata(), indent=2) + "\n")
         return store
 
     @classmethod
@@ -255,14 +247,14 @@ class FeatureStore:
     def open(cls, cache_dir: str, key: FeatureKey, *, verify: bool = False) -> FeatureSplitSet:
         """Read the complete entry for ``key``; ``DataError`` if absent, partial, stale or damaged."""
         path = entry_path(cache_dir, key)
-        if not files.exists(_join(path, METADATA)):
+        if not files.exists(files.join(path, METADATA)):
             raise DataError(f"no features for key {key.digest[:16]}... in {cache_dir!r}: "
                             "run dpscale featurize first")
         return open_features(path, expected_key=key, verify=verify)
 
     # ---- chunk bookkeeping -----------------------------------------------------------------
     def _marker(self, split: str, chunk: int) -> str:
-        return _join(self.path, MARKERS, split, f"{chunk:06d}.done")
+        return files.join(self.path, MARKERS, split, f"{chunk:06d}.done")
 
     def _marker_text(self, split: str, chunk: int) -> str:
         start, stop = self.layout.splits[split].rows(chunk)
@@ -272,7 +264,7 @@ class FeatureStore:
         """Chunks whose marker is present (one directory listing per split)."""
         done = set()
         for split, rows in self.layout.splits.items():
-            pattern = _join(self.path, MARKERS, split, "*.done")
+            pattern = files.join(self.path, MARKERS, split, "*.done")
             for match in files.glob(pattern):
                 stem = match.rstrip("/").rsplit("/", 1)[-1][: -len(".done")]
                 if stem.isdigit() and int(stem) < rows.num_chunks:
@@ -295,21 +287,21 @@ class FeatureStore:
         """
         done = self.done_chunks()
         try:
-            group = zarr.open_group(store=_zarr_store(_join(self.path, DATA), read_only=True), mode="r")
-            damage = integrity.unreadable_chunks(_join(self.path, DATA), group, self.layout.splits, chunks=done)
+            group = zarr.open_group(store=_zarr_store(files.join(self.path, DATA), read_only=True), mode="r")
+            damage = integrity.unreadable_chunks(files.join(self.path, DATA), group, self.layout.splits, chunks=done)
         except Exception:  # noqa: BLE001 - unreadable arrays: nothing marked can be trusted
             damage = [integrity.ChunkDamage(s, "features", c, self.layout.splits[s].rows(c), "unreadable")
                       for s, c in done]
         bad = sorted({(d.split, d.chunk) for d in damage})
         if bad:
-            for path in [_join(self.path, COMPLETE)] + [self._marker(s, c) for s, c in bad]:
+            for path in [files.join(self.path, COMPLETE)] + [self._marker(s, c) for s, c in bad]:
                 if files.exists(path):
                     files.remove(path)
         return damage
 
     def is_complete(self) -> bool:
         try:
-            return _read_text(_join(self.path, COMPLETE)).strip() == self.layout.key.digest
+            return files.read_text(files.join(self.path, COMPLETE)).strip() == self.layout.key.digest
         except OSError:
             return False
 
@@ -317,7 +309,8 @@ class FeatureStore:
     def _array(self, split: str, name: str) -> Any:
         if (split, name) not in self._arrays:
             self._arrays[split, name] = zarr.open_array(
-                store=_zarr_store(_join(self.path, DATA)), path=f"{split}/{name}", mode="r+", config=integrity.WRITE_CONFIG)
+                store=_zarr_store(files.join(self.path, DATA)), path=f"{split}/{name}", mode="r+",
+                config=integrity.WRITE_CONFIG)
         return self._arrays[split, name]
 
     def write_chunk(self, split: str, chunk: int, features: np.ndarray, labels: np.ndarray,
@@ -344,7 +337,7 @@ class FeatureStore:
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(self.all_chunks())} chunks were not "
                                f"written (first: {missing[0]}); the entry stays incomplete")
-        _write_text(_join(self.path, COMPLETE), self.layout.key.digest + "\n")
+        _write_text(files.join(self.path, COMPLETE), self.layout.key.digest + "\n")
 
 
 class FeatureSplitSet:
@@ -356,7 +349,7 @@ class FeatureSplitSet:
         self.layout = layout
         self.metadata = metadata
         self.repair = layout.repair_command(path)
-        self._data = _join(path, DATA)
+        self._data = files.join(path, DATA)
         try:
             self._group = zarr.open_group(store=_zarr_store(self._data, read_only=True), mode="r")
             shapes = {s: {name: self._group[f"{s}/{name}"].shape for name in integrity.ARRAYS} for s in layout.splits}
