@@ -76,3 +76,26 @@ def write_synthetic_feature_cache(root: str, *, seed: int, sizes: dict[str, int]
 def synthetic_feature_cache():
     """``write_synthetic_feature_cache`` for module-scoped fixtures."""
     return write_synthetic_feature_cache
+
+
+@pytest.fixture()
+def umask_022():
+    """A Python API user's usual umask (group and others may read what is not made owner-only)."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def not_owner_only(root: str) -> list[str]:
+    """What under ``root`` (itself included) another user could read: directories not 0700, files not 0600."""
+    import stat
+
+    found = []
+    for folder, _, names in os.walk(root):
+        if stat.S_IMODE(os.stat(folder).st_mode) != 0o700:
+            found.append(f"{oct(stat.S_IMODE(os.stat(folder).st_mode))} {folder}/")
+        for name in names:
+            mode = stat.S_IMODE(os.lstat(os.path.join(folder, name)).st_mode)
+            if mode != 0o600:
+                found.append(f"{oct(mode)} {os.path.join(folder, name)}")
+    return found

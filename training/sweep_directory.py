@@ -71,9 +71,7 @@ class SweepDirectory:
     def make_baseline_dir(self) -> str:
         """The baseline's directory, owner-only before its first file."""
         path = self.file(BASELINE_DIR)
-        files.makedirs(path, mode=0o700)
-        if not files.is_url(path):
-            os.chmod(path, 0o700)
+        files.makedirs_owner_only(path)
         return path
 
     # -- what may be reused ---------------------------------------------------------------------
