@@ -728,7 +728,8 @@ def _echo_warnings(warnings: tuple[str, ...]) -> None:
 @click.option("--batch-size", type=COUNT, required=True, help="Expected (Poisson) batch size B.")
 @click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
 @click.option("--batch-capacity", type=COUNT, default=None,
-              help="Most examples a step holds (a run's ledger records it) [the rule train uses].")
+              help="Most examples a step holds, at least --batch-size (a run's ledger records it) "
+                   "[the rule train uses].")
 @delta_option()
 @click.option("--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True,
               help=ACCOUNTANT_HELP)
