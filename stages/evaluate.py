@@ -3,7 +3,8 @@
 ``run(EvaluateConfig)`` scores the run (``training.evaluation``) and saves the scores in
 the run directory (``metrics.json``). Other data (``data``) must be made like the run's (classes,
 image shape, preprocessing, backbone); scores on data that is not the run's own go, only when
-forced, to ``metrics.other-data.<name>.json``, never into ``metrics.json``. On a split outside the private training data this is
+forced, to ``metrics.other-data.<name>.json``, never into ``metrics.json``. A TAN simulation (``sweep
+--simulate-batch``) is scored like any run, and its scores say so (``simulated``, a warning). On a split outside the private training data this is
 post-processing of the DP parameters and spends no privacy budget; on the run's training rows
 (``train``, ``holdout``) it is a private diagnostic, refused unless ``private_diagnostics``.
 """
@@ -32,8 +33,14 @@ class EvaluateResult(Scores):
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        """Scores of private training rows are a private diagnostic: the reader is told so."""
-        return () if self.covered_by_epsilon else (release.warning(self.path),)
+        """Scores of private training rows are a private diagnostic, and a simulation's are not its target's
+        privacy: the reader is told so."""
+        notes = () if self.covered_by_epsilon else (release.warning(self.path),)
+        if self.simulated:
+            notes += (f"{release.SIMULATION_NOTE}: the run is a TAN simulation (sweep --simulate-batch), with less "
+                      f"noise per example than its target; its scores are covered only by its own epsilon "
+                      f"({self.epsilon:.4g})",)
+        return notes
 
 
 def run(config: EvaluateConfig) -> EvaluateResult:

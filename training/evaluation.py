@@ -42,6 +42,7 @@ class Scores:
     other_data: bool = False  # True: not the data the run trained on (a separate file, never metrics.json)
     epsilon: float = math.inf  # the run's guarantee, restated beside its scores (inf: non-private)
     delta: float = 0.0
+    simulated: bool = False  # a TAN simulation (sweep --simulate-batch): DP at its own epsilon, not its target's
 
     def as_dict(self) -> dict[str, Any]:
         payload = dataclasses.asdict(self)
@@ -189,7 +190,8 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
     ema_top1, ema_top5 = accuracies(logits_of(trained_params["ema_params"]), labels)
     ledger = run.read_ledger()
     scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5, covered_by_epsilon=not diagnostic,
-                    data=_absolute(path), other_data=other, epsilon=ledger.epsilon_spent, delta=ledger.delta)
+                    data=_absolute(path), other_data=other, epsilon=ledger.epsilon_spent, delta=ledger.delta,
+                    simulated=run.simulated)
     with storage_faults(stopped="the scores were not saved",
                         then="evaluate the run again (or a copy of it in a writable directory)"):
         return scores, run.write_scores(scores.as_dict(), diagnostic=diagnostic, other_data=name)

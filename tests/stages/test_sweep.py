@@ -251,6 +251,46 @@ def test_simulated_runs_say_they_are_not_private_at_their_target(features, tmp_p
         sweep.run(_config(features, tmp_path / "s2", simulate_batch=128))
 
 
+def test_every_file_of_a_simulated_run_names_the_simulation_and_no_command_passes_it_off(features, tmp_path):
+    out = tmp_path / "sweep"
+    sweep.run(_config(features, out, simulate_batch=32))
+    (name,) = os.listdir(out / "runs")
+    run = out / "runs" / name
+    evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))  # a later evaluation too
+    for path in _files(run):
+        assert name.startswith("sim-b32-") and name.endswith(".NOT-PRIVATE")  # every path names it
+        if path.startswith(("checkpoints/", "params/")) or path == SIMULATION_FILE:  # orbax's; the marker itself
+            continue
+        if path.endswith(".json"):
+            payload = json.loads((run / path).read_text())
+            assert payload["simulated"] is True and SIMULATION_NOTE in payload["simulation"], path
+        elif path.endswith(".jsonl"):
+            lines = [json.loads(line) for line in (run / path).read_text().splitlines()]
+            assert lines and all(line["simulated"] is True for line in lines), path
+        else:
+            assert path in ("key.id", "run.lock"), path  # not dpscale's JSON: the path names it
+    assert {"config.json", "ledger.json", "metrics.json", "metrics.jsonl", "params.sha256.json"} <= set(_files(run))
+    ledger = json.loads((run / "ledger.json").read_text())
+    assert ledger["private"] is True and ledger["simulated"] is True  # DP at its own epsilon, and a simulation
+    reader = RunDirectory.existing(str(run))
+    assert reader.read_spec().plan.batch_size == 32 and reader.load_params()  # the stamps do not get in the way
+    scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))
+    assert scores.simulated and any(SIMULATION_NOTE in w for w in scores.warnings)
+    from dpscale.stages import export_backbone
+    with pytest.raises(DataError, match="is a TAN simulation"):
+        export_backbone.run(export_backbone.ExportBackboneConfig(run_dir=str(run), output_dir=str(tmp_path / "bb")))
+    # A sweep never takes a simulation for a private run of the same name (or the other way round).
+    real = out / "runs" / name.replace(".NOT-PRIVATE", "").replace("sim-b32-", "")
+    shutil.copytree(run, real)
+    with pytest.raises(DataError, match="is a TAN simulation, unlike this sweep's run"):
+        sweep.run(_config(features, out))
+    # An ordinary run's files carry no such mark.
+    plain = tmp_path / "plain"
+    sweep.run(_config(features, plain))
+    assert "simulated" not in (plain / "runs" / "eps2-lr4-r0" / "ledger.json").read_text()
+    assert not evaluate.run(evaluate.EvaluateConfig(run_dir=str(plain / "runs" / "eps2-lr4-r0"))).simulated
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(grid=(("seed", (1, 2)),)), "not a grid option"),
     (dict(grid=(("augmentation", (1, 2)),)), "not a training option"),
