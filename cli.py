@@ -574,6 +574,9 @@ def evaluate_command(run_dir: str, split: str, data: str | None, force_other_dat
               help="Cheap search (TAN): run every point at this expected batch b < B with the noise multiplier "
                    "scaled by b/B, same steps. NOT private at the target epsilons (runs and files say so); each "
                    "spends its own epsilon, composed into privacy.json. Train the chosen setting with `dpscale train`.")
+@click.option("--print-private-diagnostics", is_flag=True,
+              help="Also print the held-out and baseline scores (and the settings chosen on held-out rows) in the "
+                   "JSON line: NOT covered by epsilon. Without it the line names the owner-only files that hold them.")
 @TRAINING_OPTIONS
 @click.pass_context
 def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, ...], **options: Any) -> None:
@@ -583,7 +586,8 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     grid values and a fresh secret seed. Writes OUT_DIR/runs.csv, summary.csv, summary.md,
     accuracy_vs_epsilon.png and privacy.json (the composed epsilon of every private run in
     OUT_DIR/runs). With --holdout N (and --private-diagnostics) the best setting per epsilon is
-    chosen on the held-out rows and its test score reported; without it nothing is chosen.
+    chosen on the held-out rows and its test score reported in owner-only *.NOT-PRIVATE.* tables;
+    without it nothing is chosen.
     Finished runs are reused only for the same data and settings, so an interrupted sweep
     continues where it stopped; anything else is refused.
     """
@@ -600,9 +604,7 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
     _echo_warnings(result.warnings)
     click.echo(f"dpscale: {_privacy_line(result)}", err=True)
-    payload = result.as_dict()
-    payload.pop("rows")
-    _print_json_line(payload)
+    _print_json_line(result.line())
 
 
 def _privacy_line(result: Any) -> str:

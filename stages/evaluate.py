@@ -25,6 +25,7 @@ class EvaluateConfig:
     data: str | None = None  # defaults to the data the run trained on
     private_diagnostics: bool = False  # allow scoring the run's private training rows
     force_other_data: bool = False  # score data other than the run's (made alike) into a file of its own
+    save: bool = True  # False: return the scores, write nothing (a sweep's choice leaves no trace in its runs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,5 +47,5 @@ class EvaluateResult(Scores):
 def run(config: EvaluateConfig) -> EvaluateResult:
     scores, path = score_run(config.run_dir, split=config.split, data=config.data, batch_size=config.batch_size,
                              private_diagnostics=config.private_diagnostics,
-                             force_other_data=config.force_other_data)
+                             force_other_data=config.force_other_data, save=config.save)
     return EvaluateResult(**dataclasses.asdict(scores), path=path)

@@ -99,3 +99,15 @@ def not_owner_only(root: str) -> list[str]:
             if mode != 0o600:
                 found.append(f"{oct(mode)} {os.path.join(folder, name)}")
     return found
+
+
+def readable_by_others(root: str) -> list[str]:
+    """Files under ``root`` (relative paths) that another user could read: readable, and every folder on the way open."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        if not os.stat(folder).st_mode & 0o005 == 0o005:  # others can neither list nor enter it: nothing below
+            dirs[:] = []
+            continue
+        found += [os.path.relpath(os.path.join(folder, n), root) for n in names
+                  if os.stat(os.path.join(folder, n)).st_mode & 0o004]
+    return sorted(found)
