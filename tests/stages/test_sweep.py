@@ -303,8 +303,8 @@ def test_every_file_of_a_simulated_run_names_the_simulation_and_no_command_passe
     (name,) = os.listdir(out / "runs")
     run = out / "runs" / name
     evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))  # a later evaluation too
+    assert name.startswith("sim-b32-") and name.endswith(".NOT-PRIVATE")  # so every path under it names it
     for path in _files(run):
-        assert name.startswith("sim-b32-") and name.endswith(".NOT-PRIVATE")  # every path names it
         if path.startswith(("checkpoints/", "params/")) or path == SIMULATION_FILE:  # orbax's; the marker itself
             continue
         if path.endswith(".json"):
