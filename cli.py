@@ -184,6 +184,9 @@ def evaluate_command(run_dir: str, split: str, data: str | None, force_other_dat
               help="Cheap search (TAN): run every point at this expected batch b < B with the noise multiplier "
                    "scaled by b/B, same steps. NOT private at the target epsilons (runs and files say so); each "
                    "spends its own epsilon, composed into privacy.json. Train the chosen setting with `dpscale train`.")
+@click.option("--print-private-diagnostics", is_flag=True,
+              help="Also print the held-out and baseline scores (and the settings chosen on held-out rows) in the "
+                   "JSON line: NOT covered by epsilon. Without it the line names the owner-only files that hold them.")
 @TRAINING_OPTIONS
 @click.pass_context
 def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, ...], **options: Any) -> None:
@@ -193,7 +196,8 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     grid values and a fresh secret seed. Writes OUT_DIR/runs.csv, summary.csv, summary.md,
     accuracy_vs_epsilon.png and privacy.json (the composed epsilon of every private run in
     OUT_DIR/runs). With --holdout N (and --private-diagnostics) the best setting per epsilon is
-    chosen on the held-out rows and its test score reported; without it nothing is chosen.
+    chosen on the held-out rows and its test score reported in owner-only *.NOT-PRIVATE.* tables;
+    without it nothing is chosen.
     Finished runs are reused only for the same data and settings, so an interrupted sweep
     continues where it stopped; anything else is refused.
     """
@@ -210,9 +214,7 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
     echo_warnings(result.warnings)
     click.echo(f"dpscale: {_privacy_line(result)}", err=True)
-    payload = result.as_dict()
-    payload.pop("rows")
-    print_json_line(payload)
+    print_json_line(result.line())
 
 
 def _privacy_line(result: Any) -> str:
@@ -323,7 +325,8 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
 @click.option("--batch-size", type=COUNT, required=True, help="Expected (Poisson) batch size B.")
 @click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
 @click.option("--batch-capacity", type=COUNT, default=None,
-              help="Most examples a step holds (a run's ledger records it) [the rule train uses].")
+              help="Most examples a step holds, at least --batch-size (a run's ledger records it) "
+                   "[the rule train uses].")
 @delta_option()
 @click.option("--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True,
               help=ACCOUNTANT_HELP)

@@ -11,8 +11,13 @@ run trains on all but the last N training rows and is scored on those rows; per 
 setting with the best median held-out score is chosen, and only then are the chosen runs scored
 on the test split: those test scores are the sweep's result. Held-out scores (and a choice made
 from them) are exact statistics of private rows: such a sweep needs ``private_diagnostics``, and
-its tables and plot are private diagnostics (``*.NOT-PRIVATE.*``, mode 0600). Without held-out
-rows nothing is chosen: every grid point is reported with its test score.
+its tables and plot are private diagnostics (``*.NOT-PRIVATE.*``, mode 0600). The choice leaves
+no other trace: every run gets the same files (its held-out scores, 0600), the chosen runs' test
+scores are computed without being saved in them, and the JSON line withholds every field that
+depends on held-out rows (or on the baseline) unless ``print_private_diagnostics`` (then it names
+them as not private). A later sweep in OUT_DIR never makes owner-only tables readable again
+(``sweep_report.remove_stale_tables``). Without held-out rows nothing is chosen: every grid point
+is reported with its test score.
 
 Reuse: a run directory that already holds this sweep's run is reused, so an interrupted sweep
 continues where it stopped instead of redoing (or re-spending) finished runs. A directory is
@@ -75,6 +80,7 @@ class SweepConfig:
     baseline_learning_rate: float = 0.5
     baseline_momentum: float = 0.9
     simulate_batch: int | None = None  # run every point as a TAN simulation at this expected batch
+    print_private_diagnostics: bool = False  # the JSON line carries held-out and baseline scores too
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple((name, tuple(values)) for name, values in self.grid))
@@ -100,7 +106,8 @@ class SweepConfig:
     def from_options(cls, data: str, out_dir: str, *, epsilons: tuple[float, ...] | None = None,
                      learning_rates: tuple[float, ...] = (), grid: tuple[Axis, ...] = (), repeats: int = 3,
                      baseline: bool = False, baseline_learning_rate: float = 0.5, baseline_momentum: float = 0.9,
-                     simulate_batch: int | None = None, mode: Mode | None = None, **options: Any) -> SweepConfig:
+                     simulate_batch: int | None = None, print_private_diagnostics: bool = False,
+                     mode: Mode | None = None, **options: Any) -> SweepConfig:
         """A sweep from flat options: the grid's, then every run's as ``train`` takes them.
 
         ``grid`` may name epsilon and the learning rate too (the same as ``epsilons`` and
@@ -122,7 +129,7 @@ class SweepConfig:
         return cls(data=data, out_dir=out_dir, training=training, epsilons=epsilons, learning_rates=learning_rates,
                    grid=tuple(axes.items()), repeats=repeats, baseline=baseline,
                    baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum,
-                   simulate_batch=simulate_batch)
+                   simulate_batch=simulate_batch, print_private_diagnostics=print_private_diagnostics)
 
     @property
     def grid_learning_rates(self) -> tuple[float, ...]:
@@ -161,9 +168,31 @@ class SweepResult:
     private_runs: int = 0  # how many private runs privacy.json composes
     simulation: dict[str, Any] | None = None
     baseline: tuple[dict[str, Any], ...] = ()  # NOT private: the baseline's summary, when asked for
+    private_fields: tuple[str, ...] = ()  # fields above that depend on held-out rows or on the baseline
+    private_files: tuple[str, ...] = ()  # where those are kept, owner-only
+    print_private: bool = False  # whether ``line`` carries the private fields
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"warnings": list(self.warnings)}
+
+    def line(self) -> dict[str, Any]:
+        """What the command prints: no per-run rows, and the private fields only when asked for, named either way."""
+        payload = {k: v for k, v in self.as_dict().items()
+                   if k not in ("rows", "private_fields", "private_files", "print_private")}
+        if not self.private_fields:
+            return payload
+        what = {"fields": list(self.private_fields), "files": list(self.private_files)}
+        if self.print_private:
+            return payload | {"not_private": what | {"note": f"{', '.join(self.private_fields)}: {_PRINTED}"}}
+        for name in self.private_fields:
+            payload.pop(name)
+        return payload | {"withheld": what | {"note": _WITHHELD}}
+
+
+_WITHHELD = ("left out: they depend on held-out training rows or on the non-private baseline, which epsilon does "
+             "NOT cover; they are in the owner-only files named (print them with --print-private-diagnostics)")
+_PRINTED = ("printed as asked (--print-private-diagnostics): held-out or baseline scores, private diagnostics that "
+            "epsilon does NOT cover; keep this output to yourself")
 
 
 # -- which runs, and whether OUT_DIR may hold them -------------------------------------------
@@ -256,7 +285,9 @@ def _choose(config: SweepConfig, rows: list[dict[str, Any]], summary: list[dict[
         if not config.simulate_batch:  # the test split is read now, for the chosen runs only
             members = [r for r in rows
                        if r["epsilon"] == best["epsilon"] and all(r[o] == v for o, v in setting.items())]
-            tests = [_score(config, r["run_dir"], "test", private=True)["ema_top1"] for r in members]
+            # Scored, never saved: a metrics.json in the chosen runs only would tell anyone the choice.
+            tests = [evaluate.run(evaluate.EvaluateConfig(run_dir=r["run_dir"], split="test", save=False)).ema_top1
+                     for r in members]
             entry |= {"test_median_top1": statistics.median(tests), "test_min_top1": min(tests),
                       "test_max_top1": max(tests)}
         chosen.append(entry)
@@ -334,15 +365,19 @@ def run(config: SweepConfig) -> SweepResult:
     record["note"] = sweep_report.privacy_note(record)
     directory.write_privacy(record)
 
-    sweep_report.remove_stale_tables(config.out_dir)
+    closed = sweep_report.remove_stale_tables(config.out_dir)
     label = "target epsilon" if config.simulate_batch else "epsilon"
     sweep_report.write_tables(config.out_dir, rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows],
                               summary=summary, chosen=chosen, options=config.options,
-                              head=_head(config, record, selection), diagnostic=diagnostic, epsilon_label=label)
+                              head=_head(config, record, selection), diagnostic=diagnostic,
+                              owner_only=bool(closed), epsilon_label=label)
     sweep_report.plot(config.out_dir, summary=summary, chosen=[] if config.simulate_batch else chosen,
                       options=config.options, title=_title(config, chosen), diagnostic=diagnostic,
-                      epsilon_label=label)
+                      owner_only=bool(closed), epsilon_label=label)
     warnings = list(record["warnings"])
+    if closed:
+        warnings.append(f"replaced the owner-only tables of an earlier sweep in {config.out_dir!r} "
+                        f"({', '.join(closed)}): this sweep's tables are owner-only (mode 0600) too")
     if config.scores_private_rows:
         warnings.append(release.warning(f"the sweep's tables and plot in {config.out_dir!r} ({config.split} scores)"))
     if config.simulate_batch:
@@ -359,7 +394,24 @@ def run(config: SweepConfig) -> SweepResult:
                                   head=["Non-private baseline: NOT private. Trained on the same private data without "
                                         "any guarantee; keep these results to yourself."])
         warnings.append(release.warning(f"the non-private baseline in {baseline_dir!r}"))
+    private_fields, private_files = _private_outputs(config, bool(baseline_rows))
+    if private_fields and config.print_private_diagnostics:
+        warnings.append(f"the JSON line's {', '.join(private_fields)} {_PRINTED}")
     return SweepResult(out_dir=config.out_dir, rows=tuple(rows), summary=tuple(summary),
                        composed_epsilon=record["composed_epsilon"], delta=delta, covered_by_epsilon=not diagnostic,
                        warnings=tuple(warnings), chosen=tuple(chosen), selection=selection,
-                       private_runs=record["private_runs"], simulation=simulation, baseline=tuple(baseline_summary))
+                       private_runs=record["private_runs"], simulation=simulation, baseline=tuple(baseline_summary),
+                       private_fields=private_fields, private_files=private_files,
+                       print_private=config.print_private_diagnostics)
+
+
+def _private_outputs(config: SweepConfig, baseline: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The result's fields that depend on held-out rows or on the baseline, and the owner-only files with them."""
+    fields, where = [], []
+    if config.scores_private_rows:
+        fields += ["summary", "chosen"]
+        where += [files.join(config.out_dir, release.diagnostic_name(n)) for n in (SUMMARY_MD, sweep_report.CHOSEN_CSV)]
+    if baseline:
+        fields.append("baseline")
+        where.append(files.join(config.out_dir, BASELINE_DIR, release.diagnostic_name(SUMMARY_MD)))
+    return tuple(fields), tuple(where)

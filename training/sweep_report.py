@@ -7,12 +7,18 @@ nothing is chosen and every grid point is reported.
 
 What the sweep released (``privacy.json``) is the sweep directory's business
 (``training.sweep_directory``); ``privacy_note`` says it in words.
+
+Tables of private diagnostics (held-out scores, a choice made on them, simulations) are named
+``*.NOT-PRIVATE.*`` and written owner-only (0600). A later sweep in the same directory replaces
+an earlier one's tables, but never makes them readable again: if any table it removes was
+owner-only, its own are owner-only too (``remove_stale_tables`` says which it removed).
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import stat
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -71,25 +77,40 @@ def _percent(value: float) -> str:
     return f"{100 * value:.2f}%"
 
 
-def _open(out_dir: str, name: str, *, diagnostic: bool, binary: bool = False) -> Any:
-    """A table file; private diagnostics get their name and mode 0600."""
+def _open(out_dir: str, name: str, *, diagnostic: bool, owner_only: bool = False, binary: bool = False) -> Any:
+    """A table file; private diagnostics get their name, and they (or ``owner_only``) mode 0600."""
     path = files.join(out_dir, release.diagnostic_name(name) if diagnostic else name)
-    return open_for_writing(path, private=diagnostic, binary=binary)
+    return open_for_writing(path, private=diagnostic or owner_only, binary=binary)
 
 
-def remove_stale_tables(out_dir: str) -> None:
-    """Drop the tables of an earlier invocation: they describe its grid, not this one's (its runs stay)."""
+def _is_owner_only(path: str) -> bool:
+    st = os.lstat(path)
+    return stat.S_ISREG(st.st_mode) and not st.st_mode & 0o077
+
+
+def remove_stale_tables(out_dir: str) -> list[str]:
+    """Drop the tables of an earlier invocation: they describe its grid, not this one's (its runs stay).
+
+    Returns the names of those that were owner-only: the tables that replace them must be too.
+    """
+    closed = []
     for name in TABLES:
         for variant in (name, release.diagnostic_name(name)):
             path = files.join(out_dir, variant)
-            if os.path.lexists(path) or files.is_url(path) and files.exists(path):  # lexists: a dangling link too
+            if files.is_url(path):  # no modes: the bucket's access control decides
+                if files.exists(path):
+                    files.remove(path)
+            elif os.path.lexists(path):  # lexists: a dangling link too
+                if _is_owner_only(path):
+                    closed.append(variant)
                 files.remove(path)
+    return closed
 
 
-def _csv(out_dir: str, name: str, table: Sequence[dict[str, Any]], *, diagnostic: bool) -> None:
+def _csv(out_dir: str, name: str, table: Sequence[dict[str, Any]], *, diagnostic: bool, owner_only: bool) -> None:
     if not table:
         return
-    with _open(out_dir, name, diagnostic=diagnostic) as f:
+    with _open(out_dir, name, diagnostic=diagnostic, owner_only=owner_only) as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
         writer.writeheader()
         writer.writerows(table)
@@ -97,11 +118,14 @@ def _csv(out_dir: str, name: str, table: Sequence[dict[str, Any]], *, diagnostic
 
 def write_tables(out_dir: str, *, rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]],
                  chosen: Sequence[dict[str, Any]], options: Sequence[str], head: Sequence[str],
-                 diagnostic: bool, epsilon_label: str = "epsilon") -> None:
-    """runs.csv, summary.csv, summary.md and (after a choice) chosen.csv; ``head`` opens summary.md."""
-    _csv(out_dir, RUNS_CSV, rows, diagnostic=diagnostic)
-    _csv(out_dir, SUMMARY_CSV, summary, diagnostic=diagnostic)
-    _csv(out_dir, CHOSEN_CSV, chosen, diagnostic=diagnostic)
+                 diagnostic: bool, owner_only: bool = False, epsilon_label: str = "epsilon") -> None:
+    """runs.csv, summary.csv, summary.md and (after a choice) chosen.csv; ``head`` opens summary.md.
+
+    ``diagnostic``: named ``*.NOT-PRIVATE.*`` and owner-only; ``owner_only``: owner-only whatever they hold.
+    """
+    _csv(out_dir, RUNS_CSV, rows, diagnostic=diagnostic, owner_only=owner_only)
+    _csv(out_dir, SUMMARY_CSV, summary, diagnostic=diagnostic, owner_only=owner_only)
+    _csv(out_dir, CHOSEN_CSV, chosen, diagnostic=diagnostic, owner_only=owner_only)
     split = summary[0]["split"] if summary else "test"
     columns = [epsilon_label, *(flag(o) for o in options), "repeats", f"median {split} top-1 (EMA)", "min", "max"]
     lines = [*head, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
@@ -119,12 +143,13 @@ def write_tables(out_dir: str, *, rows: Sequence[dict[str, Any]], summary: Seque
             test = [_percent(c[k]) if tested else "-" for k in ("test_median_top1", "test_min_top1", "test_max_top1")]
             lines.append(f"| {c['epsilon']:g} | {setting_label([(o, c[o]) for o in options])} "
                          f"| {_percent(c['holdout_median_top1'])} | {' | '.join(test)} |")
-    with _open(out_dir, SUMMARY_MD, diagnostic=diagnostic) as f:
+    with _open(out_dir, SUMMARY_MD, diagnostic=diagnostic, owner_only=owner_only) as f:
         f.write("\n".join(lines) + "\n")
 
 
 def plot(out_dir: str, *, summary: Sequence[dict[str, Any]], chosen: Sequence[dict[str, Any]],
-         options: Sequence[str], title: str, diagnostic: bool, epsilon_label: str = "epsilon") -> None:
+         options: Sequence[str], title: str, diagnostic: bool, owner_only: bool = False,
+         epsilon_label: str = "epsilon") -> None:
     """Accuracy vs epsilon: the chosen setting per epsilon, or one line per setting when none was chosen.
 
     The epsilon axis is logarithmic, its ticks are the grid's epsilons written plainly (1, 2, 4, 8).
@@ -169,7 +194,7 @@ def plot(out_dir: str, *, summary: Sequence[dict[str, Any]], chosen: Sequence[di
     ax.legend(loc="lower right", fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    with _open(out_dir, PLOT, diagnostic=diagnostic, binary=True) as f:  # 0600 before any pixel
+    with _open(out_dir, PLOT, diagnostic=diagnostic, owner_only=owner_only, binary=True) as f:  # 0600 before any pixel
         fig.savefig(f, format="png")
     plt.close(fig)
 
