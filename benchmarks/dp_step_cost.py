@@ -92,6 +92,7 @@ def xla_step_cost(data: str, *, model: str, microbatch: int, views: int, batch: 
     ``DpsgdStep.accumulate_traceable`` lowered at the shapes the run's feed produces.
     """
     import jax
+    import optax
 
     from dpscale.training.config import training_config
     from dpscale.training.model import build_train_model
@@ -102,8 +103,9 @@ def xla_step_cost(data: str, *, model: str, microbatch: int, views: int, batch: 
     train_model = build_train_model(data, config)
     plan = plan_for(config, train_model)
     clipped = train_model.clipped_sum_fn(config.clip_norm) if plan.private else None
-    step = plan.dp_step(train_model.loss_fn, seed=seed, clip_norm=config.clip_norm, clipped_sum_fn=clipped)
-    sampler = plan.sampler(seed=seed, microbatch_size=config.physical_batch)
+    step = plan.dp_step(train_model.loss_fn, seed=seed, clip_norm=config.clip_norm, clipped_sum_fn=clipped,
+                        optimizer=optax.sgd(config.learning_rate), ema_decay=config.ema_decay)
+    sampler = plan.sampler(seed=seed, microbatch_size=config.effective_microbatch_size)
     (views_batch, mask), *_ = train_model.make_feed(jax.random.key(seed)).microbatches(sampler.sample(0), 0)
     state = step.init(train_model.init_params(seed), train_model.model_state)
     compiled = jax.jit(step.accumulate_traceable).lower(
@@ -111,7 +113,7 @@ def xla_step_cost(data: str, *, model: str, microbatch: int, views: int, batch: 
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     count = sampler.layout.num_microbatches
-    return {"layout": f"{count} x {sampler.layout.slot_size}", "gflops": count * analysis["flops"] / 1e9,
+    return {"layout": f"{count} x {sampler.layout.microbatch_size}", "gflops": count * analysis["flops"] / 1e9,
             "gbytes_accessed": count * analysis["bytes accessed"] / 1e9,
             "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 2**20}
 
