@@ -148,7 +148,8 @@ class Trainer:
         # examples/s: the expected batch size x steps since the loop began over its time, as the result's
         # examples_per_second; the time left: from the steps after the first (which compiles)
         with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown"),
-                          unit=("examples", self.plan.batch_size), starting="compiling the DP step") as bar:
+                          unit=("examples", self.plan.batch_size),
+                          starting="compiling the DP step" if self.plan.private else "compiling the step") as bar:
             for step in range(start, total):
                 batch = self.sampler.sample(step)
                 state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
