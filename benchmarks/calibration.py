@@ -82,8 +82,7 @@ def main() -> None:
         f"N = {N:,}, B = {B:,}, T = {T:,}, delta = {DELTA:g}; Python {sys.version.split()[0]}, "
         f"1-min load average at the end: {load:.1f} (2 shared cores).",
         "",
-        f"Command: `python -m benchmarks.calibration --output benchmarks/results/calibration.md` "
-        f"({time.strftime('%Y-%m-%d %H:%M')})",
+        f"Command: `python -m benchmarks.calibration {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         "| accountant | target eps | solved for | value | achieved eps | probes | best s | median s |",
         "|---|---|---|---|---|---|---|---|",
