@@ -166,7 +166,8 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
 
     ``progress_dir`` is where workers ``mark`` finished work (None on a remote runner, whose
     own monitoring takes over); ``progress_unit`` names what they count (e.g. ``"images"``), to
-    show the throughput, over the time since ``progress_since`` (the stage's start, ``time.monotonic()``). A failure raises ``PipelineError`` and a local stall
+    show the throughput, over the time since ``progress_since`` (the stage's start,
+    ``time.monotonic()``). A failure raises ``PipelineError`` and a local stall
     ``PipelineStalledError``: one line each, with what to try. A worker's own user error
     (``DpscaleError``) is raised as it is, and an operating-system fault (a full disk) as a
     ``StorageError`` naming ``writes_to`` (where the pipeline writes) and ``rerun``.
