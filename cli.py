@@ -193,13 +193,27 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     """Train a grid over epsilon x learning rate (x any training option, x repeats) on the same DATA.
 
     Every run uses the training options below (as `dpscale train` reads them), with its own
-    grid values and a fresh secret seed. Writes OUT_DIR/runs.csv, summary.csv, summary.md,
-    accuracy_vs_epsilon.png and privacy.json (the composed epsilon of every private run in
-    OUT_DIR/runs). With --holdout N (and --private-diagnostics) the best setting per epsilon is
-    chosen on the held-out rows and its test score reported in owner-only *.NOT-PRIVATE.* tables;
-    without it nothing is chosen.
-    Finished runs are reused only for the same data and settings, so an interrupted sweep
-    continues where it stopped; anything else is refused.
+    grid values and a fresh secret seed; a gridded --batch-size or --steps needs no flag beside it.
+    Each run's progress line says which run of how many it is, and the sweep's time left.
+
+    \b
+    Writes to OUT_DIR:
+      runs/NAME/        every run (NAME: its grid point, e.g. eps8-lr2-r0)
+      privacy.json      the composed epsilon of every private run in runs/
+      sweep.json        the data the runs are of (reuse checks it)
+      summary.md, summary.csv, runs.csv, accuracy_vs_epsilon.png
+                        the results, when nothing is chosen (no --holdout)
+      summary.NOT-PRIVATE.md, summary.NOT-PRIVATE.csv, runs.NOT-PRIVATE.csv,
+      chosen.NOT-PRIVATE.csv, accuracy_vs_epsilon.NOT-PRIVATE.png
+                        instead, with --holdout N (chosen.*: the setting chosen
+                        per epsilon on held-out rows) or --simulate-batch:
+                        private diagnostics, owner-only
+      baseline.NOT-PRIVATE/
+                        with --baseline: its runs/, the same *.NOT-PRIVATE.*
+                        tables and a plot of the DP runs beside it; owner-only
+
+    At the end, stderr names the tables. Finished runs are reused only for the same data and
+    settings, so an interrupted sweep continues where it stopped; anything else is refused.
     """
     from dpscale.stages import sweep
 
@@ -213,7 +227,8 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
         echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
     echo_warnings(result.warnings)
-    click.echo(f"dpscale: {_privacy_line(result)}", err=True)
+    for line in (*result.report(), _privacy_line(result)):
+        click.echo(f"dpscale: {line}", err=True)
     print_json_line(result.line())
 
 

@@ -38,6 +38,7 @@ every epsilon reported and calibrated for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Iterator
@@ -97,8 +98,9 @@ class Truncation:
         return float(stats.binom.sf(self.capacity - 1, self.dataset_size - 1, sampling_rate))
 
 
+@functools.lru_cache(maxsize=256)  # pure, ~0.2 s each; a calibration asks for one step many times
 def _poisson_rdp(noise_multiplier: float, sampling_rate: float) -> tuple[np.ndarray, np.ndarray]:
-    """(orders, per-order RDP) of one Poisson-subsampled Gaussian step, from dp-accounting.
+    """(orders, per-order RDP) of one Poisson-subsampled Gaussian step, from dp-accounting (read-only arrays).
 
     dp-accounting has no public accessor for the per-order RDP vector; it is read from its
     accountant (the same series it composes) so that it is computed once per mechanism.
@@ -106,7 +108,10 @@ def _poisson_rdp(noise_multiplier: float, sampling_rate: float) -> tuple[np.ndar
     accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
     with quiet_rdp_warnings():
         accountant.compose(step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate))
-    return np.asarray(accountant._orders), np.asarray(accountant._rdp)  # noqa: SLF001 - read-only use
+    orders, rdp = np.array(accountant._orders, dtype=float), np.array(accountant._rdp, dtype=float)  # noqa: SLF001
+    orders.setflags(write=False)
+    rdp.setflags(write=False)
+    return orders, rdp
 
 
 def truncated_step_rdp(orders: np.ndarray, untruncated: np.ndarray, *, noise_multiplier: float,
@@ -218,9 +223,41 @@ def epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta:
     """Epsilon at ``delta`` of ``steps`` DP-SGD steps after ``releases``, by ``accountant``."""
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=steps,
                     releases=tuple(releases))
-    curve = EpsilonCurve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
-                         accountant=accountant, releases=tuple(releases), truncation=truncation)
+    curve = epsilon_curve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
+                          accountant=accountant, releases=tuple(releases), truncation=truncation)
     return curve(steps)
+
+
+def epsilon_curve(*, noise_multiplier: float, sampling_rate: float, delta: float, accountant: Accountant = "pld",
+                  pld_discretization: float = PLD_DISCRETIZATION, releases: tuple[float, ...] = (),
+                  truncation: Truncation | None = None) -> EpsilonCurve:
+    """The process's one ``EpsilonCurve`` of a mechanism (the last ``CURVES`` asked for are kept).
+
+    Building a curve (the one-step PLD) costs up to seconds, and the same mechanism is asked about
+    again and again: a calibration's last probe and its check, the plan's report, every ledger
+    write, a sweep's repeats. A curve is a pure function of these arguments, so sharing it changes
+    no number.
+    """
+    return _shared_curve(float(noise_multiplier), float(sampling_rate), float(delta), accountant,
+                         float(pld_discretization), tuple(float(r) for r in releases), truncation)
+
+
+CURVES = 64
+
+
+def clear_caches() -> None:
+    """Forget every shared curve and one-step RDP (a benchmark times a cold process this way)."""
+    _shared_curve.cache_clear()
+    _poisson_rdp.cache_clear()
+
+
+@functools.lru_cache(maxsize=CURVES)
+def _shared_curve(noise_multiplier: float, sampling_rate: float, delta: float, accountant: Accountant,
+                  pld_discretization: float, releases: tuple[float, ...],
+                  truncation: Truncation | None) -> EpsilonCurve:
+    return EpsilonCurve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
+                        accountant=accountant, pld_discretization=pld_discretization, releases=releases,
+                        truncation=truncation)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,10 @@ trains on the same private data without any guarantee: it is a private diagnosti
 ``baseline.NOT-PRIVATE/`` (mode 0700, tables 0600), and the composed guarantee holds only
 without it. Simulated runs (``simulate_batch``) are DP at their own, larger epsilon, not at their
 target's: they say so in their names, files, ledgers and the result, and are composed like any run.
+
+Following it: every run's progress line says ``sweep run k of n (NAME)`` and the sweep's time left
+(``training.sweep_progress``); ``SweepResult.report`` says at the end where the tables are. A
+gridded batch size or number of steps needs no flag of its own; the baseline runs per gridded value.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from dpscale import files
 from dpscale.errors import InvalidConfigError
 from dpscale.stages import evaluate, train
 from dpscale.training import release, sweep_report
+from dpscale.training.sweep_progress import SweepProgress
 from dpscale.training.config import Mode, TrainingConfig, training_config
 from dpscale.training.grid import SIMULATION_NOTE, Axis, GridPoint, Simulation, check_axes, flag, grid_points, simulate
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model, detect_mode
@@ -125,6 +130,9 @@ class SweepConfig:
         learning_rates = tuple(axes.pop("learning_rate", learning_rates))
         if learning_rates:
             options["learning_rate"] = learning_rates[0]
+        for name in ("batch_size", "steps"):  # gridded: every point gives its own (the shared one is a stand-in)
+            if name in axes and options.get(name) is None and axes[name]:
+                options[name] = axes[name][0]
         training = training_config(mode or detect_mode(data), epsilon=math.inf, **options)
         return cls(data=data, out_dir=out_dir, training=training, epsilons=epsilons, learning_rates=learning_rates,
                    grid=tuple(axes.items()), repeats=repeats, baseline=baseline,
@@ -171,9 +179,18 @@ class SweepResult:
     private_fields: tuple[str, ...] = ()  # fields above that depend on held-out rows or on the baseline
     private_files: tuple[str, ...] = ()  # where those are kept, owner-only
     print_private: bool = False  # whether ``line`` carries the private fields
+    files: tuple[str, ...] = ()  # the tables and plots written, summary.md first (owner-only ones named so)
+    runs_trained: int = 0  # by this invocation
+    runs_reused: int = 0  # finished runs found in OUT_DIR
+    seconds: float = 0.0  # this invocation's wall time
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"warnings": list(self.warnings)}
+
+    def report(self) -> list[str]:
+        """A few lines for the reader (stderr): what ran, where the tables are; no score (those are in them)."""
+        return sweep_report.finished_lines(self.out_dir, self.files, trained=self.runs_trained,
+                                           reused=self.runs_reused, seconds=self.seconds)
 
     def line(self) -> dict[str, Any]:
         """What the command prints: no per-run rows, and the private fields only when asked for, named either way."""
@@ -328,23 +345,18 @@ def _head(config: SweepConfig, record: dict[str, Any], selection: str) -> list[s
     return head
 
 
-def _title(config: SweepConfig, chosen: list[dict[str, Any]]) -> str:
-    options = ", ".join(flag(o).replace("learning-rate", "learning rate") for o in config.options)
-    if config.simulate_batch:
-        return (f"TAN simulation at batch {config.simulate_batch}, NOT private at these epsilons: every setting "
-                f"({config.split} scores)")
-    if chosen:
-        return f"best {options} per epsilon, chosen on held-out training rows; test scores of the chosen runs"
-    return "every grid point; none chosen (no --holdout): test scores"
-
-
 def run(config: SweepConfig) -> SweepResult:
     points, simulations = _points(config)
     directory = SweepDirectory(config.out_dir)
     directory.check_data(config.data, config.training)
     for point in points:  # every refusal before any training
         directory.check_reusable(point, config.data)
-    results = [_one(config, directory, point, simulations.get(point.name)) for point in points]
+    finished = [directory.finished(RunDirectory(files.absolute(directory.run_dir(p)))) for p in points]
+    progress = SweepProgress(total=len(points), to_train=finished.count(False))
+    results = []
+    for index, (point, done) in enumerate(zip(points, finished), 1):
+        with progress.run(index, point.name, finished=done):
+            results.append(_one(config, directory, point, simulations.get(point.name)))
     rows = [r for r in results if r["kind"] != "baseline"]
     baseline_rows = [r for r in results if r["kind"] == "baseline"]
     summary = sweep_report.summarize(rows, config.options)
@@ -366,14 +378,16 @@ def run(config: SweepConfig) -> SweepResult:
     directory.write_privacy(record)
 
     closed = sweep_report.remove_stale_tables(config.out_dir)
-    label = "target epsilon" if config.simulate_batch else "epsilon"
-    sweep_report.write_tables(config.out_dir, rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows],
-                              summary=summary, chosen=chosen, options=config.options,
-                              head=_head(config, record, selection), diagnostic=diagnostic,
-                              owner_only=bool(closed), epsilon_label=label)
-    sweep_report.plot(config.out_dir, summary=summary, chosen=[] if config.simulate_batch else chosen,
-                      options=config.options, title=_title(config, chosen), diagnostic=diagnostic,
-                      owner_only=bool(closed), epsilon_label=label)
+    baseline_summary = sweep_report.summarize(baseline_rows, config.options) if baseline_rows else []
+    simulated = config.simulate_batch
+    written = sweep_report.write_all(
+        config.out_dir, directory.file(BASELINE_DIR) if baseline_rows else None, options=config.options,
+        rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows], summary=summary, chosen=chosen,
+        plotted=[] if simulated else chosen, head=_head(config, record, selection), diagnostic=diagnostic,
+        owner_only=bool(closed), epsilon_label="target epsilon" if simulated else "epsilon",
+        title=sweep_report.title(config.options, chosen=bool(chosen), simulate_batch=simulated, split=config.split),
+        baseline_rows=[{k: v for k, v in r.items() if k != "kind"} for r in baseline_rows],
+        baseline_summary=baseline_summary, make_baseline_dir=directory.make_baseline_dir)
     warnings = list(record["warnings"])
     if closed:
         warnings.append(f"replaced the owner-only tables of an earlier sweep in {config.out_dir!r} "
@@ -383,17 +397,8 @@ def run(config: SweepConfig) -> SweepResult:
     if config.simulate_batch:
         warnings.append(f"{SIMULATION_NOTE}: the runs in {config.out_dir!r} ran at batch {config.simulate_batch} with "
                         "less noise per example than their target epsilons; each spent its own epsilon (privacy.json)")
-    baseline_summary: list[dict[str, Any]] = []
     if baseline_rows:
-        baseline_dir = directory.make_baseline_dir()
-        baseline_summary = sweep_report.summarize(baseline_rows, config.options)
-        sweep_report.remove_stale_tables(baseline_dir)
-        sweep_report.write_tables(baseline_dir, rows=[{k: v for k, v in r.items() if k != "kind"}
-                                                      for r in baseline_rows],
-                                  summary=baseline_summary, chosen=[], options=config.options, diagnostic=True,
-                                  head=["Non-private baseline: NOT private. Trained on the same private data without "
-                                        "any guarantee; keep these results to yourself."])
-        warnings.append(release.warning(f"the non-private baseline in {baseline_dir!r}"))
+        warnings.append(release.warning(f"the non-private baseline in {directory.file(BASELINE_DIR)!r}"))
     private_fields, private_files = _private_outputs(config, bool(baseline_rows))
     if private_fields and config.print_private_diagnostics:
         warnings.append(f"the JSON line's {', '.join(private_fields)} {_PRINTED}")
@@ -402,7 +407,8 @@ def run(config: SweepConfig) -> SweepResult:
                        warnings=tuple(warnings), chosen=tuple(chosen), selection=selection,
                        private_runs=record["private_runs"], simulation=simulation, baseline=tuple(baseline_summary),
                        private_fields=private_fields, private_files=private_files,
-                       print_private=config.print_private_diagnostics)
+                       print_private=config.print_private_diagnostics, files=tuple(written),
+                       runs_trained=progress.trained, runs_reused=progress.reused, seconds=round(progress.seconds, 1))
 
 
 def _private_outputs(config: SweepConfig, baseline: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -1,6 +1,7 @@
 """The epsilon and calibrate commands: contract, JSON fields, one-line errors."""
 
 import json
+import time
 import re
 
 import dp_accounting
@@ -255,3 +256,19 @@ def test_cli_help_explains_the_command(command):
                  "--accountant", "--json"):
         assert flag in result.output
     assert "Example" in result.output
+
+
+def test_a_calibration_that_takes_a_while_says_so_on_stderr(capsys, monkeypatch):
+    """`dpscale calibrate` ran for 100 s without a word (issue 50); a search past a few seconds now says what it is."""
+    from dpscale import progress
+    from dpscale.stages import calibrate
+
+    monkeypatch.setattr(progress, "STATUS_AFTER_SECONDS", 0.05)
+    real = PrivacyPlan.calibrate
+    monkeypatch.setattr(calibrate.PrivacyPlan, "calibrate", lambda *a, **k: time.sleep(0.5) or real(*a, **k))
+    run_calibrate(CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL))
+    err = capsys.readouterr().err
+    assert re.search(r"\d\d:\d\d:\d\d calibrate: solving for the batch size \(RDP accountant\) \.\.\., 0:00 elapsed", err)
+    run_calibrate(CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL,
+                                  show_progress=False))
+    assert capsys.readouterr().err == ""

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 
 import dp_accounting
@@ -349,3 +350,44 @@ def test_bad_sweeps_are_refused_before_anything_is_written(features, tmp_path, o
     with pytest.raises(InvalidConfigError, match=match):
         sweep.run(_config(features, tmp_path / "sweep", **overrides))
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_gridded_batch_size_needs_no_flag_and_the_baseline_runs_once_per_value(features, tmp_path):
+    """--grid batch-size=... with --baseline used to be refused both with --batch-size and without it."""
+    from click.testing import CliRunner
+
+    from dpscale.cli import cli
+
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(cli, ["sweep", features, str(out), "--epsilons", "2", "--learning-rates", "4",
+                                      "--grid", "batch-size=64,128", "--steps", "4", "--microbatch-size", "64",
+                                      "--repeats", "1", "--baseline", "--accountant", "rdp"])
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(out / "runs")) == ["eps2-lr4-batch-size128-r0", "eps2-lr4-batch-size64-r0"]
+    assert sorted(os.listdir(out / sweep.BASELINE_DIR / "runs")) == ["nonprivate-lr0.5-batch-size128-r0",
+                                                                       "nonprivate-lr0.5-batch-size64-r0"]
+    # the baseline is drawn beside the DP runs only in its own owner-only plot
+    plot = out / sweep.BASELINE_DIR / "accuracy_vs_epsilon.NOT-PRIVATE.png"
+    assert plot.stat().st_size > 1000 and os.stat(plot).st_mode & 0o777 == 0o600
+    # every run's progress says which run of how many it is, and the grid point; the end names the tables
+    err = result.stderr
+    assert "sweep run 1 of 4 (eps2-lr4-batch-size64-r0) | train: 4/4" in err, err
+    assert re.search(r"sweep run 4 of 4 \(nonprivate-lr0\.5-batch-size128-r0; sweep ~\d+:\d\d left\) \| train", err)
+    assert "sweep finished: 4 runs (4 trained, 0 reused)" in err
+    assert f"the results: {out / sweep.SUMMARY_MD} (median and min-max per setting)" in err
+    line = json.loads(result.stdout)
+    assert line["runs_trained"] == 4 and str(out / sweep.PLOT) in line["files"] and "baseline" not in line
+
+
+def test_the_help_names_every_file_a_sweep_writes():
+    from click.testing import CliRunner
+
+    from dpscale.cli import cli
+    from dpscale.training import release, sweep_report
+
+    text = " ".join(CliRunner().invoke(cli, ["sweep", "--help"]).output.split())
+    for name in sweep_report.TABLES:
+        assert release.diagnostic_name(name) in text, name  # held-out and simulated sweeps
+        assert name in text or name == sweep_report.CHOSEN_CSV, name  # a choice is made on held-out rows only
+    for name in (sweep.PRIVACY_JSON, sweep.RECORD, f"{sweep.RUNS}/", f"{sweep.BASELINE_DIR}/"):
+        assert name in text, name
