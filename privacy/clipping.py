@@ -17,6 +17,10 @@ Non-finite gradients are also counted, so a run can report them.
 Speed: per-example norms are computed first and the clipped sum is then one
 weighted contraction ``sum_i w_i g_i`` per parameter leaf; clipping each g_i
 inside ``vmap`` is several times slower on CPU (~400 vs ~2,600 examples/s for a small CNN).
+
+Floating point: the norms are proven upper bounds of the exact norms of what is summed
+(``privacy.rounding``), and the weights cover their own division and the product ``w_i g_i``,
+so each example's contribution has norm at most 1 exactly, not only up to rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
+from dpscale.privacy.rounding import U, inflate, norm_bound, upper_sum_of_squares
 
 PyTree = Any
 # loss_fn(params, model_state, views) -> scalar mean loss over the leading (view) axis.
@@ -98,10 +104,17 @@ def per_example_gradients(
 
 
 def per_example_norms(per_example_grads: PyTree) -> jax.Array:
-    """Global L2 norm of each example's gradient across all parameter leaves."""
+    """An upper bound (within ~10^-5) of each example's global L2 norm across all parameter leaves.
+
+    Proven for any order of summation (``privacy.rounding``); a norm too large for float32 is inf.
+    """
     leaves = jax.tree_util.tree_leaves(per_example_grads)
-    squares = [jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in leaves]
-    return jnp.sqrt(sum(squares))
+    return norm_bound([upper_sum_of_squares(g) for g in leaves])
+
+
+# The division 1 / max(C, n) rounds by at most 2u (correctly rounded or not), and each product
+# w_i g_i by u: a bound inflated by this many units of roundoff keeps ||w_i g_i|| <= 1 after both.
+_WEIGHT_ULPS = 8
 
 
 def clip_weights(
@@ -109,10 +122,12 @@ def clip_weights(
 ) -> tuple[jax.Array, jax.Array]:
     """Weights w_i with ``w_i * g_i = clip_C(g_i) / C`` and a per-example finiteness flag.
 
-    ``min(1, C/n) / C == 1 / max(C, n)``. Masked and non-finite examples get 0.
+    ``min(1, C/n) / C == 1 / max(C, n)``; ``norms`` must be upper bounds of the norms of what
+    the weights multiply. Masked and non-finite examples get 0.
     """
     finite = jnp.isfinite(norms)
-    weights = jnp.where(finite & (mask > 0), 1.0 / jnp.maximum(clip_norm, norms), 0.0)
+    bound = inflate(norms.astype(jnp.float32), _WEIGHT_ULPS * U)
+    weights = jnp.where(finite & (mask > 0), 1.0 / jnp.maximum(jnp.float32(clip_norm), bound), 0.0)
     return weights.astype(jnp.float32), finite
 
 
@@ -127,7 +142,9 @@ def weighted_sum(per_example_grads: PyTree, weights: jax.Array, finite: jax.Arra
 
     def zero_then_contract(g: jax.Array) -> jax.Array:
         keep = finite.reshape((-1,) + (1,) * (g.ndim - 1))
-        return jnp.tensordot(weights, jnp.where(keep, g, jnp.zeros((), g.dtype)), axes=1)
+        kept = jnp.where(keep, g.astype(jnp.float32), jnp.zeros((), jnp.float32))
+        # Full float32: a TF32 default (GPUs) would round each g_i by 2^-11, beyond its norm's bound.
+        return jnp.tensordot(weights, kept, axes=1, precision=jax.lax.Precision.HIGHEST).astype(g.dtype)
 
     return jax.tree_util.tree_map(zero_then_contract, per_example_grads)
 
@@ -181,10 +198,19 @@ def make_clipped_sum_fn(loss_fn: LossFn, *, clip_norm: float) -> ClippedSumFn:
     check_clip_norm(clip_norm)
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+        check_float32_params(params)
         losses, grads = per_example_gradients(loss_fn, params, model_state, batch)
         return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
 
     return ClippedSumFn(clipped_sum, sensitivity=1.0)
+
+
+def check_float32_params(params: PyTree) -> None:
+    """Every parameter is float32: a sum kept in a lower precision would round each example's
+    clipped gradient beyond its bound (bf16: by 2^-9)."""
+    wrong = sorted({str(jnp.result_type(leaf)) for leaf in jax.tree_util.tree_leaves(params)} - {"float32"})
+    if wrong:
+        raise InvalidConfigError(f"DP-SGD needs float32 parameters, got {', '.join(wrong)}")
 
 
 def make_unclipped_sum_fn(loss_fn: LossFn) -> ClippedSumFn:
