@@ -103,6 +103,32 @@ def per_example_gradients(
     return jax.vmap(value_and_grad_one, in_axes=(None, None, 0))(params, model_state, batch)
 
 
+def hold(tree: PyTree) -> PyTree:
+    """The same per-example values (leading axis), read from one buffer by every consumer.
+
+    XLA may fuse a value's computation into each of its consumers and so compute it once per
+    consumer, with different roundings (a multiply-add contracted in one, a reduction ordered
+    otherwise in another): a norm would then bound another vector than the one summed (measured:
+    2e-6 over on a WS layer, 24% on a constant image's gradient). A loop's outputs are buffers,
+    which no consumer recomputes, so the values pass through a scan of at least two iterations
+    (an optimisation barrier does not do it: XLA's CPU backend removes it before fusing).
+    ``x * 1`` is exact (a subnormal may be flushed to zero: the held value is then the smaller).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    size = leaves[0].shape[0]
+    parts = next((k for k in range(2, size + 1) if size % k == 0), None)
+    if parts is None:  # one example: a second, empty one makes the second iteration
+        stacked = [jnp.stack([x, jnp.zeros_like(x)]) for x in leaves]
+    else:
+        stacked = [x.reshape((parts, size // parts) + x.shape[1:]) for x in leaves]
+    _, out = jax.lax.scan(lambda one, xs: (one, [x * one.astype(x.dtype) for x in xs]), jnp.ones((), jnp.float32),
+                          stacked)
+    out = [x[0] if parts is None else x.reshape((size,) + x.shape[2:]) for x in out]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def per_example_norms(per_example_grads: PyTree) -> jax.Array:
     """An upper bound (within ~10^-5) of each example's global L2 norm across all parameter leaves.
 
@@ -156,7 +182,8 @@ def clipped_sum_from_gradients(
     clip_norm: float,
     losses: jax.Array | None = None,
 ) -> ClippedSum:
-    """Clip (to C, then divide by C) and sum given per-example gradients."""
+    """Clip (to C, then divide by C) and sum given per-example gradients (held: ``hold``)."""
+    per_example_grads = hold(per_example_grads)
     return clipped_sum_from_norms(
         per_example_norms(per_example_grads), mask, clip_norm=clip_norm, losses=losses,
         weighted=lambda weights, finite: weighted_sum(per_example_grads, weights, finite))

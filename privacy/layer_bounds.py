@@ -44,6 +44,7 @@ from flax import linen as nn
 
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping
+from dpscale.privacy.clipping import hold
 from dpscale.privacy.rounding import (U, ClipPrecision, Format, blocked_depth, blocked_sum, contract, gamma,
                                       monotone, underflow, upper_sqrt, upper_sum, upper_sum_of_squares)
 
@@ -226,22 +227,22 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
     geometry = WsGeometry.of(module, kernel)
     d, p, fmt = geometry.d, kernel.shape[-1], precision.norm_format
     positions = math.prod(g.shape[1:-1])
-    flat_g = g.reshape(g.shape[0], positions, p).astype(jnp.float32)
-    bias = {"bias": jnp.sum(flat_g, axis=1)} if module.use_bias else {}
+    bias = hold({"bias": jnp.sum(g.reshape(g.shape[0], positions, p), axis=1)}) if module.use_bias else {}
     bias_q = [held_square_bound(bias)] if bias else []
-    g2 = upper_sum_of_squares(flat_g)
     work = 4 * positions * (d + p)
 
     if strategy == "explicit":
-        def held_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, jax.Array]:
-            # The fold per example, inside the chunk: what is summed is what is measured.
-            folded = geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
-            return folded, upper_sum_of_squares(folded, keep=0)
+        def folded_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+            # The fold per example, before the sum: what is summed is what is measured.
+            return geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
 
-        held, q = chunked(held_one, (x, flat_g), work)
-        per_example = {"kernel": held.reshape((-1,) + kernel.shape), **bias}
-        return sum_bounds([q, *bias_q]), lambda weights, finite: held_sum(per_example, weights, finite)
+        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work)
+        per_example = {"kernel": hold(folded.reshape((-1,) + kernel.shape)), **bias}
+        return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
 
+    x, g = hold((x, g))  # the norm and the sum read the same recorded values
+    flat_g = g.reshape(g.shape[0], positions, p)
+    g2 = upper_sum_of_squares(flat_g)
     kappa = geometry.kappa
     if strategy == "streamed":
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
@@ -255,10 +256,12 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
         ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
         # ||v|| <= ||fold(centre(u~))|| + s_hat (kappa ||u~|| + err(u~)); the sum adds
-        # s_hat (err_sum + kappa ||U~||) with ||U~|| <= ||u~|| + err(u~) + err_sum.
+        # s_hat (err_sum + kappa ||U~||) with ||U~|| <= ||u~|| + err(u~) + err_sum. (The u~ whose
+        # norm is taken may be another evaluation of the product than the one folded: within
+        # 2 err(u~) of it.)
         u_norm = upper_sqrt(q_u)
-        slack = geometry.s_hat_max * (np.float32(2 * kappa) * u_norm
-                                  + np.float32(1 + kappa) * (norm_error + sum_error))
+        slack = geometry.s_hat_max * (np.float32(2 * kappa) * u_norm + np.float32(1 + 3 * kappa) * norm_error
+                                      + np.float32(1 + kappa) * sum_error)
         layer = upper_sqrt(q_folded) + monotone(slack, 8)
     else:
         scaled_g = flat_g * geometry.s_hat
@@ -291,15 +294,15 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
 def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
           precision: ClipPrecision) -> tuple[jax.Array, Summer]:
     b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
-    flat_x = x.reshape(b, -1, fan_in).astype(jnp.float32)
-    flat_g = g.reshape(b, -1, fan_out).astype(jnp.float32)
+    flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
     positions, fmt = flat_x.shape[1], precision.norm_format
-    bias = {"bias": jnp.sum(flat_g, axis=1)} if module.use_bias else {}
+    bias = hold({"bias": jnp.sum(flat_g, axis=1)}) if module.use_bias else {}
     bias_q = [held_square_bound(bias)] if bias else []
     if strategy == "explicit":
-        held = {"kernel": contract(fmt, "btf,bto->bfo", flat_x, flat_g), **bias}
-        return held_square_bound(held), lambda weights, finite: held_sum(held, weights, finite)
+        per_example = {"kernel": hold(contract(fmt, "btf,bto->bfo", flat_x, flat_g)), **bias}
+        return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
 
+    flat_x, flat_g = hold((flat_x, flat_g))  # the norm and the sum read the same recorded values
     a2, g2 = upper_sum_of_squares(flat_x), upper_sum_of_squares(flat_g)
     ag, norm_error = _product_errors(fmt, positions, fan_in, fan_out, a2, g2)
     sum_error = _summer_error(precision, positions, fan_in, fan_out, a2, g2)
@@ -331,11 +334,12 @@ def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy
 def book_keeping(calls: list[bookkeeping.LayerCall], params: PyTree, xs: list[jax.Array], gs: list[jax.Array],
                  precision: ClipPrecision) -> tuple[jax.Array, Summer]:
     """Held per-example gradients by book-keeping's rules, summed over the calls of one layer."""
-    held: dict[str, jax.Array] = {}
+    per_example: dict[str, jax.Array] = {}
     for call, x, g in zip(calls, xs, gs):
         grads = bookkeeping.per_example_layer_gradients(call, params, x, g, precision=precision.norm_format)
         for name, grad in grads.items():
-            held[name] = grad if name not in held else held[name] + grad
-    if not held:  # a layer without parameters (a normalisation with neither scale nor bias)
+            per_example[name] = grad if name not in per_example else per_example[name] + grad
+    if not per_example:  # a layer without parameters (a normalisation with neither scale nor bias)
         return jnp.zeros(xs[0].shape[:1], jnp.float32), lambda weights, finite: {}
-    return held_square_bound(held), lambda weights, finite: held_sum(held, weights, finite)
+    per_example = hold(per_example)
+    return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpscale.privacy.checks import check_clip_norm
-from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, clip_weights
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, clip_weights, hold
 from dpscale.privacy.rounding import TINY, U, gamma, inflate, monotone, upper_sqrt, upper_sum_of_squares
 
 PyTree = Any
@@ -48,7 +48,7 @@ def softmax_regression_clipped_sum(*, clip_norm: float) -> ClippedSumFn:
         logits = x @ params["kernel"] + params["bias"]
         log_probs = jax.nn.log_softmax(logits)
         onehot = jax.nn.one_hot(batch["label"], logits.shape[-1], dtype=logits.dtype)
-        residual = jnp.exp(log_probs) - onehot
+        residual = hold(jnp.exp(log_probs) - onehot)  # the norm and the sum read the same residuals
         losses = -jnp.sum(onehot * log_probs, axis=-1)
         given = batch.get("features_sq_norm")
         if given is None:
