@@ -118,15 +118,19 @@ def hold(tree: PyTree) -> PyTree:
     if not leaves:
         return tree
     size = leaves[0].shape[0]
-    parts = next((k for k in range(2, size + 1) if size % k == 0), None)
-    if parts is None:  # one example: a second, empty one makes the second iteration
-        stacked = [jnp.stack([x, jnp.zeros_like(x)]) for x in leaves]
-    else:
-        stacked = [x.reshape((parts, size // parts) + x.shape[1:]) for x in leaves]
     _, out = jax.lax.scan(lambda one, xs: (one, [x * one.astype(x.dtype) for x in xs]), jnp.ones((), jnp.float32),
-                          stacked)
-    out = [x[0] if parts is None else x.reshape((size,) + x.shape[2:]) for x in out]
-    return jax.tree_util.tree_unflatten(treedef, out)
+                          [_in_parts(x) for x in leaves])
+    return jax.tree_util.tree_unflatten(treedef, [x.reshape((-1,) + x.shape[2:])[:size] for x in out])
+
+
+def _in_parts(x: jax.Array) -> jax.Array:
+    """``x`` [b, ...] as [parts, b / parts, ...] with at least two parts: the fewest that divide b,
+    or, for b = 1, the example and an empty one (all zeros) after it."""
+    size = x.shape[0]
+    if size == 1:
+        return jnp.stack([x, jnp.zeros_like(x)])
+    parts = next(k for k in range(2, size + 1) if size % k == 0)
+    return x.reshape((parts, size // parts) + x.shape[1:])
 
 
 def per_example_norms(per_example_grads: PyTree) -> jax.Array:
@@ -182,11 +186,26 @@ def clipped_sum_from_gradients(
     clip_norm: float,
     losses: jax.Array | None = None,
 ) -> ClippedSum:
-    """Clip (to C, then divide by C) and sum given per-example gradients (held: ``hold``)."""
-    per_example_grads = hold(per_example_grads)
-    return clipped_sum_from_norms(
-        per_example_norms(per_example_grads), mask, clip_norm=clip_norm, losses=losses,
-        weighted=lambda weights, finite: weighted_sum(per_example_grads, weights, finite))
+    """Clip (to C, then divide by C) and sum given per-example gradients.
+
+    A part of the examples at a time, in a scan of at least two iterations: each part's norms and
+    its share of the weighted sum read the part from the scan's input, one buffer, so every norm
+    bounds exactly the vector summed (``hold`` says why that takes a loop), with no copy of the
+    gradients.
+    """
+    size = mask.shape[0]
+
+    def part(total: PyTree, xs: tuple[PyTree, jax.Array]) -> tuple[PyTree, jax.Array]:
+        grads, part_mask = xs
+        norms = per_example_norms(grads)
+        weights, finite = clip_weights(norms, part_mask, clip_norm=clip_norm)
+        return jax.tree_util.tree_map(jnp.add, total, weighted_sum(grads, weights, finite)), norms
+
+    zero = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype), per_example_grads)
+    parts = (jax.tree_util.tree_map(_in_parts, per_example_grads), _in_parts(mask))
+    value, norms = jax.lax.scan(part, zero, parts)
+    return clipped_sum_from_norms(norms.reshape(-1)[:size], mask, clip_norm=clip_norm, losses=losses,
+                                  weighted=lambda weights, finite: value)
 
 
 def clipped_sum_from_norms(

@@ -66,10 +66,12 @@ def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_
     """``fn`` over examples (leading axis), a cache-sized chunk of examples at a time.
 
     The chunk divides the number of examples: a remainder chunk costs a second program and
-    copies of the inputs, more than the chunk size gains.
+    copies of the inputs, more than the chunk size gains. At least two chunks where there are two
+    examples: a loop's outputs are buffers that no consumer recomputes (``clipping.hold``), and a
+    loop of one iteration is no loop.
     """
     size = arrays[0].shape[0]
-    target = max(1, min(size, CHUNK_BYTES // max(1, bytes_per_example)))
+    target = max(1, min(size // 2 or 1, CHUNK_BYTES // max(1, bytes_per_example)))
     chunk = max(c for c in range(1, target + 1) if size % c == 0)
     return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
 
@@ -130,12 +132,12 @@ class WsGeometry:
 
     def centre(self, u: jax.Array) -> jax.Array:
         """``u`` [..., d, p] less its mean over the fan-in."""
-        total, _ = blocked_sum(jnp.moveaxis(u, -2, -1))
+        total, _ = blocked_sum(u, axis=-2)
         return u - (total / np.float32(self.d))[..., None, :]
 
     def fold(self, c: jax.Array) -> jax.Array:
         """``J^T c`` for ``c`` [..., d, p]."""
-        wc, _ = blocked_sum(jnp.moveaxis(self.w * c, -2, -1))
+        wc, _ = blocked_sum(self.w * c, axis=-2)
         return self.s * (c - self.w * (wc / np.float32(self.d))[..., None, :])
 
 
@@ -190,35 +192,36 @@ def _ws_batch_summer(module: WSConv, geometry: WsGeometry, kernel_shape: tuple[i
 def _gram_terms(rows_a: jax.Array, bound_a: jax.Array, rows_g: jax.Array, bound_g: jax.Array,
                 fmt: Format) -> tuple[jax.Array, ...]:
     """One example's ``<X, Y>`` for the Grams ``X = rows_a rows_a^T``, ``Y = rows_g rows_g^T`` at
-    ``fmt``, and the sums its bound needs: ``sum |X||Y|``, ``n^T |Y| n``, ``m^T |X| m`` and
-    ``(n . m)^2`` for ``n``, ``m`` the upper bounds of the exact rows' norms."""
+    ``fmt``, and what its bound needs: ``n^T |Y| n`` and ``(n . m)^2``, for ``n`` and ``m`` upper
+    bounds of the norms of the exact rows (two passes over the Grams, as many as the norm itself)."""
     x = contract(fmt, "td,sd->ts", rows_a, rows_a)
     y = contract(fmt, "tp,sp->ts", rows_g, rows_g)
     inner, _ = blocked_sum((x * y).reshape(-1))
-    outer_a, outer_g = bound_a[:, None] * bound_a[None, :], bound_g[:, None] * bound_g[None, :]
-    terms = [upper_sum((jnp.abs(x) * jnp.abs(y)).reshape(-1)), upper_sum((outer_a * jnp.abs(y)).reshape(-1)),
-             upper_sum((outer_g * jnp.abs(x)).reshape(-1))]
+    term_a = monotone(upper_sum((jnp.abs(y) * (bound_a[:, None] * bound_a[None, :])).reshape(-1)), 2)
     cross = monotone(upper_sum(bound_a * bound_g), 1)
-    return (inner, *[monotone(t, 2) for t in terms], monotone(cross * cross, 1))
+    return inner, term_a, monotone(cross * cross, 1)
 
 
 def _ghost_square(fmt: Format, positions: int, fan_in: int, fan_out: int, kappa_rows: float, inner: jax.Array,
-                  abs_inner: jax.Array, term_a: jax.Array, term_g: jax.Array, cross: jax.Array,
-                  a2: jax.Array, g2: jax.Array) -> jax.Array:
-    """``>= <X_exact, Y_exact>`` from the computed ``<X, Y>``: with ``|X - X_exact| <= alpha n n^T``
-    and ``|Y - Y_exact| <= beta m m^T`` entrywise, the difference is at most
-    ``alpha n^T|Y|n + beta m^T|X|m + alpha beta (n.m)^2``, plus the rounding of the inner product
-    (``gamma sum |X||Y|``) and underflow. ``kappa_rows`` is the relative error of the rows of A
-    (their centring); rows of G are scaled by ``s_hat`` (one rounding)."""
+                  term_a: jax.Array, cross: jax.Array, a2: jax.Array, g2: jax.Array) -> jax.Array:
+    """``>= <X_exact, Y_exact>`` from the computed ``<X, Y>``.
+
+    With ``|X - X_exact| <= alpha n n^T`` and ``|Y - Y_exact| <= beta m m^T`` entrywise, the
+    difference is at most ``alpha n^T|Y|n + beta m^T|X|m + alpha beta (n.m)^2``, plus the inner
+    product's rounding ``gamma sum |X||Y|``, plus underflow. As ``|X_exact| <= n n^T`` (Cauchy-
+    Schwarz), ``|X| <= (1 + alpha) n n^T``: so ``sum |X||Y| <= (1 + alpha) n^T|Y|n`` and
+    ``m^T|X|m <= (1 + alpha)(n.m)^2``. ``kappa_rows`` is the relative error of the rows of A
+    (their centring); rows of G are scaled by ``s_hat`` (one rounding).
+    """
     alpha = 2 * kappa_rows + kappa_rows**2 + fmt.error(fan_in) * (1 + kappa_rows) ** 2
     beta = 2 * U + U * U + fmt.error(fan_out) * (1 + U) ** 2
     inner_error = gamma(blocked_depth(positions * positions) + 1)
     a, g = upper_sqrt(a2), upper_sqrt(g2)
     tiny = np.float32(4 * positions * positions * np.finfo(np.float32).tiny)
     absolute = tiny * (fan_in * (1 + 2 * a) * g2 + fan_out * (1 + 2 * g) * a2 + 1)
-    slack = (np.float32(inner_error) * abs_inner + np.float32(alpha) * term_a + np.float32(beta) * term_g
-             + np.float32(alpha * beta) * cross + absolute)
-    return jnp.maximum(monotone(inner + monotone(slack, 12), 1), 0.0)
+    slack = (np.float32(inner_error * (1 + alpha) + alpha) * term_a
+             + np.float32((beta + alpha * beta) * (1 + alpha)) * cross + absolute)
+    return jnp.maximum(monotone(inner + monotone(slack, 8), 1), 0.0)
 
 
 def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
@@ -237,7 +240,9 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             return geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
 
         folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work)
-        per_example = {"kernel": hold(folded.reshape((-1,) + kernel.shape)), **bias}
+        if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
+            folded = hold(folded)
+        per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
         return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
 
     x, g = hold((x, g))  # the norm and the sum read the same recorded values
@@ -275,7 +280,7 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, monotone(rows_g, 1), fmt)
             return (*terms, upper_sum(rows_a2))
 
-        *terms, a2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 4 * positions))
+        *terms, a2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions))
         square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2,
                                upper_sum_of_squares(scaled_g))
         ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
@@ -318,7 +323,7 @@ def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy
             rows_g = upper_sqrt(upper_sum_of_squares(g_one))
             return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
 
-        terms = chunked(ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 4 * positions))
+        terms = chunked(ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions))
         square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
         layer = upper_sqrt(square) + sum_error
     sum_fmt = precision.sum_format

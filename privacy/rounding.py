@@ -158,16 +158,18 @@ def blocked_depth(n: int) -> int:
     return depth + max(n - 1, 0)
 
 
-def blocked_sum(x: jax.Array) -> tuple[jax.Array, int]:
-    """The sum over the last axis, BLOCK terms at a time, and ``blocked_depth`` of its length."""
-    depth = blocked_depth(x.shape[-1])
-    while x.shape[-1] > BLOCK:
-        n = x.shape[-1]
+def blocked_sum(x: jax.Array, axis: int = -1) -> tuple[jax.Array, int]:
+    """The sum over ``axis``, BLOCK terms at a time, and ``blocked_depth`` of its length."""
+    axis = axis % x.ndim
+    depth = blocked_depth(x.shape[axis])
+    while x.shape[axis] > BLOCK:
+        n = x.shape[axis]
         blocks = -(-n // BLOCK)
         if blocks * BLOCK != n:  # zeros add exactly
-            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * BLOCK - n)])
-        x = jax.lax.optimization_barrier(jnp.sum(x.reshape(x.shape[:-1] + (blocks, BLOCK)), axis=-1))
-    return jnp.sum(x, axis=-1), depth
+            x = jnp.pad(x, [(0, blocks * BLOCK - n if i == axis else 0) for i in range(x.ndim)])
+        x = x.reshape(x.shape[:axis] + (blocks, BLOCK) + x.shape[axis + 1:])
+        x = jax.lax.optimization_barrier(jnp.sum(x, axis=axis + 1))
+    return jnp.sum(x, axis=axis), depth
 
 
 def inflate(x: jax.Array, rel: float) -> jax.Array:
