@@ -10,7 +10,9 @@ norm bound (what the per-layer clipped sum clips with, ``privacy.rounding``) ove
 WS convolution and dense layer forced to one path, at each precision. ``time``: the per-layer
 clipped sum of one micro-batch (jitted, compilation excluded) of this tree against the same
 function at git ref REF (its ``privacy/`` modules imported side by side, the rest of this tree
-shared), called alternately A B A B in one process so that the machine's load hits both alike.
+shared), called alternately A B A' in one process so that the machine's load hits all alike; the
+ratio of wall times, and of the process's CPU time (all threads), which other load disturbs less;
+A' is the baseline compiled again, whose ratio to A is the measurement's own noise.
 """
 
 from __future__ import annotations
@@ -112,23 +114,30 @@ def timing(args) -> None:
     baseline = _baseline_ghost(args.baseline)
     loss_fn, params, batch = _problem(args.data, args.model, args.batch, args.views)
     mask = jnp.ones(args.batch)
-    fns = {}
-    for name, module in (("baseline", baseline), ("this", ghost)):
+    fns = {}  # the baseline twice: the ratio of its two copies is the measurement's own noise
+    for name, module in (("baseline", baseline), ("this", ghost), ("baseline again", baseline)):
         fn = jax.jit(module.make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch)))
         started = time.perf_counter()
         jax.block_until_ready(fn(params, {}, batch, mask))
         print(f"{name}: compiled and ran once in {time.perf_counter() - started:.1f} s", flush=True)
         fns[name] = fn
-    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(params, {}, batch, mask))
-            seconds[name].append(time.perf_counter() - started)
-    ratios = [t / b for t, b in zip(seconds["this"], seconds["baseline"])]
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - started_cpu)  # all threads: less sensitive to other load
+    ratios = [t / b for t, b in zip(wall["this"], wall["baseline"])]
+    cpu_ratios = [t / b for t, b in zip(cpu["this"], cpu["baseline"])]
+    control = [t / b for t, b in zip(cpu["baseline again"], cpu["baseline"])]
     print(json.dumps({"model": args.model, "batch": args.batch, "views": args.views, "baseline": args.baseline,
-                      "baseline_s": statistics.median(seconds["baseline"]), "this_s": statistics.median(seconds["this"]),
-                      "ratio_median": statistics.median(ratios), "ratio_min_max": [min(ratios), max(ratios)],
+                      "baseline_s": statistics.median(wall["baseline"]), "this_s": statistics.median(wall["this"]),
+                      "ratio_median": statistics.median(ratios), "ratio_q1_q3": statistics.quantiles(ratios, n=4)[::2],
+                      "cpu_ratio_median": statistics.median(cpu_ratios),
+                      "cpu_ratio_q1_q3": statistics.quantiles(cpu_ratios, n=4)[::2],
+                      "control_cpu_ratio_median": statistics.median(control),
                       "rounds": args.rounds, "load_average": os.getloadavg()}))
 
 

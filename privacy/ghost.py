@@ -24,19 +24,28 @@ that of the averaged gradient, exactly what the vmap path clips.
 Weight standardisation: a WS convolution uses ``w_o = s_o (k_o - mean(k_o))`` per output
 channel o, ``s_o = (var(k_o) + eps)^(-1/2)``, the same map for every example. Its Jacobian is
 ``J_o = s_o (C - w_o w_o^T / d)`` with the centring projection ``C = I - 11^T/d`` (symmetric),
-so the parameter's gradient is ``J^T u`` for ``u`` the gradient w.r.t. the standardised kernel:
+so the parameter's gradient is ``J^T u`` for ``u`` the gradient w.r.t. the standardised kernel.
+Its singular values are ``s_o`` and ``s_o (1 - a_o)``, ``a_o = ||w_o||^2/d = var/(var + eps)``:
+a gradient along the kernel loses almost all its size in the fold, and a float32 fold or norm
+formed from ``u`` loses as many digits. So:
 
-* weighted sum: ``J^T (sum_i w_i u_i)``, one map after the sum;
-* explicit norm: ``C u_i`` is the centred product (``u_i - mean over the fan-in``: d x p numbers
-  per example, where centring the patches first reads P x d), then ``||J^T C u_i||``;
-* ghost norm: patches are centred first (then ``A^T G = C u``), and
-  ``||J_o^T u||^2 = s_o^2 (||C u_o||^2 - (2 - a_o)/d (w_o . u_o)^2)``, ``a_o = ||w_o||^2 / d``,
-  where ``w_o . u_o = sum_t y_to g_to`` reads the convolution's output ``y`` (before its bias).
+* explicit folds each example's gradient before the sum (``J^T (C u_i)``, per example), and the
+  sum adds exactly the vectors whose norms clip them;
+* streamed and ghost sum ``u`` over the batch (one backward contraction) and fold the sum; their
+  norms carry proven bounds of the fold's and the contraction's rounding, and the ghost norm
+  bounds ``||J_o^T c|| <= s_o max(1, a_o) ||c||`` instead of subtracting the part along ``w_o``.
 
-Layers used by several calls (shared parameters) and normalisation layers use book-keeping's
-per-example gradients. Coverage is proven by ``bookkeeping.plan_layers`` exactly as for
-book-keeping; norms, weights, the NaN guard and the counts are ``privacy.clipping``'s, and the
-result has sensitivity 1. Tested against ``vmap(grad)`` (tests/privacy/test_ghost.py).
+Norms are proven upper bounds of what each example adds, at the precision the per-example
+contractions run at (``precision``: ``privacy.rounding``); the per-layer pieces are in
+``privacy.layer_bounds``, the argument in docs/privacy.md ("Sensitivity under floating point").
+
+Layers used by several calls (shared parameters), normalisation layers and dense layers with
+their own product (a custom ``dot_general``) use book-keeping's per-example gradients. Coverage
+is proven by ``bookkeeping.plan_layers`` exactly as for book-keeping (a layer that computes or
+outputs other than float32 is refused, and the model goes to ``vmap``); weights, the NaN guard
+and the counts are ``privacy.clipping``'s, and the result has sensitivity 1. Tested against
+``vmap(grad)`` (tests/privacy/test_ghost.py) and on adversarial inputs
+(tests/privacy/test_sensitivity.py, tests/privacy/test_layer_bounds.py).
 
 Speed on CPU: per-example work runs over chunks of examples (``lax.map``) sized so one chunk's
 patches stay in cache; forming the patches of a whole micro-batch at once is memory-bound and
@@ -51,18 +60,17 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
 from dpscale.models.layers import WSConv
 from dpscale.privacy import bookkeeping, layer_bounds
 from dpscale.privacy.checks import check_clip_norm
-from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms
-from dpscale.privacy.layer_bounds import Strategy, Summer
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
+from dpscale.privacy.layer_bounds import Strategy
 from dpscale.privacy.rounding import ClipPrecision, norm_bound, resolve_precision
 
 PyTree = Any
@@ -178,21 +186,26 @@ def make_ghost_clipped_sum_fn(
         by_path: dict[Path, list[int]] = collections.defaultdict(list)
         for index, call in enumerate(calls):
             by_path[call.path].append(index)
-        squares, summers = [], []
+        squares, summers, booked = [], [], {}
         for path, indices in by_path.items():
             first, choice = calls[indices[0]], choices[indices[0]]
             own = bookkeeping.layer_params(first, params)
             x, g = tape.inputs[indices[0]], tape.out_grads[indices[0]]
             if choice.strategy == "book-keeping":
-                part, summer = layer_bounds.book_keeping(
+                booked[path] = layer_bounds.book_keeping_gradients(
                     [calls[i] for i in indices], params, [tape.inputs[i] for i in indices],
                     [tape.out_grads[i] for i in indices], precision)
-            elif isinstance(first.module, WSConv):
+                continue
+            if isinstance(first.module, WSConv):
                 part, summer = layer_bounds.wsconv(first.module, own, x, g, choice.strategy, precision)
             else:
                 part, summer = layer_bounds.dense(first.module, own, x, g, choice.strategy, precision)
             squares.append(part)
             summers.append((path, summer))
+        for path, per_example in hold(booked).items():  # one loop holds them all (clipping.hold)
+            if per_example:  # a normalisation may have neither scale nor bias
+                squares.append(layer_bounds.held_square_bound(per_example))
+                summers.append((path, functools.partial(layer_bounds.held_sum, per_example)))
 
         def weighted(weights: jax.Array, finite: jax.Array) -> PyTree:
             grads = {path + (name,): grad for path, summer in summers

@@ -45,7 +45,7 @@ from flax import linen as nn
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping
 from dpscale.privacy.clipping import hold
-from dpscale.privacy.rounding import (U, ClipPrecision, Format, blocked_depth, blocked_sum, contract, gamma,
+from dpscale.privacy.rounding import (U, ClipPrecision, Format, blocked_depth, blocked_sum, contract, gamma, inflate,
                                       monotone, underflow, upper_sqrt, upper_sum, upper_sum_of_squares)
 
 PyTree = Any
@@ -62,16 +62,18 @@ def guard(finite: jax.Array, a: jax.Array) -> jax.Array:
     return jnp.where(finite.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
 
 
-def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_example: int) -> PyTree:
+def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_example: int, *,
+            held: bool = False) -> PyTree:
     """``fn`` over examples (leading axis), a cache-sized chunk of examples at a time.
 
     The chunk divides the number of examples: a remainder chunk costs a second program and
-    copies of the inputs, more than the chunk size gains. At least two chunks where there are two
-    examples: a loop's outputs are buffers that no consumer recomputes (``clipping.hold``), and a
-    loop of one iteration is no loop.
+    copies of the inputs, more than the chunk size gains. ``held``: at least two chunks where
+    there are two examples, so the outputs are a loop's, buffers that no consumer recomputes
+    (``clipping.hold``; XLA inlines a loop of one iteration).
     """
     size = arrays[0].shape[0]
-    target = max(1, min(size // 2 or 1, CHUNK_BYTES // max(1, bytes_per_example)))
+    most = (size // 2 or 1) if held else size
+    target = max(1, min(most, CHUNK_BYTES // max(1, bytes_per_example)))
     chunk = max(c for c in range(1, target + 1) if size % c == 0)
     return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
 
@@ -148,6 +150,13 @@ def _patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
     return windows.reshape(-1, d)
 
 
+def _patches_square_bound(module: WSConv, x: jax.Array) -> jax.Array:
+    """``>= ||A_i||_F^2`` from the layer's input: an input pixel lies in at most
+    ``ceil(kh / sh) ceil(kw / sw)`` windows (padding adds zeros)."""
+    (kh, kw), (sh, sw) = as_pair(module.kernel_size), as_pair(module.strides)
+    return monotone(upper_sum_of_squares(x) * np.float32(-(-kh // sh) * -(-kw // sw)), 1)
+
+
 def _product_errors(fmt: Format, positions: int, fan_in: int, fan_out: int, a2: jax.Array,
                     g2: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(||A|| ||G||, a bound of |fl(A^T G) - A^T G|_F at fmt)`` per example, from upper bounds of
@@ -193,11 +202,13 @@ def _gram_terms(rows_a: jax.Array, bound_a: jax.Array, rows_g: jax.Array, bound_
                 fmt: Format) -> tuple[jax.Array, ...]:
     """One example's ``<X, Y>`` for the Grams ``X = rows_a rows_a^T``, ``Y = rows_g rows_g^T`` at
     ``fmt``, and what its bound needs: ``n^T |Y| n`` and ``(n . m)^2``, for ``n`` and ``m`` upper
-    bounds of the norms of the exact rows (two passes over the Grams, as many as the norm itself)."""
+    bounds of the norms of the exact rows. Each is a product per row (one contraction over the P
+    columns, any order) and a blocked sum of the rows: two passes over the Grams."""
     x = contract(fmt, "td,sd->ts", rows_a, rows_a)
     y = contract(fmt, "tp,sp->ts", rows_g, rows_g)
-    inner, _ = blocked_sum((x * y).reshape(-1))
-    term_a = monotone(upper_sum((jnp.abs(y) * (bound_a[:, None] * bound_a[None, :])).reshape(-1)), 2)
+    inner, _ = blocked_sum(jnp.einsum("ts,ts->t", x, y, precision=_HIGHEST))
+    weighted = jnp.einsum("ts,s->t", jnp.abs(y), bound_a, precision=_HIGHEST)  # >= 0: P roundings each
+    term_a = monotone(inflate(upper_sum(bound_a * weighted), gamma(2 * x.shape[0])), 1)  # >= 1 / (1 - gamma_P)
     cross = monotone(upper_sum(bound_a * bound_g), 1)
     return inner, term_a, monotone(cross * cross, 1)
 
@@ -215,7 +226,7 @@ def _ghost_square(fmt: Format, positions: int, fan_in: int, fan_out: int, kappa_
     """
     alpha = 2 * kappa_rows + kappa_rows**2 + fmt.error(fan_in) * (1 + kappa_rows) ** 2
     beta = 2 * U + U * U + fmt.error(fan_out) * (1 + U) ** 2
-    inner_error = gamma(blocked_depth(positions * positions) + 1)
+    inner_error = gamma(positions + blocked_depth(positions))  # a row's P products and sums, then the rows
     a, g = upper_sqrt(a2), upper_sqrt(g2)
     tiny = np.float32(4 * positions * positions * np.finfo(np.float32).tiny)
     absolute = tiny * (fan_in * (1 + 2 * a) * g2 + fan_out * (1 + 2 * g) * a2 + 1)
@@ -239,7 +250,7 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             # The fold per example, before the sum: what is summed is what is measured.
             return geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
 
-        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work)
+        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work, held=True)
         if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
             folded = hold(folded)
         per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
@@ -251,13 +262,12 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
     kappa = geometry.kappa
     if strategy == "streamed":
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
-            patches = _patches(module, x_one, d)
-            u_one = contract(fmt, "td,tp->dp", patches, g_one)
+            u_one = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)
             folded = geometry.fold(geometry.centre(u_one))
-            return (upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0),
-                    upper_sum_of_squares(patches, keep=0))
+            return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
 
-        q_folded, q_u, a2 = chunked(norm_one, (x, flat_g), work)
+        q_folded, q_u = chunked(norm_one, (x, flat_g), work)
+        a2 = _patches_square_bound(module, x)
         ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
         # ||v|| <= ||fold(centre(u~))|| + s_hat (kappa ||u~|| + err(u~)); the sum adds
@@ -276,13 +286,12 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             rows_a2 = upper_sum_of_squares(patches)
             total, _ = blocked_sum(patches)
             centred = patches - (total / np.float32(d))[:, None]
-            rows_g = upper_sqrt(upper_sum_of_squares(g_one))
-            terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, monotone(rows_g, 1), fmt)
-            return (*terms, upper_sum(rows_a2))
+            rows_g2 = monotone(upper_sum_of_squares(g_one), 1)  # of the exact s_hat G: one rounding more
+            terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
+            return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
 
-        *terms, a2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions))
-        square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2,
-                               upper_sum_of_squares(scaled_g))
+        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions))
+        square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
         ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
         # The sum: s_hat (err_sum + kappa ||U~||), ||U~|| <= ||A|| ||G|| + err_sum.
@@ -336,15 +345,13 @@ def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy
     return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
 
 
-def book_keeping(calls: list[bookkeeping.LayerCall], params: PyTree, xs: list[jax.Array], gs: list[jax.Array],
-                 precision: ClipPrecision) -> tuple[jax.Array, Summer]:
-    """Held per-example gradients by book-keeping's rules, summed over the calls of one layer."""
+def book_keeping_gradients(calls: list[bookkeeping.LayerCall], params: PyTree, xs: list[jax.Array],
+                           gs: list[jax.Array], precision: ClipPrecision) -> dict[str, jax.Array]:
+    """Per-example gradients by book-keeping's rules, summed over the calls of one layer: to be held
+    (``clipping.hold``, all such layers at once) before ``held_square_bound`` and ``held_sum``."""
     per_example: dict[str, jax.Array] = {}
     for call, x, g in zip(calls, xs, gs):
         grads = bookkeeping.per_example_layer_gradients(call, params, x, g, precision=precision.norm_format)
         for name, grad in grads.items():
             per_example[name] = grad if name not in per_example else per_example[name] + grad
-    if not per_example:  # a layer without parameters (a normalisation with neither scale nor bias)
-        return jnp.zeros(xs[0].shape[:1], jnp.float32), lambda weights, finite: {}
-    per_example = hold(per_example)
-    return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
+    return per_example
