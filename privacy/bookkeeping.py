@@ -44,7 +44,8 @@ from dpscale.errors import InvalidConfigError
 from dpscale.models.layers import GroupNorm, WSConv, as_pair, standardize_kernel
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_gradients
-from dpscale.privacy.rounding import FORMATS, ClipPrecision, Format, contract, resolve_precision
+from dpscale.privacy.device_tuning import tuning_for
+from dpscale.privacy.rounding import FORMATS, ClipPrecision, Format, contract
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -354,7 +355,7 @@ def make_bookkeeping_clipped_sum_fn(
     clip weights bound what is summed at any precision.
     """
     check_clip_norm(clip_norm)
-    fmt = resolve_precision(precision).norm_format
+    fmt = (precision or tuning_for().precision).norm_format
     if example is not None:
         params, model_state, batch = example
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)

@@ -47,9 +47,12 @@ and the counts are ``privacy.clipping``'s, and the result has sensitivity 1. Tes
 ``vmap(grad)`` (tests/privacy/test_ghost.py) and on adversarial inputs
 (tests/privacy/test_sensitivity.py, tests/privacy/test_layer_bounds.py).
 
-Speed on CPU: per-example work runs over chunks of examples (``lax.map``) sized so one chunk's
-patches stay in cache; forming the patches of a whole micro-batch at once is memory-bound and
-cost more than the contraction itself.
+Speed: the device decides (``privacy.device_tuning``). On a CPU per-example work runs over
+chunks of examples (``lax.map``) sized so one chunk's patches stay in cache (forming a whole
+micro-batch's patches at once is memory-bound and cost more than the contraction itself), and the
+shape rule ``choose_strategy`` picks each path. On a GPU or TPU a micro-batch's per-example work
+runs at once, and each layer's path and precision are timed on the device
+(``privacy.path_timing``) when the clipped sum is built with an example of the micro-batch.
 """
 
 from __future__ import annotations
@@ -70,12 +73,13 @@ from dpscale.models.layers import WSConv
 from dpscale.privacy import bookkeeping, layer_bounds
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
+from dpscale.privacy.device_tuning import STRATEGIES, DeviceTuning, tuning_for
 from dpscale.privacy.layer_bounds import Strategy
-from dpscale.privacy.rounding import ClipPrecision, norm_bound, resolve_precision
+from dpscale.privacy.path_timing import Measured, candidate_name, measure_paths
+from dpscale.privacy.rounding import ClipPrecision, norm_bound
 
 PyTree = Any
 Path = tuple[str, ...]
-STRATEGIES: tuple[str, ...] = ("ghost", "explicit", "streamed")
 _log = logging.getLogger(__name__)
 
 
@@ -113,6 +117,8 @@ class LayerChoice:
     positions: int = 0
     fan_in: int = 0
     fan_out: int = 0
+    precision: ClipPrecision = ClipPrecision()
+    reason: str = "rule"  # "rule", "forced", or the timings it was chosen from ("measured: ...")
 
 
 def _plain(module: nn.Module) -> bool:
@@ -132,53 +138,94 @@ def _shape_of(call: bookkeeping.LayerCall, params: PyTree) -> tuple[int, int, in
 
 
 def plan_strategies(calls: tuple[bookkeeping.LayerCall, ...], params_of: Callable[[bookkeeping.LayerCall], PyTree],
-                    overrides: Mapping[Path, Strategy] | None = None) -> tuple[LayerChoice, ...]:
-    """Each layer call's strategy: book-keeping for shared or normalisation layers, else by shape."""
-    overrides = dict(overrides or {})
+                    overrides: Mapping[Path, Strategy] | None = None, *, precision: ClipPrecision = ClipPrecision(),
+                    measured: Mapping[Path, Measured] | None = None) -> tuple[LayerChoice, ...]:
+    """Each layer call's path and precision: book-keeping for shared or normalisation layers; else
+    forced (``overrides``), measured on the device (``measured``), or by the shape rule."""
+    overrides, measured = dict(overrides or {}), measured or {}
     uses = collections.Counter(call.path for call in calls)
     choices = []
     for call in calls:
         kind = type(call.module).__name__
         if uses[call.path] > 1 or not _plain(call.module):
-            choices.append(LayerChoice(call.path, kind, "book-keeping"))
+            choices.append(LayerChoice(call.path, kind, "book-keeping", precision=precision,
+                                       reason="a normalisation, shared or non-plain layer"))
             continue
         positions, fan_in, fan_out = _shape_of(call, params_of(call))
-        strategy = overrides.pop(call.path, None) or choose_strategy(positions=positions, fan_in=fan_in,
-                                                                        fan_out=fan_out)
+        shape = {"positions": positions, "fan_in": fan_in, "fan_out": fan_out}
+        if call.path in overrides:
+            strategy, chosen, reason = overrides.pop(call.path), precision, "forced"
+        elif call.path in measured:
+            found = measured[call.path]
+            strategy, chosen, reason = found.strategy, found.precision, found.summary()
+        else:
+            strategy, chosen, reason = choose_strategy(**shape), precision, "rule"
         if strategy not in STRATEGIES:
             raise InvalidConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        choices.append(LayerChoice(call.path, kind, strategy, positions, fan_in, fan_out))
+        choices.append(LayerChoice(call.path, kind, strategy, precision=chosen, reason=reason, **shape))
     if overrides:
         raise InvalidConfigError(f"no ghost or explicit layer at {sorted('/'.join(p) for p in overrides)}")
     return tuple(choices)
 
 
+def _timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, Strategy]) -> list[int]:
+    """The calls whose path is worth timing: plain layers used once and not forced."""
+    uses = collections.Counter(call.path for call in calls)
+    return [i for i, call in enumerate(calls) if uses[call.path] == 1 and _plain(call.module) and call.path not in forced]
+
+
 def describe(choices: tuple[LayerChoice, ...]) -> str:
-    """One line for the log: how many layers take each path, and which are ghost."""
-    counts = collections.Counter(c.strategy for c in choices)
+    """One line for the log: how many layers take each path and precision, how chosen, which are ghost."""
+    counts = collections.Counter(candidate_name(c.strategy, c.precision) for c in choices)
+    how = collections.Counter("measured" if c.reason.startswith("measured") else c.reason for c in choices
+                              if c.strategy != "book-keeping")
     ghost = ["/".join(c.path) for c in choices if c.strategy == "ghost"]
     return (", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+            + (f"; chosen by {', '.join(f'{k} ({n})' for k, n in sorted(how.items()))}" if how else "")
             + (f" (ghost: {', '.join(ghost)})" if ghost else ""))
+
+
+def describe_layers(choices: tuple[LayerChoice, ...]) -> list[str]:
+    """One log line per layer: its shape, path, precision and why."""
+    return [f"{'/'.join(c.path)} ({c.kind}, {c.positions} positions, {c.fan_in} -> {c.fan_out}): "
+            f"{candidate_name(c.strategy, c.precision)}, {c.reason}" for c in choices if c.strategy != "book-keeping"]
 
 
 def make_ghost_clipped_sum_fn(
     loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None,
     strategies: Mapping[Path, Strategy] | None = None, precision: ClipPrecision | None = None,
+    tuning: DeviceTuning | None = None,
 ) -> ClippedSumFn:
     """Drop-in for ``make_clipped_sum_fn`` on models book-keeping covers (else UnsupportedModelError).
 
-    ``example = (params, model_state, batch)`` checks support now, as book-keeping does, and
-    fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped). ``strategies`` forces a layer's path
-    (``{("backbone", "conv_0"): "ghost"}``), for tests and benchmarks. ``precision`` is that of the
-    per-example contractions (``privacy.rounding``; default: the backend's).
+    ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
+    ``[b, K, ...]`` with b the micro-batch per device) checks support now, as book-keeping does,
+    fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped and why) and,
+    where the device's tuning measures (``privacy.device_tuning``: GPUs, TPUs), times each layer's
+    candidate paths on the device at that micro-batch (``privacy.path_timing``). ``strategies``
+    forces a layer's path (``{("backbone", "conv_0"): "ghost"}``), for tests and benchmarks.
+    ``precision`` forces the per-example contractions' precision (``privacy.rounding``); ``tuning``
+    the device settings (default: the backend's).
     """
     check_clip_norm(clip_norm)
-    precision = resolve_precision(precision)
+    tuning = tuning or tuning_for()
+    if precision is not None:
+        tuning = tuning.with_precision(precision)
+    forced = dict(strategies or {})
+
+    def calls_of(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[bookkeeping.LayerCall, ...]:
+        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+        return bookkeeping.plan_layers(loss_fn, params, model_state, one)
+
+    measured: dict[Path, Measured] = {}
+    if example is not None and tuning.choose == "measure":
+        calls = calls_of(*example)
+        measured = measure_paths(loss_fn, calls, _timed_calls(calls, forced), *example, tuning)
 
     def plan(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
-        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-        calls = bookkeeping.plan_layers(loss_fn, params, model_state, one)
-        return calls, plan_strategies(calls, lambda call: bookkeeping.layer_params(call, params), strategies)
+        calls = calls_of(params, model_state, batch)
+        return calls, plan_strategies(calls, lambda call: bookkeeping.layer_params(call, params), forced,
+                                      precision=tuning.precision, measured=measured)
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
         calls, choices = plan(params, model_state, batch)
@@ -194,12 +241,11 @@ def make_ghost_clipped_sum_fn(
             if choice.strategy == "book-keeping":
                 booked[path] = layer_bounds.book_keeping_gradients(
                     [calls[i] for i in indices], params, [tape.inputs[i] for i in indices],
-                    [tape.out_grads[i] for i in indices], precision)
+                    [tape.out_grads[i] for i in indices], choice.precision)
                 continue
-            if isinstance(first.module, WSConv):
-                part, summer = layer_bounds.wsconv(first.module, own, x, g, choice.strategy, precision)
-            else:
-                part, summer = layer_bounds.dense(first.module, own, x, g, choice.strategy, precision)
+            rule = layer_bounds.wsconv if isinstance(first.module, WSConv) else layer_bounds.dense
+            part, summer = rule(first.module, own, x, g, choice.strategy, choice.precision,
+                                chunk_bytes=tuning.chunk_bytes)
             squares.append(part)
             summers.append((path, summer))
         for path, per_example in hold(booked).items():  # one loop holds them all (clipping.hold)

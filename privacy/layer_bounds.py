@@ -45,6 +45,7 @@ from flax import linen as nn
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping
 from dpscale.privacy.clipping import hold
+from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES
 from dpscale.privacy.rounding import (U, ClipPrecision, Format, blocked_depth, blocked_sum, contract, gamma, inflate,
                                       monotone, underflow, upper_sqrt, upper_sum, upper_sum_of_squares)
 
@@ -52,9 +53,6 @@ PyTree = Any
 Strategy = Literal["ghost", "explicit", "streamed"]
 Summer = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
 _HIGHEST = jax.lax.Precision.HIGHEST
-# Bytes of one chunk's per-example working set (patches, Gram matrices): about what stays in a
-# CPU's last-level cache; measured fastest, per layer, on a 2-core CPU when this was written.
-CHUNK_BYTES = 8 * 2**20
 
 
 def guard(finite: jax.Array, a: jax.Array) -> jax.Array:
@@ -63,8 +61,9 @@ def guard(finite: jax.Array, a: jax.Array) -> jax.Array:
 
 
 def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_example: int, *,
-            held: bool = False) -> PyTree:
-    """``fn`` over examples (leading axis), a cache-sized chunk of examples at a time.
+            chunk_bytes: int = CPU_CHUNK_BYTES, held: bool = False) -> PyTree:
+    """``fn`` over examples (leading axis), ``chunk_bytes`` of working set at a time (a CPU's
+    cache; on an accelerator the whole micro-batch: ``privacy.device_tuning``).
 
     The chunk divides the number of examples: a remainder chunk costs a second program and
     copies of the inputs, more than the chunk size gains. ``held``: at least two chunks where
@@ -73,7 +72,7 @@ def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_
     """
     size = arrays[0].shape[0]
     most = (size // 2 or 1) if held else size
-    target = max(1, min(most, CHUNK_BYTES // max(1, bytes_per_example)))
+    target = max(1, min(most, chunk_bytes // max(1, bytes_per_example)))
     chunk = max(c for c in range(1, target + 1) if size % c == 0)
     return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
 
@@ -236,7 +235,7 @@ def _ghost_square(fmt: Format, positions: int, fan_in: int, fan_out: int, kappa_
 
 
 def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
-           precision: ClipPrecision) -> tuple[jax.Array, Summer]:
+           precision: ClipPrecision, *, chunk_bytes: int = CPU_CHUNK_BYTES) -> tuple[jax.Array, Summer]:
     kernel = params["kernel"]
     geometry = WsGeometry.of(module, kernel)
     d, p, fmt = geometry.d, kernel.shape[-1], precision.norm_format
@@ -250,7 +249,8 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             # The fold per example, before the sum: what is summed is what is measured.
             return geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
 
-        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work, held=True)
+        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work, chunk_bytes=chunk_bytes,
+                         held=True)
         if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
             folded = hold(folded)
         per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
@@ -266,7 +266,7 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             folded = geometry.fold(geometry.centre(u_one))
             return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
 
-        q_folded, q_u = chunked(norm_one, (x, flat_g), work)
+        q_folded, q_u = chunked(norm_one, (x, flat_g), work, chunk_bytes=chunk_bytes)
         a2 = _patches_square_bound(module, x)
         ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
@@ -290,7 +290,8 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
             return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
 
-        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions))
+        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions),
+                                        chunk_bytes=chunk_bytes)
         square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
         ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
@@ -306,7 +307,7 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
 
 
 def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
-          precision: ClipPrecision) -> tuple[jax.Array, Summer]:
+          precision: ClipPrecision, *, chunk_bytes: int = CPU_CHUNK_BYTES) -> tuple[jax.Array, Summer]:
     b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
     flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
     positions, fmt = flat_x.shape[1], precision.norm_format
@@ -324,7 +325,7 @@ def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
 
-        q = chunked(norm_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out))
+        q = chunked(norm_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out), chunk_bytes=chunk_bytes)
         layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
     else:
         def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
@@ -332,7 +333,8 @@ def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy
             rows_g = upper_sqrt(upper_sum_of_squares(g_one))
             return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
 
-        terms = chunked(ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions))
+        terms = chunked(ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions),
+                        chunk_bytes=chunk_bytes)
         square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
         layer = upper_sqrt(square) + sum_error
     sum_fmt = precision.sum_format

@@ -25,8 +25,7 @@ Precision. The per-example contractions may run at a reduced precision for speed
 (``FORMATS``: TF32 or bf16 inputs, float32 accumulation, as tensor cores do). The inputs are
 rounded to the format here, explicitly (so the hardware's own conversion is exact, and a CPU runs
 the same arithmetic), and the format's roundoff enters the bounds: a lower precision costs a
-larger margin, never the bound. ``BACKEND_PRECISION`` is the one place where each backend's
-choice lives.
+larger margin, never the bound. Which precision each backend uses is ``privacy.device_tuning``'s.
 """
 
 from __future__ import annotations
@@ -118,22 +117,6 @@ class ClipPrecision:
     @property
     def sum_format(self) -> Format:
         return FORMATS[self.sums]
-
-
-# Each backend's precision, in one place. Full float32 everywhere until a reduced precision has
-# been measured to pay on that backend (its bound is proven either way: tests/privacy/test_rounding.py).
-BACKEND_PRECISION: dict[str, ClipPrecision] = {
-    "cpu": ClipPrecision(),
-    "gpu": ClipPrecision(),
-    "tpu": ClipPrecision(),
-}
-
-
-def resolve_precision(precision: ClipPrecision | None, backend: str | None = None) -> ClipPrecision:
-    """``precision``, or the backend's (``jax.default_backend()`` unless named) from ``BACKEND_PRECISION``."""
-    if precision is not None:
-        return precision
-    return BACKEND_PRECISION.get(backend or jax.default_backend(), ClipPrecision())
 
 
 def contract(fmt: Format, subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:

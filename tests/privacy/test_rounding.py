@@ -10,8 +10,8 @@ import pytest
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import hold
-from dpscale.privacy.rounding import (BACKEND_PRECISION, BLOCK, FORMATS, ClipPrecision, blocked_depth, blocked_sum,
-                                      contract, inflate, norm_bound, resolve_precision, upper_sum,
+from dpscale.privacy.rounding import (BLOCK, FORMATS, ClipPrecision, blocked_depth, blocked_sum,
+                                      contract, inflate, norm_bound, upper_sum,
                                       upper_sum_of_squares)
 
 
@@ -80,10 +80,8 @@ def test_each_format_keeps_its_bits_and_its_contraction_its_error_bound(name):
     assert np.all(np.abs(computed - exact) <= fmt.error(64) * (np.abs(a).T @ np.abs(g)))
 
 
-def test_the_precision_is_the_named_one_or_the_backends():
-    assert resolve_precision(ClipPrecision(norms="bf16")).norms == "bf16"
-    assert resolve_precision(None, "gpu") == BACKEND_PRECISION["gpu"]
-    assert resolve_precision(None, "some-new-backend") == ClipPrecision()
+def test_a_precision_names_a_known_format():
+    assert ClipPrecision(norms="bf16").norm_format is FORMATS["bf16"]
     with pytest.raises(InvalidConfigError, match="norm precision"):
         ClipPrecision(norms="fp8")
 
