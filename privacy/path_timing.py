@@ -9,15 +9,19 @@ random inputs of the micro-batch's shape, when the clipped sum is built; the fas
 speed is at stake: every candidate clips with a proven bound of the norm (``privacy.rounding``).
 
 A candidate that fails to compile or run (out of device memory, say) is recorded as such and
-never chosen. Timings are the minimum over a few calls after a first, uncounted one.
+never chosen. Timings are the minimum over a few calls after a first, uncounted one. They are kept
+between processes in a small JSON file (``timings_file``), keyed by the device kind, the JAX
+version, the layer and the candidate, so that a sweep or a resumed run does not time them again.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpscale.files import write_json_atomic
 from dpscale.models.layers import WSConv
 from dpscale.privacy import bookkeeping, layer_bounds
 from dpscale.privacy.device_tuning import DeviceTuning
@@ -86,6 +91,35 @@ def _layer_fn(module: Any, strategy: Strategy, precision: ClipPrecision, chunk_b
     return run
 
 
+def timings_file() -> str | None:
+    """Where timings are kept: ``$DPSCALE_CLIP_TIMINGS`` (empty: nowhere), else
+    ``$XDG_CACHE_HOME/dpscale/clip_timings.json`` (``~/.cache`` by default)."""
+    named = os.environ.get("DPSCALE_CLIP_TIMINGS")
+    if named is not None:
+        return named or None
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "dpscale", "clip_timings.json")
+
+
+def _read_timings(path: str | None) -> dict[str, float]:
+    try:
+        with open(path) as handle:  # type: ignore[arg-type]
+            found = json.load(handle)
+        return {str(k): float(v) for k, v in found.items()} if isinstance(found, dict) else {}
+    except (TypeError, OSError, ValueError):  # none yet, unreadable or corrupt: time again
+        return {}
+
+
+def _write_timings(path: str | None, timings: dict[str, float]) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        write_json_atomic(path, {k: (v if math.isfinite(v) else "inf") for k, v in timings.items()})
+    except OSError as error:  # a read-only home: time again next time
+        _log.info("clip path timings not kept (%s)", error)
+
+
 def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping.LayerCall], timed: Sequence[int],
                   params: PyTree, model_state: PyTree, batch: PyTree, tuning: DeviceTuning, *,
                   repeats: int = 5) -> dict[Path, Measured]:
@@ -104,8 +138,11 @@ def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping
                tuple((name, leaf.shape) for name, leaf in sorted(own.items())))
         groups[key].append(index)
     rng = np.random.default_rng(0)
-    start, chosen = time.perf_counter(), {}
-    for indices in groups.values():
+    start, chosen, timed_now = time.perf_counter(), {}, 0
+    device = jax.devices()[0]
+    cache = timings_file()
+    kept = _read_timings(cache)
+    for key, indices in groups.items():
         call = calls[indices[0]]
         own = _random_like(bookkeeping.layer_params(call, params), rng)
         x, g = _random_like(inputs[indices[0]], rng), _random_like(out_grads[indices[0]], rng)
@@ -113,6 +150,12 @@ def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping
         args = (own, x, g, jnp.full((size,), 0.5, jnp.float32), jnp.ones((size,), bool))
         seconds = []
         for strategy, precision in tuning.candidates:
+            name = "|".join(map(str, (device.platform, device.device_kind, jax.__version__, *key,
+                                      candidate_name(strategy, precision), tuning.chunk_bytes)))
+            if name in kept:
+                seconds.append((strategy, precision, kept[name]))
+                continue
+            timed_now += 1
             try:
                 taken = _time(_layer_fn(call.module, strategy, precision, tuning.chunk_bytes), args, repeats)
             except Exception as error:  # out of memory, say: never chosen, and said
@@ -120,13 +163,16 @@ def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping
                           "/".join(call.path), (str(error).splitlines() or [""])[0][:200])
                 taken = math.inf
             seconds.append((strategy, precision, taken))
+            kept[name] = taken
         strategy, precision, best = min(seconds, key=lambda item: item[2])
         if not math.isfinite(best):
             continue  # every candidate failed: the shape rule decides
         measured = Measured(strategy, precision, tuple((candidate_name(s, p), t) for s, p, t in seconds))
         for index in indices:
             chosen[calls[index].path] = measured
-    _log.info("clip paths: timed %d candidates of %d layer shapes on %s in %.1f s",
-              len(groups) * len(tuning.candidates), len(groups), jax.default_backend(),
-              time.perf_counter() - start)
+    if timed_now:
+        _write_timings(cache, kept)
+    _log.info("clip paths: %d candidates of %d layer shapes on %s, %d timed now (%.1f s), the rest from %s",
+              len(groups) * len(tuning.candidates), len(groups), device.device_kind, timed_now,
+              time.perf_counter() - start, cache)
     return chosen

@@ -8,6 +8,7 @@ other path is: against ``vmap(grad)`` at K = 1 and 4, and one example moving the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -36,6 +37,11 @@ def _cnn(nets, views, size=6, scale=1.0):
     batch = nets.image_batch(5, size, views, SHAPE, classes=4)
     batch["image"] = batch["image"] * scale
     return nets.image_loss(model), params, batch
+
+
+@pytest.fixture(autouse=True)
+def _timings_kept_nowhere(monkeypatch):
+    monkeypatch.setenv("DPSCALE_CLIP_TIMINGS", "")
 
 
 def test_each_backend_has_its_settings_and_an_unknown_one_the_cpus():
@@ -112,6 +118,29 @@ def test_a_candidate_that_fails_is_said_and_never_chosen(nets, monkeypatch):
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     assert timed and all(c.strategy != "ghost" and "ghost/highest failed" in c.reason for c in timed)
+
+
+def test_timings_are_kept_for_the_next_process_and_a_corrupt_file_is_timed_again(nets, monkeypatch, tmp_path):
+    loss_fn, params, batch = _cnn(nets, 1)
+    kept = tmp_path / "cache" / "clip_timings.json"
+    monkeypatch.setenv("DPSCALE_CLIP_TIMINGS", str(kept))
+    first = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    timings = json.loads(kept.read_text())
+    assert len(timings) == len(GPU.candidates) * sum(c.strategy != "book-keeping" for c in first.layers)
+
+    def never(*args):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(path_timing, "_time", never)
+    again = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    assert again.layers == first.layers
+    kept.write_text("{not json")
+    monkeypatch.setattr(path_timing, "_time", lambda fn, args, repeats: 1.0)
+    make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    assert set(json.loads(kept.read_text()).values()) == {1.0}
+    monkeypatch.delenv("DPSCALE_CLIP_TIMINGS")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert path_timing.timings_file() == str(tmp_path / "xdg" / "dpscale" / "clip_timings.json")
 
 
 def test_measured_summary_ranks_the_candidates():
