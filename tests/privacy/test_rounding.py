@@ -99,3 +99,13 @@ def test_a_clip_norm_below_the_floor_is_refused():
     check_clip_norm(2.0**-64)
     with pytest.raises(InvalidConfigError, match="at least 2\\^-64"):
         check_clip_norm(1e-30)
+
+
+def test_the_compiled_program_keeps_the_levels_and_the_loop():
+    # The bounds assume each level of a blocked sum is its own reduction (BLOCK terms, any order)
+    # and that a held value is a loop's output: if XLA ever merges the levels or removes the
+    # loop, this fails before a bound silently stops holding.
+    levels = jax.jit(lambda x: blocked_sum(x)[0]).lower(jnp.ones((2, BLOCK**3))).compile().as_text()
+    assert levels.count(" reduce(") == 3
+    loop = jax.jit(hold).lower(jnp.ones((8, 5))).compile().as_text()
+    assert " while(" in loop
