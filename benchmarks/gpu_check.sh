@@ -11,12 +11,14 @@
 #      the CPU's tuning (chunks sized for a cache, the CPU's shape rule, full float32);
 #   2. `dpscale train` on DATA at K = 1 and 4, epsilon inf and 8 (B = 1,024, micro-batch 256),
 #      the median step after warm-up and the first (compiling) step, and each run's clip_paths.json.
-# Writes $OUT/gpu-check.txt (a line a measurement) and $OUT/gpu-check.jsonl (the peers' JSON lines);
+# Writes $OUT/gpu-check.txt (a line a measurement), $OUT/gpu-check.jsonl (the peers' JSON lines) and
+# $OUT/clip-paths-k{1,4}.json (the DP runs' clip_paths.json);
 # BUDGET (s, default 540) skips what no longer fits, STEPS (default 40: every second step logs epsilon and is left out) the train runs' steps; MODEL,
 # MICRO and BATCH (defaults above) make a small try on a CPU before a GPU's short lease.
 set -u
 data=${1:?usage: gpu_check.sh DATA [WHEELS]}; wheels=${2:-}
 out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"; log=$out/gpu-check.txt; : > "$log"
+work=$(mktemp -d)  # stderr of each process: its tail goes to the log when it fails
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 start=$SECONDS; budget=${BUDGET:-540}; steps=${STEPS:-40}
 model=${MODEL:-wrn-16-4}; micro=${MICRO:-256}; batch=${BATCH:-1024}
@@ -33,21 +35,21 @@ peers() {  # peers NAME ARGS...: one peers' step measurement, its JSON line kept
   if (( $(left) < 40 )); then say "SKIP (time) $name"; return; fi
   local s=$SECONDS line
   line=$(timeout "$(left)" python3 -m benchmarks.peers_run_jax --workload "$model" --physical "$micro" --logical "$batch" \
-         --warmup 2 --repeats 10 "$@" 2>"$out/$name.err" | grep '^PEERS-RESULT' | tail -1 | cut -d' ' -f2-)
+         --warmup 2 --repeats 10 "$@" 2>"$work/$name.err" | grep '^PEERS-RESULT' | tail -1 | cut -d' ' -f2-)
   echo "{\"name\": \"$name\", \"result\": ${line:-null}}" >> "$out/gpu-check.jsonl"
   say "[$((SECONDS - s)) s] $name :: $(echo "$line" | python3 -c 'import json, sys
 r = json.loads(sys.stdin.read() or "{}")
 print({k: r.get(k) for k in ("status", "examples_per_s", "platform", "clip_paths", "clip_build_s")})' 2>&1 | tail -1)"
-  [[ -z $line ]] && tail -5 "$out/$name.err" | tee -a "$log"
+  [[ -z $line ]] && tail -5 "$work/$name.err" | tee -a "$log"
 }
 
 train() {  # train K EPSILON
-  local k=$1 eps=$2 run=/tmp/gpu-check-runs/k$1-eps$2
+  local k=$1 eps=$2 run=$work/runs/k$1-eps$2
   if (( $(left) < 40 )); then say "SKIP (time) train K=$k eps=$eps"; return; fi
   rm -rf "$run"; mkdir -p "$(dirname "$run")"; local s=$SECONDS
   timeout "$(left)" python3 -m dpscale train "$data" "$run" --model "$model" --epsilon "$eps" --batch-size "$batch" \
     --microbatch-size "$micro" --augmult "$k" --steps "$steps" --checkpoint-every 100000 --seed 7 --private-diagnostics \
-    >/dev/null 2>"$out/train-k$k-$eps.err" || tail -3 "$out/train-k$k-$eps.err" | tee -a "$log"
+    >/dev/null 2>"$work/train-k$k-$eps.err" || tail -3 "$work/train-k$k-$eps.err" | tee -a "$log"
   say "[$((SECONDS - s)) s] train K=$k eps=$eps :: $(python3 - "$run" <<'PY' 2>&1 | tail -1
 import json, statistics, sys
 from pathlib import Path
