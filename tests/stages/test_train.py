@@ -174,8 +174,15 @@ def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path,
     train.run(_config(digits, tmp_path / "vmap", steps=2))
     got = RunDirectory(str(tmp_path / "bk")).load_params()
     want = RunDirectory(str(tmp_path / "vmap")).load_params()
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # The per-layer paths clip with proven bounds of the norms, up to 0.7% above vmap's (ghost's most:
+    # docs/privacy.md), so a clipped example's share of the update differs by that much: within 1% of
+    # what two steps changed, where another gradient would differ by the change itself.
+    config = _config(digits, tmp_path / "unused", steps=2).training
+    start = train_model.build_train_model(digits, dataclasses.replace(config, seed=0)).init_params(0)
+    for a, b, b0 in zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, start))):
+        moved = float(np.max(np.abs(np.asarray(b) - np.asarray(b0))))
+        assert moved > 0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-2 * moved)
 
 
 def test_flat_options_nest_into_a_training_config_and_the_other_mode_keeps_its_defaults():
