@@ -156,7 +156,7 @@ def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: fl
         _save(os.path.join(src, "private"), "test", f"p{i:04d}", im)
     for j, im in enumerate(public):
         _save(os.path.join(src, "public"), "train", f"u{j:05d}", im)
-    for t, (name, fn) in enumerate(TRANSFORMS.items()):
+    for t, fn in enumerate(TRANSFORMS.values()):
         trng = np.random.default_rng(100 + t)
         for i, im in enumerate(private):
             _save(os.path.join(src, "public"), "train", f"x{t}_{i:04d}", fn(im, trng))

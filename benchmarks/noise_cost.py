@@ -109,7 +109,7 @@ def main() -> None:
 
     from dpscale.privacy import noise
 
-    secure, single = "secure (sum of %d, grid 2^-%d)" % (noise.SUMMANDS, noise.GRID_BITS), "single draw (former)"
+    secure, single = f"secure (sum of {noise.SUMMANDS}, grid 2^-{noise.GRID_BITS})", "single draw (former)"
     steps = {secure: _Step(args, noise.add_gaussian_noise), single: _Step(args, _single_draw_noise)}
     total = steps[secure].accumulate()
     accumulate_wall, accumulate_cpu = [], []

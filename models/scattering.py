@@ -78,9 +78,9 @@ def filter_bank(size: int, J: int, L: int) -> tuple[np.ndarray, np.ndarray]:
     """Fourier transforms of the wavelets ``(J * L, size, size)`` (index ``j * L + l``) and of
     the low-pass ``(size, size)``; cached because they depend on the shape only."""
     slant = 4.0 / L
-    psi = [np.fft.fft2(_morlet(size, SIGMA0 * 2 ** j, math.pi * (L - 1 - l) / L,
+    psi = [np.fft.fft2(_morlet(size, SIGMA0 * 2 ** j, math.pi * (L - 1 - angle) / L,
                                XI0 / 2 ** j, slant))
-           for j in range(J) for l in range(L)]
+           for j in range(J) for angle in range(L)]
     phi = np.fft.fft2(_gabor(size, SIGMA0 * 2 ** J, 0.0, 0.0, 1.0)).real
     return np.stack(psi).astype(np.complex64), phi.astype(np.float32)
 

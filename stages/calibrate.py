@@ -36,8 +36,8 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if self.epsilon == float("inf"):
             raise InvalidConfigError("calibration needs a finite target epsilon")
-        self.target  # checks epsilon, delta and the accountant
-        self.solve_for  # checks the knobs
+        _ = self.target  # checks epsilon, delta and the accountant
+        _ = self.solve_for  # checks the knobs
         check_releases(tuple(self.releases))
         if not 0 < self.rtol < 0.5:
             raise InvalidConfigError(f"rtol must be in (0, 0.5), got {self.rtol}")

@@ -72,7 +72,7 @@ class DedupConfig:
 
     def __post_init__(self) -> None:
         try:
-            self.method
+            _ = self.method  # checks the method's name and options
         except ValueError as exc:
             raise InvalidConfigError(str(exc)) from None
         if self.examples_per_task < 1:

@@ -45,7 +45,7 @@ class TrainCopyModelConfig:
 
     def __post_init__(self) -> None:
         try:
-            self.settings
+            _ = self.settings  # checks the settings
         except ValueError as exc:
             raise InvalidConfigError(str(exc)) from None
 

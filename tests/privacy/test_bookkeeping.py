@@ -86,7 +86,7 @@ def _compare_clipped_sums(nets, name, shape, size=6, views=2):
     clip = float(finite[len(finite) // 2 - 1] + finite[len(finite) // 2]) / 2  # clips some, not all; no ties
 
     # What make_clipped_sum_fn returns, without compiling the vmap path a second time.
-    ref = jax.jit(lambda g, m, l: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=l))(grads, mask, losses)
+    ref = jax.jit(lambda g, m, losses: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=losses))(grads, mask, losses)
     bk_fn = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch))
     out = jax.jit(bk_fn)(params, {}, batch, mask)
     assert bk_fn.sensitivity == 1.0 and out.sensitivity == 1.0

@@ -32,7 +32,7 @@ GHOST_MARGIN = 3e-2
 
 def _reference(loss_fn, params, batch, mask, clip):
     losses, grads = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
-    return jax.jit(lambda g, m, l: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=l))(grads, mask, losses), grads
+    return jax.jit(lambda g, m, losses: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=losses))(grads, mask, losses), grads
 
 
 def _median_clip(grads, size):

@@ -106,7 +106,9 @@ def test_empty_batch_is_one_padded_microbatch():
 
 
 def test_samples_are_a_function_of_seed_and_step():
-    make = lambda seed: PoissonSampler(num_examples=100, expected_batch_size=10, microbatch_size=4, seed=seed)
+    def make(seed):
+        return PoissonSampler(num_examples=100, expected_batch_size=10, microbatch_size=4, seed=seed)
+
     np.testing.assert_array_equal(make(5).sample(17).indices, make(5).sample(17).indices)
     differs = [not np.array_equal(make(5).sample(t).indices, make(6).sample(t).indices) for t in range(10)]
     assert sum(differs) >= 8

@@ -13,7 +13,7 @@ def test_views_are_crops_of_the_reflect_padded_image_or_their_flips():
     assert views.shape == (3, 5, 8, 8, 2)
     for b in range(3):
         padded = np.pad(images[b], ((2, 2), (2, 2), (0, 0)), mode="reflect")
-        candidates = [padded[t : t + 8, l : l + 8] for t in range(5) for l in range(5)]
+        candidates = [padded[t : t + 8, s : s + 8] for t in range(5) for s in range(5)]
         candidates += [c[:, ::-1] for c in candidates]
         for k in range(5):
             assert any(np.allclose(views[b, k], c) for c in candidates)
