@@ -110,6 +110,13 @@ def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("apitools not found")
 
 
+def _drop_beam_filesystem_warnings(record: logging.LogRecord) -> bool:
+    """Beam warns on import that the file systems of extras not installed cannot be loaded (``Failed to import
+    GCSFileSystem; ...`` on a plain install). dpscale reads and writes ``gs://`` itself (``files``), and a
+    ``gs://`` path without the gcp extra is already one line naming what to install."""
+    return not str(record.msg).startswith("Failed to import ")
+
+
 def quiet_library_logs() -> None:
     """Keep absl/dp-accounting chatter (bisection convergence warnings) off the CLI."""
     try:
@@ -122,6 +129,9 @@ def quiet_library_logs() -> None:
     root = logging.getLogger()
     if _drop_beam_bigquery_warning not in root.filters:
         root.addFilter(_drop_beam_bigquery_warning)
+    beam_filesystems = logging.getLogger("apache_beam.io.filesystems")  # a logger's filter sees only its own records
+    if _drop_beam_filesystem_warnings not in beam_filesystems.filters:
+        beam_filesystems.addFilter(_drop_beam_filesystem_warnings)
 
 
 class _StderrHandler(logging.StreamHandler):
