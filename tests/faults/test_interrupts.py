@@ -84,9 +84,10 @@ def _metrics_lines(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _checkpoint_being_written(run: Path) -> bool:
+def _saves_under_way(run: Path) -> set[str]:
+    """orbax's temporary directories of checkpoints being written (or left by a save cut short)."""
     folder = run / "checkpoints"
-    return folder.is_dir() and any("tmp" in p.name for p in folder.iterdir())
+    return {p.name for p in folder.iterdir() if "tmp" in p.name} if folder.is_dir() else set()
 
 
 def test_ctrl_c_while_importing_is_one_line_and_leaves_nothing_to_resume(digits, tmp_path):
@@ -110,12 +111,14 @@ def test_ctrl_c_while_compiling_after_a_step_and_in_a_checkpoint_then_resume_fin
     err, seconds, _ = _interrupt_when(process, lambda: _metrics_lines(run) > logged)
     _one_line(process, err, seconds, resume=str(run))
 
+    left = _saves_under_way(run)  # the last save may have been cut short: not the moment we wait for
     process = _start("train", "--resume", str(run), cache=cache)
-    err, seconds, _ = _interrupt_when(process, lambda: _checkpoint_being_written(run), poll=0.001)
+    err, seconds, _ = _interrupt_when(process, lambda: bool(_saves_under_way(run) - left), poll=0.001)
     _one_line(process, err, seconds, resume=str(run))
 
     out, err = _start("train", "--resume", str(run), cache=cache).communicate(timeout=600)
     assert json.loads(out)["steps"] == STEPS, err[-3000:]
+    assert not _saves_under_way(run)  # what the interrupted saves left was cleared
     assert json.loads((run / "ledger.json").read_text())["steps_done"] == STEPS
     logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, STEPS + 1))  # every step exactly once
