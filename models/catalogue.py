@@ -3,8 +3,9 @@
 Building the registry (``models.registry``) imports every model family, Flax and JAX, which took
 10 s on a loaded machine for a table. Each row here is exactly what ``registry.describe`` says of
 a listed model (its parameter count at the default classes and input: ``registry`` reads it from
-here rather than tracing every model), and ``tests/models/test_registry.py`` checks every row
-against the registry and the model code, so a change to a model that is not made here too fails.
+here rather than tracing every model). ``tests/models/test_cli_models.py`` checks every row against
+``registry.describe`` and ``tests/models/test_registry.py`` every count against the traced model, so a
+change to a model that is not made here too fails.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ function and add it to ``_FAMILIES``. WRN-d-k also resolves for any valid ``wrn-
 
 Each spec carries its parameter count as a constant, read from ``models.catalogue`` (the listing
 ``dpscale models`` prints without importing this module; ``tests/models/test_registry.py``
-recomputes every count with ``jax.eval_shape`` and checks every row of it against ``describe``):
+recomputes every count with ``jax.eval_shape``, ``tests/models/test_cli_models.py`` checks every
+row against ``describe``):
 tracing all models takes 10-20 s, too slow for ``dpscale models``. Other class counts and
 on-demand WRNs are traced when asked.
 """
