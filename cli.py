@@ -181,18 +181,36 @@ def evaluate_command(run_dir: str, split: str, data: str | None, force_other_dat
               help="Cheap search (TAN): run every point at this expected batch b < B with the noise multiplier "
                    "scaled by b/B, same steps. NOT private at the target epsilons (runs and files say so); each "
                    "spends its own epsilon, composed into privacy.json. Train the chosen setting with `dpscale train`.")
+@click.option("--print-private-diagnostics", is_flag=True,
+              help="Also print the held-out and baseline scores (and the settings chosen on held-out rows) in the "
+                   "JSON line: NOT covered by epsilon. Without it the line names the owner-only files that hold them.")
 @TRAINING_OPTIONS
 @click.pass_context
 def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, ...], **options: Any) -> None:
     """Train a grid over epsilon x learning rate (x any training option, x repeats) on the same DATA.
 
     Every run uses the training options below (as `dpscale train` reads them), with its own
-    grid values and a fresh secret seed. Writes OUT_DIR/runs.csv, summary.csv, summary.md,
-    accuracy_vs_epsilon.png and privacy.json (the composed epsilon of every private run in
-    OUT_DIR/runs). With --holdout N (and --private-diagnostics) the best setting per epsilon is
-    chosen on the held-out rows and its test score reported; without it nothing is chosen.
-    Finished runs are reused only for the same data and settings, so an interrupted sweep
-    continues where it stopped; anything else is refused.
+    grid values and a fresh secret seed; a gridded --batch-size or --steps needs no flag beside it.
+    Each run's progress line says which run of how many it is, and the sweep's time left.
+
+    \b
+    Writes to OUT_DIR:
+      runs/NAME/        every run (NAME: its grid point, e.g. eps8-lr2-r0)
+      privacy.json      the composed epsilon of every private run in runs/
+      sweep.json        the data the runs are of (reuse checks it)
+      summary.md, summary.csv, runs.csv, accuracy_vs_epsilon.png
+                        the results, when nothing is chosen (no --holdout)
+      summary.NOT-PRIVATE.md, summary.NOT-PRIVATE.csv, runs.NOT-PRIVATE.csv,
+      chosen.NOT-PRIVATE.csv, accuracy_vs_epsilon.NOT-PRIVATE.png
+                        instead, with --holdout N (chosen.*: the setting chosen
+                        per epsilon on held-out rows) or --simulate-batch:
+                        private diagnostics, owner-only
+      baseline.NOT-PRIVATE/
+                        with --baseline: its runs/, the same *.NOT-PRIVATE.*
+                        tables and a plot of the DP runs beside it; owner-only
+
+    At the end, stderr names the tables. Finished runs are reused only for the same data and
+    settings, so an interrupted sweep continues where it stopped; anything else is refused.
     """
     from dpscale.stages import sweep
 
@@ -206,10 +224,9 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
         echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
     echo_warnings(result.warnings)
-    click.echo(f"dpscale: {_privacy_line(result)}", err=True)
-    payload = result.as_dict()
-    payload.pop("rows")
-    print_json_line(payload)
+    for line in (*result.report(), _privacy_line(result)):
+        click.echo(f"dpscale: {line}", err=True)
+    print_json_line(result.line())
 
 
 def _privacy_line(result: Any) -> str:
@@ -320,7 +337,8 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
 @click.option("--batch-size", type=COUNT, required=True, help="Expected (Poisson) batch size B.")
 @click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
 @click.option("--batch-capacity", type=COUNT, default=None,
-              help="Most examples a step holds (a run's ledger records it) [the rule train uses].")
+              help="Most examples a step holds, at least --batch-size (a run's ledger records it) "
+                   "[the rule train uses].")
 @delta_option()
 @click.option("--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True,
               help=ACCOUNTANT_HELP)

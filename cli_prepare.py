@@ -60,7 +60,7 @@ def ingest(source: str, output: str, validation_fraction: float, examples_per_sh
     reasons = ", ".join(f"{n} {reason}" for reason, n in manifest.rejected_by_reason.items())
     note(f"rejected: {result.num_rejected}{f' ({reasons})' if reasons else ''} (see report.json)")
     note(f"content hash: {manifest.content_hash}")
-    read = per_second(sum(result.num_examples.values()) + result.num_rejected, result.seconds)
+    read = per_second(result.images_read, result.seconds)  # the progress bar's images/s at its end
     note(f"wrote {result.output_dir} in {result.seconds:.1f} s ({read:.4g} images/s read)")
     print_json_line({"output_dir": result.output_dir, "num_examples": result.num_examples,
                       "num_classes": manifest.num_classes, "num_rejected": result.num_rejected,

@@ -6,7 +6,8 @@ opened while the file was world-readable, and a symlink planted at the path (or 
 ``.tmp`` name) would redirect the secret elsewhere. So private data only ever goes into a
 file this process has just created (``O_EXCL``: never an existing file, never through a
 symlink), mode 0600 from birth; an existing private file is replaced, not reused, unless it
-is already a regular, owner-only file of ours. Files that are not private keep the umask.
+is already a regular, owner-only file of ours. Files that are not private keep the umask;
+``owner_only_files`` sets it to 077 while the library writes private data (caches, shards).
 
 The same functions, and the small filesystem layer below them (``open``, ``exists``,
 ``listdir``, ``replace``, ...), also take URLs (``gs://bucket/key``): every file dpscale
@@ -17,12 +18,15 @@ on Cloud Storage. A URL has no mode: who may read it is the bucket's access cont
 from __future__ import annotations
 
 import builtins
+import contextlib
+import functools
 import io
 import json
 import os
 import secrets
 import stat
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from dpscale.errors import DpscaleError, InvalidConfigError
@@ -118,23 +122,45 @@ def write_json_atomic(path: str, payload: Any, *, private: bool = False) -> None
     write_atomic(path, write, private=private)
 
 
-def owner_only(run: Callable[..., Any]) -> Callable[..., Any]:
-    """``run`` with every file and directory it creates owner-only (umask 077), for stages that write private data.
+_umask_lock = threading.Lock()
+_umask_holders = 0
+_umask_before = 0
 
-    Ingested shards, feature caches and dedup's output *are* the private data (or derived from it
-    without noise); the umask covers every writer underneath (Beam's, zarr's, orbax's) without
-    each setting modes, and is restored afterwards. Workers on other machines (a remote Beam
-    runner) use their own umask.
+
+@contextlib.contextmanager
+def owner_only_files() -> Iterator[None]:
+    """Every file and directory this process creates meanwhile is owner-only (umask 077).
+
+    For the library's own writers of private data (ingested shards, feature caches, dedup's
+    output): the umask covers every writer underneath (Beam's, zarr's, ArrayRecord's) without
+    each setting modes, whatever the caller's umask, so a user of the Python API gets the same
+    modes as the command line. The umask belongs to the process, not the thread: nested and
+    concurrent holders (Beam's worker threads) share one count, and the caller's umask comes
+    back when the last one leaves; a file another thread creates meanwhile is owner-only too
+    (never less private). Workers on other machines (a remote Beam runner) use their own
+    umask, and a URL has no mode at all (``gs://``: the bucket's access control decides).
     """
-    import functools
+    global _umask_holders, _umask_before
+    with _umask_lock:
+        if _umask_holders == 0:
+            _umask_before = os.umask(0o077)
+        _umask_holders += 1
+    try:
+        yield
+    finally:
+        with _umask_lock:
+            _umask_holders -= 1
+            if _umask_holders == 0:
+                os.umask(_umask_before)
+
+
+def owner_only(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` under ``owner_only_files``: for stages and functions that write private data."""
 
     @functools.wraps(run)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        previous = os.umask(0o077)
-        try:
+        with owner_only_files():
             return run(*args, **kwargs)
-        finally:
-            os.umask(previous)
 
     return wrapped
 
@@ -260,6 +286,14 @@ def makedirs(path: str, *, mode: int = 0o777) -> None:
     """``os.makedirs(path, exist_ok=True)`` locally; nothing for a URL (prefixes need no creation)."""
     if not is_url(path):
         os.makedirs(path, mode=mode, exist_ok=True)
+
+
+def makedirs_owner_only(path: str) -> None:
+    """``path`` made (or, if there, set) mode 0700 locally: nobody else may list or enter it; a URL: nothing."""
+    if not is_url(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if stat.S_IMODE(os.stat(path).st_mode) != 0o700:
+            os.chmod(path, 0o700)
 
 
 def listdir(path: str) -> list[str]:

@@ -183,9 +183,12 @@ def markdown_table(rows: tuple[dict, ...] | list[dict]) -> str:
 
 
 def write_reports(payload: dict[str, Any], rows: list[dict], out_dir: str) -> None:
-    """``audit.json`` (everything) and ``audit.md`` (the table) in ``out_dir``."""
+    """``audit.json`` (everything) and ``audit.md`` (the table) in ``out_dir``, owner-only (0600).
+
+    They are statistics of many models trained on the audited data, with no guarantee for it.
+    """
     files.makedirs(out_dir)
-    with files.open(files.join(out_dir, "audit.json"), "w") as f:
+    with files.open_for_writing(files.join(out_dir, "audit.json"), private=True) as f:
         json.dump(payload, f, indent=2, sort_keys=True)
-    with files.open(files.join(out_dir, "audit.md"), "w") as f:
+    with files.open_for_writing(files.join(out_dir, "audit.md"), private=True) as f:
         f.write(markdown_table(rows))

@@ -33,6 +33,10 @@ Layout of one entry, ``<cache_dir>/<key digest>/``::
 
 Writers (Beam workers) each write whole chunks (``write_chunk``), so no two touch the same
 zarr chunk; a run killed mid-way leaves chunks without markers, which the next run redoes.
+
+An entry *is* the private data (features computed without noise, per-image ids): its directory
+is owner-only (0700) and everything the writer side creates in it is too (``files.owner_only``,
+whatever the caller's umask); on ``gs://`` the bucket's access control decides instead.
 """
 
 from __future__ import annotations
@@ -208,6 +212,7 @@ class FeatureStore:
 
     # ---- creating and resuming ------------------------------------------------------------
     @classmethod
+    @files.owner_only  # the entry is private data
     def create(cls, cache_dir: str, layout: EntryLayout) -> FeatureStore:
         """Make (or reuse, for resume) the entry for ``layout.key`` and its empty arrays.
 
@@ -221,9 +226,10 @@ class FeatureStore:
             existing = None
         store = cls(path, layout)
         if existing == layout and _arrays_open(path, layout):
+            files.makedirs_owner_only(path)  # an entry made under a looser umask: closed from now on
             return store
         files.rmtree(path)
-        files.makedirs(path)
+        files.makedirs_owner_only(path)
         group = zarr.open_group(store=_zarr_store(files.join(path, DATA)), mode="w")
         for split, rows in sorted(layout.splits.items()):
             n, c = rows.num_examples, rows.chunk_rows
@@ -313,6 +319,7 @@ class FeatureStore:
                 config=integrity.WRITE_CONFIG)
         return self._arrays[split, name]
 
+    @files.owner_only
     def write_chunk(self, split: str, chunk: int, features: np.ndarray, labels: np.ndarray,
                     ids: Sequence[bytes] | np.ndarray) -> None:
         """Write one whole chunk's rows, then its marker (the marker is the commit)."""
@@ -331,6 +338,7 @@ class FeatureStore:
         self._array(split, "ids")[start:stop] = id_array
         _write_text(self._marker(split, chunk), self._marker_text(split, chunk))
 
+    @files.owner_only
     def finalize(self) -> None:
         """Write ``COMPLETE`` if (and only if) every chunk has its marker."""
         missing = self.missing_chunks()

@@ -14,6 +14,10 @@ An ingested dataset directory holds::
 Outputs go through ``dpscale.files``, so an output directory may be a local path or a URL
 (``gs://...`` with the ``gcp`` extra). ArrayRecord's writer needs a local file, so remote
 shards are written to a temporary file and then uploaded.
+
+The shards, the manifest and the report *are* the private data (or a plain hash of it): every
+local file and directory they are written to is owner-only whatever the caller's umask
+(``files.owner_only``); on ``gs://`` the bucket's access control decides instead.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def is_local(path: str) -> bool:
     return not files.is_url(path)
 
 
+@files.owner_only
 def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
                 examples: Iterable[Encoded], *, num_classes: int,
                 shape: Sequence[int] | None) -> tuple[dict[str, Any], list[Rejection]]:
@@ -148,6 +153,7 @@ def check_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str]
     return existing
 
 
+@files.owner_only
 def prepare_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str] = ()) -> None:
     """Refuse to mix runs in one directory (``check_output``); with ``overwrite`` clear the old outputs first."""
     existing = check_output(output_dir, overwrite=overwrite, extra_files=extra_files)
@@ -216,6 +222,7 @@ def damaged_shard_error(directory: str, manifest: Manifest, split: str, error: B
                      f"{rebuild_command(directory, manifest)}")
 
 
+@files.owner_only
 def write_json(path: str, payload: Any) -> None:
     data = (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode()
     files.write_atomic(path, lambda f: f.write(data), binary=True)

@@ -68,9 +68,20 @@ class GraphSettings:
     private_per_block: int = planning.PRIVATE_PER_VERIFY_TASK
 
 
+PROGRESS_LABEL = "dedup: images described + private images searched + pairs verified"
+
+
 def progress_total(num_public: int, num_private: int, k: int) -> int:
-    """Units of local progress: describe (every image), neighbours, verification (k per private)."""
+    """Units of local progress (``PROGRESS_LABEL``): every image described, every private image searched
+    (over all public rows), then k candidate pairs verified per private image (the planned page)."""
     return (num_public + num_private) + num_private + k * num_private
+
+
+def progress_units(num_public: int, num_private: int, k: int) -> str:
+    """What the bar's total is made of, for the log line that opens a run."""
+    return (f"progress counts {progress_total(num_public, num_private, k):,} items: {num_public + num_private:,} "
+            f"images described, {num_private:,} private images searched and {k * num_private:,} candidate pairs "
+            f"verified ({k} per private image; pages verified where crowded are not counted)")
 
 
 class _WithDatasets(beam.DoFn):

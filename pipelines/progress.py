@@ -40,10 +40,15 @@ def _done(progress_dir: str) -> int:
 
 
 class LocalProgress:
-    """Context manager: ``.directory`` for the workers, the progress bar for the user."""
+    """Context manager: ``.directory`` for the workers, the progress bar for the user.
 
-    def __init__(self, total: int, *, label: str, interval: float = 0.5, unit: str | None = None) -> None:
-        self.total, self.label, self.interval, self.unit = total, label, interval, unit
+    ``since``: when the stage began (``time.monotonic()``), so that the bar's throughput is the
+    stage's result's (counts over the stage's whole time); default: when the bar opens.
+    """
+
+    def __init__(self, total: int, *, label: str, interval: float = 0.5, unit: str | None = None,
+                 since: float | None = None) -> None:
+        self.total, self.label, self.interval, self.unit, self.since = total, label, interval, unit, since
         self.directory = tempfile.mkdtemp(prefix="dpscale-progress-")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -60,7 +65,7 @@ class LocalProgress:
 
     def _watch(self) -> None:
         # transient: on a terminal the bar gives way to the stage's result; a log keeps a last line
-        with progress_bar(self.label, total=self.total, transient=True,
+        with progress_bar(self.label, total=self.total, transient=True, since=self.since,
                           unit=(self.unit, 1) if self.unit else None) as bar:
             stopped = False
             while not stopped:  # one more count after the stop: the last marks are in the last line

@@ -159,13 +159,15 @@ def _stop_children() -> None:
 
 def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel: bool,
                  progress_total: int, progress_label: str, log: logging.Logger,
-                 progress_unit: str | None = None, verbose: bool = False, stall_seconds: float = STALL_SECONDS,
+                 progress_unit: str | None = None, progress_since: float | None = None,
+                 verbose: bool = False, stall_seconds: float = STALL_SECONDS,
                  writes_to: str | None = None, rerun: str = "run the command again") -> None:
     """Build the graph with ``build(pipeline, progress_dir)`` and run it to completion.
 
     ``progress_dir`` is where workers ``mark`` finished work (None on a remote runner, whose
     own monitoring takes over); ``progress_unit`` names what they count (e.g. ``"images"``), to
-    show the throughput. A failure raises ``PipelineError`` and a local stall
+    show the throughput, over the time since ``progress_since`` (the stage's start,
+    ``time.monotonic()``). A failure raises ``PipelineError`` and a local stall
     ``PipelineStalledError``: one line each, with what to try. A worker's own user error
     (``DpscaleError``) is raised as it is, and an operating-system fault (a full disk) as a
     ``StorageError`` naming ``writes_to`` (where the pipeline writes) and ``rerun``.
@@ -179,7 +181,8 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     local = is_local_runner(options)
     if local:
         avoid_flush_race()
-    progress = LocalProgress(progress_total, label=progress_label, unit=progress_unit) if local else None
+    progress = (LocalProgress(progress_total, label=progress_label, unit=progress_unit, since=progress_since)
+                if local else None)
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:

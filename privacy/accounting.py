@@ -38,6 +38,7 @@ every epsilon reported and calibrated for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Iterator
@@ -63,7 +64,8 @@ class Truncation:
     The accounted data set is the larger neighbour, N + 1 examples (the run's N and one added):
     there N others can fill the capacity when the example is in; the removal neighbour
     (N - 1 others) truncates less often and gets a smaller epsilon (dp-accounting's epsilon
-    grows with the data-set size at fixed q and capacity, tested).
+    grows with the data-set size at fixed q and capacity, tested). That holds for a capacity
+    of at least the expected batch size, not below it: ``check_rate`` refuses such a capacity.
     """
 
     num_examples: int
@@ -76,13 +78,29 @@ class Truncation:
     def dataset_size(self) -> int:
         return self.num_examples + 1
 
+    def check_rate(self, sampling_rate: float) -> None:
+        """Refuse a capacity below the expected batch size q N, where N + 1 is not the worse neighbour.
+
+        Below it, most steps are truncated and epsilon falls as the data set grows (N = 1,430,
+        B = 128, capacity 100, sigma 1, 200 steps: 39.014 at 1,430 examples, 38.991 at 1,431), so
+        the larger neighbour would understate the removal one. No plan dpscale makes has such a
+        capacity (the rule is B plus a few standard deviations); one given by hand is refused.
+        """
+        expected = sampling_rate * self.num_examples
+        if self.capacity < expected * (1 - 1e-12):
+            raise InvalidConfigError(
+                f"batch capacity {self.capacity} is below the expected batch size {expected:.6g}: most steps "
+                "would be truncated, and there epsilon is not monotone in the data-set size, so the accounted "
+                "neighbour (N + 1) would not bound the other (N - 1); give a capacity of at least the batch size")
+
     def probability(self, sampling_rate: float) -> float:
         """P(at least ``capacity`` of the N others join): when the added example may be truncated."""
         return float(stats.binom.sf(self.capacity - 1, self.dataset_size - 1, sampling_rate))
 
 
+@functools.lru_cache(maxsize=256)  # pure, ~0.2 s each; a calibration asks for one step many times
 def _poisson_rdp(noise_multiplier: float, sampling_rate: float) -> tuple[np.ndarray, np.ndarray]:
-    """(orders, per-order RDP) of one Poisson-subsampled Gaussian step, from dp-accounting.
+    """(orders, per-order RDP) of one Poisson-subsampled Gaussian step, from dp-accounting (read-only arrays).
 
     dp-accounting has no public accessor for the per-order RDP vector; it is read from its
     accountant (the same series it composes) so that it is computed once per mechanism.
@@ -90,7 +108,10 @@ def _poisson_rdp(noise_multiplier: float, sampling_rate: float) -> tuple[np.ndar
     accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
     with quiet_rdp_warnings():
         accountant.compose(step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate))
-    return np.asarray(accountant._orders), np.asarray(accountant._rdp)  # noqa: SLF001 - read-only use
+    orders, rdp = np.array(accountant._orders, dtype=float), np.array(accountant._rdp, dtype=float)  # noqa: SLF001
+    orders.setflags(write=False)
+    rdp.setflags(write=False)
+    return orders, rdp
 
 
 def truncated_step_rdp(orders: np.ndarray, untruncated: np.ndarray, *, noise_multiplier: float,
@@ -143,6 +164,7 @@ def step_event(*, noise_multiplier: float, sampling_rate: float,
                truncation: Truncation | None = None) -> dp_accounting.DpEvent:
     """The DpEvent of one DP-SGD step: (truncated) Poisson sampling, then the Gaussian mechanism."""
     if truncation is not None:
+        truncation.check_rate(sampling_rate)
         return dp_accounting.TruncatedSubsampledGaussianDpEvent(
             truncation.dataset_size, sampling_rate, truncation.capacity, noise_multiplier)
     return dp_accounting.PoissonSampledDpEvent(
@@ -201,9 +223,41 @@ def epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta:
     """Epsilon at ``delta`` of ``steps`` DP-SGD steps after ``releases``, by ``accountant``."""
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=steps,
                     releases=tuple(releases))
-    curve = EpsilonCurve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
-                         accountant=accountant, releases=tuple(releases), truncation=truncation)
+    curve = epsilon_curve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
+                          accountant=accountant, releases=tuple(releases), truncation=truncation)
     return curve(steps)
+
+
+def epsilon_curve(*, noise_multiplier: float, sampling_rate: float, delta: float, accountant: Accountant = "pld",
+                  pld_discretization: float = PLD_DISCRETIZATION, releases: tuple[float, ...] = (),
+                  truncation: Truncation | None = None) -> EpsilonCurve:
+    """The process's one ``EpsilonCurve`` of a mechanism (the last ``CURVES`` asked for are kept).
+
+    Building a curve (the one-step PLD) costs up to seconds, and the same mechanism is asked about
+    again and again: a calibration's last probe and its check, the plan's report, every ledger
+    write, a sweep's repeats. A curve is a pure function of these arguments, so sharing it changes
+    no number.
+    """
+    return _shared_curve(float(noise_multiplier), float(sampling_rate), float(delta), accountant,
+                         float(pld_discretization), tuple(float(r) for r in releases), truncation)
+
+
+CURVES = 64
+
+
+def clear_caches() -> None:
+    """Forget every shared curve and one-step RDP (a benchmark times a cold process this way)."""
+    _shared_curve.cache_clear()
+    _poisson_rdp.cache_clear()
+
+
+@functools.lru_cache(maxsize=CURVES)
+def _shared_curve(noise_multiplier: float, sampling_rate: float, delta: float, accountant: Accountant,
+                  pld_discretization: float, releases: tuple[float, ...],
+                  truncation: Truncation | None) -> EpsilonCurve:
+    return EpsilonCurve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
+                        accountant=accountant, pld_discretization=pld_discretization, releases=releases,
+                        truncation=truncation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +285,7 @@ class RdpParts:
                 released.compose(dp_accounting.GaussianDpEvent(sigma))
         step, charge = untruncated, 0.0
         if truncation is not None:
+            truncation.check_rate(sampling_rate)
             step = truncated_step_rdp(orders, untruncated, noise_multiplier=noise_multiplier,
                                       sampling_rate=sampling_rate, truncation=truncation)
             charge = truncation.probability(sampling_rate)
@@ -290,6 +345,8 @@ class EpsilonCurve:
                         releases=tuple(releases))
         check_delta(delta)
         check_accountant(accountant)
+        if truncation is not None:
+            truncation.check_rate(sampling_rate)
         self.noise_multiplier = noise_multiplier
         self.sampling_rate = sampling_rate
         self.delta = delta

@@ -33,6 +33,9 @@ class MonotoneProblem:
     lower: float
     upper: float
     rtol: float = 1e-3  # relative tolerance on x for real-valued problems
+    # How far past the predicted boundary the first bracketing probe goes (log-space); None: a default
+    # for a rough start. A start known to be close (a coarser accountant's answer) takes a small one.
+    margin: float | None = None
 
     def snap(self, x: float) -> float:
         x = min(max(x, self.lower), self.upper)
@@ -89,7 +92,7 @@ def solve_boundary(problem: MonotoneProblem, start: float, *, slope: float) -> t
     x = problem.snap(start)
     e = problem.eps_at(x)
     # 1. Bracket: step over the predicted boundary, widening the margin on misses.
-    margin = 10 * problem.rtol if not problem.integer else 0.002
+    margin = problem.margin if problem.margin is not None else 10 * problem.rtol if not problem.integer else 0.002
     feasible: float | None = x if e <= target else None
     infeasible: float | None = None if e <= target else x
     points = [(x, _gap(e, target))]

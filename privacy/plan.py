@@ -32,8 +32,8 @@ import dp_accounting
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (EpsilonCurve, Truncation, bounds_for, dp_event, make_accountant,
-                                        quiet_rdp_warnings, RdpParts, rdp_epsilon)
+from dpscale.privacy.accounting import (EpsilonCurve, Truncation, bounds_for, dp_event, epsilon_curve,
+                                        make_accountant, quiet_rdp_warnings, RdpParts, rdp_epsilon)
 from dpscale.privacy.checks import (Accountant, SamplingScheme, check_accountant, check_batch_size, check_delta,
                                     check_mechanism, check_positive, check_positive_integer, check_releases,
                                     check_sampling, check_steps)
@@ -277,9 +277,9 @@ class PrivacyPlan:
 
     @property
     def _curve(self) -> EpsilonCurve:
-        return _epsilon_curve(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
-                              delta=self.delta, accountant=self.accountant, releases=self.releases,
-                              truncation=self.truncation)
+        return epsilon_curve(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
+                             delta=self.delta, accountant=self.accountant, releases=self.releases,
+                             truncation=self.truncation)
 
     def epsilon(self, steps: int | None = None) -> float:
         """Epsilon after ``steps`` steps (default: all) and the releases; inf for a non-private plan."""
@@ -360,11 +360,6 @@ class PrivacyPlan:
                                      "cannot be recorded as a run")
         payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "parts"}
         return payload | {"releases": list(self.releases)}
-
-
-# One curve per mechanism for the process: every plan of a sweep's repeats (and every ledger
-# write) asks the same accountant question, and building a curve costs up to a second.
-_epsilon_curve = functools.lru_cache(maxsize=64)(EpsilonCurve)
 
 
 def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: Accountant = "pld") -> float:

@@ -2,7 +2,8 @@
 
 ``run(CalibrateConfig)`` calibrates a ``PrivacyPlan`` (the same call ``dpscale train`` makes
 before its first step): the smallest noise multiplier, or the largest number of steps or
-batch size, whose epsilon is at most the target. Never above it.
+batch size, whose epsilon is at most the target. Never above it. A search that takes more than a
+few seconds (PLD with truncated batches: several seconds, more under load) says so on stderr.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
 from dpscale.privacy.checks import ACCOUNTANTS, Accountant, check_releases  # ACCOUNTANTS: --accountant's choices
 from dpscale.privacy.plan import PlanReport, PrivacyPlan, PrivacyTarget, knob_to_solve
+from dpscale.progress import status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,7 @@ class CalibrateConfig:
     accountant: Accountant = "pld"
     rtol: float = calibration.DEFAULT_RTOL  # relative tolerance on the noise multiplier
     releases: tuple[float, ...] = ()  # one-off Gaussian releases before training, composed in
+    show_progress: bool = True  # a line on stderr if the search takes more than a few seconds
 
     def __post_init__(self) -> None:
         if self.epsilon == float("inf"):
@@ -61,8 +64,10 @@ class CalibrateResult(PlanReport):
 def run(config: CalibrateConfig) -> CalibrateResult:
     """Solve for the missing knob; the achieved epsilon is never above the target."""
     started = time.perf_counter()
-    plan = PrivacyPlan.calibrate(config.target, num_examples=config.num_examples, batch_size=config.batch_size,
-                                 steps=config.steps, noise_multiplier=config.noise_multiplier,
-                                 releases=tuple(config.releases), rtol=config.rtol)
+    what = f"calibrate: solving for the {config.solve_for.replace('_', ' ')} ({config.accountant.upper()} accountant)"
+    with status(what, enabled=config.show_progress):
+        plan = PrivacyPlan.calibrate(config.target, num_examples=config.num_examples, batch_size=config.batch_size,
+                                     steps=config.steps, noise_multiplier=config.noise_multiplier,
+                                     releases=tuple(config.releases), rtol=config.rtol)
     return CalibrateResult.of(plan, target_epsilon=config.epsilon, solved_for=config.solve_for,
                               seconds=time.perf_counter() - started)

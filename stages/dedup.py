@@ -159,6 +159,7 @@ def run(config: DedupConfig) -> DedupResult:
     log.info("dedup: %d public vs %d private examples (%s vs %s), %d read tasks, %d "
              "neighbour tasks", num_public, num_private, ",".join(public_splits),
              ",".join(private_splits), len(tasks), len(pairs))
+    log.info("dedup: %s", graph.progress_units(num_public, num_private, config.method.k))
 
     def build(pipeline: object, progress_dir: str | None) -> None:
         graph.build(pipeline, graph.GraphSettings(
@@ -176,7 +177,7 @@ def run(config: DedupConfig) -> DedupResult:
         run_pipeline(build, args=config.pipeline_args,
                      parallel=graph.parallel(num_public, num_private),
                      progress_total=graph.progress_total(num_public, num_private, config.method.k),
-                     progress_label="dedup: describe, neighbours, verify", log=log,
+                     progress_label=graph.PROGRESS_LABEL, log=log,
                      verbose=config.verbose, writes_to=config.output_dir,
                      rerun="run the command again with --overwrite")
     finally:

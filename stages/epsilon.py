@@ -3,7 +3,8 @@
 ``run(EpsilonConfig)`` builds the ``PrivacyPlan`` of (sigma, T steps, expected batch B out
 of N examples, batches truncated to the capacity a run's ledger records, or the rule's) and
 reports its epsilon at delta, with the warnings every command shows for such a plan
-(delta >= 1/N, shuffled batches).
+(delta >= 1/N, shuffled batches). A capacity below B is refused (``accounting.Truncation.check_rate``):
+there the accounted neighbour N + 1 is not the worse one.
 """
 
 from __future__ import annotations

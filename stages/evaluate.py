@@ -3,7 +3,8 @@
 ``run(EvaluateConfig)`` scores the run (``training.evaluation``) and saves the scores in
 the run directory (``metrics.json``). Other data (``data``) must be made like the run's (classes,
 image shape, preprocessing, backbone); scores on data that is not the run's own go, only when
-forced, to ``metrics.other-data.<name>.json``, never into ``metrics.json``. On a split outside the private training data this is
+forced, to ``metrics.other-data.<name>.json``, never into ``metrics.json``. A TAN simulation (``sweep
+--simulate-batch``) is scored like any run, and its scores say so (``simulated``, a warning). On a split outside the private training data this is
 post-processing of the DP parameters and spends no privacy budget; on the run's training rows
 (``train``, ``holdout``) it is a private diagnostic, refused unless ``private_diagnostics``.
 """
@@ -24,6 +25,7 @@ class EvaluateConfig:
     data: str | None = None  # defaults to the data the run trained on
     private_diagnostics: bool = False  # allow scoring the run's private training rows
     force_other_data: bool = False  # score data other than the run's (made alike) into a file of its own
+    save: bool = True  # False: return the scores, write nothing (a sweep's choice leaves no trace in its runs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +34,18 @@ class EvaluateResult(Scores):
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        """Scores of private training rows are a private diagnostic: the reader is told so."""
-        return () if self.covered_by_epsilon else (release.warning(self.path),)
+        """Scores of private training rows are a private diagnostic, and a simulation's are not its target's
+        privacy: the reader is told so."""
+        notes = () if self.covered_by_epsilon else (release.warning(self.path),)
+        if self.simulated:
+            notes += (f"{release.SIMULATION_NOTE}: the run is a TAN simulation (sweep --simulate-batch), with less "
+                      f"noise per example than its target; its scores are covered only by its own epsilon "
+                      f"({self.epsilon:.4g})",)
+        return notes
 
 
 def run(config: EvaluateConfig) -> EvaluateResult:
     scores, path = score_run(config.run_dir, split=config.split, data=config.data, batch_size=config.batch_size,
                              private_diagnostics=config.private_diagnostics,
-                             force_other_data=config.force_other_data)
+                             force_other_data=config.force_other_data, save=config.save)
     return EvaluateResult(**dataclasses.asdict(scores), path=path)

@@ -28,6 +28,7 @@ from dpscale.data.dataset import IngestedDataset
 from dpscale.data.image_data import PIXEL_MEAN, PIXEL_STD
 from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.models import pretrained
+from dpscale.training.release import SIMULATION_NOTE
 from dpscale.training.run_directory import CHECKPOINTS, RunDirectory, RunSpec
 
 
@@ -97,6 +98,9 @@ def _progress(run_dir: RunDirectory, planned: int) -> str:
 def run(config: ExportBackboneConfig) -> ExportBackboneResult:
     """Export the parameters of the finished image run ``config.run_dir`` as a backbone."""
     run_dir = RunDirectory.existing(config.run_dir)
+    if run_dir.simulated:
+        raise DataError(f"{config.run_dir!r} is a TAN simulation (sweep --simulate-batch; {SIMULATION_NOTE}), not a "
+                        "private result: train the setting with `dpscale train` and export that run")
     spec = run_dir.read_spec()
     if spec.training.mode == "features":
         raise DataError(f"{config.run_dir!r} is a features-mode run: it holds only a classifier "

@@ -77,7 +77,7 @@ class FeaturizeResult:
 @owner_only  # the output is private data
 def run(config: FeaturizeConfig) -> FeaturizeResult:
     """Featurize ``config.data`` with ``config.backbone`` into the cache (or find it there)."""
-    start = time.perf_counter()
+    start = time.monotonic()  # also the start of the progress bar's throughput: images/s is the result's
     cache_dir = config.cache_dir or fstore.default_cache_dir()
     dataset = IngestedDataset(config.data)
     key, meta = featurizer.feature_key(dataset, config.backbone, cache_dir=cache_dir,
@@ -88,7 +88,7 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     with contextlib.suppress(DataError):
         fstore.FeatureStore.open(cache_dir, key, verify=True)
         log.info("featurize: cache hit %s", path)
-        return FeaturizeResult(path, key.digest, True, 0, 0, sizes, time.perf_counter() - start)
+        return FeaturizeResult(path, key.digest, True, 0, 0, sizes, time.monotonic() - start)
     layout = fstore.EntryLayout(
         key=key, feature_dim=featurizer.feature_dim(meta, key), class_names=tuple(dataset.class_names),
         splits={s: fstore.SplitLayout(n, config.chunk_rows) for s, n in sizes.items()},
@@ -101,10 +101,10 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     log.info("featurize %s with %s at %d px%s: %d of %d chunks to compute -> %s", config.data,
              meta.model, key.resolution, ", flip-averaged" if key.flip_average else "", len(missing),
              total, path)
-    rows = _run_pipeline(config, store, missing) if missing else 0
+    rows = _run_pipeline(config, store, missing, since=start) if missing else 0
     store.finalize()
     return FeaturizeResult(path, key.digest, False, len(missing), total, sizes,
-                           time.perf_counter() - start, images_computed=rows)
+                           time.monotonic() - start, images_computed=rows)
 
 
 def _absolute(path: str, *, only_if_exists: bool = False) -> str:
@@ -115,7 +115,7 @@ def _absolute(path: str, *, only_if_exists: bool = False) -> str:
 
 
 def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,
-                  chunks: list[tuple[str, int]]) -> int:
+                  chunks: list[tuple[str, int]], *, since: float) -> int:
     from dpscale.pipelines import featurize as graph
     from dpscale.pipelines.runner import run_pipeline
 
@@ -130,6 +130,6 @@ def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,
     run_pipeline(build, args=config.pipeline_args,
                  parallel=graph.parallel(len(chunks)),
                  progress_total=rows, progress_label="featurize", log=log, progress_unit="images",
-                 verbose=config.verbose, writes_to=store.path,
+                 progress_since=since, verbose=config.verbose, writes_to=store.path,
                  rerun="run the command again (it computes only the missing chunks)")
     return rows

@@ -70,6 +70,12 @@ class IngestResult:
     def num_rejected(self) -> int:
         return self.manifest.num_rejected
 
+    @property
+    def images_read(self) -> int:
+        """Every input read: kept, rejected, or of a class left out (what the progress bar counts)."""
+        excluded = self.manifest.class_filter.num_excluded if self.manifest.class_filter is not None else 0
+        return sum(self.num_examples.values()) + self.num_rejected + excluded
+
 
 @owner_only  # the output is private data
 def run(config: IngestConfig) -> IngestResult:
@@ -77,7 +83,7 @@ def run(config: IngestConfig) -> IngestResult:
     from dpscale.pipelines import ingest as graph
     from dpscale.pipelines.runner import run_pipeline
 
-    start = time.perf_counter()
+    start = time.monotonic()  # also the start of the progress bar's throughput: images/s is the result's
     shards.check_output(config.output_dir, overwrite=config.overwrite)  # before any work
     plan = plan_source(parse_source(config.source), tfds_data_dir=config.tfds_data_dir)
     if config.validation_fraction > 0 and "validation" in plan.split_sizes:
@@ -104,10 +110,11 @@ def run(config: IngestConfig) -> IngestResult:
 
     run_pipeline(build, args=config.pipeline_args, parallel=graph.parallel(total),
                  progress_total=total, progress_label="ingest: read+decode", log=log, progress_unit="images",
+                 progress_since=start,
                  verbose=config.verbose, writes_to=config.output_dir,
                  rerun="run the command again with --overwrite")
     manifest = shards.read_manifest(config.output_dir)
-    seconds = time.perf_counter() - start
+    seconds = time.monotonic() - start
     for split, entry in manifest.splits.items():
         log.info("ingest %s: %d examples in %d shards", split, entry.num_examples, len(entry.shards))
     if manifest.num_rejected:

@@ -11,8 +11,13 @@ run trains on all but the last N training rows and is scored on those rows; per 
 setting with the best median held-out score is chosen, and only then are the chosen runs scored
 on the test split: those test scores are the sweep's result. Held-out scores (and a choice made
 from them) are exact statistics of private rows: such a sweep needs ``private_diagnostics``, and
-its tables and plot are private diagnostics (``*.NOT-PRIVATE.*``, mode 0600). Without held-out
-rows nothing is chosen: every grid point is reported with its test score.
+its tables and plot are private diagnostics (``*.NOT-PRIVATE.*``, mode 0600). The choice leaves
+no other trace: every run gets the same files (its held-out scores, 0600), the chosen runs' test
+scores are computed without being saved in them, and the JSON line withholds every field that
+depends on held-out rows (or on the baseline) unless ``print_private_diagnostics`` (then it names
+them as not private). A later sweep in OUT_DIR never makes owner-only tables readable again
+(``sweep_report.remove_stale_tables``). Without held-out rows nothing is chosen: every grid point
+is reported with its test score.
 
 Reuse: a run directory that already holds this sweep's run is reused, so an interrupted sweep
 continues where it stopped instead of redoing (or re-spending) finished runs. A directory is
@@ -28,6 +33,10 @@ trains on the same private data without any guarantee: it is a private diagnosti
 ``baseline.NOT-PRIVATE/`` (mode 0700, tables 0600), and the composed guarantee holds only
 without it. Simulated runs (``simulate_batch``) are DP at their own, larger epsilon, not at their
 target's: they say so in their names, files, ledgers and the result, and are composed like any run.
+
+Following it: every run's progress line says ``sweep run k of n (NAME)`` and the sweep's time left
+(``training.sweep_progress``); ``SweepResult.report`` says at the end where the tables are. A
+gridded batch size or number of steps needs no flag of its own; the baseline runs per gridded value.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from dpscale import files
 from dpscale.errors import InvalidConfigError
 from dpscale.stages import evaluate, train
 from dpscale.training import release, sweep_report
+from dpscale.training.sweep_progress import SweepProgress
 from dpscale.training.config import Mode, TrainingConfig, training_config
 from dpscale.training.grid import SIMULATION_NOTE, Axis, GridPoint, Simulation, check_axes, flag, grid_points, simulate
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model, detect_mode
@@ -75,6 +85,7 @@ class SweepConfig:
     baseline_learning_rate: float = 0.5
     baseline_momentum: float = 0.9
     simulate_batch: int | None = None  # run every point as a TAN simulation at this expected batch
+    print_private_diagnostics: bool = False  # the JSON line carries held-out and baseline scores too
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple((name, tuple(values)) for name, values in self.grid))
@@ -100,7 +111,8 @@ class SweepConfig:
     def from_options(cls, data: str, out_dir: str, *, epsilons: tuple[float, ...] | None = None,
                      learning_rates: tuple[float, ...] = (), grid: tuple[Axis, ...] = (), repeats: int = 3,
                      baseline: bool = False, baseline_learning_rate: float = 0.5, baseline_momentum: float = 0.9,
-                     simulate_batch: int | None = None, mode: Mode | None = None, **options: Any) -> SweepConfig:
+                     simulate_batch: int | None = None, print_private_diagnostics: bool = False,
+                     mode: Mode | None = None, **options: Any) -> SweepConfig:
         """A sweep from flat options: the grid's, then every run's as ``train`` takes them.
 
         ``grid`` may name epsilon and the learning rate too (the same as ``epsilons`` and
@@ -118,11 +130,14 @@ class SweepConfig:
         learning_rates = tuple(axes.pop("learning_rate", learning_rates))
         if learning_rates:
             options["learning_rate"] = learning_rates[0]
+        for name in ("batch_size", "steps"):  # gridded: every point gives its own (the shared one is a stand-in)
+            if name in axes and options.get(name) is None and axes[name]:
+                options[name] = axes[name][0]
         training = training_config(mode or detect_mode(data), epsilon=math.inf, **options)
         return cls(data=data, out_dir=out_dir, training=training, epsilons=epsilons, learning_rates=learning_rates,
                    grid=tuple(axes.items()), repeats=repeats, baseline=baseline,
                    baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum,
-                   simulate_batch=simulate_batch)
+                   simulate_batch=simulate_batch, print_private_diagnostics=print_private_diagnostics)
 
     @property
     def grid_learning_rates(self) -> tuple[float, ...]:
@@ -161,9 +176,40 @@ class SweepResult:
     private_runs: int = 0  # how many private runs privacy.json composes
     simulation: dict[str, Any] | None = None
     baseline: tuple[dict[str, Any], ...] = ()  # NOT private: the baseline's summary, when asked for
+    private_fields: tuple[str, ...] = ()  # fields above that depend on held-out rows or on the baseline
+    private_files: tuple[str, ...] = ()  # where those are kept, owner-only
+    print_private: bool = False  # whether ``line`` carries the private fields
+    files: tuple[str, ...] = ()  # the tables and plots written, summary.md first (owner-only ones named so)
+    runs_trained: int = 0  # by this invocation
+    runs_reused: int = 0  # finished runs found in OUT_DIR
+    seconds: float = 0.0  # this invocation's wall time
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"warnings": list(self.warnings)}
+
+    def report(self) -> list[str]:
+        """A few lines for the reader (stderr): what ran, where the tables are; no score (those are in them)."""
+        return sweep_report.finished_lines(self.out_dir, self.files, trained=self.runs_trained,
+                                           reused=self.runs_reused, seconds=self.seconds)
+
+    def line(self) -> dict[str, Any]:
+        """What the command prints: no per-run rows, and the private fields only when asked for, named either way."""
+        payload = {k: v for k, v in self.as_dict().items()
+                   if k not in ("rows", "private_fields", "private_files", "print_private")}
+        if not self.private_fields:
+            return payload
+        what = {"fields": list(self.private_fields), "files": list(self.private_files)}
+        if self.print_private:
+            return payload | {"not_private": what | {"note": f"{', '.join(self.private_fields)}: {_PRINTED}"}}
+        for name in self.private_fields:
+            payload.pop(name)
+        return payload | {"withheld": what | {"note": _WITHHELD}}
+
+
+_WITHHELD = ("left out: they depend on held-out training rows or on the non-private baseline, which epsilon does "
+             "NOT cover; they are in the owner-only files named (print them with --print-private-diagnostics)")
+_PRINTED = ("printed as asked (--print-private-diagnostics): held-out or baseline scores, private diagnostics that "
+            "epsilon does NOT cover; keep this output to yourself")
 
 
 # -- which runs, and whether OUT_DIR may hold them -------------------------------------------
@@ -256,7 +302,9 @@ def _choose(config: SweepConfig, rows: list[dict[str, Any]], summary: list[dict[
         if not config.simulate_batch:  # the test split is read now, for the chosen runs only
             members = [r for r in rows
                        if r["epsilon"] == best["epsilon"] and all(r[o] == v for o, v in setting.items())]
-            tests = [_score(config, r["run_dir"], "test", private=True)["ema_top1"] for r in members]
+            # Scored, never saved: a metrics.json in the chosen runs only would tell anyone the choice.
+            tests = [evaluate.run(evaluate.EvaluateConfig(run_dir=r["run_dir"], split="test", save=False)).ema_top1
+                     for r in members]
             entry |= {"test_median_top1": statistics.median(tests), "test_min_top1": min(tests),
                       "test_max_top1": max(tests)}
         chosen.append(entry)
@@ -297,23 +345,18 @@ def _head(config: SweepConfig, record: dict[str, Any], selection: str) -> list[s
     return head
 
 
-def _title(config: SweepConfig, chosen: list[dict[str, Any]]) -> str:
-    options = ", ".join(flag(o).replace("learning-rate", "learning rate") for o in config.options)
-    if config.simulate_batch:
-        return (f"TAN simulation at batch {config.simulate_batch}, NOT private at these epsilons: every setting "
-                f"({config.split} scores)")
-    if chosen:
-        return f"best {options} per epsilon, chosen on held-out training rows; test scores of the chosen runs"
-    return "every grid point; none chosen (no --holdout): test scores"
-
-
 def run(config: SweepConfig) -> SweepResult:
     points, simulations = _points(config)
     directory = SweepDirectory(config.out_dir)
     directory.check_data(config.data, config.training)
     for point in points:  # every refusal before any training
         directory.check_reusable(point, config.data)
-    results = [_one(config, directory, point, simulations.get(point.name)) for point in points]
+    finished = [directory.finished(RunDirectory(files.absolute(directory.run_dir(p)))) for p in points]
+    progress = SweepProgress(total=len(points), to_train=finished.count(False))
+    results = []
+    for index, (point, done) in enumerate(zip(points, finished), 1):
+        with progress.run(index, point.name, finished=done):
+            results.append(_one(config, directory, point, simulations.get(point.name)))
     rows = [r for r in results if r["kind"] != "baseline"]
     baseline_rows = [r for r in results if r["kind"] == "baseline"]
     summary = sweep_report.summarize(rows, config.options)
@@ -334,32 +377,47 @@ def run(config: SweepConfig) -> SweepResult:
     record["note"] = sweep_report.privacy_note(record)
     directory.write_privacy(record)
 
-    sweep_report.remove_stale_tables(config.out_dir)
-    label = "target epsilon" if config.simulate_batch else "epsilon"
-    sweep_report.write_tables(config.out_dir, rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows],
-                              summary=summary, chosen=chosen, options=config.options,
-                              head=_head(config, record, selection), diagnostic=diagnostic, epsilon_label=label)
-    sweep_report.plot(config.out_dir, summary=summary, chosen=[] if config.simulate_batch else chosen,
-                      options=config.options, title=_title(config, chosen), diagnostic=diagnostic,
-                      epsilon_label=label)
+    closed = sweep_report.remove_stale_tables(config.out_dir)
+    baseline_summary = sweep_report.summarize(baseline_rows, config.options) if baseline_rows else []
+    simulated = config.simulate_batch
+    written = sweep_report.write_all(
+        config.out_dir, directory.file(BASELINE_DIR) if baseline_rows else None, options=config.options,
+        rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows], summary=summary, chosen=chosen,
+        plotted=[] if simulated else chosen, head=_head(config, record, selection), diagnostic=diagnostic,
+        owner_only=bool(closed), epsilon_label="target epsilon" if simulated else "epsilon",
+        title=sweep_report.title(config.options, chosen=bool(chosen), simulate_batch=simulated, split=config.split),
+        baseline_rows=[{k: v for k, v in r.items() if k != "kind"} for r in baseline_rows],
+        baseline_summary=baseline_summary, make_baseline_dir=directory.make_baseline_dir)
     warnings = list(record["warnings"])
+    if closed:
+        warnings.append(f"replaced the owner-only tables of an earlier sweep in {config.out_dir!r} "
+                        f"({', '.join(closed)}): this sweep's tables are owner-only (mode 0600) too")
     if config.scores_private_rows:
         warnings.append(release.warning(f"the sweep's tables and plot in {config.out_dir!r} ({config.split} scores)"))
     if config.simulate_batch:
         warnings.append(f"{SIMULATION_NOTE}: the runs in {config.out_dir!r} ran at batch {config.simulate_batch} with "
                         "less noise per example than their target epsilons; each spent its own epsilon (privacy.json)")
-    baseline_summary: list[dict[str, Any]] = []
     if baseline_rows:
-        baseline_dir = directory.make_baseline_dir()
-        baseline_summary = sweep_report.summarize(baseline_rows, config.options)
-        sweep_report.remove_stale_tables(baseline_dir)
-        sweep_report.write_tables(baseline_dir, rows=[{k: v for k, v in r.items() if k != "kind"}
-                                                      for r in baseline_rows],
-                                  summary=baseline_summary, chosen=[], options=config.options, diagnostic=True,
-                                  head=["Non-private baseline: NOT private. Trained on the same private data without "
-                                        "any guarantee; keep these results to yourself."])
-        warnings.append(release.warning(f"the non-private baseline in {baseline_dir!r}"))
+        warnings.append(release.warning(f"the non-private baseline in {directory.file(BASELINE_DIR)!r}"))
+    private_fields, private_files = _private_outputs(config, bool(baseline_rows))
+    if private_fields and config.print_private_diagnostics:
+        warnings.append(f"the JSON line's {', '.join(private_fields)} {_PRINTED}")
     return SweepResult(out_dir=config.out_dir, rows=tuple(rows), summary=tuple(summary),
                        composed_epsilon=record["composed_epsilon"], delta=delta, covered_by_epsilon=not diagnostic,
                        warnings=tuple(warnings), chosen=tuple(chosen), selection=selection,
-                       private_runs=record["private_runs"], simulation=simulation, baseline=tuple(baseline_summary))
+                       private_runs=record["private_runs"], simulation=simulation, baseline=tuple(baseline_summary),
+                       private_fields=private_fields, private_files=private_files,
+                       print_private=config.print_private_diagnostics, files=tuple(written),
+                       runs_trained=progress.trained, runs_reused=progress.reused, seconds=round(progress.seconds, 1))
+
+
+def _private_outputs(config: SweepConfig, baseline: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The result's fields that depend on held-out rows or on the baseline, and the owner-only files with them."""
+    fields, where = [], []
+    if config.scores_private_rows:
+        fields += ["summary", "chosen"]
+        where += [files.join(config.out_dir, release.diagnostic_name(n)) for n in (SUMMARY_MD, sweep_report.CHOSEN_CSV)]
+    if baseline:
+        fields.append("baseline")
+        where.append(files.join(config.out_dir, BASELINE_DIR, release.diagnostic_name(SUMMARY_MD)))
+    return tuple(fields), tuple(where)

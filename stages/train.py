@@ -23,7 +23,8 @@ from dpscale.privacy.checks import ACCOUNTANTS, SAMPLING_SCHEMES
 from dpscale.training import trainer
 from dpscale.training.config import FEATURE_NORMALIZATIONS, MODES, Mode, TrainingConfig, training_config
 from dpscale.training.model import detect_mode
-from dpscale.training.run_directory import CONFIG
+from dpscale.training.release import SIMULATION_NOTE
+from dpscale.training.run_directory import CONFIG, RunDirectory
 from dpscale.training.trainer import TrainResult
 
 __all__ = ["ACCOUNTANTS", "FEATURE_NORMALIZATIONS", "MODES", "SAMPLING_SCHEMES", "ResumeConfig", "TrainConfig",
@@ -59,5 +60,9 @@ def started(run_dir: str) -> bool:
 
 def run(config: TrainConfig | ResumeConfig) -> TrainResult:
     if isinstance(config, ResumeConfig):
-        return trainer.resume(config.run_dir, show_progress=config.show_progress)
+        result = trainer.resume(config.run_dir, show_progress=config.show_progress)
+        if RunDirectory.existing(config.run_dir).simulated:  # its files say so; its result line too
+            result = dataclasses.replace(result, warnings=(*result.warnings, f"{SIMULATION_NOTE}: {config.run_dir!r} "
+                                         "is a TAN simulation (sweep --simulate-batch), DP only at its own epsilon"))
+        return result
     return trainer.start(config.data, config.run_dir, config.training)

@@ -111,3 +111,38 @@ def _give_freed_memory_back():
 def synthetic_feature_cache():
     """``write_synthetic_feature_cache`` for module-scoped fixtures."""
     return write_synthetic_feature_cache
+
+
+@pytest.fixture()
+def umask_022():
+    """A Python API user's usual umask (group and others may read what is not made owner-only)."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def not_owner_only(root: str) -> list[str]:
+    """What under ``root`` (itself included) another user could read: directories not 0700, files not 0600."""
+    import stat
+
+    found = []
+    for folder, _, names in os.walk(root):
+        if stat.S_IMODE(os.stat(folder).st_mode) != 0o700:
+            found.append(f"{oct(stat.S_IMODE(os.stat(folder).st_mode))} {folder}/")
+        for name in names:
+            mode = stat.S_IMODE(os.lstat(os.path.join(folder, name)).st_mode)
+            if mode != 0o600:
+                found.append(f"{oct(mode)} {os.path.join(folder, name)}")
+    return found
+
+
+def readable_by_others(root: str) -> list[str]:
+    """Files under ``root`` (relative paths) that another user could read: readable, and every folder on the way open."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        if not os.stat(folder).st_mode & 0o005 == 0o005:  # others can neither list nor enter it: nothing below
+            dirs[:] = []
+            continue
+        found += [os.path.relpath(os.path.join(folder, n), root) for n in names
+                  if os.stat(os.path.join(folder, n)).st_mode & 0o004]
+    return sorted(found)

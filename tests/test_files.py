@@ -119,3 +119,42 @@ def test_a_runs_seed_and_diagnostics_are_owner_only_even_over_old_files(tmp_path
     assert _mode(tmp_path / DIAGNOSTICS_FILE) == 0o600
     assert run.read_secrets().seed == 12345
     assert not any("12345" in p.read_text() for p in tmp_path.iterdir() if p.is_file())
+
+
+def test_owner_only_files_hold_for_nested_and_concurrent_writers_and_give_the_umask_back(tmp_path):
+    import threading
+
+    from dpscale.files import owner_only_files
+
+    old = os.umask(0o022)
+    try:
+        inside, release = threading.Barrier(3), threading.Event()
+
+        def writer(name):
+            with owner_only_files():
+                inside.wait()
+                release.wait()  # both threads hold it; the first to leave must not give 022 back to the other
+                with owner_only_files():  # nested
+                    (tmp_path / name).write_text("x")
+                (tmp_path / f"{name}-after").write_text("x")
+
+        threads = [threading.Thread(target=writer, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        inside.wait()
+        release.set()
+        for t in threads:
+            t.join()
+        assert os.umask(0o022) == 0o022  # the caller's umask is back
+    finally:
+        os.umask(old)
+    assert {p.name: _mode(p) for p in tmp_path.iterdir()} == dict.fromkeys(["a", "b", "a-after", "b-after"], 0o600)
+
+
+def test_an_owner_only_directory_is_closed_even_if_it_existed(tmp_path):
+    from dpscale.files import makedirs_owner_only
+
+    (tmp_path / "old").mkdir(mode=0o755)
+    makedirs_owner_only(str(tmp_path / "old"))
+    makedirs_owner_only(str(tmp_path / "new" / "entry"))
+    assert _mode(tmp_path / "old") == _mode(tmp_path / "new" / "entry") == 0o700

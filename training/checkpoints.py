@@ -51,12 +51,14 @@ class Checkpoints:
         self._manager.close()
 
 
-def save_with_digests(directory: str, *, digests_file: str, **trees: Any) -> None:
-    """Save the trees (every process: orbax coordinates them), then the sha256 of each file."""
+def save_with_digests(directory: str, *, digests_file: str, annotations: Mapping[str, Any] = {},
+                      **trees: Any) -> None:
+    """Save the trees (every process: orbax coordinates them), then the sha256 of each file
+    (and ``annotations``, e.g. a simulated run's stamp, beside them in the digests file)."""
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(directory, trees, force=True)
     if jax.process_index() == 0:
-        write_json_atomic(digests_file, file_digests(directory))
+        write_json_atomic(digests_file, {**file_digests(directory), **annotations})
 
 
 def file_digests(directory: str) -> dict[str, str]:

@@ -42,6 +42,7 @@ class Scores:
     other_data: bool = False  # True: not the data the run trained on (a separate file, never metrics.json)
     epsilon: float = math.inf  # the run's guarantee, restated beside its scores (inf: non-private)
     delta: float = 0.0
+    simulated: bool = False  # a TAN simulation (sweep --simulate-batch): DP at its own epsilon, not its target's
 
     def as_dict(self) -> dict[str, Any]:
         payload = dataclasses.asdict(self)
@@ -144,10 +145,12 @@ def other_data_name(data: str) -> str:
 
 
 def score_run(run_dir: str, *, split: str = "test", data: str | None = None, batch_size: int = 256,
-              private_diagnostics: bool = False, force_other_data: bool = False) -> tuple[Scores, str]:
+              private_diagnostics: bool = False, force_other_data: bool = False,
+              save: bool = True) -> tuple[Scores, str]:
     """Score the run in ``run_dir`` on ``split`` of its data (or of ``data``); save the scores in the run.
 
-    Returns the scores and the file they were saved to. Scoring the run's private training
+    Returns the scores and the file they were saved to (``""`` with ``save`` False: nothing is
+    written, e.g. for a sweep's choice, which must leave no trace in the runs it chose). Scoring the run's private training
     rows needs ``private_diagnostics``. ``data`` must be made like the run's data (classes, image
     shape, preprocessing, backbone); if it is not the run's own data, the scores are saved only
     with ``force_other_data``, to ``metrics.other-data.<name>.json``: ``metrics.json`` holds
@@ -189,7 +192,10 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
     ema_top1, ema_top5 = accuracies(logits_of(trained_params["ema_params"]), labels)
     ledger = run.read_ledger()
     scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5, covered_by_epsilon=not diagnostic,
-                    data=_absolute(path), other_data=other, epsilon=ledger.epsilon_spent, delta=ledger.delta)
+                    data=_absolute(path), other_data=other, epsilon=ledger.epsilon_spent, delta=ledger.delta,
+                    simulated=run.simulated)
+    if not save:
+        return scores, ""
     with storage_faults(stopped="the scores were not saved",
                         then="evaluate the run again (or a copy of it in a writable directory)"):
         return scores, run.write_scores(scores.as_dict(), diagnostic=diagnostic, other_data=name)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.training.config import TrainingConfig, options_of, with_options
+from dpscale.training.release import SIMULATION_FILE, SIMULATION_NOTE  # noqa: F401 - SIMULATION_FILE re-exported
 
 Axis = tuple[str, tuple[Any, ...]]
 Kind = Literal["private", "baseline", "simulated"]
@@ -41,8 +42,6 @@ NOT_GRIDDED = {
 }
 #: Short names of the first two axes in run names (``eps8-lr2-...``, as sweeps have always named them).
 _SHORT = {"epsilon": "eps", "learning_rate": "lr"}
-SIMULATION_NOTE = "simulation: not the privacy of the target"
-SIMULATION_FILE = "simulation.NOT-PRIVATE.json"  # in a simulated run's directory: what it simulates
 
 
 def flag(option: str) -> str:

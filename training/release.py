@@ -26,6 +26,12 @@ COVERED_STEP_FIELDS = ("step", "epsilon_spent", "update_norm")
 #: The file name of every private diagnostic says it is not private.
 NOT_PRIVATE = "NOT-PRIVATE"
 DIAGNOSTICS_FILE = f"diagnostics.{NOT_PRIVATE}.jsonl"
+#: A TAN simulation (``sweep --simulate-batch``) is DP only at its own, larger epsilon, not its target's:
+#: its directory holds ``SIMULATION_FILE`` (what it simulates) from before its first step, and every
+#: JSON file and line it writes carries ``SIMULATED`` (``training.run_directory``).
+SIMULATION_NOTE = "simulation: not the privacy of the target"
+SIMULATION_FILE = f"simulation.{NOT_PRIVATE}.json"
+SIMULATED = "simulated"
 
 
 def diagnostic_name(name: str) -> str:

@@ -18,6 +18,9 @@ checkpoints are written by ``training.run_lock`` and ``training.checkpoints``, w
     run_dir/metrics.other-data.<name>.json   scores on other data made like the run's (evaluate --force-other-data)
     run_dir/run.lock        flock'ed by the process training in the directory (released when it dies); on
                             gs:// an object created only if absent, naming the host and pid that hold it
+    run_dir/simulation.NOT-PRIVATE.json   only in a TAN simulation (``sweep --simulate-batch``), from
+                            before its first step: then every JSON file and line above says
+                            ``"simulated": true`` (``training.release``), so none reads as a private result
 
 A run directory is self-contained and relocatable: every file is found relative to the
 directory the command names, never through a path stored inside it; the data (and a
@@ -62,7 +65,7 @@ from dpscale.files import open_for_writing, write_atomic, write_json_atomic
 from dpscale.privacy.plan import Ledger, PrivacyPlan
 from dpscale.training.checkpoints import Checkpoints, check_digests, restore_on_first_device, save_with_digests
 from dpscale.training.config import TrainingConfig
-from dpscale.training.release import DIAGNOSTICS_FILE, diagnostic_name
+from dpscale.training.release import DIAGNOSTICS_FILE, SIMULATED, SIMULATION_FILE, SIMULATION_NOTE, diagnostic_name
 from dpscale.training.run_lock import RunLock
 
 CONFIG = "config.json"
@@ -75,6 +78,8 @@ PARAMS_DIGESTS = "params.sha256.json"
 SCORES = "metrics.json"
 LOCK = "run.lock"
 T = TypeVar("T")
+#: What every JSON file of a simulated run carries (its lines: ``SIMULATED`` only).
+_STAMP = {SIMULATED: True, "simulation": f"{SIMULATION_NOTE}: a TAN simulation, see {SIMULATION_FILE}"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +111,7 @@ class RunSpec:
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> RunSpec:
-        unknown = sorted(set(payload) - {"data", "training", "plan", "inputs"})
+        unknown = sorted(set(payload) - {"data", "training", "plan", "inputs", *_STAMP})
         if unknown:
             raise DataError(f"unknown keys {unknown}")
         return cls(data=str(payload["data"]), training=TrainingConfig.from_json(payload["training"]),
@@ -153,6 +158,8 @@ class RunDirectory:
     path: str
     # metric lines not yet written, by file name (URLs only: see the module docstring)
     _pending: dict[str, list[str]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # whether it is a simulation, once known (a run becomes one before its first step, never stops being one)
+    _simulated: list[bool] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def new(cls, path: str) -> RunDirectory:
@@ -172,7 +179,7 @@ class RunDirectory:
         try:
             self._check_free()  # again, under the lock: another start may have won the race
             self.write_secrets(secrets)
-            write_json_atomic(self.file(CONFIG), spec.to_json())
+            write_json_atomic(self.file(CONFIG), self._stamped(spec.to_json()))
         except BaseException:
             lock.release()
             raise
@@ -191,6 +198,27 @@ class RunDirectory:
 
     def file(self, name: str) -> str:
         return files.join(self.path, name)
+
+    # -- a simulation says so everywhere ---------------------------------------------------
+
+    @property
+    def simulated(self) -> bool:
+        """Whether this run is a TAN simulation (``sweep --simulate-batch``): DP only at its own epsilon."""
+        if not self._simulated:
+            self._simulated.append(files.exists(self.file(SIMULATION_FILE)))
+        return self._simulated[0]
+
+    def mark_simulated(self, what: dict[str, Any]) -> None:
+        """Make this a simulation of ``what`` (before its first step); a ledger already here is stamped again."""
+        files.makedirs(self.path)
+        if not files.exists(self.file(SIMULATION_FILE)):
+            write_json_atomic(self.file(SIMULATION_FILE), what, private=True)
+        self._simulated[:] = [True]
+        if files.exists(self.file(LEDGER)) and SIMULATED not in json.loads(files.read_text(self.file(LEDGER))):
+            self.write_ledger(self.read_ledger())
+
+    def _stamped(self, payload: dict[str, Any], stamp: dict[str, Any] = _STAMP) -> dict[str, Any]:
+        return payload | stamp if self.simulated else payload
 
     # -- what the run is ------------------------------------------------------------------
 
@@ -242,7 +270,7 @@ class RunDirectory:
 
     def write_ledger(self, ledger: Ledger) -> None:
         self._write_pending_metrics()
-        write_json_atomic(self.file(LEDGER), ledger.to_json())
+        write_json_atomic(self.file(LEDGER), self._stamped(ledger.to_json()))
 
     def read_ledger(self) -> Ledger:
         return self._read(LEDGER, Ledger.from_json)
@@ -250,11 +278,12 @@ class RunDirectory:
     def append_metrics(self, metrics: dict[str, Any], *, diagnostic: bool = False) -> None:
         """One step's covered metrics (``metrics.jsonl``), or its private diagnostics (0600)."""
         name = DIAGNOSTICS_FILE if diagnostic else METRICS
+        line = json.dumps(self._stamped(metrics, {SIMULATED: True}), sort_keys=True) + "\n"
         if files.is_url(self.path):
-            self._pending.setdefault(name, []).append(json.dumps(metrics, sort_keys=True) + "\n")
+            self._pending.setdefault(name, []).append(line)
             return
         with open_for_writing(self.file(name), private=diagnostic, append=True) as f:
-            f.write(json.dumps(metrics, sort_keys=True) + "\n")
+            f.write(line)
 
     def _write_pending_metrics(self) -> None:
         for name, lines in list(self._pending.items()):
@@ -296,13 +325,15 @@ class RunDirectory:
 
     def save_params(self, **trees: Any) -> None:
         """Save the trees (every process: orbax coordinates them), then the sha256 of each file."""
-        save_with_digests(self.file(PARAMS), digests_file=self.file(PARAMS_DIGESTS), **trees)
+        save_with_digests(self.file(PARAMS), digests_file=self.file(PARAMS_DIGESTS),
+                          annotations=self._stamped({}), **trees)
 
     def _check_params(self) -> None:
         """Refuse damaged parameters before orbax reads them (its failures are tracebacks from threads)."""
         if not files.exists(self.file(PARAMS_DIGESTS)):
             return  # saved by an older dpscale: orbax's own errors are all there is
-        recorded = self._read(PARAMS_DIGESTS, lambda payload: {str(k): str(v) for k, v in payload.items()})
+        recorded = self._read(PARAMS_DIGESTS, lambda payload: {str(k): str(v) for k, v in payload.items()
+                                                              if k not in _STAMP})
         check_digests(self.file(PARAMS), recorded, run=self.path)
 
     def load_params(self) -> dict[str, Any]:
@@ -322,7 +353,7 @@ class RunDirectory:
 
     def write_scores(self, scores: dict[str, Any], *, diagnostic: bool = False, other_data: str | None = None) -> str:
         name = self.scores_file(scores["split"], diagnostic=diagnostic, other_data=other_data)
-        write_json_atomic(self.file(name), scores, private=diagnostic)
+        write_json_atomic(self.file(name), self._stamped(scores), private=diagnostic)
         return self.file(name)
 
     def read_scores(self, split: str = "test", *, diagnostic: bool = False) -> dict[str, Any] | None:

@@ -71,9 +71,7 @@ class SweepDirectory:
     def make_baseline_dir(self) -> str:
         """The baseline's directory, owner-only before its first file."""
         path = self.file(BASELINE_DIR)
-        files.makedirs(path, mode=0o700)
-        if not files.is_url(path):
-            os.chmod(path, 0o700)
+        files.makedirs_owner_only(path)
         return path
 
     # -- what may be reused ---------------------------------------------------------------------
@@ -108,6 +106,10 @@ class SweepDirectory:
         run = RunDirectory(files.absolute(self.run_dir(point)))
         if not files.exists(run.file(CONFIG)):
             return
+        if run.simulated != (point.kind == "simulated"):
+            found = "a TAN simulation" if run.simulated else "not a simulation"
+            raise DataError(f"{run.path!r} holds a run that is {found}, unlike this sweep's run of that name: its "
+                            f"results are not this sweep's; {_NEW_DIR}")
         spec = run.read_spec()
         asked = RunSpec.new(data, point.training, spec.plan, {})
         found = dataclasses.replace(spec.training, show_progress=asked.training.show_progress)
@@ -126,10 +128,9 @@ class SweepDirectory:
 
     @staticmethod
     def mark_simulation(run: RunDirectory, simulation: Simulation) -> None:
-        """A simulated run says so in its directory (before its first step) and in its ledger; idempotent."""
-        files.makedirs(run.path)
-        if not files.exists(run.file(SIMULATION_FILE)):
-            write_json_atomic(run.file(SIMULATION_FILE), simulation.as_dict(), private=True)
+        """A simulated run says so in its directory (before its first step), in every JSON file it writes
+        (``RunDirectory.mark_simulated``) and in its ledger's ``not_covered``; idempotent."""
+        run.mark_simulated(simulation.as_dict())
         if not files.exists(run.file(LEDGER)):
             return
         ledger = run.read_ledger()
@@ -167,7 +168,7 @@ class SweepDirectory:
                 raise DataError(f"{error}; privacy.json must compose every run in {self.path!r}: repair or remove "
                                 "that run") from None
             runs.append({"run_dir": _relative(run.path, files.absolute(self.path)), "private": plan.private,
-                         "epsilon": finite(plan.epsilon()), "simulated": files.exists(run.file(SIMULATION_FILE))})
+                         "epsilon": finite(plan.epsilon()), "simulated": run.simulated})
             if plan.private:
                 plans.append(plan)
                 warnings += plan.warnings

@@ -28,10 +28,10 @@ from dpscale import distributed
 from dpscale.data.identity import keyed_identity, seed_secret
 from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.privacy.dpsgd import TrainState
-from dpscale.privacy.plan import PrivacyPlan
+from dpscale.privacy.plan import PrivacyPlan, knob_to_solve
 from dpscale.privacy.seeds import resolve_seed
 from dpscale.privacy.streams import Stream, stream_key
-from dpscale.progress import progress_bar
+from dpscale.progress import progress_bar, status
 from dpscale.training.config import TrainingConfig
 from dpscale.training import release
 from dpscale.training.model import HOLDOUT_SPLIT, TrainModel, build_train_model
@@ -56,11 +56,20 @@ class TrainResult:
     examples_per_second: float = 0.0  # expected batch size x steps run by this process / train_seconds
 
 
-def plan_for(config: TrainingConfig, model: TrainModel) -> PrivacyPlan:
-    """The run's privacy plan: calibrated to the target over the model's training rows and releases."""
-    return PrivacyPlan.calibrate(config.target, num_examples=model.num_examples, batch_size=config.batch_size,
-                                 steps=config.steps, noise_multiplier=config.noise_multiplier,
-                                 releases=tuple(model.releases)).resolved()  # the capacity recorded
+def plan_for(config: TrainingConfig, model: TrainModel, *, show_progress: bool = False) -> PrivacyPlan:
+    """The run's privacy plan: calibrated to the target over the model's training rows and releases.
+
+    ``show_progress``: a line if the calibration takes more than a few seconds (it can take a minute).
+    """
+    what = ""
+    if config.target.private:
+        knob = knob_to_solve(num_examples=model.num_examples, batch_size=config.batch_size, steps=config.steps,
+                             noise_multiplier=config.noise_multiplier)
+        what = f"calibrating the {knob.replace('_', ' ')} for epsilon {config.target.epsilon:g}"
+    with status(f"train: {what}", enabled=show_progress and bool(what)):
+        return PrivacyPlan.calibrate(config.target, num_examples=model.num_examples, batch_size=config.batch_size,
+                                     steps=config.steps, noise_multiplier=config.noise_multiplier,
+                                     releases=tuple(model.releases)).resolved()  # the capacity recorded
 
 
 class Trainer:
@@ -136,8 +145,11 @@ class Trainer:
         log_every = max(1, math.ceil(total / 20))
         show = self.config.show_progress and self.primary
         self.steps_run = total - start
+        # examples/s: the expected batch size x steps since the loop began over its time, as the result's
+        # examples_per_second; the time left: from the steps after the first (which compiles)
         with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown"),
-                          unit=("examples", self.plan.batch_size)) as bar:
+                          unit=("examples", self.plan.batch_size),
+                          starting="compiling the DP step" if self.plan.private else "compiling the step") as bar:
             for step in range(start, total):
                 batch = self.sampler.sample(step)
                 state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
@@ -215,7 +227,7 @@ def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
     """
     run = RunDirectory.new(run_dir)
     model = build_train_model(data, config)
-    plan = plan_for(config, model)
+    plan = plan_for(config, model, show_progress=config.show_progress and distributed.is_primary())
     # The seed, even a fixed one, lives only in the run's secrets: config.json is a released file.
     spec = RunSpec.new(data, dataclasses.replace(config, seed=None), plan, inputs=model.inputs)
     _check_processes_agree(spec, model)

@@ -166,3 +166,19 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("DPSCALE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert fstore.default_cache_dir() == str(tmp_path / "dpscale" / "features")
+
+
+def test_an_entry_made_through_the_api_is_owner_only_under_any_umask(tmp_path, umask_022):
+    """The entry *is* private data: FeatureStore closes it itself, not only the command line's umask."""
+    from ..conftest import not_owner_only
+
+    store = fstore.FeatureStore.create(str(tmp_path / "cache"), layout())
+    write(store)
+    store.finalize()
+    assert not_owner_only(store.path) == []
+    assert fstore.open_features(store.path).num_examples("train") == 10
+    assert os.umask(0o022) == 0o022  # the caller's umask is given back
+    # An entry an older dpscale left readable is closed when it is used again.
+    os.chmod(store.path, 0o755)
+    fstore.FeatureStore.create(str(tmp_path / "cache"), layout())
+    assert os.stat(store.path).st_mode & 0o777 == 0o700

@@ -74,3 +74,16 @@ def test_reader_refuses_a_directory_without_manifest(tmp_path):
 
     with pytest.raises(DataError):
         IngestedDataset(str(tmp_path))
+
+
+def test_shards_manifest_and_report_are_owner_only_under_any_umask(tmp_path, umask_022):
+    """Ingested data is the private data: the library's own writers close it, whatever the caller's umask."""
+    from ..conftest import not_owner_only
+
+    out = str(tmp_path / "data")
+    shards.prepare_output(out, overwrite=False)
+    summary, _ = shards.write_shard(out, "train", 0, 1, _examples(4), num_classes=2, shape=(2, 2, 1))
+    _finish(tmp_path / "data", [summary], 4)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        shards.MANIFEST, shards.REPORT, shards.shard_name("train", 0, 1)]
+    assert not_owner_only(out) == []

@@ -6,6 +6,7 @@ each warning reads ``dpscale: warning: ...`` like every other.
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -91,7 +92,25 @@ def test_the_fixed_seed_warning_reads_like_every_other_warning(cache, tmp_path, 
 def test_training_shows_examples_per_second_in_its_progress_and_its_result(cache, tmp_path, capfd):
     code, out, err = dpscale(capfd, "train", cache, tmp_path / "r", *TRAIN)
     assert code == 0 and json.loads(out)["examples_per_second"] > 0
-    assert any(line.split(" ", 1)[1].startswith("train: 6/6") and "examples/s" in line for line in err.splitlines())
+    lines = err.splitlines()
+    # a line at once, before the first step compiles; then one final line, not two
+    assert any(line.split(" ", 1)[1].startswith("train: 0/6, compiling the DP step ...") for line in lines), err
+    (final,) = [line for line in lines if line.split(" ", 1)[1].startswith("train: 6/6")]
+    # one definition of examples/s: the final line shows the result's figure
+    shown = float(re.search(r"([\d,.]+) examples/s", final).group(1).replace(",", ""))
+    assert shown == pytest.approx(json.loads(out)["examples_per_second"], rel=0.05, abs=0.01), (final, out)
+
+
+def test_ingest_shows_the_images_per_second_of_its_result(tmp_path, capfd):
+    """One definition of images/s: every input read (classes left out included) over the stage's whole time.
+
+    The progress line counted every input read since the pipeline began while the result counted only the
+    kept ones over the whole stage (903 vs 211 images/s in the issue)."""
+    code, out, err = dpscale(capfd, "ingest", "digits", tmp_path / "d", "--classes", "0,1")
+    assert code == 0, err
+    (final,) = [line for line in err.splitlines() if "ingest: read+decode: 1797/1797" in line]
+    shown = float(re.search(r"([\d,.]+) images/s", final).group(1).replace(",", ""))
+    assert shown == pytest.approx(json.loads(out)["images_per_second"], rel=0.1), (final, out)
 
 
 # --- every accountant call bounded in time ------------------------------------------------------

@@ -6,6 +6,7 @@ never a traceback.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,9 +48,13 @@ def featurized(capfd, *args) -> dict:
 
 
 def refused(capfd, *args, saying=()):
-    """The command exits 2 with one ``dpscale: error:`` line containing every string of ``saying``."""
+    """The command exits 2 with one ``dpscale: error:`` line containing every string of ``saying``.
+
+    Progress lines (dated, e.g. ``12:00:00 train: 0/6, compiling the DP step ...``) may come before it:
+    they say what was under way, not what went wrong.
+    """
     code, out, err = dpscale(capfd, *args)
-    lines = err.strip().splitlines()
+    lines = [line for line in err.strip().splitlines() if not re.match(r"\d\d:\d\d:\d\d ", line)]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("dpscale: error: "), err
     assert "Traceback" not in err and out == ""
     for text in (saying,) if isinstance(saying, str) else saying:

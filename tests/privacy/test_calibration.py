@@ -267,3 +267,26 @@ def test_calibration_with_a_release_meets_the_target_and_leaves_training_less_bu
     assert _eps(found.value * (1 - 2 * DEFAULT_RTOL), 0.2, 200, 1e-5, "pld", releases=(20.0,)) > 1.0
     # ... while training alone at that sigma stays below the target (the release is not free).
     assert _eps(found.value, 0.2, 200, 1e-5, "pld") < found.epsilon
+
+
+def test_the_issues_batch_size_search_builds_few_distributions_on_the_reported_grid(monkeypatch):
+    """`dpscale calibrate --epsilon 8 --num-examples 50000 --noise-multiplier 1 --steps 1000` took 100 s under load.
+
+    A probe at a new batch size builds that step's PLD on dp-accounting's grid (~1-2 s truncated): the
+    search reaches the answer on RDP and a 10x coarser grid first, then needs two such probes per
+    truncation (the answer, and one more example overshooting), and its check and the plan's own
+    report reuse the last. Same answer as before (1897), never above the target.
+    """
+    from dpscale.privacy import accounting, calibration
+    from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
+
+    calibration.clear_caches()
+    built = []
+    real = accounting.EpsilonCurve
+    monkeypatch.setattr(accounting, "EpsilonCurve", lambda **kw: built.append(kw) or real(**kw))
+    plan = PrivacyPlan.calibrate(PrivacyTarget(8.0, 1e-5), num_examples=50_000, noise_multiplier=1.0, steps=1000)
+    fine = [kw for kw in built if kw["accountant"] == "pld" and kw["pld_discretization"] == accounting.PLD_DISCRETIZATION]
+    assert len(fine) <= 4, [(kw["sampling_rate"] * 50_000, kw["truncation"]) for kw in fine]  # 10 before
+    count = len(built)
+    assert plan.batch_size == 1897 and plan.epsilon() <= 8.0
+    assert len(built) == count  # the report is the search's last probe, not a new computation

@@ -7,7 +7,8 @@ import pytest
 from dpscale.privacy import calibration
 from dpscale.privacy.accounting import (RdpParts, Truncation, epsilon, rdp_epsilon, step_event,
                                         truncated_step_rdp)
-from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget
+from dpscale.errors import InvalidConfigError
+from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget, composed_epsilon
 from dpscale.privacy.sampling import batch_capacity
 
 
@@ -37,6 +38,38 @@ def test_the_larger_neighbour_is_the_worse_one():
 
     values = [pld(size) for size in (999, 1000, 1001)]
     assert values == sorted(values) and values[0] < values[2]
+
+
+def _pld(size, q, capacity, sigma, steps):
+    """dp-accounting's epsilon for the pair whose larger data set has ``size`` examples."""
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(size, q, capacity, sigma),
+                                              steps)
+    return dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(
+        event).get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize("num_examples, batch_size", [(1430, 128), (200, 100), (100, 10)])
+def test_from_the_batch_size_up_the_larger_neighbour_is_the_worse_one(num_examples, batch_size):
+    """Where a capacity is allowed (at least B), N + 1 covers the removal neighbour; below B it does not."""
+    q = batch_size / num_examples
+    assert _pld(num_examples, q, batch_size, 3.0, 50) < _pld(num_examples + 1, q, batch_size, 3.0, 50)
+    below = int(0.7 * batch_size)
+    assert _pld(num_examples, q, below, 3.0, 50) > _pld(num_examples + 1, q, below, 3.0, 50)
+
+
+def test_a_capacity_below_the_batch_size_is_refused_by_every_accounting_path():
+    n, b, below = 1430, 128, 100
+    q, truncation = b / n, Truncation(n, below)
+    plan = PrivacyPlan(num_examples=n, batch_size=b, steps=200, noise_multiplier=1.0, delta=1e-5, batch_capacity=below)
+    for compute in (lambda: _eps(1.0, q, 200, truncation=truncation),
+                    lambda: _eps(1.0, q, 200, truncation=truncation, accountant="rdp"),
+                    lambda: step_event(noise_multiplier=1.0, sampling_rate=q, truncation=truncation),
+                    lambda: RdpParts.of(noise_multiplier=1.0, sampling_rate=q, truncation=truncation),
+                    plan.epsilon, lambda: plan.ledger(steps_done=1),
+                    lambda: composed_epsilon([plan], delta=1e-5)):
+        with pytest.raises(InvalidConfigError, match="capacity 100 is below the expected batch size 128"):
+            compute()
+    Truncation(n, b).check_rate(q)  # B itself is allowed
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])

@@ -311,8 +311,10 @@ def test_a_runner_that_lost_data_fails_loudly(data, tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
-def test_progress_covers_verification_and_counts_only_planned_rows(data, tmp_path, monkeypatch):
-    """Progress runs to exactly 100% through neighbours and verification, in planned units."""
+def test_progress_covers_verification_and_counts_only_planned_rows(data, tmp_path, monkeypatch, caplog):
+    """Progress runs to exactly 100% through neighbours and verification, in planned units it names."""
+    import logging
+
     from dpscale.pipelines import dedup as graph
     from dpscale.pipelines import progress, runner
 
@@ -321,7 +323,10 @@ def test_progress_covers_verification_and_counts_only_planned_rows(data, tmp_pat
     class Recording(progress.LocalProgress):
         def __exit__(self, *exc):
             finished["done"], finished["total"] = progress._done(self.directory), self.total
+            finished["label"] = self.label
             super().__exit__(*exc)
+
+    caplog.set_level(logging.INFO, logger=stage.log.name)
 
     monkeypatch.setattr(runner, "LocalProgress", Recording)
     monkeypatch.setattr(stage, "PRIVATE_PER_VERIFY_TASK", 3)  # several verification blocks
@@ -332,6 +337,11 @@ def test_progress_covers_verification_and_counts_only_planned_rows(data, tmp_pat
     # the total is fixed by the image counts, not by how many candidates the private data yields
     assert finished["total"] == graph.progress_total(num_public, num_private, k=10)
     assert finished["done"] == finished["total"]
+    # the unit is named: on the bar, and item by item when the run begins (the issue's "11653/11653" said neither)
+    assert finished["label"] == "dedup: images described + private images searched + pairs verified"
+    total = finished["total"]
+    assert (f"progress counts {total:,} items: {num_public + num_private:,} images described, {num_private:,} "
+            f"private images searched and {10 * num_private:,} candidate pairs verified") in caplog.text
 
 
 def test_verification_blocks_and_public_positions_are_planned_from_counts(data):

@@ -1,6 +1,7 @@
 """The epsilon and calibrate commands: contract, JSON fields, one-line errors."""
 
 import json
+import time
 import re
 
 import dp_accounting
@@ -56,6 +57,26 @@ def test_run_epsilon_with_a_ledgers_capacity_equals_the_runs_epsilon():
                   "--batch-size", "500", "--num-examples", "50000", "--delta", "1e-5",
                   "--batch-capacity", str(plan.batch_capacity), "--json")
     assert out.exit_code == 0 and json.loads(out.stdout)["epsilon"] == plan.epsilon()
+
+
+def test_a_capacity_below_the_batch_size_is_refused_not_understated(capfd):
+    """The review's case: N = 1,430, B = 128, capacity 100 gave 38.991 (the N + 1 neighbour), below the 39.014
+    of the N - 1 neighbour; a capacity below B is refused in one line, and from B up N + 1 is the worse one."""
+    case = dict(noise_multiplier=1.0, steps=200, batch_size=128, num_examples=1430, delta=1e-5)
+    with pytest.raises(InvalidConfigError, match="batch capacity 100 is below the expected batch size 128"):
+        run_epsilon(EpsilonConfig(batch_capacity=100, **case))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["epsilon", "--noise-multiplier", "1", "--steps", "200", "--batch-size", "128", "--num-examples",
+                  "1430", "--delta", "1e-5", "--batch-capacity", "100"], prog_name="dpscale")
+    out, err = capfd.readouterr()
+    assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "below the expected batch size" in err
+    # What the refusal prevents: below B the accounted pair (N, N + 1) is not the worse one.
+    event = lambda size: dp_accounting.SelfComposedDpEvent(  # noqa: E731
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(size, 128 / 1430, 100, 1.0), 200)
+    at_n, at_n1 = (dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(
+        event(size)).get_epsilon(1e-5) for size in (1430, 1431))
+    assert round(at_n, 3) == 39.014 and round(at_n1, 3) == 38.991
 
 
 def test_shuffled_sampling_result_is_flagged_and_warned():
@@ -235,3 +256,19 @@ def test_cli_help_explains_the_command(command):
                  "--accountant", "--json"):
         assert flag in result.output
     assert "Example" in result.output
+
+
+def test_a_calibration_that_takes_a_while_says_so_on_stderr(capsys, monkeypatch):
+    """`dpscale calibrate` ran for 100 s without a word (issue 50); a search past a few seconds now says what it is."""
+    from dpscale import progress
+    from dpscale.stages import calibrate
+
+    monkeypatch.setattr(progress, "STATUS_AFTER_SECONDS", 0.05)
+    real = PrivacyPlan.calibrate
+    monkeypatch.setattr(calibrate.PrivacyPlan, "calibrate", lambda *a, **k: time.sleep(0.5) or real(*a, **k))
+    run_calibrate(CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL))
+    err = capsys.readouterr().err
+    assert re.search(r"\d\d:\d\d:\d\d calibrate: solving for the batch size \(RDP accountant\) \.\.\., 0:00 elapsed", err)
+    run_calibrate(CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL,
+                                  show_progress=False))
+    assert capsys.readouterr().err == ""

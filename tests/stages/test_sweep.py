@@ -1,9 +1,11 @@
 """The sweep stage on feature-cache entries: tables, reuse, composition, honest selection, baseline, simulation."""
 
 import csv
+import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 
 import dp_accounting
@@ -203,6 +205,51 @@ def test_settings_are_chosen_on_held_out_rows_and_never_on_the_test_split(disagr
     assert not result.covered_by_epsilon
 
 
+def test_a_held_out_sweep_leaves_no_readable_trace_of_its_choice_or_its_baseline(disagreeing, tmp_path, umask_022):
+    """Twice into one folder, through the Python API under umask 022: what others may read is the same for every
+    run (no metrics.json in the chosen runs only), and the JSON line withholds held-out and baseline scores."""
+    from ..conftest import readable_by_others
+
+    out = tmp_path / "sweep"
+    config = _config(disagreeing, out, epsilons=(1.0,), grid=(("feature_scale", (1e-4, 1.0)),), baseline=True,
+                     training=dict(holdout=150, private_diagnostics=True, steps=10,
+                                   features=FeatureSettings(normalization="l2")))
+    first = sweep.run(config)
+    assert not any("replaced" in w for w in first.warnings)
+    second = sweep.run(config)
+    assert second.chosen == first.chosen and second.chosen[0]["feature_scale"] == 1.0
+    readable = readable_by_others(str(out))
+    by_run = {}
+    for path in readable:
+        assert "NOT-PRIVATE" not in path and not path.startswith(sweep.BASELINE_DIR), path
+        if path.startswith("runs/"):
+            by_run.setdefault(path.split("/")[1], set()).add(path.split("/")[2])  # checkpoints/ and params/: whole
+    assert sorted(by_run) == ["eps1-lr4-feature-scale0.0001-r0", "eps1-lr4-feature-scale1-r0"]
+    assert len({frozenset(names) for names in by_run.values()}) == 1  # every run alike: the choice is not there
+    assert "metrics.json" not in next(iter(by_run.values()))
+    assert sorted(p for p in readable if "/" not in p) == ["key.id", sweep.PRIVACY_JSON, sweep.RECORD]
+    for name in ("runs.NOT-PRIVATE.csv", "summary.NOT-PRIVATE.md", "chosen.NOT-PRIVATE.csv", "accuracy_vs_epsilon.NOT-PRIVATE.png"):
+        assert os.stat(out / name).st_mode & 0o777 == 0o600, name
+    assert any("replaced the owner-only tables" in w and "chosen.NOT-PRIVATE.csv" in w for w in second.warnings)
+    line = json.loads(json.dumps(second.line()))
+    assert not {"rows", "summary", "chosen", "baseline"} & set(line)
+    assert line["withheld"]["fields"] == ["summary", "chosen", "baseline"]
+    assert all(os.stat(f).st_mode & 0o777 == 0o600 for f in line["withheld"]["files"])
+    shown = dataclasses.replace(second, print_private=True).line()
+    assert list(shown["chosen"]) == list(second.chosen) and shown["not_private"]["fields"] == ["summary", "chosen", "baseline"]
+
+
+def test_a_later_sweep_never_makes_owner_only_tables_readable(features, tmp_path):
+    out = tmp_path / "sweep"
+    sweep.run(_config(features, out, training=dict(holdout=100, private_diagnostics=True)))
+    later = sweep.run(_config(features, out, learning_rates=(2.0,)))  # another grid, nothing held out
+    assert not (out / "runs.NOT-PRIVATE.csv").exists()  # the earlier grid's tables are gone ...
+    for name in (sweep.RUNS_CSV, sweep.SUMMARY_CSV, sweep.SUMMARY_MD, sweep.PLOT):  # ... and these stay closed
+        assert os.stat(out / name).st_mode & 0o777 == 0o600, name
+    (warning,) = [w for w in later.warnings if "replaced the owner-only tables" in w]
+    assert "runs.NOT-PRIVATE.csv" in warning and "summary.NOT-PRIVATE.md" in warning
+
+
 def test_delta_of_at_least_one_over_n_is_warned_everywhere(features, tmp_path):
     out = tmp_path / "sweep"
     result = sweep.run(_config(features, out, training=dict(target=PrivacyTarget(epsilon=math.inf, delta=0.01,
@@ -251,6 +298,46 @@ def test_simulated_runs_say_they_are_not_private_at_their_target(features, tmp_p
         sweep.run(_config(features, tmp_path / "s2", simulate_batch=128))
 
 
+def test_every_file_of_a_simulated_run_names_the_simulation_and_no_command_passes_it_off(features, tmp_path):
+    out = tmp_path / "sweep"
+    sweep.run(_config(features, out, simulate_batch=32))
+    (name,) = os.listdir(out / "runs")
+    run = out / "runs" / name
+    evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))  # a later evaluation too
+    assert name.startswith("sim-b32-") and name.endswith(".NOT-PRIVATE")  # so every path under it names it
+    for path in _files(run):
+        if path.startswith(("checkpoints/", "params/")) or path == SIMULATION_FILE:  # orbax's; the marker itself
+            continue
+        if path.endswith(".json"):
+            payload = json.loads((run / path).read_text())
+            assert payload["simulated"] is True and SIMULATION_NOTE in payload["simulation"], path
+        elif path.endswith(".jsonl"):
+            lines = [json.loads(line) for line in (run / path).read_text().splitlines()]
+            assert lines and all(line["simulated"] is True for line in lines), path
+        else:
+            assert path in ("key.id", "run.lock"), path  # not dpscale's JSON: the path names it
+    assert {"config.json", "ledger.json", "metrics.json", "metrics.jsonl", "params.sha256.json"} <= set(_files(run))
+    ledger = json.loads((run / "ledger.json").read_text())
+    assert ledger["private"] is True and ledger["simulated"] is True  # DP at its own epsilon, and a simulation
+    reader = RunDirectory.existing(str(run))
+    assert reader.read_spec().plan.batch_size == 32 and reader.load_params()  # the stamps do not get in the way
+    scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))
+    assert scores.simulated and any(SIMULATION_NOTE in w for w in scores.warnings)
+    from dpscale.stages import export_backbone
+    with pytest.raises(DataError, match="is a TAN simulation"):
+        export_backbone.run(export_backbone.ExportBackboneConfig(run_dir=str(run), output_dir=str(tmp_path / "bb")))
+    # A sweep never takes a simulation for a private run of the same name (or the other way round).
+    real = out / "runs" / name.replace(".NOT-PRIVATE", "").replace("sim-b32-", "")
+    shutil.copytree(run, real)
+    with pytest.raises(DataError, match="is a TAN simulation, unlike this sweep's run"):
+        sweep.run(_config(features, out))
+    # An ordinary run's files carry no such mark.
+    plain = tmp_path / "plain"
+    sweep.run(_config(features, plain))
+    assert "simulated" not in (plain / "runs" / "eps2-lr4-r0" / "ledger.json").read_text()
+    assert not evaluate.run(evaluate.EvaluateConfig(run_dir=str(plain / "runs" / "eps2-lr4-r0"))).simulated
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(grid=(("seed", (1, 2)),)), "not a grid option"),
     (dict(grid=(("augmentation", (1, 2)),)), "not a training option"),
@@ -263,3 +350,44 @@ def test_bad_sweeps_are_refused_before_anything_is_written(features, tmp_path, o
     with pytest.raises(InvalidConfigError, match=match):
         sweep.run(_config(features, tmp_path / "sweep", **overrides))
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_gridded_batch_size_needs_no_flag_and_the_baseline_runs_once_per_value(features, tmp_path):
+    """--grid batch-size=... with --baseline used to be refused both with --batch-size and without it."""
+    from click.testing import CliRunner
+
+    from dpscale.cli import cli
+
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(cli, ["sweep", features, str(out), "--epsilons", "2", "--learning-rates", "4",
+                                      "--grid", "batch-size=64,128", "--steps", "4", "--microbatch-size", "64",
+                                      "--repeats", "1", "--baseline", "--accountant", "rdp"])
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(out / "runs")) == ["eps2-lr4-batch-size128-r0", "eps2-lr4-batch-size64-r0"]
+    assert sorted(os.listdir(out / sweep.BASELINE_DIR / "runs")) == ["nonprivate-lr0.5-batch-size128-r0",
+                                                                       "nonprivate-lr0.5-batch-size64-r0"]
+    # the baseline is drawn beside the DP runs only in its own owner-only plot
+    plot = out / sweep.BASELINE_DIR / "accuracy_vs_epsilon.NOT-PRIVATE.png"
+    assert plot.stat().st_size > 1000 and os.stat(plot).st_mode & 0o777 == 0o600
+    # every run's progress says which run of how many it is, and the grid point; the end names the tables
+    err = result.stderr
+    assert "sweep run 1 of 4 (eps2-lr4-batch-size64-r0) | train: 4/4" in err, err
+    assert re.search(r"sweep run 4 of 4 \(nonprivate-lr0\.5-batch-size128-r0; sweep ~\d+:\d\d left\) \| train", err)
+    assert "sweep finished: 4 runs (4 trained, 0 reused)" in err
+    assert f"the results: {out / sweep.SUMMARY_MD} (median and min-max per setting)" in err
+    line = json.loads(result.stdout)
+    assert line["runs_trained"] == 4 and str(out / sweep.PLOT) in line["files"] and "baseline" not in line
+
+
+def test_the_help_names_every_file_a_sweep_writes():
+    from click.testing import CliRunner
+
+    from dpscale.cli import cli
+    from dpscale.training import release, sweep_report
+
+    text = " ".join(CliRunner().invoke(cli, ["sweep", "--help"]).output.split())
+    for name in sweep_report.TABLES:
+        assert release.diagnostic_name(name) in text, name  # held-out and simulated sweeps
+        assert name in text or name == sweep_report.CHOSEN_CSV, name  # a choice is made on held-out rows only
+    for name in (sweep.PRIVACY_JSON, sweep.RECORD, f"{sweep.RUNS}/", f"{sweep.BASELINE_DIR}/"):
+        assert name in text, name

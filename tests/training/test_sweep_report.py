@@ -46,7 +46,7 @@ def test_the_plot_says_how_points_were_chosen_and_labels_epsilon_plainly(tmp_pat
     (fig,) = figure
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8"]
-    assert "chosen on held-out" in ax.get_title() and "chosen on held-out" in ax.get_legend().get_texts()[0].get_text()
+    assert "chosen on held-out" in ax.get_title() and "chosen on held-out" in fig.legends[0].get_texts()[0].get_text()
     assert {t.get_text() for t in ax.texts} == {"lr 2", "lr 1"}  # each point names its chosen setting
     assert os.stat(tmp_path / "accuracy_vs_epsilon.NOT-PRIVATE.png").st_mode & 0o777 == 0o600
 
@@ -56,5 +56,5 @@ def test_without_a_choice_every_setting_is_a_line(tmp_path, figure):
     sweep_report.plot(str(tmp_path), summary=summary, chosen=[], options=["learning_rate"], title="none chosen",
                       diagnostic=False)
     (fig,) = figure
-    assert [line.get_text() for line in fig.axes[0].get_legend().get_texts()] == ["lr 1", "lr 2"]
+    assert [line.get_text() for line in fig.legends[0].get_texts()] == ["lr 1", "lr 2"]
     assert os.path.exists(tmp_path / "accuracy_vs_epsilon.png")
