@@ -86,7 +86,7 @@ def _give_freed_memory_back():
     """Memory a test freed goes back to the system, so one heavy test does not weigh on the rest.
 
     glibc keeps freed memory for the process: the xdist worker that ran WRN-28-10's ghost test
-    (a 7-10 GB peak) went on holding 3.5-5.4 GB for its remaining 362 tests, beside the other
+    (a 7-10 GB peak) went on holding 3.5-5.4 GB for its remaining 361 tests, beside the other
     worker's (benchmarks/results/test_suite.md). ``malloc_trim`` gives it back, after a test that
     left the worker 200 MB larger than its last trim did (not after every test: a trim walks the
     whole heap). Linux with glibc only; elsewhere it does nothing.
