@@ -73,6 +73,8 @@ def parse_runner_args(frameworks: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clip-tuning", default=None,
+                        help="dpscale: clip with this backend's device tuning (cpu, gpu; default: the running one's)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="torch runners: where the step runs (auto: CUDA when present)")
     return parser.parse_args()

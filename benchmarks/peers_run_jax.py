@@ -20,6 +20,8 @@ Run by ``benchmarks/peers.py``, e.g.::
 
 from __future__ import annotations
 
+import time
+
 from benchmarks.peers_measure import emit, measure, parse_runner_args, rss_now_mb
 
 FRAMEWORKS = ("dpscale", "dpscale-vmap", "dpscale-nonprivate", "jax-privacy")
@@ -61,11 +63,12 @@ def _problem(workload: str, physical: int, micro: int):
     return loss_fn, params, batches, False
 
 
-def _dpscale_step(args, loss_fn, params, batches, linear: bool):
+def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
     import jax
     import optax
 
-    from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
+    from dpscale.privacy.device_tuning import tuning_for
+    from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
     from dpscale.privacy.linear import softmax_regression_clipped_sum
     from dpscale.privacy.plan import PrivacyPlan
     from dpscale.training.config import TrainingConfig
@@ -83,7 +86,12 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool):
     elif private and linear:
         clipped = softmax_regression_clipped_sum(clip_norm=1.0)
     elif private:
-        clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]))
+        tuning = tuning_for(args.clip_tuning) if args.clip_tuning else None
+        start = time.perf_counter()
+        clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]), tuning=tuning)
+        extra["clip_paths"] = describe(clipped.layers)
+        extra["clip_layers"] = describe_layers(clipped.layers)
+        extra["clip_build_s"] = round(time.perf_counter() - start, 2)
     else:
         clipped = None  # a non-private plan sums plain gradients
     # The step as `dpscale train` builds it, from a plan (q = 1: only the step's shape matters here).
@@ -106,7 +114,7 @@ def _available_bytes() -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def _jax_privacy_step(args, loss_fn, params, batches, linear: bool):
+def _jax_privacy_step(args, loss_fn, params, batches, linear: bool, extra: dict):
     """jax-privacy 2.x: ``clipped_grad`` (vmap of grad, clip, sum) + ``gaussian_privatizer``.
 
     The per-example loss is dpscale's own ``loss_fn``: image batches carry a view axis of
@@ -165,9 +173,9 @@ def main() -> None:
     micro = args.logical // args.physical
     loss_fn, params, batches, linear = _problem(args.workload, args.physical, micro)
     build = _jax_privacy_step if args.framework == "jax-privacy" else _dpscale_step
-    step = build(args, loss_fn, params, batches, linear)
     extra = {"jax": jax.__version__, "devices": jax.device_count(), "platform": jax.devices()[0].platform,
              "device_kind": jax.devices()[0].device_kind}
+    step = build(args, loss_fn, params, batches, linear, extra)
     if args.framework == "jax-privacy":
         import jax_privacy
 

@@ -44,6 +44,8 @@ from dpscale.errors import InvalidConfigError
 from dpscale.models.layers import GroupNorm, WSConv, as_pair, standardize_kernel
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_gradients
+from dpscale.privacy.device_tuning import tuning_for
+from dpscale.privacy.rounding import FORMATS, ClipPrecision, Format, contract
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -56,7 +58,8 @@ class UnsupportedModelError(InvalidConfigError):
 # -- per-layer rules: (unbound module, its params, x [b, K, ...], g [b, K, ...]) -> {name: [b, ...]}
 
 
-def _layer_vjp_rule(module: nn.Module, params: PyTree, x: jax.Array, g: jax.Array) -> dict[str, jax.Array]:
+def _layer_vjp_rule(module: nn.Module, params: PyTree, x: jax.Array, g: jax.Array,
+                    fmt: Format) -> dict[str, jax.Array]:
     """Per-example VJP of the layer itself w.r.t. its parameters (exact by construction).
 
     Cheap for dense layers and normalisations: under ``vmap`` their parameter gradient is a
@@ -89,15 +92,18 @@ def shifted_windows(x: jax.Array, window: tuple[int, int], strides: tuple[int, i
     return jnp.stack(rows, axis=3)
 
 
-def _wsconv_rule(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array) -> dict[str, jax.Array]:
-    """``dW_i = windows(x_i)^T g_i`` summed over positions and views, then back through WS."""
+def _wsconv_rule(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, fmt: Format) -> dict[str, jax.Array]:
+    """``dW_i = windows(x_i)^T g_i`` summed over positions and views, then back through WS.
+
+    The product runs at ``fmt``: what it rounds is in the held gradient, whose own norm clips it.
+    """
     kernel = params["kernel"]
     kh, kw, cin, cout = kernel.shape
     b = x.shape[0]
     windows = shifted_windows(x.reshape((-1,) + x.shape[2:]), (kh, kw), as_pair(module.strides), module.padding)
     windows = windows.reshape(b, -1, kh, kw, cin)
     flat_g = g.reshape(b, -1, cout)
-    d_weight = jnp.einsum("bpijc,bpo->bijco", windows, flat_g, precision=jax.lax.Precision.HIGHEST)
+    d_weight = contract(fmt, "bpijc,bpo->bijco", windows, flat_g)
     _, standardize_vjp = jax.vjp(
         lambda k: standardize_kernel(k, eps=module.eps).astype(x.dtype), kernel)
     grads = {"kernel": jax.vmap(lambda d: standardize_vjp(d)[0])(d_weight)}
@@ -121,7 +127,7 @@ def _groupnorm_problem(module: nn.GroupNorm, x: jax.Array) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class _Rule:
     param_names: frozenset[str]
-    grads: Callable[[Any, PyTree, jax.Array, jax.Array], dict[str, jax.Array]]
+    grads: Callable[[Any, PyTree, jax.Array, jax.Array, Format], dict[str, jax.Array]]
     problem: Callable[[Any, jax.Array], str | None] = lambda module, x: None
 
 
@@ -197,11 +203,14 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
             problems.append(f"{'/'.join(path)}: parameters {sorted(set(own) - rule.param_names)} have no rule")
         elif any(own[name] is not traced_leaves.get(path + (name,)) for name in own):
             problems.append(f"{'/'.join(path)}: its parameters are not the leaves passed to loss_fn")
-        elif jnp.result_type(args[0]) != jnp.float32 or any(own[n].dtype != jnp.float32 for n in own):
-            problems.append(f"{'/'.join(path)}: not float32")
+        elif (jnp.result_type(args[0]) != jnp.float32 or any(own[n].dtype != jnp.float32 for n in own)
+              or jnp.dtype(getattr(module, "dtype", None) or jnp.float32) != jnp.float32):
+            problems.append(f"{'/'.join(path)}: not float32 (its input, parameters or computation)")
         elif (reason := rule.problem(module, args[0])) is not None:
             problems.append(f"{'/'.join(path)}: {reason}")
         out = next_fun(*args, **kwargs)
+        if jnp.result_type(out) != jnp.float32:
+            problems.append(f"{'/'.join(path)}: its output is {jnp.result_type(out)}, not float32")
         calls.append(LayerCall(path, module.clone(parent=None), jax.ShapeDtypeStruct(out.shape, out.dtype)))
         return out
 
@@ -310,21 +319,23 @@ def layer_params(call: LayerCall, params: PyTree) -> dict[str, jax.Array]:
     return {name: leaves[call.path + (name,)] for name in _param_leaves_of_call(call, leaves)}
 
 
-def per_example_layer_gradients(call: LayerCall, params: PyTree, x: jax.Array, g: jax.Array) -> dict[str, jax.Array]:
+def per_example_layer_gradients(call: LayerCall, params: PyTree, x: jax.Array, g: jax.Array, *,
+                                precision: Format = FORMATS["highest"]) -> dict[str, jax.Array]:
     """Each example's gradient of the parameters of ``call`` from its recorded input and output gradient."""
-    return _RULES[type(call.module)].grads(call.module, layer_params(call, params), x, g)
+    return _RULES[type(call.module)].grads(call.module, layer_params(call, params), x, g, precision)
 
 
 def per_example_gradients_bk(
-    loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree
+    loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree, *, precision: Format = FORMATS["highest"],
 ) -> tuple[jax.Array, PyTree]:
-    """Like ``clipping.per_example_gradients`` (losses ``[b]``, leaves ``[b, *shape]``), by book-keeping."""
+    """Like ``clipping.per_example_gradients`` (losses ``[b]``, leaves ``[b, *shape]``), by book-keeping;
+    the convolutions' per-example products run at ``precision``."""
     one_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
     calls = plan_layers(loss_fn, params, model_state, one_example)
     tape = record_layers(loss_fn, calls, params, model_state, batch)
     grads: dict[Path, jax.Array] = {}
     for call, x, g in zip(calls, tape.inputs, tape.out_grads):
-        for name, grad in per_example_layer_gradients(call, params, x, g).items():
+        for name, grad in per_example_layer_gradients(call, params, x, g, precision=precision).items():
             key = call.path + (name,)
             grads[key] = grad if key not in grads else grads[key] + grad  # a layer called twice
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -332,22 +343,26 @@ def per_example_gradients_bk(
 
 
 def make_bookkeeping_clipped_sum_fn(
-    loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None
+    loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None,
+    precision: ClipPrecision | None = None,
 ) -> ClippedSumFn:
     """Drop-in for ``make_clipped_sum_fn`` on supported models.
 
     ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
     ``[b, K, ...]``) checks support now, raising ``UnsupportedModelError``; without it the
-    check runs on the first trace.
+    check runs on the first trace. ``precision.norms`` is that of the convolutions' per-example
+    products (``privacy.rounding``; default: the backend's): the gradients are held, so the
+    clip weights bound what is summed at any precision.
     """
     check_clip_norm(clip_norm)
+    fmt = (precision or tuning_for().precision).norm_format
     if example is not None:
         params, model_state, batch = example
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         plan_layers(loss_fn, params, model_state, one)
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
-        losses, grads = per_example_gradients_bk(loss_fn, params, model_state, batch)
+        losses, grads = per_example_gradients_bk(loss_fn, params, model_state, batch, precision=fmt)
         return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
 
     return ClippedSumFn(clipped_sum, sensitivity=1.0)

@@ -54,9 +54,16 @@ def check_choice(value: str, choices: Sequence[str], what: str) -> None:
         raise InvalidConfigError(f"{what} must be one of {tuple(choices)}, got {value!r}")
 
 
+# The smallest clip norm: the norm bounds of privacy.rounding are relative, up to absolute losses of
+# about 10^-32 near float32's underflow, which stay below a unit roundoff of any C from here up.
+MIN_CLIP_NORM = 2.0**-64
+
+
 def check_clip_norm(clip_norm: float) -> None:
-    """The clip norm C: positive and finite (every clipped sum divides by it)."""
+    """The clip norm C: positive and finite (every clipped sum divides by it), and not below MIN_CLIP_NORM."""
     check_positive(clip_norm, "clip norm")
+    if clip_norm < MIN_CLIP_NORM:
+        raise InvalidConfigError(f"clip norm must be at least 2^-64 (about 5.4e-20), got {clip_norm}")
 
 
 def check_delta(delta: float) -> None:

@@ -17,6 +17,10 @@ Non-finite gradients are also counted, so a run can report them.
 Speed: per-example norms are computed first and the clipped sum is then one
 weighted contraction ``sum_i w_i g_i`` per parameter leaf; clipping each g_i
 inside ``vmap`` is several times slower on CPU (~400 vs ~2,600 examples/s for a small CNN).
+
+Floating point: the norms are proven upper bounds of the exact norms of what is summed
+(``privacy.rounding``), and the weights cover their own division and the product ``w_i g_i``,
+so each example's contribution has norm at most 1 exactly, not only up to rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
+from dpscale.privacy.rounding import U, inflate, norm_bound, upper_sum_of_squares
 
 PyTree = Any
 # loss_fn(params, model_state, views) -> scalar mean loss over the leading (view) axis.
@@ -97,11 +103,48 @@ def per_example_gradients(
     return jax.vmap(value_and_grad_one, in_axes=(None, None, 0))(params, model_state, batch)
 
 
+def hold(tree: PyTree) -> PyTree:
+    """The same per-example values (leading axis), read from one buffer by every consumer.
+
+    XLA may fuse a value's computation into each of its consumers and so compute it once per
+    consumer, with different roundings (a multiply-add contracted in one, a reduction ordered
+    otherwise in another): a norm would then bound another vector than the one summed (measured:
+    2e-6 over on a WS layer, 24% on a constant image's gradient). A loop's outputs are buffers,
+    which no consumer recomputes, so the values pass through a scan of at least two iterations
+    (an optimisation barrier does not do it: XLA's CPU backend removes it before fusing).
+    ``x * 1`` is exact (a subnormal may be flushed to zero: the held value is then the smaller).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    size = leaves[0].shape[0]
+    _, out = jax.lax.scan(lambda one, xs: (one, [x * one.astype(x.dtype) for x in xs]), jnp.ones((), jnp.float32),
+                          [_in_parts(x) for x in leaves])
+    return jax.tree_util.tree_unflatten(treedef, [x.reshape((-1,) + x.shape[2:])[:size] for x in out])
+
+
+def _in_parts(x: jax.Array) -> jax.Array:
+    """``x`` [b, ...] as [parts, b / parts, ...] with at least two parts: the fewest that divide b,
+    or, for b = 1, the example and an empty one (all zeros) after it."""
+    size = x.shape[0]
+    if size == 1:
+        return jnp.stack([x, jnp.zeros_like(x)])
+    parts = next(k for k in range(2, size + 1) if size % k == 0)
+    return x.reshape((parts, size // parts) + x.shape[1:])
+
+
 def per_example_norms(per_example_grads: PyTree) -> jax.Array:
-    """Global L2 norm of each example's gradient across all parameter leaves."""
+    """An upper bound (within ~10^-5) of each example's global L2 norm across all parameter leaves.
+
+    Proven for any order of summation (``privacy.rounding``); a norm too large for float32 is inf.
+    """
     leaves = jax.tree_util.tree_leaves(per_example_grads)
-    squares = [jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in leaves]
-    return jnp.sqrt(sum(squares))
+    return norm_bound([upper_sum_of_squares(g) for g in leaves])
+
+
+# The division 1 / max(C, n) rounds by at most 2u (correctly rounded or not), and each product
+# w_i g_i by u: a bound inflated by this many units of roundoff keeps ||w_i g_i|| <= 1 after both.
+_WEIGHT_ULPS = 8
 
 
 def clip_weights(
@@ -109,10 +152,12 @@ def clip_weights(
 ) -> tuple[jax.Array, jax.Array]:
     """Weights w_i with ``w_i * g_i = clip_C(g_i) / C`` and a per-example finiteness flag.
 
-    ``min(1, C/n) / C == 1 / max(C, n)``. Masked and non-finite examples get 0.
+    ``min(1, C/n) / C == 1 / max(C, n)``; ``norms`` must be upper bounds of the norms of what
+    the weights multiply. Masked and non-finite examples get 0.
     """
     finite = jnp.isfinite(norms)
-    weights = jnp.where(finite & (mask > 0), 1.0 / jnp.maximum(clip_norm, norms), 0.0)
+    bound = inflate(norms.astype(jnp.float32), _WEIGHT_ULPS * U)
+    weights = jnp.where(finite & (mask > 0), 1.0 / jnp.maximum(jnp.float32(clip_norm), bound), 0.0)
     return weights.astype(jnp.float32), finite
 
 
@@ -127,7 +172,9 @@ def weighted_sum(per_example_grads: PyTree, weights: jax.Array, finite: jax.Arra
 
     def zero_then_contract(g: jax.Array) -> jax.Array:
         keep = finite.reshape((-1,) + (1,) * (g.ndim - 1))
-        return jnp.tensordot(weights, jnp.where(keep, g, jnp.zeros((), g.dtype)), axes=1)
+        kept = jnp.where(keep, g.astype(jnp.float32), jnp.zeros((), jnp.float32))
+        # Full float32: a TF32 default (GPUs) would round each g_i by 2^-11, beyond its norm's bound.
+        return jnp.tensordot(weights, kept, axes=1, precision=jax.lax.Precision.HIGHEST).astype(g.dtype)
 
     return jax.tree_util.tree_map(zero_then_contract, per_example_grads)
 
@@ -139,10 +186,26 @@ def clipped_sum_from_gradients(
     clip_norm: float,
     losses: jax.Array | None = None,
 ) -> ClippedSum:
-    """Clip (to C, then divide by C) and sum given per-example gradients."""
-    return clipped_sum_from_norms(
-        per_example_norms(per_example_grads), mask, clip_norm=clip_norm, losses=losses,
-        weighted=lambda weights, finite: weighted_sum(per_example_grads, weights, finite))
+    """Clip (to C, then divide by C) and sum given per-example gradients.
+
+    A part of the examples at a time, in a scan of at least two iterations: each part's norms and
+    its share of the weighted sum read the part from the scan's input, one buffer, so every norm
+    bounds exactly the vector summed (``hold`` says why that takes a loop), with no copy of the
+    gradients.
+    """
+    size = mask.shape[0]
+
+    def part(total: PyTree, xs: tuple[PyTree, jax.Array]) -> tuple[PyTree, jax.Array]:
+        grads, part_mask = xs
+        norms = per_example_norms(grads)
+        weights, finite = clip_weights(norms, part_mask, clip_norm=clip_norm)
+        return jax.tree_util.tree_map(jnp.add, total, weighted_sum(grads, weights, finite)), norms
+
+    zero = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype), per_example_grads)
+    parts = (jax.tree_util.tree_map(_in_parts, per_example_grads), _in_parts(mask))
+    value, norms = jax.lax.scan(part, zero, parts)
+    return clipped_sum_from_norms(norms.reshape(-1)[:size], mask, clip_norm=clip_norm, losses=losses,
+                                  weighted=lambda weights, finite: value)
 
 
 def clipped_sum_from_norms(
@@ -181,10 +244,19 @@ def make_clipped_sum_fn(loss_fn: LossFn, *, clip_norm: float) -> ClippedSumFn:
     check_clip_norm(clip_norm)
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+        check_float32_params(params)
         losses, grads = per_example_gradients(loss_fn, params, model_state, batch)
         return clipped_sum_from_gradients(grads, mask, clip_norm=clip_norm, losses=losses)
 
     return ClippedSumFn(clipped_sum, sensitivity=1.0)
+
+
+def check_float32_params(params: PyTree) -> None:
+    """Every parameter is float32: a sum kept in a lower precision would round each example's
+    clipped gradient beyond its bound (bf16: by 2^-9)."""
+    wrong = sorted({str(jnp.result_type(leaf)) for leaf in jax.tree_util.tree_leaves(params)} - {"float32"})
+    if wrong:
+        raise InvalidConfigError(f"DP-SGD needs float32 parameters, got {', '.join(wrong)}")
 
 
 def make_unclipped_sum_fn(loss_fn: LossFn) -> ClippedSumFn:

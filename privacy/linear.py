@@ -14,7 +14,13 @@ batches are ``{"features": [b, d], "label": [b]}`` (features are cached, so ther
 is no augmentation axis), optionally with ``"features_sq_norm": [b]``, the rows'
 squared norms. Cached features never change, so the feed computes ``||x_i||^2``
 once per dataset; without it every step makes one more pass over ``X`` (1.3 GB at
-2^18 x 1280), which is what made the DP step ~1.6x the non-private one.
+2^18 x 1280), which is what made the DP step ~1.6x the non-private one. It must be a float32
+sum of the d squares, in any order (``training.feeds.FeatureFeed``'s): its rounding, at most
+``gamma_d`` relative, is part of the norm's bound.
+
+Floating point: the clip weights come from a proven upper bound of ``||(x_i r_i^T, r_i)||`` for
+the float32 ``x_i`` and ``r_i`` that are summed (``privacy.rounding``), and the sum's products
+run at full float32 (a TF32 default would round each ``x_i`` beyond the bound).
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpscale.privacy.checks import check_clip_norm
-from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, clip_weights
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, clip_weights, hold
+from dpscale.privacy.rounding import TINY, U, gamma, inflate, monotone, upper_sqrt, upper_sum_of_squares
 
 PyTree = Any
 
@@ -40,19 +48,22 @@ def softmax_regression_clipped_sum(*, clip_norm: float) -> ClippedSumFn:
         logits = x @ params["kernel"] + params["bias"]
         log_probs = jax.nn.log_softmax(logits)
         onehot = jax.nn.one_hot(batch["label"], logits.shape[-1], dtype=logits.dtype)
-        residual = jnp.exp(log_probs) - onehot
+        residual = hold(jnp.exp(log_probs) - onehot)  # the norm and the sum read the same residuals
         losses = -jnp.sum(onehot * log_probs, axis=-1)
-        sq_norms = batch.get("features_sq_norm")
-        if sq_norms is None:
-            sq_norms = jnp.sum(x * x, axis=-1)
-        norms = jnp.sqrt((sq_norms.astype(jnp.float32) + 1.0) * jnp.sum(residual * residual, axis=-1))
+        given = batch.get("features_sq_norm")
+        if given is None:
+            sq_x = upper_sum_of_squares(x)
+        else:  # a float32 sum of d squares in any order: within gamma_(d+1), plus underflow
+            d = x.shape[-1]
+            sq_x = inflate(given.astype(jnp.float32) + np.float32(8 * d * TINY), gamma(d + 1) + U)
+        norms = upper_sqrt(monotone((sq_x + 1.0) * upper_sum_of_squares(residual), 2))
         weights, finite = clip_weights(norms, mask, clip_norm=clip_norm)
         weighted = jnp.where(finite[:, None], residual, 0.0) * weights[:, None]
         # A zero weight alone does not stop NaN (0 * NaN = NaN): non-finite rows of X are zeroed
         # too, on every step (no branch on the data: a step's time must not say whether it
         # sampled such a row). ``training.feeds.FeatureFeed`` zeroes them once on the host, so
         # there this select finds nothing to do.
-        kernel_grad = jnp.where(finite[:, None], x, 0.0).T @ weighted
+        kernel_grad = jnp.matmul(jnp.where(finite[:, None], x, 0.0).T, weighted, precision=jax.lax.Precision.HIGHEST)
         real = mask > 0
         return ClippedSum(
             value={"kernel": kernel_grad, "bias": jnp.sum(weighted, axis=0)},

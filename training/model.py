@@ -42,7 +42,7 @@ from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
 from dpscale.privacy.bookkeeping import UnsupportedModelError
-from dpscale.privacy.ghost import describe, make_ghost_clipped_sum_fn
+from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
 from dpscale.privacy.clipping import ClippedSumFn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
@@ -194,9 +194,12 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
                          key=key, normalize_fn=normalize_fn, resolution=resolution, placement=placement)
 
     def layerwise_clipped_sum(clip_norm: float) -> ClippedSumFn | None:
-        """Per-layer norms (ghost or book-keeping) when every parameter has a rule, else None (vmap)."""
-        batch = {"image": jax.ShapeDtypeStruct((1, settings.augmult, *input_shape), jnp.float32),
-                 "label": jax.ShapeDtypeStruct((1, settings.augmult), jnp.int32)}
+        """Per-layer norms (ghost or book-keeping) when every parameter has a rule, else None (vmap).
+
+        The example has one device's micro-batch: on a GPU or TPU each layer's path is timed there."""
+        examples = _examples_per_device(config)
+        batch = {"image": jax.ShapeDtypeStruct((examples, settings.augmult, *input_shape), jnp.float32),
+                 "label": jax.ShapeDtypeStruct((examples, settings.augmult), jnp.int32)}
         example = (jax.eval_shape(lambda: init_params(0)), model_state, batch)
         try:
             fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example)
@@ -204,6 +207,9 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
             _log.info("per-example gradients: vmap(grad) (%s)", error)
             return None
         _log.info("per-example gradients: per-layer norms from one batched backward: %s", describe(fn.layers))
+        measured = any(choice.reason.startswith("measured") for choice in fn.layers)
+        for line in describe_layers(fn.layers):  # what the device's timings chose, in the run's log
+            _log.log(logging.INFO if measured else logging.DEBUG, "clip path of %s", line)
         return fn
 
     _check_memory(config, loss_fn, init_params, model_state, input_shape)
@@ -222,6 +228,11 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
     )
 
 
+def _examples_per_device(config: TrainingConfig) -> int:
+    """One device's share of a micro-batch."""
+    return max(1, config.effective_microbatch_size // (config.devices or jax.device_count()))
+
+
 def _check_memory(config: TrainingConfig, loss_fn: Callable[..., jax.Array], init_params: Callable[[int], PyTree],
                   model_state: PyTree, input_shape: tuple[int, ...]) -> None:
     """Refuse, before anything compiles, a network and micro-batch whose estimate exceeds the memory."""
@@ -230,7 +241,7 @@ def _check_memory(config: TrainingConfig, loss_fn: Callable[..., jax.Array], ini
              "label": jax.ShapeDtypeStruct((settings.augmult,), jnp.int32)}
     on_cpu = jax.local_devices()[0].platform == "cpu"  # host devices share one RAM
     devices = config.devices or jax.device_count()
-    examples = config.effective_microbatch_size if on_cpu else max(1, config.effective_microbatch_size // devices)
+    examples = config.effective_microbatch_size if on_cpu else _examples_per_device(config)
     found = memory.estimate(loss_fn, jax.eval_shape(lambda: init_params(0)), model_state, views,
                             examples=examples, momentum=bool(config.momentum))
     memory.check_fits(found, model=settings.backbone or settings.model, microbatch_size=config.effective_microbatch_size,

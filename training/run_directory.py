@@ -77,6 +77,8 @@ PARAMS = "params"
 PARAMS_DIGESTS = "params.sha256.json"
 SCORES = "metrics.json"
 LOCK = "run.lock"
+# How each layer is clipped and why (timings on random inputs of the device: nothing of the data).
+CLIP_PATHS = "clip_paths.json"
 T = TypeVar("T")
 #: What every JSON file of a simulated run carries (its lines: ``SIMULATED`` only).
 _STAMP = {SIMULATED: True, "simulation": f"{SIMULATION_NOTE}: a TAN simulation, see {SIMULATION_FILE}"}
@@ -271,6 +273,11 @@ class RunDirectory:
     def write_ledger(self, ledger: Ledger) -> None:
         self._write_pending_metrics()
         write_json_atomic(self.file(LEDGER), self._stamped(ledger.to_json()))
+
+    def write_clip_paths(self, layers: list[dict[str, Any]]) -> None:
+        """Each layer's clipping path, precision and the reason (the device's timings): a speed
+        choice made from shapes and random inputs, never from the data."""
+        write_json_atomic(self.file(CLIP_PATHS), self._stamped({"backend": jax.default_backend(), "layers": layers}))
 
     def read_ledger(self) -> Ledger:
         return self._read(LEDGER, Ledger.from_json)

@@ -95,8 +95,9 @@ class Trainer:
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
             optax.sgd(config.learning_rate, momentum=config.momentum or None),
         )
-        self.step = plan.dp_step(model.loss_fn, seed=seed, clip_norm=config.clip_norm,
-                                 clipped_sum_fn=model.clipped_sum_fn(config.clip_norm) if plan.private else None,
+        clipped_sum_fn = model.clipped_sum_fn(config.clip_norm) if plan.private else None
+        self.clip_layers = clipped_sum_fn.layers if clipped_sum_fn is not None else ()
+        self.step = plan.dp_step(model.loss_fn, seed=seed, clip_norm=config.clip_norm, clipped_sum_fn=clipped_sum_fn,
                                  optimizer=optimizer, mesh=mesh, ema_decay=config.ema_decay)
         self.feed = model.make_feed(stream_key(seed, Stream.AUGMENTATION), distributed.BatchPlacement(mesh),
                                     self.model_state)
@@ -133,6 +134,11 @@ class Trainer:
         if self.diagnostics:
             notes += (release.warning(self.run.file(release.DIAGNOSTICS_FILE)),)
         return notes
+
+    def write_clip_paths(self) -> None:
+        """How this process clips each layer (``clip_paths.json``), where it clips per layer."""
+        if self.primary and self.clip_layers:
+            self.run.write_clip_paths([dataclasses.asdict(choice) for choice in self.clip_layers])
 
     def write_ledger(self, steps_done: int) -> None:
         if self.primary:
@@ -238,6 +244,7 @@ def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
     with _locked(distributed.run_on_primary(lambda: run.begin(spec, secrets))):
         state = trainer.step.init(model.init_params(seed), trainer.model_state)
         trainer.write_ledger(0)
+        trainer.write_clip_paths()
         with trainer.stopping_cleanly():
             state, metrics, seconds = trainer.loop(state, 0)
             return trainer.finish(state, metrics, seconds)
@@ -289,6 +296,7 @@ def _resume(run: RunDirectory, *, show_progress: bool) -> TrainResult:
     if trainer.primary:
         run.truncate_metrics(after_step=first)
     _log.info("resuming %s at step %d of %d", run.path, first, spec.plan.steps)
+    trainer.write_clip_paths()
     with trainer.stopping_cleanly():
         state, metrics, seconds = trainer.loop(state, first)
         return trainer.finish(state, metrics, seconds)

@@ -18,37 +18,6 @@ from dpscale.privacy.clipping import clipped_sum_from_gradients, make_clipped_su
 from dpscale.privacy.dpsgd import DpsgdStep
 
 
-def _loss_for(model):
-    def loss_fn(params, model_state, views):
-        logits = model.apply({"params": params, **model_state}, views["image"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
-
-    return loss_fn
-
-
-def _batch(seed, size, views, shape, classes=10):
-    rng = np.random.default_rng(seed)
-    return {"image": jnp.asarray(rng.normal(size=(size, views, *shape)), jnp.float32),
-            "label": jnp.asarray(rng.integers(0, classes, (size, views)), jnp.int32)}
-
-
-def _random_params(model, shape, seed=0):
-    """Gaussian parameters of the model's shapes, without compiling its initialiser."""
-    rng = np.random.default_rng(seed)
-    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *shape)))["params"]
-    return jax.tree_util.tree_map(
-        lambda a: jnp.asarray(rng.normal(size=a.shape) / np.sqrt(np.prod(a.shape[:-1] or (1,))), a.dtype),
-        abstract)
-
-
-def _assert_trees_close(actual, expected, rtol=1e-5):
-    for (path, a), e in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree_util.tree_leaves(expected)):
-        scale = float(jnp.max(jnp.abs(e)))
-        assert scale > 0, f"{jax.tree_util.keystr(path)} is all zero: the test cannot tell rules apart"
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=0, atol=rtol * scale,
-                                   err_msg=jax.tree_util.keystr(path))
-
-
 class _ConvZoo(nn.Module):
     """Strides, paddings, kernel shapes, a bias, a shared (twice-called) layer, a dense head."""
 
@@ -64,15 +33,15 @@ class _ConvZoo(nn.Module):
         return nn.Dense(5, name="fc")(jnp.mean(x, axis=(1, 2)))
 
 
-def test_conv_rules_match_autodiff_for_strides_paddings_and_shared_layers():
+def test_conv_rules_match_autodiff_for_strides_paddings_and_shared_layers(nets):
     model = _ConvZoo()
     params = model.init(jax.random.key(0), jnp.zeros((1, 11, 9, 3)))["params"]
-    loss_fn = _loss_for(model)
-    batch = _batch(1, 3, 2, (11, 9, 3), classes=5)
+    loss_fn = nets.image_loss(model)
+    batch = nets.image_batch(1, 3, 2, (11, 9, 3), classes=5)
     ref_losses, ref = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
     losses, grads = jax.jit(lambda p, b: per_example_gradients_bk(loss_fn, p, {}, b))(params, batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-    _assert_trees_close(grads, ref)
+    nets.assert_trees_close(grads, ref)
 
 
 class _NormZoo(nn.Module):
@@ -89,24 +58,24 @@ class _NormZoo(nn.Module):
         return nn.Dense(5, name="fc")(jnp.mean(x, axis=(1, 2)))
 
 
-def test_group_norm_rule_matches_autodiff_with_and_without_scale_or_bias():
+def test_group_norm_rule_matches_autodiff_with_and_without_scale_or_bias(nets):
     model = _NormZoo()
     params = model.init(jax.random.key(0), jnp.zeros((1, 9, 9, 3)))["params"]
     params = jax.tree_util.tree_map(lambda a: a + 0.3, params)  # scales away from 1, biases away from 0
-    loss_fn = _loss_for(model)
-    batch = _batch(4, 3, 2, (9, 9, 3), classes=5)
+    loss_fn = nets.image_loss(model)
+    batch = nets.image_batch(4, 3, 2, (9, 9, 3), classes=5)
     ref_losses, ref = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
     losses, grads = jax.jit(lambda p, b: per_example_gradients_bk(loss_fn, p, {}, b))(params, batch)
     assert set(grads["bias_only"]) == {"bias"} and set(grads["scale_only"]) == {"scale"}
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-    _assert_trees_close(grads, ref)
+    nets.assert_trees_close(grads, ref)
 
 
-def _compare_clipped_sums(name, shape, size=6, views=2):
+def _compare_clipped_sums(nets, name, shape, size=6, views=2):
     model = get_model(name)
-    params = _random_params(model, shape)
-    loss_fn = _loss_for(model)
-    batch = _batch(2, size, views, shape)
+    params = nets.random_params(model, shape)
+    loss_fn = nets.image_loss(model)
+    batch = nets.image_batch(2, size, views, shape)
     batch["image"] = batch["image"].at[1, 1, 0, 0, 0].set(jnp.nan)  # one poisoned view
     mask = jnp.ones(size).at[size - 1].set(0.0)  # one padded slot
     losses, grads = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
@@ -127,29 +96,29 @@ def _compare_clipped_sums(name, shape, size=6, views=2):
         assert int(getattr(out, field)) == int(getattr(ref, field)), field
     np.testing.assert_allclose(out.sum_of_norms, ref.sum_of_norms, rtol=1e-5)
     np.testing.assert_allclose(out.sum_of_losses, ref.sum_of_losses, rtol=1e-6)
-    _assert_trees_close(out.value, ref.value)
+    nets.assert_trees_close(out.value, ref.value)
 
 
-def test_clipped_sum_equals_vmap_path_on_cnn_small():
-    _compare_clipped_sums("cnn-small", (12, 12, 1))
+def test_clipped_sum_equals_vmap_path_on_cnn_small(nets):
+    _compare_clipped_sums(nets, "cnn-small", (12, 12, 1))
 
 
-def test_clipped_sum_equals_vmap_path_on_smallest_wrn():
-    _compare_clipped_sums("wrn-10-1", (8, 8, 3), size=4)
+def test_clipped_sum_equals_vmap_path_on_smallest_wrn(nets):
+    _compare_clipped_sums(nets, "wrn-10-1", (8, 8, 3), size=4)
 
 
-def test_dpsgd_update_equals_default_path():
+def test_dpsgd_update_equals_default_path(nets):
     model = get_model("cnn-small", num_classes=3)
     params = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 12, 12, 1)))["params"]
-    loss_fn = _loss_for(model)
-    batch, mask = _batch(3, 4, 2, (12, 12, 1), classes=3), jnp.array([1.0, 1.0, 1.0, 0.0])
+    loss_fn = nets.image_loss(model)
+    batch, mask = nets.image_batch(3, 4, 2, (12, 12, 1), classes=3), jnp.array([1.0, 1.0, 1.0, 0.0])
     results = []
     config = dict(noise_multiplier=0.7, expected_batch_size=4.0)
     for clipped in (make_clipped_sum_fn(loss_fn, clip_norm=0.05), make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=0.05)):
         step = DpsgdStep(clipped, **config, seed=11, optimizer=optax.sgd(0.5), ema_decay=0.9999)
         results.append(step.update(step.init(params), [(batch, mask)]))
     (ref_state, ref_metrics), (state, metrics) = results
-    _assert_trees_close(state.params, ref_state.params)
+    nets.assert_trees_close(state.params, ref_state.params)
     for key in ("loss", "clipped_fraction", "mean_grad_norm", "batch_size", "nonfinite"):
         np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, err_msg=key)
 
@@ -187,22 +156,22 @@ class _Subclassed(nn.Module):
 
 @pytest.mark.parametrize("model", [_Scaled(), _FrozenBatchNorm(), _OwnParam(), _Subclassed()],
                          ids=["scaled-ws-conv", "frozen-batchnorm", "own-param", "dense-subclass"])
-def test_refuses_models_with_uncovered_parameters(model):
+def test_refuses_models_with_uncovered_parameters(model, nets):
     variables = model.init(jax.random.key(0), jnp.zeros((1, 6, 6, 2)))
     params = variables["params"]
     state = {k: v for k, v in variables.items() if k != "params"}
-    batch = _batch(0, 2, 1, (6, 6, 2), classes=3)
+    batch = nets.image_batch(0, 2, 1, (6, 6, 2), classes=3)
     with pytest.raises(UnsupportedModelError):
-        make_bookkeeping_clipped_sum_fn(_loss_for(model), clip_norm=1.0, example=(params, state, batch))
-    fn = make_bookkeeping_clipped_sum_fn(_loss_for(model), clip_norm=1.0)  # checked on the first trace too
+        make_bookkeeping_clipped_sum_fn(nets.image_loss(model), clip_norm=1.0, example=(params, state, batch))
+    fn = make_bookkeeping_clipped_sum_fn(nets.image_loss(model), clip_norm=1.0)  # checked on the first trace too
     with pytest.raises(UnsupportedModelError):
         jax.jit(fn)(params, state, batch, jnp.ones(2))
 
 
-def test_refuses_a_loss_that_uses_parameters_outside_the_layers():
+def test_refuses_a_loss_that_uses_parameters_outside_the_layers(nets):
     model = small_cnn(channels=(16,), num_classes=3)
     params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
-    base = _loss_for(model)
+    base = nets.image_loss(model)
 
     def penalised(params, model_state, views):  # an L2 penalty: a gradient no layer rule sees
         return base(params, model_state, views) + 1e-3 * optax.global_norm(params) ** 2
@@ -210,7 +179,7 @@ def test_refuses_a_loss_that_uses_parameters_outside_the_layers():
     def rescaled(params, model_state, views):  # the layers read a transformed copy
         return base(jax.tree_util.tree_map(lambda p: 2.0 * p, params), model_state, views)
 
-    batch = _batch(0, 2, 1, (8, 8, 1), classes=3)
+    batch = nets.image_batch(0, 2, 1, (8, 8, 1), classes=3)
     for loss_fn in (penalised, rescaled):
         with pytest.raises(UnsupportedModelError):
             make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch))

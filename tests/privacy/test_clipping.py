@@ -84,9 +84,11 @@ def test_nonfinite_gradients_are_zeroed_and_counted(toy):
     assert np.isfinite(float(result.sum_of_losses))
 
 
-def test_norms_are_global_across_leaves():
+def test_norms_are_global_across_leaves_and_never_below_the_exact_norm():
     grads = {"a": jnp.array([[3.0, 0.0], [0.0, 0.0]]), "b": jnp.array([[4.0], [2.0]])}
-    np.testing.assert_allclose(np.asarray(per_example_norms(grads)), [5.0, 2.0])
+    norms = np.asarray(per_example_norms(grads), np.float64)
+    assert np.all(norms >= [5.0, 2.0])
+    np.testing.assert_allclose(norms, [5.0, 2.0], rtol=2e-6)  # the bound's margin: a few units of roundoff
 
 
 @pytest.mark.parametrize("clip_norm", [0.0, -1.0, float("inf"), float("nan")])

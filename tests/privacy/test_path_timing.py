@@ -1,0 +1,151 @@
+"""Clipping tuned for the device: each backend's settings, and paths chosen by timing them.
+
+A CPU runs the same arithmetic as a GPU, so the GPU's settings (a whole micro-batch at once,
+TF32 contractions, each layer's path and precision timed) are forced here and checked as every
+other path is: against ``vmap(grad)`` at K = 1 and 4, and one example moving the sum by at most 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from dpscale.errors import InvalidConfigError
+from dpscale.models import registry
+from dpscale.models.layers import WSConv
+from dpscale.privacy import path_timing
+from dpscale.privacy.bookkeeping import plan_layers
+from dpscale.privacy.clipping import clipped_sum_from_gradients, per_example_gradients
+from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES, DeviceTuning, tuning_for
+from dpscale.privacy.ghost import STRATEGIES, describe, describe_layers, make_ghost_clipped_sum_fn
+from dpscale.privacy.rounding import ClipPrecision
+
+GPU = tuning_for("gpu")
+SHAPE = (12, 12, 1)
+
+
+def _cnn(nets, views, size=6, scale=1.0):
+    model = registry.get_model("cnn-small", num_classes=4)
+    params = nets.random_params(model, SHAPE, seed=4)
+    batch = nets.image_batch(5, size, views, SHAPE, classes=4)
+    batch["image"] = batch["image"] * scale
+    return nets.image_loss(model), params, batch
+
+
+@pytest.fixture(autouse=True)
+def _timings_kept_nowhere(monkeypatch):
+    monkeypatch.setenv("DPSCALE_CLIP_TIMINGS", "")
+
+
+def test_each_backend_has_its_settings_and_an_unknown_one_the_cpus():
+    cpu = tuning_for("cpu")
+    assert (cpu.choose, cpu.chunk_bytes, cpu.precision) == ("rule", CPU_CHUNK_BYTES, ClipPrecision())
+    assert GPU.choose == "measure" and GPU.chunk_bytes > 2**40
+    # TF32 only for held gradients, whose bound costs no margin at TF32 (ghost's and streamed's do).
+    assert GPU.precision == ClipPrecision() and ("explicit", ClipPrecision("tf32", "tf32")) in GPU.candidates
+    assert {s for s, _ in GPU.candidates} == set(STRATEGIES)
+    assert all(p == ClipPrecision() for s, p in GPU.candidates if s != "explicit")
+    assert tuning_for("tpu").choose == "measure"
+    assert tuning_for("some-new-backend") == cpu
+    with pytest.raises(InvalidConfigError, match="how paths are chosen"):
+        DeviceTuning(choose="guess")
+    with pytest.raises(InvalidConfigError, match="candidates non-empty"):
+        DeviceTuning(candidates=())
+    with pytest.raises(InvalidConfigError, match="a candidate's path"):
+        DeviceTuning(candidates=(("guess", ClipPrecision()),))
+
+
+@pytest.mark.parametrize("views", [1, 4])
+def test_the_gpu_settings_time_every_layer_and_clip_as_vmap_does(views, nets):
+    loss_fn, params, batch = _cnn(nets, views)
+    size = batch["label"].shape[0]
+    mask = jnp.ones(size).at[0].set(0.0)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=GPU)
+    timed = [c for c in fn.layers if c.strategy != "book-keeping"]
+    assert timed and all(c.reason.startswith("measured: ") for c in timed)
+    for choice in timed:  # every candidate was timed, and the chosen one is named first
+        assert choice.reason.count(" ms") == len(GPU.candidates)
+        chosen = path_timing.candidate_name(choice.strategy, choice.precision)
+        assert choice.reason.startswith(f"measured: {chosen} ")
+    assert "chosen by measured" in describe(fn.layers) and len(describe_layers(fn.layers)) == len(timed)
+    out = jax.jit(fn)(params, {}, batch, mask)
+    losses, grads = per_example_gradients(loss_fn, params, {}, batch)
+    ref = clipped_sum_from_gradients(grads, mask, clip_norm=0.05, losses=losses)
+    assert int(out.num_clipped) == int(ref.num_clipped) and int(out.num_examples) == size - 1
+    # Bounds a little above the norms (ghost's most: privacy/layer_bounds.py).
+    nets.assert_trees_close(out.value, ref.value, rtol=3e-2)
+
+
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_whole_micro_batch_at_once_moves_the_sum_by_at_most_one(strategy, precision, nets):
+    loss_fn, params, batch = _cnn(nets, 2, scale=30.0)  # large inputs: every example is clipped
+    size = batch["label"].shape[0]
+    one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+    paths = [c.path for c in plan_layers(loss_fn, params, {}, one) if type(c.module) in (WSConv, nn.Dense)]
+    tuning = dataclasses.replace(GPU, choose="rule")
+    fn = jax.jit(make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.01, strategies={p: strategy for p in paths},
+                                           precision=ClipPrecision(precision, precision), tuning=tuning))
+    full = fn(params, {}, batch, jnp.ones(size))
+    assert int(full.num_clipped) == size
+    for i in range(size):
+        without = fn(params, {}, batch, jnp.ones(size).at[i].set(0.0))
+        diff = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
+                for a, b in zip(jax.tree_util.tree_leaves(full.value), jax.tree_util.tree_leaves(without.value))]
+        assert np.sqrt(sum(np.sum(d * d) for d in diff)) <= 1.0
+
+
+def test_a_candidate_that_fails_is_said_and_never_chosen(nets, monkeypatch):
+    loss_fn, params, batch = _cnn(nets, 1)
+    real = path_timing._layer_fn
+
+    def ghost_fails(module, strategy, precision, chunk_bytes):
+        if strategy != "ghost":
+            return real(module, strategy, precision, chunk_bytes)
+
+        def out_of_memory(*args):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return out_of_memory
+
+    monkeypatch.setattr(path_timing, "_layer_fn", ghost_fails)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    timed = [c for c in fn.layers if c.strategy != "book-keeping"]
+    assert timed and all(c.strategy != "ghost" and "ghost/highest failed" in c.reason for c in timed)
+
+
+def test_timings_are_kept_for_the_next_process_and_a_corrupt_file_is_timed_again(nets, monkeypatch, tmp_path):
+    loss_fn, params, batch = _cnn(nets, 1)
+    kept = tmp_path / "cache" / "clip_timings.json"
+    monkeypatch.setenv("DPSCALE_CLIP_TIMINGS", str(kept))
+    first = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    timings = json.loads(kept.read_text())
+    assert len(timings) == len(GPU.candidates) * sum(c.strategy != "book-keeping" for c in first.layers)
+
+    def never(*args):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(path_timing, "_time", never)
+    again = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    assert again.layers == first.layers
+    kept.write_text("{not json")
+    monkeypatch.setattr(path_timing, "_time", lambda fn, args, repeats: 1.0)
+    make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    assert set(json.loads(kept.read_text()).values()) == {1.0}
+    monkeypatch.delenv("DPSCALE_CLIP_TIMINGS")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert path_timing.timings_file() == str(tmp_path / "xdg" / "dpscale" / "clip_timings.json")
+
+
+def test_measured_summary_ranks_the_candidates():
+    measured = path_timing.Measured("explicit", ClipPrecision(), (("ghost/highest", math.inf),
+                                                                  ("explicit/highest", 0.002),
+                                                                  ("streamed/tf32", 0.003)))
+    assert measured.summary() == "measured: explicit/highest 2.00 ms (streamed/tf32 3.00 ms, ghost/highest failed)"
+    assert path_timing.candidate_name("ghost", ClipPrecision("tf32", "highest")) == "ghost/tf32+highest"
