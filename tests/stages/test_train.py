@@ -170,12 +170,18 @@ def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path,
     def without_fast_path(data, config):
         return dataclasses.replace(train_model.build_train_model(data, config), clipped_sum_fn=lambda clip: None)
 
+    start = train_model.build_train_model(digits, _training(steps=2)).init_params(0)  # both runs' (seed 0)
     monkeypatch.setattr(trainer, "build_train_model", without_fast_path)
     train.run(_config(digits, tmp_path / "vmap", steps=2))
     got = RunDirectory(str(tmp_path / "bk")).load_params()
     want = RunDirectory(str(tmp_path / "vmap")).load_params()
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    # The per-layer paths clip with proven upper bounds of each norm, a little above the vmap path's
+    # (privacy/layer_bounds.py; tests/privacy/test_ghost.py allows the sums 3e-2 relative): the runs'
+    # moves from the same start (the same noise) agree to that, not to float32 rounding.
+    for a, b, s in zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, start))):
+        moved, moved_vmap = np.asarray(a) - np.asarray(s), np.asarray(b) - np.asarray(s)
+        assert np.any(moved_vmap)
+        np.testing.assert_allclose(moved, moved_vmap, rtol=0, atol=3e-2 * float(np.max(np.abs(moved_vmap))))
 
 
 def test_flat_options_nest_into_a_training_config_and_the_other_mode_keeps_its_defaults():
