@@ -170,18 +170,19 @@ def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path,
     def without_fast_path(data, config):
         return dataclasses.replace(train_model.build_train_model(data, config), clipped_sum_fn=lambda clip: None)
 
-    start = train_model.build_train_model(digits, _training(steps=2)).init_params(0)  # both runs' (seed 0)
     monkeypatch.setattr(trainer, "build_train_model", without_fast_path)
     train.run(_config(digits, tmp_path / "vmap", steps=2))
     got = RunDirectory(str(tmp_path / "bk")).load_params()
     want = RunDirectory(str(tmp_path / "vmap")).load_params()
-    # The per-layer paths clip with proven upper bounds of each norm, a little above the vmap path's
-    # (privacy/layer_bounds.py; tests/privacy/test_ghost.py allows the sums 3e-2 relative): the runs'
-    # moves from the same start (the same noise) agree to that, not to float32 rounding.
-    for a, b, s in zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, start))):
-        moved, moved_vmap = np.asarray(a) - np.asarray(s), np.asarray(b) - np.asarray(s)
-        assert np.any(moved_vmap)
-        np.testing.assert_allclose(moved, moved_vmap, rtol=0, atol=3e-2 * float(np.max(np.abs(moved_vmap))))
+    # The per-layer paths clip with proven bounds of the norms, up to 0.7% above vmap's (ghost's most:
+    # docs/privacy.md), so a clipped example's share of the update differs by that much: within 1% of
+    # what two steps changed, where another gradient would differ by the change itself.
+    config = _config(digits, tmp_path / "unused", steps=2).training
+    start = train_model.build_train_model(digits, dataclasses.replace(config, seed=0)).init_params(0)
+    for a, b, b0 in zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, start))):
+        moved = float(np.max(np.abs(np.asarray(b) - np.asarray(b0))))
+        assert moved > 0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-2 * moved)
 
 
 def test_flat_options_nest_into_a_training_config_and_the_other_mode_keeps_its_defaults():
