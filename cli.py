@@ -35,7 +35,8 @@ from dpscale.cli_options import (
     grid_axes,
     ints,
 )
-from dpscale.cli_output import DpscaleGroup, echo_warnings, print_json_line, quiet_library_logs, show_stage_progress
+from dpscale.cli_output import (DpscaleGroup, echo_warnings, end_promptly_on_interrupt, interrupt_hint,
+                                print_json_line, quiet_library_logs, show_stage_progress)
 from dpscale.cli_prepare import PREPARE_COMMANDS
 
 
@@ -123,17 +124,13 @@ def _refuse_settings_with_resume(ctx: click.Context) -> None:
                                "cannot change them (start a new run in a new directory instead)")
 
 
-@contextlib.contextmanager
-def _resume_hint_on_interrupt(run_dir: str) -> Any:
-    """On Ctrl-C in a run that has started, say how to continue it (then abort as usual)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        from dpscale.stages import train
+def _resume_hint_on_interrupt(run_dir: str) -> contextlib.AbstractContextManager:
+    """On Ctrl-C in a run that has started, the interrupted line says how to continue it."""
+    from dpscale.stages import train
 
-        if train.started(run_dir):
-            click.echo(f"dpscale: interrupted; continue the run with `dpscale train --resume {run_dir}`", err=True)
-        raise
+    started = train.started  # bound now: the hint may be asked from another thread, which must not import
+    return interrupt_hint(lambda: f"continue the run with `dpscale train --resume {run_dir}`"
+                          if started(run_dir) else None)
 
 
 @cli.command("evaluate")
@@ -419,5 +416,6 @@ def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_siz
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: the command line as its own process (Ctrl-C ends it at once)."""
+    end_promptly_on_interrupt()
     cli()

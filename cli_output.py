@@ -2,8 +2,9 @@
 stdout; notes, warnings, progress lines and errors go to stderr, each a ``dpscale: ...`` line.
 
 User errors (``DpscaleError``, storage faults and click's own usage errors) become one line and
-exit code 2, never a traceback. Of the library it imports only the errors, so that every command
-(``cli``, ``cli_prepare``) writes the same way.
+exit code 2, never a traceback; Ctrl-C becomes one line (with how to continue, where there is
+something to continue) and exit code 130 (``end_promptly_on_interrupt``). Of the library it imports
+only the errors, so that every command (``cli``, ``cli_prepare``) writes the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import socket
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -32,9 +37,9 @@ class DpscaleGroup(click.Group):
             super().main(*args, **kwargs)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("dpscale: aborted", err=True)
-            sys.exit(130)
+        except click.Abort:  # Ctrl-C while click parsed the flags
+            click.echo(interrupted_line(), err=True)
+            sys.exit(INTERRUPTED)
         except click.ClickException as exc:
             click.echo(f"dpscale: error: {exc.format_message()}", err=True)
             sys.exit(2)
@@ -53,6 +58,15 @@ class DpscaleGroup(click.Group):
                 os._exit(2)
             sys.exit(2)
         sys.exit(0)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """A command; Ctrl-C (``KeyboardInterrupt`` where ``end_promptly_on_interrupt`` is not in force: the
+        command line called in-process) is its one line and exit code 130, as in the command line's own process."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            click.echo(exc.line if isinstance(exc, _Interrupted) else interrupted_line(), err=True)
+            sys.exit(INTERRUPTED)
 
 
 @contextlib.contextmanager
@@ -96,6 +110,13 @@ def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("apitools not found")
 
 
+def _drop_beam_filesystem_warnings(record: logging.LogRecord) -> bool:
+    """Beam warns on import that the file systems of extras not installed cannot be loaded (``Failed to import
+    GCSFileSystem; ...`` on a plain install). dpscale reads and writes ``gs://`` itself (``files``), and a
+    ``gs://`` path without the gcp extra is already one line naming what to install."""
+    return not str(record.msg).startswith("Failed to import ")
+
+
 def quiet_library_logs() -> None:
     """Keep absl/dp-accounting chatter (bisection convergence warnings) off the CLI."""
     try:
@@ -108,6 +129,9 @@ def quiet_library_logs() -> None:
     root = logging.getLogger()
     if _drop_beam_bigquery_warning not in root.filters:
         root.addFilter(_drop_beam_bigquery_warning)
+    beam_filesystems = logging.getLogger("apache_beam.io.filesystems")  # a logger's filter sees only its own records
+    if _drop_beam_filesystem_warnings not in beam_filesystems.filters:
+        beam_filesystems.addFilter(_drop_beam_filesystem_warnings)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -163,3 +187,106 @@ def note(line: str) -> None:
 def echo_warnings(warnings: tuple[str, ...]) -> None:
     for warning in warnings:
         click.echo(f"dpscale: warning: {warning}", err=True)
+
+
+# ---- Ctrl-C: one line, then the process ends at once ------------------------------------------
+
+INTERRUPTED = 130  # the exit code of a command ended by Ctrl-C (128 + SIGINT, as shells report it)
+_hints: list[Callable[[], str | None]] = []
+
+
+@contextlib.contextmanager
+def interrupt_hint(hint: Callable[[], str | None]) -> Iterator[None]:
+    """Inside, the line of an interrupt adds what ``hint()`` says, e.g. how to continue the run it stopped.
+
+    ``hint`` may be called from another thread while the main one is anywhere: it must not import.
+    """
+    _hints.append(hint)
+    try:
+        yield
+    except KeyboardInterrupt as exc:  # the line, said while the hint is known
+        raise exc if isinstance(exc, _Interrupted) else _Interrupted(interrupted_line()) from None
+    finally:
+        _hints.remove(hint)
+
+
+class _Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that knows its line (``interrupt_hint``)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+def interrupted_line() -> str:
+    """``dpscale: interrupted``, and how to continue where there is something to continue."""
+    for hint in reversed(_hints):
+        try:
+            said = hint()
+        except Exception:  # noqa: BLE001 - the line must come, whatever the hint's storage does
+            said = None
+        if said:
+            return f"dpscale: interrupted; {said}"
+    return "dpscale: interrupted"
+
+
+def end_promptly_on_interrupt() -> None:
+    """From now on Ctrl-C (SIGINT) prints ``interrupted_line()`` and ends the process within moments.
+
+    Python runs a signal handler only between two bytecodes of the main thread, which may be inside
+    an XLA compilation or a C library for minutes; and the usual exit after ``KeyboardInterrupt``
+    joins the libraries' threads and runs their exit hooks (JAX, orbax, Beam, gRPC), which crashed
+    (segmentation fault) or hung for a minute when a compilation or a pipeline was under way. So the
+    signal also wakes a thread of ours (``signal.set_wakeup_fd``), which writes the line, stops the
+    worker processes this one started (a local Beam runner's) and ends the process with ``os._exit``.
+    That loses nothing a kill would not: every file dpscale writes appears whole or not at all
+    (``files.write_atomic``; orbax renames a finished checkpoint into place), so a stopped run
+    continues from its last checkpoint. Call it from the main thread of a process that is only the
+    command line: a library's caller keeps ``KeyboardInterrupt``.
+    """
+    with contextlib.suppress(ImportError):  # now: importing it while ending could wait on the main thread's import
+        import psutil  # noqa: F401
+    receive, send = socket.socketpair()
+    send.setblocking(False)
+    signal.signal(signal.SIGINT, lambda signum, frame: _end())  # when the main thread gets there first
+    signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            if signal.SIGINT in receive.recv(64):
+                _end()
+
+    threading.Thread(target=watch, name="dpscale-interrupt", daemon=True).start()
+    _keep.extend((receive, send))
+
+
+_keep: list[socket.socket] = []  # the wake-up pair lives as long as the process
+_ending = threading.Lock()
+
+
+def _end() -> None:
+    """Write the interrupted line once, stop this process's children, and exit with ``INTERRUPTED``."""
+    if not _ending.acquire(blocking=False):
+        return  # another thread is ending the process
+    line = interrupted_line()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        terminal = sys.stderr.isatty()
+        # on a terminal: past a live progress bar, and the cursor it hid shown again
+        sys.stderr.write(("\n\x1b[?25h" if terminal else "") + line + "\n")
+        sys.stderr.flush()
+    _stop_children()
+    os._exit(INTERRUPTED)
+
+
+def _stop_children() -> None:
+    """Kill the processes this one started (a local Beam runner's workers), which would outlive it."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()

@@ -274,10 +274,14 @@ def models_command(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
+    click.echo(f"{'model':<20} {'parameters':>13}  {'input':<11} {'classes':>7}  weights")
     for row in rows:
         shape = "x".join(str(d) for d in row["input_shape"])
-        weights = "pretrained" if row["pretrained"] else "-"
-        click.echo(f"{row['name']:<20} {row['params']:>13,} params  {shape:<11} {weights}")
+        weights = "ImageNet" if row["pretrained"] else "-"
+        click.echo(f"{row['name']:<20} {row['params']:>13,}  {shape:<11} {row['num_classes']:>7}  {weights}")
+    click.echo("\nparameters: at the default classes and input (--json adds feature sizes and descriptions)\n"
+               "weights: ImageNet = published weights, `dpscale import-weights NAME`; - = none published: train\n"
+               "  the model (e.g. without DP on public data, then `dpscale export-backbone`)")
 
 
 PREPARE_COMMANDS = (ingest, dedup, train_copy_model, import_weights, export_backbone_command,

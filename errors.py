@@ -45,6 +45,10 @@ class StorageError(DpscaleError):
     """A file could not be written or read: permissions, a read-only file system, a full disk."""
 
 
+class CloudStorageError(StorageError):
+    """Cloud Storage (``gs://``) is out of reach or refuses: no network, no credentials, no permission, no bucket."""
+
+
 #: The operating-system faults that are the user's environment, not a bug, and what to do about each.
 _REMEDIES = {
     errno.ENOSPC: "free some space",

@@ -192,25 +192,30 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 def filesystem(url: str) -> Any:
     """The fsspec file system behind ``url``; one line naming the extra to install if it is missing.
 
-    ``gs://`` is served by gcsfs's JSON-API client (``gcsfs.core.GCSFileSystem``), registered for
-    the whole process so that zarr and orbax's paths use it too: gcsfs's default class first asks
-    the storage-control gRPC service for each bucket's layout (zonal buckets), which a GCS API
-    server without that service answers only after a 30-60 s timeout, and dpscale needs none of
-    it. Listings are never cached: Beam workers and other hosts write the objects that the
-    launching process lists (feature-chunk markers), and a cached listing would hide them.
+    ``gs://`` is served by ``gcs.GcsFileSystem``, gcsfs's JSON-API client (``gcsfs.core``) with
+    bounded waits, registered for the whole process so that zarr and orbax's paths use it too:
+    gcsfs's default class first asks the storage-control gRPC service for each bucket's layout
+    (zonal buckets), which a GCS API server without that service answers only after a 30-60 s
+    timeout, and dpscale needs none of it. The first use of a bucket reaches it
+    (``GcsFileSystem.check_bucket``): an unreachable, missing or refused bucket is one line
+    (``CloudStorageError``) at once. Listings are never cached: Beam workers and other hosts write
+    the objects that the launching process lists (feature-chunk markers), and a cached listing
+    would hide them.
     """
     protocol = url.split("://", 1)[0]
     try:
         import fsspec
 
         if protocol in ("gs", "gcs"):
-            import gcsfs.core
+            import gcsfs  # noqa: F401 - the extra: dpscale.gcs, once imported, would hide its absence
+
+            from dpscale.gcs import GcsFileSystem
         if protocol in ("gs", "gcs") and protocol not in _registered:
             for name in ("gs", "gcs"):
-                fsspec.register_implementation(name, gcsfs.core.GCSFileSystem, clobber=True)
+                fsspec.register_implementation(name, GcsFileSystem, clobber=True)
                 fsspec.config.conf.setdefault(name, {}).setdefault("use_listings_cache", False)
                 _registered.add(name)
-        return fsspec.filesystem(protocol)
+        fs = fsspec.filesystem(protocol)
     except ImportError:
         if protocol in ("gs", "gcs"):
             raise MissingExtraError(f"{url!r} is on Cloud Storage, which needs dpscale's gcp extra: "
@@ -219,6 +224,9 @@ def filesystem(url: str) -> Any:
                                  f"(dpscale reads URLs through fsspec; for gs:// {CLOUD_EXTRA})") from None
     except ValueError as exc:  # fsspec: "Protocol not known"
         raise InvalidConfigError(f"{url!r}: {exc}") from None
+    if protocol in ("gs", "gcs"):
+        fs.check_bucket(url)
+    return fs
 
 
 def require_local(path: str, what: str) -> str:
@@ -266,7 +274,12 @@ def isdir(path: str) -> bool:
 
 
 def isfile(path: str) -> bool:
-    return filesystem(path).isfile(path) if is_url(path) else os.path.isfile(path)
+    if not is_url(path):
+        return os.path.isfile(path)
+    try:  # not fsspec's isfile, which says False for any failure (an unreachable server too)
+        return filesystem(path).info(path)["type"] == "file"
+    except FileNotFoundError:
+        return False
 
 
 def makedirs(path: str, *, mode: int = 0o777) -> None:

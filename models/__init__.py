@@ -19,5 +19,6 @@ EfficientNet-Lite), so stages never special-case an architecture:
 Modules: :mod:`.layers` (WS conv, scaled WS conv, GroupNorm(16), scaled activations),
 :mod:`.wrn`, :mod:`.nf_resnet`, :mod:`.nfnet`, :mod:`.cnn`, :mod:`.scattering`,
 :mod:`.efficientnet_lite`, :mod:`.registry` (``get_model``, ``list_models``, ``param_count``;
-it lists every family from their modules, which never import it) and :mod:`.validation`.
+it lists every family from their modules, which never import it), :mod:`.catalogue` (the
+listing ``dpscale models`` prints, as plain data checked against the registry) and :mod:`.validation`.
 """

@@ -9,9 +9,12 @@ networks and never import this one, so importing a model builds no table and the
 holds no hidden list of modules to import back. Adding a family: write its ``_..._specs``
 function and add it to ``_FAMILIES``. WRN-d-k also resolves for any valid ``wrn-D-K`` on demand.
 
-Each spec carries its parameter count as a constant (``tests/models/test_registry.py``
-recomputes every one with ``jax.eval_shape``): tracing all models takes 10-20 s, too slow
-for ``dpscale models``. Other class counts and on-demand WRNs are traced when asked.
+Each spec carries its parameter count as a constant, read from ``models.catalogue`` (the listing
+``dpscale models`` prints without importing this module; ``tests/models/test_registry.py``
+recomputes every count with ``jax.eval_shape``, ``tests/models/test_cli_models.py`` checks every
+row against ``describe``):
+tracing all models takes 10-20 s, too slow for ``dpscale models``. Other class counts and
+on-demand WRNs are traced when asked.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models import cnn, efficientnet_lite, nf_resnet, nfnet, scattering, wrn
+from dpscale.models import catalogue, cnn, efficientnet_lite, nf_resnet, nfnet, scattering, wrn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +77,7 @@ def _wrn_spec(depth: int, width: int) -> ModelSpec:
 
 
 #: Parameter counts of the listed models (default classes and input); see ``ModelSpec.params``.
-_PARAMS = {
-    "wrn-16-4": 2_748_890, "wrn-40-4": 8_949_210, "wrn-28-10": 36_479_194,
-    "nf-resnet-50": 25_557_048, "nf-resnet-101": 44_549_193, "nf-resnet-152": 60_192_858,
-    "nf-resnet-200": 64_673_898,
-    "nfnet-f0": 71_489_284, "nfnet-f1": 132_634_256, "nfnet-f2": 193_779_228, "nfnet-f3": 254_924_200,
-    "cnn-small": 98_682, "scatternet-linear": 39_700, "scatternet-cnn": 84_426,
-    "efficientnet-lite0": 4_652_008, "efficientnet-lite1": 5_416_680, "efficientnet-lite2": 6_092_072,
-}
+_PARAMS = {row["name"]: row["params"] for row in catalogue.MODELS}
 
 
 def _wrn_specs() -> Iterable[ModelSpec]:

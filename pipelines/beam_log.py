@@ -31,11 +31,14 @@ def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
     """Send file descriptor 2 (Beam, gRPC, worker processes) to a log file unless ``verbose``.
 
     dpscale's own messages keep the terminal: ``sys.stderr`` and every logging handler that
-    wrote to it are pointed at a duplicate of the original stderr for the duration.
+    wrote to it are pointed at a duplicate of the original stderr for the duration. What threads
+    older than the run log (Beam's workers left over from an earlier pipeline in this process,
+    failing late) stays out of the file: ``logged_failure`` reads it as this run's failure.
     """
     if verbose:
         yield None
         return
+    older = {thread.ident for thread in threading.enumerate()} - {threading.get_ident()}
     fd, path = tempfile.mkstemp(prefix="dpscale-beam-", suffix=".log")
     sys.stderr.flush()
     saved = os.dup(2)
@@ -48,11 +51,15 @@ def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
     old_level, old_propagate = beam_logger.level, beam_logger.propagate
     beam_logger.setLevel(logging.ERROR)
     to_file = logging.StreamHandler(os.fdopen(os.dup(fd), "w", buffering=1))  # a worker's error and its trace
+    to_file.addFilter(lambda record: record.thread not in older)
     beam_logger.addHandler(to_file)
     beam_logger.propagate = False
     old_hook = threading.excepthook
 
     def thread_error_to_file(args: threading.ExceptHookArgs) -> None:  # e.g. a worker process that died
+        if args.thread is not None and args.thread.ident in older:
+            old_hook(args)
+            return
         traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback, file=to_file.stream)
 
     threading.excepthook = thread_error_to_file

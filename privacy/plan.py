@@ -26,10 +26,9 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import dp_accounting
-import optax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
@@ -38,9 +37,13 @@ from dpscale.privacy.accounting import (EpsilonCurve, Truncation, bounds_for, dp
 from dpscale.privacy.checks import (Accountant, SamplingScheme, check_accountant, check_batch_size, check_delta,
                                     check_mechanism, check_positive, check_positive_integer, check_releases,
                                     check_sampling, check_steps)
-from dpscale.privacy.clipping import ClippedSumFn, LossFn, make_clipped_sum_fn, make_unclipped_sum_fn
-from dpscale.privacy.dpsgd import DpsgdStep
 from dpscale.privacy.sampling import Layout, PoissonSampler, ShuffledSampler, batch_capacity
+
+if TYPE_CHECKING:  # the DP step needs JAX, imported when one is built: `dpscale epsilon` needs only the accountant
+    import optax
+
+    from dpscale.privacy.clipping import ClippedSumFn, LossFn
+    from dpscale.privacy.dpsgd import DpsgdStep
 
 KNOBS = ("noise_multiplier", "steps", "batch_size")
 
@@ -64,12 +67,17 @@ class MechanismParts:
     plan is made. A run directory never records a plan with other parts (``PrivacyPlan.to_json``).
     """
 
-    step: type[DpsgdStep] = DpsgdStep
+    step: type[DpsgdStep] | None = None  # None: DpsgdStep itself (imported where a step is built)
     poisson_sampler: type[PoissonSampler] = PoissonSampler
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.step, type) and issubclass(self.step, DpsgdStep)):
-            raise TypeError(f"a plan's step must subclass DpsgdStep, got {self.step!r}")
+        if self.step is not None:
+            from dpscale.privacy.dpsgd import DpsgdStep
+
+            if not (isinstance(self.step, type) and issubclass(self.step, DpsgdStep)):
+                raise TypeError(f"a plan's step must subclass DpsgdStep, got {self.step!r}")
+            if self.step is DpsgdStep:
+                object.__setattr__(self, "step", None)  # one spelling of the standard parts
         if not (isinstance(self.poisson_sampler, type) and issubclass(self.poisson_sampler, PoissonSampler)):
             raise TypeError(f"a plan's sampler must subclass PoissonSampler, got {self.poisson_sampler!r}")
 
@@ -330,13 +338,16 @@ class PrivacyPlan:
 
         No defaults for the optimiser or the EMA: the recipe's live in ``training.config``.
         """
+        from dpscale.privacy.clipping import make_clipped_sum_fn, make_unclipped_sum_fn
+        from dpscale.privacy.dpsgd import DpsgdStep
+
         if not self.private:
             clipped_sum_fn = make_unclipped_sum_fn(loss_fn)
         elif clipped_sum_fn is None:
             clipped_sum_fn = make_clipped_sum_fn(loss_fn, clip_norm=clip_norm)
-        return self.parts.step(clipped_sum_fn, noise_multiplier=self.noise_multiplier,
-                               expected_batch_size=self.batch_size, seed=seed, optimizer=optimizer,
-                               ema_decay=ema_decay, mesh=mesh)
+        step = self.parts.step or DpsgdStep
+        return step(clipped_sum_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
+                    seed=seed, optimizer=optimizer, ema_decay=ema_decay, mesh=mesh)
 
     def to_json(self) -> dict[str, Any]:
         """What a run records of its plan (``PrivacyPlan(**to_json())`` rebuilds it).

@@ -30,14 +30,15 @@ import dataclasses
 import logging
 import math
 import warnings
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_positive, check_positive_integer, check_sampling_rate
-from dpscale.privacy.streams import Stream, stream_rng
+
+if TYPE_CHECKING:  # JAX is imported where a batch is drawn: `dpscale epsilon` needs only the capacity
+    import jax
 
 _log = logging.getLogger(__name__)
 PADDING_INDEX = -1
@@ -147,6 +148,8 @@ class PoissonSampler:
         draws followed by a uniform subset of ``capacity`` of them when there are more, in
         O(batch) memory rather than O(N).
         """
+        from dpscale.privacy.streams import Stream, stream_rng
+
         rng = stream_rng(self._seed, Stream.SAMPLING, step)
         size = min(int(rng.binomial(self.num_examples, self.sampling_rate)), self.capacity)
         chosen = np.sort(rng.choice(self.num_examples, size=size, replace=False))
@@ -179,6 +182,8 @@ class ShuffledSampler:
         self._seed = seed
 
     def sample(self, step: int) -> SampledBatch:
+        from dpscale.privacy.streams import Stream, stream_rng
+
         epoch, position = divmod(step, self.steps_per_epoch)
         rng = stream_rng(self._seed, Stream.SAMPLING, epoch)
         order = rng.permutation(self.num_examples)
@@ -196,6 +201,9 @@ def truncated_poisson_slots(key: jax.Array, sampling_rate: float, eligible: jax.
     kept (those with the smallest of independent uniform priorities). Padding points at row 0
     with mask 0. The work is the same whatever was drawn.
     """
+    import jax
+    import jax.numpy as jnp
+
     join_key, order_key = jax.random.split(key)
     chosen = jax.random.bernoulli(join_key, sampling_rate, eligible.shape) & eligible
     priority = jnp.where(chosen, jax.random.uniform(order_key, eligible.shape), 2.0)

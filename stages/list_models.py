@@ -1,11 +1,16 @@
-"""The models command: the model zoo with parameter counts, input shapes and available weights."""
+"""The models command: the model zoo with parameter counts, input shapes and available weights.
+
+It reads the zoo's listing (``models.catalogue``), not the registry, which would import every model
+family with Flax and JAX to print a table.
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
-from dpscale.models import registry
+from dpscale.models import catalogue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,4 +24,4 @@ class ListModelsResult:
 
 
 def run(config: ListModelsConfig = ListModelsConfig()) -> ListModelsResult:
-    return ListModelsResult(tuple(registry.describe(name) for name in registry.list_models()))
+    return ListModelsResult(copy.deepcopy(catalogue.MODELS))

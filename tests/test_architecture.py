@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Lowest first. A module may import from its own package and from packages of lower layers only.
 LAYERS = [
     {"errors"},
+    {"gcs"},
     {"files"},
     {"progress", "distributed"},
     {"models"},

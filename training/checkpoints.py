@@ -21,11 +21,16 @@ from dpscale.files import write_json_atomic
 
 
 class Checkpoints:
-    """Save every ``every`` steps (and at the end); keep the newest two."""
+    """Save every ``every`` steps (and at the end); keep the newest two.
+
+    A save cut short (Ctrl-C, a kill) leaves orbax's temporary directory, never a checkpoint; the next
+    process to open the run (the run lock makes it the only one) removes it.
+    """
 
     def __init__(self, directory: str, *, every: int) -> None:
         self.every = max(1, every)
-        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False,
+                                               cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(directory, options=options)
 
     def latest_step(self) -> int | None:

@@ -14,11 +14,14 @@ into a pipe nobody reads (a busy server would block on it).
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import pathlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -65,20 +68,11 @@ def gcs(tmp_path_factory):
         except OSError:
             assert server.poll() is None and time.monotonic() < deadline, "fake-gcs-server did not start"
             time.sleep(0.1)
-    env = {"STORAGE_EMULATOR_HOST": url, "CLOUD_STORAGE_EMULATOR_ENDPOINT": url, "TENSORSTORE_GCS_HTTP_URL": url,
-           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anonymous", "FSSPEC_GS_TOKEN": "anon",
-           "GCE_METADATA_HOST": CLOSED_PORT, "GCE_METADATA_IP": CLOSED_PORT, "NO_GCE_CHECK": "True"}
     mp = pytest.MonkeyPatch()
-    for name, value in env.items():
-        mp.setenv(name, value)
-    mp.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
-    import fsspec
-
-    for protocol in ("gs", "gcs"):  # fsspec read FSSPEC_GS_TOKEN when it was imported, maybe before this
-        mp.setitem(fsspec.config.conf, protocol, {**fsspec.config.conf.get(protocol, {}), "token": "anon"})
+    point_clients_at(url, mp)
     from dpscale import files
 
-    files.filesystem(f"gs://{BUCKET}").mkdir(BUCKET)
+    files.filesystem("gs://").mkdir(BUCKET)  # the bucket's own URL would be checked, and it is not there yet
     try:
         yield f"gs://{BUCKET}"
     finally:
@@ -86,6 +80,84 @@ def gcs(tmp_path_factory):
         server.terminate()
         server.wait(timeout=10)
         log.close()
+
+
+def point_clients_at(url: str, mp: pytest.MonkeyPatch) -> None:
+    """Every Cloud Storage client dpscale uses, pointed at ``url`` with anonymous credentials (undone by ``mp``)."""
+    env = {"STORAGE_EMULATOR_HOST": url, "CLOUD_STORAGE_EMULATOR_ENDPOINT": url, "TENSORSTORE_GCS_HTTP_URL": url,
+           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anonymous", "FSSPEC_GS_TOKEN": "anon",
+           "GCE_METADATA_HOST": CLOSED_PORT, "GCE_METADATA_IP": CLOSED_PORT, "NO_GCE_CHECK": "True"}
+    for name, value in env.items():
+        mp.setenv(name, value)
+    mp.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    import fsspec
+
+    for protocol in ("gs", "gcs"):  # fsspec read FSSPEC_GS_TOKEN when it was imported, maybe before this
+        mp.setitem(fsspec.config.conf, protocol, {**fsspec.config.conf.get(protocol, {}), "token": "anon"})
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A GCS API server that refuses every request with ``status`` (401: no credentials, 403: no permission)."""
+
+    status = 401
+
+    def _refuse(self) -> None:
+        body = json.dumps({"error": {"code": self.status, "message": f"refused ({self.status}) by the test server"}})
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+OUT_OF_REACH = ("refused", "absent", "silent", "unauthenticated", "forbidden")
+
+
+@pytest.fixture
+def storage_out_of_reach(monkeypatch):
+    """``storage_out_of_reach(kind)`` points every client at a Cloud Storage that cannot serve it (``OUT_OF_REACH``):
+    nothing listening, a host that does not resolve, a server that accepts and never answers, one that answers
+    401 (no credentials) or 403 (no permission). Waits are cut to keep each test short."""
+    from dpscale import gcs
+
+    monkeypatch.setenv(gcs.TIMEOUT_VARIABLE, "1")
+    monkeypatch.setattr(gcs, "CONNECT_BACKOFF", 0.05)
+    gcs.GcsFileSystem.clear_instance_cache()  # one built for another server (or timeout) is not reused
+    opened = []
+
+    def use(kind: str) -> str:
+        if kind == "refused":
+            url = f"http://{CLOSED_PORT}"
+        elif kind == "absent":
+            url = "http://dpscale-test.invalid"  # .invalid never resolves (RFC 6761)
+        elif kind == "silent":
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(64)  # the kernel accepts connections; nobody ever reads or answers them
+            opened.append(listener)
+            url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        else:
+            handler = type("Handler", (_Refusing,), {"status": {"unauthenticated": 401, "forbidden": 403}[kind]})
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            opened.append(server)
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+        point_clients_at(url, monkeypatch)
+        return url
+
+    yield use
+    for thing in opened:
+        if isinstance(thing, socket.socket):
+            thing.close()
+        else:
+            thing.shutdown()
+            thing.server_close()
+    gcs.GcsFileSystem.clear_instance_cache()
 
 
 @pytest.fixture

@@ -23,9 +23,19 @@ def test_models_json_lists_every_model_with_counts():
     assert by_name["cnn-small"]["input_shape"] == [28, 28, 1]
 
 
-def test_models_table_has_one_line_per_model():
+def test_models_table_has_a_header_one_line_per_model_and_says_what_its_columns_mean():
     result = CliRunner().invoke(cli, ["models"])
     assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == len(list_models())
-    assert lines[0].startswith(list_models()[0])
+    header, *rest = result.output.splitlines()
+    assert header.split() == ["model", "parameters", "input", "classes", "weights"]
+    rows, legend = rest[:len(list_models())], rest[len(list_models()):]
+    assert [row.split()[0] for row in rows] == list_models()
+    assert rows[0].split()[-1] == "-" and "- = none published" in "\n".join(legend)
+    assert "ImageNet = published weights" in "\n".join(legend)
+
+
+def test_the_listing_is_the_registry_s_own_description_of_every_model():
+    """``dpscale models`` reads models.catalogue (no JAX); every row must say what the registry says."""
+    from dpscale.models import catalogue, registry
+
+    assert list(catalogue.MODELS) == [registry.describe(name) for name in list_models()]

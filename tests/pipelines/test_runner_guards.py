@@ -107,6 +107,42 @@ def test_a_stalled_pipeline_is_stopped_with_a_clear_error():
     assert time.monotonic() - start < 30
 
 
+_go, _logged, _hold = threading.Event(), threading.Event(), threading.Event()
+
+
+def _leftover_worker():
+    _go.wait(60)
+    try:
+        raise DataError("shard 'x' is damaged")
+    except DataError:
+        logging.getLogger("apache_beam.runners.worker.sdk_worker").exception("Error processing instruction")
+    _logged.set()
+
+
+def _let_it_fail_then_wait(x):
+    _go.set()
+    _logged.wait(60)
+    _hold.wait(60)  # then stalled, like test_a_stalled_pipeline_is_stopped_with_a_clear_error
+    return x
+
+
+def test_a_failure_logged_by_an_older_thread_is_not_this_pipelines():
+    """A worker thread left over from an earlier pipeline in this process that logs its failure late (it once
+    made the stall test above fail with another test's DataError) is not why this pipeline stopped."""
+    threading.Thread(target=_leftover_worker, daemon=True).start()
+
+    def build(pipeline, _):
+        _ = pipeline | beam.Create([1]) | beam.Map(_let_it_fail_then_wait)
+
+    try:
+        with pytest.raises(PipelineStalledError, match="stalled"):
+            run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="t",
+                         log=logging.getLogger("test"), stall_seconds=3)
+    finally:
+        _hold.set()
+    assert _logged.is_set()  # the old thread did log its failure during the run
+
+
 def test_beam_logging_goes_to_a_file_unless_verbose(capfd):
     def build(pipeline, _):
         _ = pipeline | beam.Create([1]) | beam.Map(lambda x: logging.getLogger(

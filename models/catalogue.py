@@ -1,0 +1,58 @@
+"""The model zoo as ``dpscale models`` lists it, as plain data: listing it needs no JAX or Flax.
+
+Building the registry (``models.registry``) imports every model family, Flax and JAX, which took
+10 s on a loaded machine for a table. Each row here is exactly what ``registry.describe`` says of
+a listed model (its parameter count at the default classes and input: ``registry`` reads it from
+here rather than tracing every model). ``tests/models/test_cli_models.py`` checks every row against
+``registry.describe`` and ``tests/models/test_registry.py`` every count against the traced model, so a
+change to a model that is not made here too fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _row(name: str, params: int, input_shape: tuple[int, int, int], *, classes: int, features: int,
+         description: str, pretrained: bool = False) -> dict[str, Any]:
+    return {"name": name, "params": params, "input_shape": list(input_shape), "num_classes": classes,
+            "feature_dim": features, "pretrained": pretrained, "description": description}
+
+
+#: ``registry.describe(name)`` of every listed model, in the registry's order.
+MODELS: tuple[dict[str, Any], ...] = (
+    _row("wrn-16-4", 2_748_890, (32, 32, 3), classes=10, features=256,
+         description="Wide-ResNet-16-4, GroupNorm(16) + WS conv, 32x32 (De et al. 2022)"),
+    _row("wrn-40-4", 8_949_210, (32, 32, 3), classes=10, features=256,
+         description="Wide-ResNet-40-4, GroupNorm(16) + WS conv, 32x32 (De et al. 2022)"),
+    _row("wrn-28-10", 36_479_194, (32, 32, 3), classes=10, features=640,
+         description="Wide-ResNet-28-10, GroupNorm(16) + WS conv, 32x32 (De et al. 2022)"),
+    _row("nf-resnet-50", 25_557_048, (224, 224, 3), classes=1000, features=2048,
+         description="Normalizer-Free ResNet-50 (Brock et al. 2021a)"),
+    _row("nf-resnet-101", 44_549_193, (224, 224, 3), classes=1000, features=2048,
+         description="Normalizer-Free ResNet-101 (Brock et al. 2021a)"),
+    _row("nf-resnet-152", 60_192_858, (224, 224, 3), classes=1000, features=2048,
+         description="Normalizer-Free ResNet-152 (Brock et al. 2021a)"),
+    _row("nf-resnet-200", 64_673_898, (224, 224, 3), classes=1000, features=2048,
+         description="Normalizer-Free ResNet-200 (Brock et al. 2021a)"),
+    _row("nfnet-f0", 71_489_284, (192, 192, 3), classes=1000, features=3072,
+         description="NFNet-F0 (Brock et al. 2021b), train resolution 192"),
+    _row("nfnet-f1", 132_634_256, (224, 224, 3), classes=1000, features=3072,
+         description="NFNet-F1 (Brock et al. 2021b), train resolution 224"),
+    _row("nfnet-f2", 193_779_228, (256, 256, 3), classes=1000, features=3072,
+         description="NFNet-F2 (Brock et al. 2021b), train resolution 256"),
+    _row("nfnet-f3", 254_924_200, (320, 320, 3), classes=1000, features=3072,
+         description="NFNet-F3 (Brock et al. 2021b), train resolution 320"),
+    _row("cnn-small", 98_682, (28, 28, 1), classes=10, features=128,
+         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)"),
+    _row("scatternet-linear", 39_700, (28, 28, 1), classes=10, features=3969,
+         description="Softmax regression on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)"),
+    _row("scatternet-cnn", 84_426, (28, 28, 1), classes=10, features=64,
+         description="GroupNorm + WS CNN on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)"),
+    _row("efficientnet-lite0", 4_652_008, (224, 224, 3), classes=1000, features=1280,
+         pretrained=True, description="EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), 224px"),
+    _row("efficientnet-lite1", 5_416_680, (240, 240, 3), classes=1000, features=1280,
+         pretrained=True, description="EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), 240px"),
+    _row("efficientnet-lite2", 6_092_072, (260, 260, 3), classes=1000, features=1280,
+         pretrained=True, description="EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), 260px"),
+)
