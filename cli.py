@@ -22,8 +22,8 @@ import click
 from dpscale.cli_options import (
     ACCOUNTANT_HELP,
     COUNT,
-    GRID_SHORTHANDS,
     FRACTION,
+    GRID_SHORTHANDS,
     POSITIVE,
     SEED,
     TRAINING_OPTIONS,
@@ -35,8 +35,15 @@ from dpscale.cli_options import (
     grid_axes,
     ints,
 )
-from dpscale.cli_output import (DpscaleGroup, echo_warnings, end_promptly_on_interrupt, interrupt_hint,
-                                print_json_line, quiet_library_logs, show_stage_progress)
+from dpscale.cli_output import (
+    DpscaleGroup,
+    echo_warnings,
+    end_promptly_on_interrupt,
+    interrupt_hint,
+    print_json_line,
+    quiet_library_logs,
+    show_stage_progress,
+)
 from dpscale.cli_prepare import PREPARE_COMMANDS
 
 
@@ -60,26 +67,58 @@ for _command in PREPARE_COMMANDS:
 @cli.command("train")
 @click.argument("data", type=click.Path(file_okay=False), required=False)
 @click.argument("run_dir", type=click.Path(file_okay=False), required=False)
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
-              help="Continue the killed run in this directory from its last checkpoint, with the settings it started "
-                   "with (no other arguments or training options; multi-host flags only).")
-@click.option("--epsilon", type=floats(0, min_open=True, allow_inf=True), default=8.0, show_default=True,
-              help="Target epsilon; `inf` = non-private.")
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Continue the killed run in this directory from its last checkpoint, with the settings it started "
+    "with (no other arguments or training options; multi-host flags only).",
+)
+@click.option(
+    "--epsilon",
+    type=floats(0, min_open=True, allow_inf=True),
+    default=8.0,
+    show_default=True,
+    help="Target epsilon; `inf` = non-private.",
+)
 @click.option("--noise-multiplier", type=POSITIVE, default=None, help="sigma; calibrated when left out.")
-@click.option("--learning-rate", type=POSITIVE, default=2.0, show_default=True,
-              help="SGD step size on the C-normalised gradient (constant).")
+@click.option(
+    "--learning-rate",
+    type=POSITIVE,
+    default=2.0,
+    show_default=True,
+    help="SGD step size on the C-normalised gradient (constant).",
+)
 @TRAINING_OPTIONS
-@click.option("--seed", type=SEED, default=None,
-              help="Fix the secret seed (noise and sampling). Default: fresh OS entropy.")
-@click.option("--coordinator-address", default=None, metavar="HOST:PORT",
-              help="Multi-host: process 0's address; give it with --num-processes and --process-id, "
-                   "the same on every host (see docs/cluster.md, Multi-host).")
+@click.option(
+    "--seed", type=SEED, default=None, help="Fix the secret seed (noise and sampling). Default: fresh OS entropy."
+)
+@click.option(
+    "--coordinator-address",
+    default=None,
+    metavar="HOST:PORT",
+    help="Multi-host: process 0's address; give it with --num-processes and --process-id, "
+    "the same on every host (see docs/cluster.md, Multi-host).",
+)
 @click.option("--num-processes", type=COUNT, default=None, help="Multi-host: number of processes (hosts).")
 @click.option("--process-id", type=ints(0), default=None, help="Multi-host: this process's index, 0 to N-1.")
-@click.option("--distributed", "auto_distributed", is_flag=True,
-              help="Multi-host with the cluster detected by JAX (Cloud TPU pods, Slurm, Open MPI).")
-def train_command(data: str | None, run_dir: str | None, resume_dir: str | None, coordinator_address: str | None,
-                  num_processes: int | None, process_id: int | None, auto_distributed: bool, **options: Any) -> None:
+@click.option(
+    "--distributed",
+    "auto_distributed",
+    is_flag=True,
+    help="Multi-host with the cluster detected by JAX (Cloud TPU pods, Slurm, Open MPI).",
+)
+def train_command(
+    data: str | None,
+    run_dir: str | None,
+    resume_dir: str | None,
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    auto_distributed: bool,
+    **options: Any,
+) -> None:
     """Train on DATA with DP-SGD; write the run to RUN_DIR.
 
     Give the privacy target (--epsilon, --delta) and two of --batch-size, --steps,
@@ -116,12 +155,18 @@ def _refuse_settings_with_resume(ctx: click.Context) -> None:
     training option given with --resume would be ignored, so it is refused (the multi-host flags,
     which say how this process joins, are the only ones that apply)."""
     joining = {"resume_dir", "coordinator_address", "num_processes", "process_id", "auto_distributed"}
-    given = [param.opts[0] for param in ctx.command.params
-             if param.name not in joining and isinstance(param, click.Option)
-             and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE]
+    given = [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name not in joining
+        and isinstance(param, click.Option)
+        and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
+    ]
     if given:
-        raise click.UsageError(f"--resume continues the run with the settings it started with; {', '.join(given)} "
-                               "cannot change them (start a new run in a new directory instead)")
+        raise click.UsageError(
+            f"--resume continues the run with the settings it started with; {', '.join(given)} "
+            "cannot change them (start a new run in a new directory instead)"
+        )
 
 
 def _resume_hint_on_interrupt(run_dir: str) -> contextlib.AbstractContextManager:
@@ -129,33 +174,50 @@ def _resume_hint_on_interrupt(run_dir: str) -> contextlib.AbstractContextManager
     from dpscale.stages import train
 
     started = train.started  # bound now: the hint may be asked from another thread, which must not import
-    return interrupt_hint(lambda: f"continue the run with `dpscale train --resume {run_dir}`"
-                          if started(run_dir) else None)
+    return interrupt_hint(
+        lambda: f"continue the run with `dpscale train --resume {run_dir}`" if started(run_dir) else None
+    )
 
 
 @cli.command("evaluate")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--split", default="test", show_default=True)
-@click.option("--data", default=None,
-              help="Data made like the run's (same classes, image shape, backbone and preprocessing); default: the "
-                   "data the run trained on.")
-@click.option("--force-other-data", is_flag=True,
-              help="Score --data even though it is not the data the run trained on; the scores go to "
-                   "metrics.other-data.<name>.json, never metrics.json.")
-@click.option("--private-diagnostics", is_flag=True,
-              help="Allow scoring the run's own training rows (its train split or held-out rows): exact statistics "
-                   "of private data that epsilon does NOT cover, written to a *.NOT-PRIVATE.json file (mode 0600).")
-def evaluate_command(run_dir: str, split: str, data: str | None, force_other_data: bool,
-                     private_diagnostics: bool) -> None:
+@click.option(
+    "--data",
+    default=None,
+    help="Data made like the run's (same classes, image shape, backbone and preprocessing); default: the "
+    "data the run trained on.",
+)
+@click.option(
+    "--force-other-data",
+    is_flag=True,
+    help="Score --data even though it is not the data the run trained on; the scores go to "
+    "metrics.other-data.<name>.json, never metrics.json.",
+)
+@click.option(
+    "--private-diagnostics",
+    is_flag=True,
+    help="Allow scoring the run's own training rows (its train split or held-out rows): exact statistics "
+    "of private data that epsilon does NOT cover, written to a *.NOT-PRIVATE.json file (mode 0600).",
+)
+def evaluate_command(
+    run_dir: str, split: str, data: str | None, force_other_data: bool, private_diagnostics: bool
+) -> None:
     """Top-1/top-5 of the last and the EMA parameters of RUN_DIR; writes RUN_DIR/metrics.json.
 
     The JSON line restates the run's (epsilon, delta) and names the data scored.
     """
     from dpscale.stages import evaluate
 
-    result = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split, data=data,
-                                                  private_diagnostics=private_diagnostics,
-                                                  force_other_data=force_other_data))
+    result = evaluate.run(
+        evaluate.EvaluateConfig(
+            run_dir=run_dir,
+            split=split,
+            data=data,
+            private_diagnostics=private_diagnostics,
+            force_other_data=force_other_data,
+        )
+    )
     echo_warnings(result.warnings)
     print_json_line(result.as_dict())
 
@@ -163,27 +225,58 @@ def evaluate_command(run_dir: str, split: str, data: str | None, force_other_dat
 @cli.command("sweep")
 @click.argument("data", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--epsilons", cls=ListOption, type=CommaList(POSITIVE), default="1,2,4,8",
-              help="Target epsilons of the grid (the same as --grid epsilon=...).")
-@click.option("--learning-rates", cls=ListOption, type=CommaList(POSITIVE), default="2",
-              help="DP learning rates of the grid (the same as --grid learning-rate=...).")
-@click.option("--grid", "grid", multiple=True, metavar="NAME=V1,V2,...",
-              help="Grid over any training option below, e.g. --grid augmult=1,4,8 --grid batch-size=1024,4096 "
-                   "(repeat for more axes; one column each in the tables; every value is in the run names).")
-@click.option("--repeats", type=COUNT, default=3, show_default=True,
-              help="Runs per grid point, each with a fresh secret seed (median and spread are reported).")
-@click.option("--baseline/--no-baseline", default=False, show_default=True,
-              help="Also train a non-private baseline per repeat and setting: NOT private, written apart to "
-                   "OUT_DIR/baseline.NOT-PRIVATE/ (owner-only).")
+@click.option(
+    "--epsilons",
+    cls=ListOption,
+    type=CommaList(POSITIVE),
+    default="1,2,4,8",
+    help="Target epsilons of the grid (the same as --grid epsilon=...).",
+)
+@click.option(
+    "--learning-rates",
+    cls=ListOption,
+    type=CommaList(POSITIVE),
+    default="2",
+    help="DP learning rates of the grid (the same as --grid learning-rate=...).",
+)
+@click.option(
+    "--grid",
+    "grid",
+    multiple=True,
+    metavar="NAME=V1,V2,...",
+    help="Grid over any training option below, e.g. --grid augmult=1,4,8 --grid batch-size=1024,4096 "
+    "(repeat for more axes; one column each in the tables; every value is in the run names).",
+)
+@click.option(
+    "--repeats",
+    type=COUNT,
+    default=3,
+    show_default=True,
+    help="Runs per grid point, each with a fresh secret seed (median and spread are reported).",
+)
+@click.option(
+    "--baseline/--no-baseline",
+    default=False,
+    show_default=True,
+    help="Also train a non-private baseline per repeat and setting: NOT private, written apart to "
+    "OUT_DIR/baseline.NOT-PRIVATE/ (owner-only).",
+)
 @click.option("--baseline-learning-rate", type=POSITIVE, default=0.5, show_default=True)
 @click.option("--baseline-momentum", type=FRACTION, default=0.9, show_default=True)
-@click.option("--simulate-batch", type=COUNT, default=None,
-              help="Cheap search (TAN): run every point at this expected batch b < B with the noise multiplier "
-                   "scaled by b/B, same steps. NOT private at the target epsilons (runs and files say so); each "
-                   "spends its own epsilon, composed into privacy.json. Train the chosen setting with `dpscale train`.")
-@click.option("--print-private-diagnostics", is_flag=True,
-              help="Also print the held-out and baseline scores (and the settings chosen on held-out rows) in the "
-                   "JSON line: NOT covered by epsilon. Without it the line names the owner-only files that hold them.")
+@click.option(
+    "--simulate-batch",
+    type=COUNT,
+    default=None,
+    help="Cheap search (TAN): run every point at this expected batch b < B with the noise multiplier "
+    "scaled by b/B, same steps. NOT private at the target epsilons (runs and files say so); each "
+    "spends its own epsilon, composed into privacy.json. Train the chosen setting with `dpscale train`.",
+)
+@click.option(
+    "--print-private-diagnostics",
+    is_flag=True,
+    help="Also print the held-out and baseline scores (and the settings chosen on held-out rows) in the "
+    "JSON line: NOT covered by epsilon. Without it the line names the owner-only files that hold them.",
+)
 @TRAINING_OPTIONS
 @click.pass_context
 def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, ...], **options: Any) -> None:
@@ -218,8 +311,11 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     for name, _ in axes:
         if name in GRID_SHORTHANDS:  # the grid's values replace the flag's default
             options[GRID_SHORTHANDS[name]] = ()
-    unused = [f"--{name.replace('_', '-')}" for name in ("baseline_learning_rate", "baseline_momentum")
-              if not options["baseline"] and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    unused = [
+        f"--{name.replace('_', '-')}"
+        for name in ("baseline_learning_rate", "baseline_momentum")
+        if not options["baseline"] and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+    ]
     if unused:
         echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
@@ -230,34 +326,60 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
 
 
 def _privacy_line(result: Any) -> str:
-    line = (f"releasing every DP result in this sweep's directory together ({result.private_runs} private runs) is "
-            f"({result.composed_epsilon:.4g}, {result.delta:g})-DP (see privacy.json)")
+    line = (
+        f"releasing every DP result in this sweep's directory together ({result.private_runs} private runs) is "
+        f"({result.composed_epsilon:.4g}, {result.delta:g})-DP (see privacy.json)"
+    )
     if result.baseline:
         line += "; the non-private baseline's scores are NOT private"
     return line
 
 
 @cli.command("quickstart")
-@click.option("--data", default="digits", show_default=True,
-              help="Any ingest source: digits (bundled, offline), idx:DIR, folder:PATH, tfds:NAME.")
-@click.option("--work-dir", type=click.Path(file_okay=False), default="dpscale-quickstart", show_default=True,
-              help="Where the ingested data, backbone, feature cache and run directories go.")
-@click.option("--public-classes", cls=ListOption,
-              help="Class names used as public data (default: the first half).")
-@click.option("--no-dedup", "dedup", flag_value=False, default=True,
-              help="Skip removing public near duplicates of private images.")
+@click.option(
+    "--data",
+    default="digits",
+    show_default=True,
+    help="Any ingest source: digits (bundled, offline), idx:DIR, folder:PATH, tfds:NAME.",
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False),
+    default="dpscale-quickstart",
+    show_default=True,
+    help="Where the ingested data, backbone, feature cache and run directories go.",
+)
+@click.option("--public-classes", cls=ListOption, help="Class names used as public data (default: the first half).")
+@click.option(
+    "--no-dedup",
+    "dedup",
+    flag_value=False,
+    default=True,
+    help="Skip removing public near duplicates of private images.",
+)
 @click.option("--model", default="cnn-small", show_default=True, help="Architecture pre-trained on the public classes.")
 @click.option("--pretrain-steps", type=COUNT, default=200, show_default=True)
 @click.option("--pretrain-batch-size", type=COUNT, default=128, show_default=True)
 @click.option("--pretrain-learning-rate", type=POSITIVE, default=0.03, show_default=True)
-@click.option("--epsilon", type=POSITIVE, default=8.0, show_default=True, help="Target epsilon of the private training.")
+@click.option(
+    "--epsilon", type=POSITIVE, default=8.0, show_default=True, help="Target epsilon of the private training."
+)
 @delta_option()
-@click.option("--batch-size", type=COUNT, default=512, show_default=True, help="Expected batch size of the DP last-layer training.")
+@click.option(
+    "--batch-size",
+    type=COUNT,
+    default=512,
+    show_default=True,
+    help="Expected batch size of the DP last-layer training.",
+)
 @click.option("--steps", type=COUNT, default=1000, show_default=True, help="Steps of the DP last-layer training.")
 @click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True, help="Of the DP last-layer training.")
 @click.option("--seed", type=SEED, default=None, help="Fix the secret seed (debugging only).")
-@click.option("--private-diagnostics", is_flag=True,
-              help="Also report how many public images dedup removed (depends on the private data; NOT covered).")
+@click.option(
+    "--private-diagnostics",
+    is_flag=True,
+    help="Also report how many public images dedup removed (depends on the private data; NOT covered).",
+)
 def quickstart_command(**options: Any) -> None:
     """Public pre-training, then DP fine-tuning: the paper's path on a small offline data set.
 
@@ -277,39 +399,94 @@ def quickstart_command(**options: Any) -> None:
 @cli.command("audit")
 @click.argument("data", type=click.Path(file_okay=False))
 @click.option("--out-dir", type=click.Path(file_okay=False), default=None, help="Write audit.json and audit.md here.")
-@click.option("--epsilons", "--epsilon", "epsilons", cls=ListOption, type=CommaList(POSITIVE), default="1,2,4,8",
-              help="Nominal epsilons, one row each.")
+@click.option(
+    "--epsilons",
+    "--epsilon",
+    "epsilons",
+    cls=ListOption,
+    type=CommaList(POSITIVE),
+    default="1,2,4,8",
+    help="Nominal epsilons, one row each.",
+)
 @delta_option()
 @click.option("--num-examples", type=COUNT, default=1000, show_default=True, help="|D|: a random subset.")
-@click.option("--batch-size", type=COUNT, default=None,
-              help="Expected batch size [black-box: 100; white-box: |D|, the only one it takes; sampler: (|D|+1)/10].")
+@click.option(
+    "--batch-size",
+    type=COUNT,
+    default=None,
+    help="Expected batch size [black-box: 100; white-box: |D|, the only one it takes; sampler: (|D|+1)/10].",
+)
 @click.option("--steps", type=COUNT, default=None, help="Steps [50; sampler: one epoch, (|D|+1) / batch size].")
 @click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True)
 @click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True)
-@click.option("--threat-model", type=StageChoice("audit.THREAT_MODELS"), default="black-box",
-              show_default=True, help="black-box: the adversary sees the final model and a canary input; "
-              "white-box: a gradient canary, and the adversary sees every update (q = 1); sampler: the same at "
-              "q < 1 with the real sampler, against the accounted privacy profile.")
-@click.option("--model", type=StageChoice("audit.MODELS"), default="linear", show_default=True,
-              help="black-box: linear or mlp; white-box: linear or cnn.")
-@click.option("--microbatches", type=COUNT, default=2, show_default=True,
-              help="White-box: micro-batches per step.")
-@click.option("--canary-norm", type=floats(1), default=10.0, show_default=True,
-              help="White-box: norm of the canary gradient in units of the clip norm (>= 1).")
-@click.option("--per-example", type=StageChoice("audit.PER_EXAMPLE"), default="vmap", show_default=True,
-              help="White-box CNN: how per-example gradients are computed.")
-@click.option("--devices", type=COUNT, default=1, show_default=True,
-              help="White-box: data-parallel devices of the audited step (micro-batches sharded, sums psum'd).")
+@click.option(
+    "--threat-model",
+    type=StageChoice("audit.THREAT_MODELS"),
+    default="black-box",
+    show_default=True,
+    help="black-box: the adversary sees the final model and a canary input; "
+    "white-box: a gradient canary, and the adversary sees every update (q = 1); sampler: the same at "
+    "q < 1 with the real sampler, against the accounted privacy profile.",
+)
+@click.option(
+    "--model",
+    type=StageChoice("audit.MODELS"),
+    default="linear",
+    show_default=True,
+    help="black-box: linear or mlp; white-box: linear or cnn.",
+)
+@click.option("--microbatches", type=COUNT, default=2, show_default=True, help="White-box: micro-batches per step.")
+@click.option(
+    "--canary-norm",
+    type=floats(1),
+    default=10.0,
+    show_default=True,
+    help="White-box: norm of the canary gradient in units of the clip norm (>= 1).",
+)
+@click.option(
+    "--per-example",
+    type=StageChoice("audit.PER_EXAMPLE"),
+    default="vmap",
+    show_default=True,
+    help="White-box CNN: how per-example gradients are computed.",
+)
+@click.option(
+    "--devices",
+    type=COUNT,
+    default=1,
+    show_default=True,
+    help="White-box: data-parallel devices of the audited step (micro-batches sharded, sums psum'd).",
+)
 @click.option("--hidden", type=COUNT, default=32, show_default=True, help="MLP hidden units.")
-@click.option("--num-models", type=ints(8), default=1000, show_default=True,
-              help="Models per row, half of them trained with the canary.")
-@click.option("--holdout-fraction", type=floats(0, 1, min_open=True, max_open=True), default=0.5, show_default=True,
-              help="Models used only to choose the threshold.")
-@click.option("--confidence", type=floats(0, 1, min_open=True, max_open=True), default=0.999, show_default=True,
-              help="Confidence level of the Clopper-Pearson and Gaussian-DP bounds.")
+@click.option(
+    "--num-models",
+    type=ints(8),
+    default=1000,
+    show_default=True,
+    help="Models per row, half of them trained with the canary.",
+)
+@click.option(
+    "--holdout-fraction",
+    type=floats(0, 1, min_open=True, max_open=True),
+    default=0.5,
+    show_default=True,
+    help="Models used only to choose the threshold.",
+)
+@click.option(
+    "--confidence",
+    type=floats(0, 1, min_open=True, max_open=True),
+    default=0.999,
+    show_default=True,
+    help="Confidence level of the Clopper-Pearson and Gaussian-DP bounds.",
+)
 @click.option("--canary", type=StageChoice("audit.CANARIES"), default="ood", show_default=True)
-@click.option("--one-run-canaries", type=ints(0), default=0, show_default=True,
-              help="Also run the one-run audit (Steinke et al. 2023) with this many canaries.")
+@click.option(
+    "--one-run-canaries",
+    type=ints(0),
+    default=0,
+    show_default=True,
+    help="Also run the one-run audit (Steinke et al. 2023) with this many canaries.",
+)
 @click.option("--seed", type=SEED, default=None, help="Fix the audit seed (reproducible audits).")
 def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
     """Empirical lower bounds on epsilon for DP-SGD on a subset of the ingested DATA.
@@ -331,20 +508,33 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
 
 
 @cli.command("epsilon")
-@click.option("--noise-multiplier", type=POSITIVE, required=True,
-              help="sigma: noise standard deviation divided by the clip norm.")
+@click.option(
+    "--noise-multiplier", type=POSITIVE, required=True, help="sigma: noise standard deviation divided by the clip norm."
+)
 @click.option("--steps", type=COUNT, required=True, help="Number of DP-SGD steps T.")
 @click.option("--batch-size", type=COUNT, required=True, help="Expected (Poisson) batch size B.")
 @click.option("--num-examples", type=COUNT, required=True, help="Training set size N; q = B/N.")
-@click.option("--batch-capacity", type=COUNT, default=None,
-              help="Most examples a step holds, at least --batch-size (a run's ledger records it) "
-                   "[the rule train uses].")
+@click.option(
+    "--batch-capacity",
+    type=COUNT,
+    default=None,
+    help="Most examples a step holds, at least --batch-size (a run's ledger records it) [the rule train uses].",
+)
 @delta_option()
-@click.option("--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True,
-              help=ACCOUNTANT_HELP)
+@click.option(
+    "--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True, help=ACCOUNTANT_HELP
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_examples: int,
-                    batch_capacity: int | None, delta: float, accountant: str, as_json: bool) -> None:
+def epsilon_command(
+    noise_multiplier: float,
+    steps: int,
+    batch_size: int,
+    num_examples: int,
+    batch_capacity: int | None,
+    delta: float,
+    accountant: str,
+    as_json: bool,
+) -> None:
     """Epsilon spent by T steps of DP-SGD with (truncated) Poisson sampling.
 
     Each step samples every example with probability q = B/N, keeps a random subset of
@@ -359,16 +549,26 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
     """
     from dpscale.stages import epsilon as stage
 
-    result = stage.run(stage.EpsilonConfig(
-        noise_multiplier=noise_multiplier, steps=steps, batch_size=batch_size,
-        num_examples=num_examples, delta=delta, accountant=accountant, batch_capacity=batch_capacity or 0))
+    result = stage.run(
+        stage.EpsilonConfig(
+            noise_multiplier=noise_multiplier,
+            steps=steps,
+            batch_size=batch_size,
+            num_examples=num_examples,
+            delta=delta,
+            accountant=accountant,
+            batch_capacity=batch_capacity or 0,
+        )
+    )
     echo_warnings(result.warnings)
     if as_json:
         print_json_line(result.as_dict())
         return
-    click.echo(f"epsilon = {result.epsilon:.6g} at delta = {result.delta:g} "
-               f"({result.accountant.upper()} accountant, Poisson sampling q = {result.sampling_rate:.6g} "
-               f"truncated to {result.batch_capacity}, sigma = {result.noise_multiplier:g}, {result.steps} steps)")
+    click.echo(
+        f"epsilon = {result.epsilon:.6g} at delta = {result.delta:g} "
+        f"({result.accountant.upper()} accountant, Poisson sampling q = {result.sampling_rate:.6g} "
+        f"truncated to {result.batch_capacity}, sigma = {result.noise_multiplier:g}, {result.steps} steps)"
+    )
 
 
 @cli.command("calibrate")
@@ -378,14 +578,28 @@ def epsilon_command(noise_multiplier: float, steps: int, batch_size: int, num_ex
 @click.option("--batch-size", type=COUNT, default=None, help="Expected (Poisson) batch size B; solved for if left out.")
 @click.option("--steps", type=COUNT, default=None, help="Number of DP-SGD steps T; solved for if left out.")
 @click.option("--noise-multiplier", type=POSITIVE, default=None, help="sigma; solved for if left out.")
-@click.option("--accountant", type=StageChoice("calibrate.ACCOUNTANTS"), default="pld", show_default=True,
-              help=ACCOUNTANT_HELP)
-@click.option("--rtol", type=floats(0, 1, min_open=True, max_open=True), default=1e-3, show_default=True,
-              help="Relative tolerance on a solved noise multiplier (steps and batch size are exact).")
+@click.option(
+    "--accountant", type=StageChoice("calibrate.ACCOUNTANTS"), default="pld", show_default=True, help=ACCOUNTANT_HELP
+)
+@click.option(
+    "--rtol",
+    type=floats(0, 1, min_open=True, max_open=True),
+    default=1e-3,
+    show_default=True,
+    help="Relative tolerance on a solved noise multiplier (steps and batch size are exact).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_size: int | None,
-                      steps: int | None, noise_multiplier: float | None, accountant: str, rtol: float,
-                      as_json: bool) -> None:
+def calibrate_command(
+    epsilon: float,
+    delta: float,
+    num_examples: int,
+    batch_size: int | None,
+    steps: int | None,
+    noise_multiplier: float | None,
+    accountant: str,
+    rtol: float,
+    as_json: bool,
+) -> None:
     """Solve for the one of --noise-multiplier, --steps, --batch-size left out.
 
     Finds the smallest noise multiplier, or the largest number of steps, or the largest
@@ -399,9 +613,18 @@ def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_siz
     """
     from dpscale.stages import calibrate as stage
 
-    result = stage.run(stage.CalibrateConfig(
-        epsilon=epsilon, delta=delta, num_examples=num_examples, batch_size=batch_size,
-        steps=steps, noise_multiplier=noise_multiplier, accountant=accountant, rtol=rtol))
+    result = stage.run(
+        stage.CalibrateConfig(
+            epsilon=epsilon,
+            delta=delta,
+            num_examples=num_examples,
+            batch_size=batch_size,
+            steps=steps,
+            noise_multiplier=noise_multiplier,
+            accountant=accountant,
+            rtol=rtol,
+        )
+    )
     echo_warnings(result.warnings)
     if as_json:
         print_json_line(result.as_dict())
@@ -409,10 +632,11 @@ def calibrate_command(epsilon: float, delta: float, num_examples: int, batch_siz
     solved = {result.solved_for: "  (solved)"}
     click.echo(f"noise multiplier  {result.noise_multiplier:.6g}{solved.get('noise_multiplier', '')}")
     click.echo(f"steps             {result.steps}{solved.get('steps', '')}")
-    click.echo(f"batch size        {result.batch_size}{solved.get('batch_size', '')}"
-               f"  (q = {result.sampling_rate:.6g})")
-    click.echo(f"epsilon           {result.epsilon:.6g} <= {result.target_epsilon:g} at delta "
-               f"{result.delta:g} ({result.accountant.upper()} accountant, {result.seconds:.1f} s)")
+    click.echo(f"batch size        {result.batch_size}{solved.get('batch_size', '')}  (q = {result.sampling_rate:.6g})")
+    click.echo(
+        f"epsilon           {result.epsilon:.6g} <= {result.target_epsilon:g} at delta "
+        f"{result.delta:g} ({result.accountant.upper()} accountant, {result.seconds:.1f} s)"
+    )
 
 
 def main() -> None:

@@ -67,8 +67,15 @@ class FiniteFloat(click.FloatRange):
 
     name = "float"
 
-    def __init__(self, min: Bound = None, max: Bound = None, *,  # noqa: A002
-                 min_open: bool = False, max_open: bool = False, allow_inf: bool = False) -> None:
+    def __init__(
+        self,
+        min: Bound = None,
+        max: Bound = None,
+        *,
+        min_open: bool = False,
+        max_open: bool = False,
+        allow_inf: bool = False,
+    ) -> None:
         super().__init__(min=min, max=max, min_open=min_open, max_open=max_open)
         self.allow_inf = allow_inf
 
@@ -98,13 +105,19 @@ class FiniteFloat(click.FloatRange):
         return super()._describe_range() + (" or inf" if self.allow_inf else "")
 
 
-def floats(min: Bound = None, max: Bound = None, *, min_open: bool = False,  # noqa: A002
-           max_open: bool = False, allow_inf: bool = False) -> click.ParamType:
+def floats(
+    min: Bound = None,
+    max: Bound = None,
+    *,
+    min_open: bool = False,
+    max_open: bool = False,
+    allow_inf: bool = False,
+) -> click.ParamType:
     """A float flag's type: finite (or ``inf`` when allowed), within the given bounds."""
     return FiniteFloat(min, max, min_open=min_open, max_open=max_open, allow_inf=allow_inf)
 
 
-def ints(min: int | None = None, max: int | None = None) -> click.ParamType:  # noqa: A002
+def ints(min: int | None = None, max: int | None = None) -> click.ParamType:
     """An integer flag's type within the given bounds (shown as INTEGER in --help)."""
     kind = click.IntRange(min=min, max=max)
     kind.name = "integer"
@@ -179,70 +192,127 @@ class ListOption(click.Option):
         return f"'{self.opts[0]}'"
 
 
-_DELTA_HELP = ("delta of (epsilon, delta)-DP; every command defaults to 1e-5. Keep it well below 1/N "
-               "(the command warns when delta >= 1/N).")
+_DELTA_HELP = (
+    "delta of (epsilon, delta)-DP; every command defaults to 1e-5. Keep it well below 1/N "
+    "(the command warns when delta >= 1/N)."
+)
 ACCOUNTANT_HELP = "pld: tight numerical accountant (default); rdp: looser upper bound, faster."
 
 
 def delta_option() -> Any:
     """``--delta``: the same type, default and help in every command."""
-    return click.option("--delta", type=floats(0, 1, min_open=True, max_open=True), default=1e-5,
-                        show_default=True, help=_DELTA_HELP)
+    return click.option(
+        "--delta", type=floats(0, 1, min_open=True, max_open=True), default=1e-5, show_default=True, help=_DELTA_HELP
+    )
 
 
 def options(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Apply click option decorators in the order they are listed (as they read in --help)."""
+
     def apply(command: Any) -> Any:
         for decorator in reversed(decorators):
             command = decorator(command)
         return command
+
     return apply
 
 
 #: The settings of a training run that `train` and `sweep` share (one definition, one default);
 #: their names are the parameters of ``training.config.training_config``.
 TRAINING_OPTIONS = options(
-    click.option("--mode", type=StageChoice("train.MODES"), default=None,
-                 help="images: all layers of --model on ingested DATA; features: the last layer on a feature "
-                      "cache entry. Default: features when DATA is a feature cache entry, else images."),
+    click.option(
+        "--mode",
+        type=StageChoice("train.MODES"),
+        default=None,
+        help="images: all layers of --model on ingested DATA; features: the last layer on a feature "
+        "cache entry. Default: features when DATA is a feature cache entry, else images.",
+    ),
     click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode)."),
-    click.option("--backbone", default=None,
-                 help="Fine-tune a pretrained backbone (imported name or directory) instead of --model."),
+    click.option(
+        "--backbone",
+        default=None,
+        help="Fine-tune a pretrained backbone (imported name or directory) instead of --model.",
+    ),
     delta_option(),
     click.option("--batch-size", type=COUNT, default=None, help="Expected (Poisson) batch size B."),
     click.option("--steps", type=COUNT, default=None, help="Number of optimiser steps T."),
     click.option("--accountant", type=StageChoice("train.ACCOUNTANTS"), default="pld", show_default=True),
-    click.option("--sampling", type=StageChoice("train.SAMPLING_SCHEMES"), default="poisson", show_default=True,
-                 help="`shuffle` is NOT what the accountant assumes: for baselines only (warns)."),
-    click.option("--clip-norm", type=POSITIVE, default=1.0, show_default=True,
-                 help="Per-example gradient norm bound C."),
-    click.option("--momentum", type=FRACTION, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP)."),
+    click.option(
+        "--sampling",
+        type=StageChoice("train.SAMPLING_SCHEMES"),
+        default="poisson",
+        show_default=True,
+        help="`shuffle` is NOT what the accountant assumes: for baselines only (warns).",
+    ),
+    click.option(
+        "--clip-norm", type=POSITIVE, default=1.0, show_default=True, help="Per-example gradient norm bound C."
+    ),
+    click.option(
+        "--momentum", type=FRACTION, default=0.0, show_default=True, help="SGD momentum (recipe: 0 under DP)."
+    ),
     click.option("--weight-decay", type=floats(0), default=0.0, show_default=True, help="Recipe: 0 under DP."),
-    click.option("--augmult", type=COUNT, default=1, show_default=True,
-                 help="K augmented views per example, averaged before clipping."),
+    click.option(
+        "--augmult",
+        type=COUNT,
+        default=1,
+        show_default=True,
+        help="K augmented views per example, averaged before clipping.",
+    ),
     click.option("--augment-pad", type=ints(0), default=4, show_default=True, help="Reflect padding of random crops."),
     click.option("--no-flip", "augment_flip", flag_value=False, default=True, help="Do not flip views horizontally."),
-    click.option("--microbatch-size", type=COUNT, default=None,
-                 help="Physical batch; the logical batch is accumulated over micro-batches "
-                      "(default: 64 images, 4096 feature rows)."),
+    click.option(
+        "--microbatch-size",
+        type=COUNT,
+        default=None,
+        help="Physical batch; the logical batch is accumulated over micro-batches "
+        "(default: 64 images, 4096 feature rows).",
+    ),
     click.option("--ema-decay", type=FRACTION, default=0.999, show_default=True),
-    click.option("--holdout", type=ints(0), default=0, show_default=True,
-                 help="Do not train on the last N training rows (the plan accounts for the rest); score them "
-                      "with `dpscale evaluate RUN_DIR --split holdout --private-diagnostics`."),
-    click.option("--feature-normalization", type=StageChoice("train.FEATURE_NORMALIZATIONS"), default="none",
-                 show_default=True,
-                 help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
-                      "unit again (the mean's cost is in epsilon)."),
-    click.option("--feature-mean-noise-multiplier", type=POSITIVE, default=20.0, show_default=True,
-                 help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1)."),
-    click.option("--feature-scale", type=POSITIVE, default=1.0, show_default=True,
-                 help="l2 / center-l2: norm of the normalised rows (sets the bias's step relative to the kernel's)."),
-    click.option("--checkpoint-every", type=COUNT, default=None, help="Steps between checkpoints (default: ~20 per run)."),
-    click.option("--devices", type=COUNT, default=None,
-                 help="Data-parallel devices (default: all local; all global ones in a multi-host run)."),
-    click.option("--private-diagnostics", is_flag=True,
-                 help="Also write statistics of the private batches that epsilon does NOT cover (loss, gradient "
-                      "norms, clipped fraction, batch sizes, held-out scores) to *.NOT-PRIVATE.* files (mode 0600)."),
+    click.option(
+        "--holdout",
+        type=ints(0),
+        default=0,
+        show_default=True,
+        help="Do not train on the last N training rows (the plan accounts for the rest); score them "
+        "with `dpscale evaluate RUN_DIR --split holdout --private-diagnostics`.",
+    ),
+    click.option(
+        "--feature-normalization",
+        type=StageChoice("train.FEATURE_NORMALIZATIONS"),
+        default="none",
+        show_default=True,
+        help="features mode: l2 = unit rows (privacy-free); center-l2 = unit rows minus a DP mean, "
+        "unit again (the mean's cost is in epsilon).",
+    ),
+    click.option(
+        "--feature-mean-noise-multiplier",
+        type=POSITIVE,
+        default=20.0,
+        show_default=True,
+        help="center-l2 under DP: Gaussian noise multiplier of the mean's release (sensitivity 1).",
+    ),
+    click.option(
+        "--feature-scale",
+        type=POSITIVE,
+        default=1.0,
+        show_default=True,
+        help="l2 / center-l2: norm of the normalised rows (sets the bias's step relative to the kernel's).",
+    ),
+    click.option(
+        "--checkpoint-every", type=COUNT, default=None, help="Steps between checkpoints (default: ~20 per run)."
+    ),
+    click.option(
+        "--devices",
+        type=COUNT,
+        default=None,
+        help="Data-parallel devices (default: all local; all global ones in a multi-host run).",
+    ),
+    click.option(
+        "--private-diagnostics",
+        is_flag=True,
+        help="Also write statistics of the private batches that epsilon does NOT cover (loss, gradient "
+        "norms, clipped fraction, batch sizes, held-out scores) to *.NOT-PRIVATE.* files (mode 0600).",
+    ),
 )
 
 
@@ -266,12 +336,19 @@ def grid_axes(ctx: click.Context, items: tuple[str, ...]) -> tuple[tuple[str, tu
         shorthand = GRID_SHORTHANDS.get(option)
         param = params.get(shorthand or option)
         if param is None or param.name in GRID_SHORTHANDS or getattr(param, "is_flag", False) or option == "mode":
-            raise click.BadParameter(f"{name.strip()!r} is not a training option that takes a value (e.g. augmult, "
-                                     "batch-size, ema-decay, learning-rate, epsilon)", ctx, param_hint="'--grid'")
+            raise click.BadParameter(
+                f"{name.strip()!r} is not a training option that takes a value (e.g. augmult, "
+                "batch-size, ema-decay, learning-rate, epsilon)",
+                ctx,
+                param_hint="'--grid'",
+            )
         item_type = param.type.item if isinstance(param.type, CommaList) else param.type
         typed = CommaList(item_type).convert(values, param, ctx)
         if ctx.get_parameter_source(param.name) == click.core.ParameterSource.COMMANDLINE:
-            raise click.BadParameter(f"{param.opts[0]} is also given: give {option.replace('_', '-')} either as a "
-                                     "flag or in --grid", ctx, param_hint="'--grid'")
+            raise click.BadParameter(
+                f"{param.opts[0]} is also given: give {option.replace('_', '-')} either as a flag or in --grid",
+                ctx,
+                param_hint="'--grid'",
+            )
         axes.append((option, typed))
     return tuple(axes)

@@ -27,7 +27,7 @@ from dpscale.errors import DpscaleError, PipelineStalledError, storage_error
 class DpscaleGroup(click.Group):
     """A click group whose user errors are one line on stderr with exit code 2."""
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D401 - click API
+    def main(self, *args: Any, **kwargs: Any) -> Any:
         with _warnings_as_lines():
             self._main(*args, **kwargs)
 

@@ -21,7 +21,8 @@ single-host behaviour, bit for bit.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -52,12 +53,14 @@ def initialize(
     if not any(given) and not auto:
         return False
     if auto and any(given):
-        raise InvalidConfigError("--distributed (auto-detection) takes none of "
-                                 "--coordinator-address, --num-processes, --process-id")
+        raise InvalidConfigError(
+            "--distributed (auto-detection) takes none of --coordinator-address, --num-processes, --process-id"
+        )
     if not auto:
         if not all(given):
-            raise InvalidConfigError("multi-host training needs all of --coordinator-address, "
-                                     "--num-processes and --process-id")
+            raise InvalidConfigError(
+                "multi-host training needs all of --coordinator-address, --num-processes and --process-id"
+            )
         host, _, port = coordinator_address.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidConfigError(f"--coordinator-address must be HOST:PORT, got {coordinator_address!r}")
@@ -90,7 +93,7 @@ def run_on_primary(setup: Callable[[], T]) -> T | None:
     if is_primary():
         try:
             result = setup()
-        except BaseException as exc:  # re-raised below, after the others are told
+        except BaseException as exc:  # noqa: BLE001  re-raised below, after the others are told
             failure = exc
     from jax.experimental import multihost_utils
 
@@ -133,8 +136,10 @@ def check_same_everywhere(text: str, what: str) -> None:
     gathered = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 8]
     differ = [i for i, row in enumerate(gathered) if not np.array_equal(row, gathered[0])]
     if differ:
-        raise InvalidConfigError(f"{what} differs between process 0 and process(es) {differ}: "
-                                 "every host must run the same command on the same data")
+        raise InvalidConfigError(
+            f"{what} differs between process 0 and process(es) {differ}: "
+            "every host must run the same command on the same data"
+        )
 
 
 def training_mesh(devices: int | None = None) -> Mesh:
@@ -146,18 +151,25 @@ def training_mesh(devices: int | None = None) -> Mesh:
     if jax.process_count() > 1:
         everything = jax.devices()
         if devices not in (None, len(everything)):
-            raise InvalidConfigError(f"with {jax.process_count()} processes training uses all "
-                                     f"{len(everything)} global devices; --devices {devices} is not supported")
+            raise InvalidConfigError(
+                f"with {jax.process_count()} processes training uses all "
+                f"{len(everything)} global devices; --devices {devices} is not supported"
+            )
         return Mesh(everything, (DATA_AXIS,))
     available = jax.local_devices()
     count = len(available) if devices is None else devices
     if not 1 <= count <= len(available):
         platform, have = available[0].platform, len(available)
-        more = (f"; JAX makes N CPU devices of this machine's cores when started with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment"
-                if platform == "cpu" and count > have else "")
-        raise InvalidConfigError(f"--devices {devices}: this machine has {have} {platform} "
-                                 f"device{'s' if have != 1 else ''} (give {f'1 to {have}' if have > 1 else 1}){more}")
+        more = (
+            "; JAX makes N CPU devices of this machine's cores when started with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment"
+            if platform == "cpu" and count > have
+            else ""
+        )
+        raise InvalidConfigError(
+            f"--devices {devices}: this machine has {have} {platform} "
+            f"device{'s' if have != 1 else ''} (give {f'1 to {have}' if have > 1 else 1}){more}"
+        )
     return Mesh(available[:count], (DATA_AXIS,))
 
 

@@ -81,8 +81,9 @@ def os_fault(exc: BaseException) -> tuple[int, str | None] | None:
     return (min(found)[1], None) if found else None
 
 
-def storage_error(exc: BaseException, *, path: str | None = None, stopped: str | None = None,
-                  then: str = "run the command again") -> StorageError | None:
+def storage_error(
+    exc: BaseException, *, path: str | None = None, stopped: str | None = None, then: str = "run the command again"
+) -> StorageError | None:
     """The one line for an operating-system fault (``os_fault``), or None if ``exc`` is something else.
 
     ``path`` names the file or directory when the error does not; ``stopped`` says where the
@@ -101,8 +102,9 @@ def storage_error(exc: BaseException, *, path: str | None = None, stopped: str |
 
 
 @contextlib.contextmanager
-def storage_faults(*, path: str | None = None, stopped: str | Callable[[], str] | None = None,
-                   then: str = "run the command again") -> Iterator[None]:
+def storage_faults(
+    *, path: str | None = None, stopped: str | Callable[[], str] | None = None, then: str = "run the command again"
+) -> Iterator[None]:
     """Inside: an operating-system fault ends in ``storage_error``'s one line (``stopped`` may be a
     function, asked only then), and the libraries' own reports of it stay off the terminal.
 

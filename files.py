@@ -45,8 +45,7 @@ def _create_new(path: str, *, private: bool) -> int:
 
 def _owner_only(st: os.stat_result) -> bool:
     """A regular file of this user, with one name, that nobody else may read."""
-    return (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
-            and not st.st_mode & 0o077)
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1 and not st.st_mode & 0o077
 
 
 def _private_fd(path: str, *, append: bool) -> int:
@@ -70,8 +69,9 @@ def _private_fd(path: str, *, append: bool) -> int:
     return _create_new(path, private=True)
 
 
-def open_for_writing(path: str, *, private: bool, append: bool = False, binary: bool = False,
-                     newline: str | None = None) -> IO[Any]:
+def open_for_writing(
+    path: str, *, private: bool, append: bool = False, binary: bool = False, newline: str | None = None
+) -> IO[Any]:
     """``path`` opened for writing (truncated, or appended to); see the module docstring."""
     if is_url(path):
         return _RemoteWriter(path, append=append, binary=binary)  # type: ignore[return-value]
@@ -83,8 +83,7 @@ def open_for_writing(path: str, *, private: bool, append: bool = False, binary: 
     return os.fdopen(fd, ("a" if append else "w") + ("b" if binary else ""), newline=newline)
 
 
-def write_atomic(path: str, write: Callable[[IO[Any]], None], *, private: bool = False,
-                 binary: bool = False) -> None:
+def write_atomic(path: str, write: Callable[[IO[Any]], None], *, private: bool = False, binary: bool = False) -> None:
     """Call ``write`` on a new temporary file beside ``path``, then rename it over ``path``.
 
     Readers never see half a file, and after a crash ``path`` holds the old or the new
@@ -218,10 +217,13 @@ def filesystem(url: str) -> Any:
         fs = fsspec.filesystem(protocol)
     except ImportError:
         if protocol in ("gs", "gcs"):
-            raise MissingExtraError(f"{url!r} is on Cloud Storage, which needs dpscale's gcp extra: "
-                                     f"{CLOUD_EXTRA}") from None
-        raise MissingExtraError(f"{url!r}: no file system for {protocol}:// is installed "
-                                 f"(dpscale reads URLs through fsspec; for gs:// {CLOUD_EXTRA})") from None
+            raise MissingExtraError(
+                f"{url!r} is on Cloud Storage, which needs dpscale's gcp extra: {CLOUD_EXTRA}"
+            ) from None
+        raise MissingExtraError(
+            f"{url!r}: no file system for {protocol}:// is installed "
+            f"(dpscale reads URLs through fsspec; for gs:// {CLOUD_EXTRA})"
+        ) from None
     except ValueError as exc:  # fsspec: "Protocol not known"
         raise InvalidConfigError(f"{url!r}: {exc}") from None
     if protocol in ("gs", "gcs"):
@@ -316,10 +318,13 @@ def glob(pattern: str) -> list[str]:
 def find(root: str) -> list[str]:
     """Every file under ``root``, as paths relative to it with ``/`` separators, sorted."""
     if not is_url(root):
-        return sorted(os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
-                      for folder, _, names in os.walk(root) for name in names)
+        return sorted(
+            os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
+            for folder, _, names in os.walk(root)
+            for name in names
+        )
     prefix = root.split("://", 1)[1].rstrip("/") + "/"  # fsspec lists "bucket/key", without the scheme
-    return sorted(p[len(prefix):] for p in filesystem(root).find(root) if p.startswith(prefix))
+    return sorted(p[len(prefix) :] for p in filesystem(root).find(root) if p.startswith(prefix))
 
 
 def remove(path: str) -> None:

@@ -41,8 +41,10 @@ CONNECT_BACKOFF = 0.5  # seconds
 BUSY_ATTEMPTS = 6  # a server that answers 429 / 5xx, with gcsfs's back-off (up to ~30 s)
 _BUSY = {408, 429, 500, 502, 503, 504}
 _AGAIN = "check the network, then run the command again"
-_SIGN_IN = ("sign in with `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS to a key "
-            "file, then run the command again")
+_SIGN_IN = (
+    "sign in with `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS to a key "
+    "file, then run the command again"
+)
 
 
 def timeout() -> float:
@@ -82,12 +84,15 @@ def refusal(exc: BaseException) -> CloudStorageError | None:
     if isinstance(exc, (google.auth.exceptions.GoogleAuthError, NonRetryableError)):
         return CloudStorageError(f"Google Cloud credentials could not be used ({_first_line(exc)}); {_SIGN_IN}")
     if isinstance(exc, HttpError) and exc.code == 401:
-        return CloudStorageError(f"Cloud Storage refused the request: no valid credentials "
-                                 f"({_first_line(exc)}); {_SIGN_IN}")
+        return CloudStorageError(
+            f"Cloud Storage refused the request: no valid credentials ({_first_line(exc)}); {_SIGN_IN}"
+        )
     if isinstance(exc, OSError) and str(exc).startswith("Forbidden"):  # gcsfs's 403
         detail = str(exc).split("\n", 1)[-1].strip() or str(exc)
-        return CloudStorageError(f"Cloud Storage denied access ({' '.join(detail.split())[:200]}); use an account "
-                                 "that may read and write there (or another path), then run the command again")
+        return CloudStorageError(
+            f"Cloud Storage denied access ({' '.join(detail.split())[:200]}); use an account "
+            "that may read and write there (or another path), then run the command again"
+        )
     return None
 
 
@@ -108,7 +113,7 @@ def _bounded(method: Callable[..., Any]) -> Callable[..., Any]:
             attempt += 1
             try:
                 return await raw(self, *args, **kwargs)
-            except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:  # silent: waited long enough
+            except (TimeoutError, aiohttp.ServerTimeoutError) as exc:  # silent: waited long enough
                 raise unreachable(self, exc) from None
             except aiohttp.ClientConnectionError as exc:
                 if attempt >= CONNECT_ATTEMPTS:
@@ -121,8 +126,9 @@ def _bounded(method: Callable[..., Any]) -> Callable[..., Any]:
                 if exc.code not in _BUSY:
                     raise
                 if attempt >= BUSY_ATTEMPTS:
-                    raise CloudStorageError(f"Cloud Storage kept failing (HTTP {exc.code}: {_first_line(exc)}); "
-                                            "try again later") from None
+                    raise CloudStorageError(
+                        f"Cloud Storage kept failing (HTTP {exc.code}: {_first_line(exc)}); try again later"
+                    ) from None
                 await asyncio.sleep(min(random.random() + 2 ** (attempt - 1), 32))
             except (OSError, google.auth.exceptions.GoogleAuthError, NonRetryableError) as exc:
                 refused = refusal(exc)  # FileNotFoundError, FileExistsError: answers, not failures
@@ -179,8 +185,10 @@ class GcsFileSystem(GCSFileSystem):
             try:
                 sync(self.loop, self._call, "GET", "b/{}/o", bucket, maxResults=1, json_out=True)
             except FileNotFoundError:
-                raise CloudStorageError(f"{url!r}: the bucket {bucket!r} does not exist (or these credentials "
-                                        f"cannot see it) at {_host(self)}") from None
+                raise CloudStorageError(
+                    f"{url!r}: the bucket {bucket!r} does not exist (or these credentials "
+                    f"cannot see it) at {_host(self)}"
+                ) from None
             except CloudStorageError as exc:
                 raise CloudStorageError(f"{url!r}: {exc}") from None
             self._checked.add(key)

@@ -92,8 +92,16 @@ class _Lines:
     """rich's ``Progress.update`` for a stream that is not a terminal: a dated line at most every
     ``every`` seconds (rich would print nothing until the end)."""
 
-    def __init__(self, label: str, total: int, completed: int, every: float,
-                 unit: tuple[str, float] | None = None, starting: str = "", since: float | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        completed: int,
+        every: float,
+        unit: tuple[str, float] | None = None,
+        starting: str = "",
+        since: float | None = None,
+    ) -> None:
         self.label, self.total, self.every, self.unit, self.starting = label, total, every, unit, starting
         self.pace = _Pace(total, completed, since)
         self.fields: dict[str, str] = {}
@@ -112,8 +120,7 @@ class _Lines:
     def completed(self) -> int:
         return self.pace.completed
 
-    def update(self, task: Any, *, advance: int | None = None, completed: int | None = None,
-               **fields: str) -> None:
+    def update(self, task: Any, *, advance: int | None = None, completed: int | None = None, **fields: str) -> None:
         if completed is None and advance:
             self.pace.count(self.pace.completed + advance)
         elif completed is not None and completed != self.pace.completed:
@@ -125,8 +132,12 @@ class _Lines:
     def opening(self) -> None:
         """The line that says at once that work has begun (and what comes before the first count)."""
         if self.starting:
-            print(time.strftime("%H:%M:%S"), f"{self.label}: {self.completed}/{self.total}, {self.starting} ...",
-                  file=sys.stderr, flush=True)
+            print(
+                time.strftime("%H:%M:%S"),
+                f"{self.label}: {self.completed}/{self.total}, {self.starting} ...",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def closing(self) -> None:
         """The final state, unless the last line already showed it."""
@@ -140,11 +151,13 @@ class _Lines:
         self.last = now = time.monotonic()
         pace, elapsed = self.pace, now - self.pace.opened
         speed, left = pace.per_second(now), pace.left(now)
-        parts = [f"{self.label}: {self.completed}/{self.total}",
-                 *(v for v in self.fields.values() if v),
-                 *([rate(speed * self.unit[1], self.unit[0])] if self.unit and speed else []),
-                 f"{clock(elapsed)} elapsed",
-                 *([f"~{clock(left)} left"] if left is not None else [])]
+        parts = [
+            f"{self.label}: {self.completed}/{self.total}",
+            *(v for v in self.fields.values() if v),
+            *([rate(speed * self.unit[1], self.unit[0])] if self.unit and speed else []),
+            f"{clock(elapsed)} elapsed",
+            *([f"~{clock(left)} left"] if left is not None else []),
+        ]
         self.shown = self._state()
         print(time.strftime("%H:%M:%S"), ", ".join(parts), file=sys.stderr, flush=True)
 
@@ -175,10 +188,18 @@ def _labelled(label: str) -> str:
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, *, total: int, completed: int = 0, enabled: bool = True,
-                 fields: Sequence[str] = (), transient: bool = False,
-                 unit: tuple[str, float] | None = None, starting: str = "",
-                 since: float | None = None) -> Iterator[Bar]:
+def progress_bar(
+    label: str,
+    *,
+    total: int,
+    completed: int = 0,
+    enabled: bool = True,
+    fields: Sequence[str] = (),
+    transient: bool = False,
+    unit: tuple[str, float] | None = None,
+    starting: str = "",
+    since: float | None = None,
+) -> Iterator[Bar]:
     """A bar over ``total`` units labelled ``label``, with free-text ``fields`` shown after the count.
     ``transient``: on a terminal the bar is erased when done (away from one, the last line stays).
     ``unit``: (name, how many of them one count is), to show the throughput. ``starting``: what
@@ -217,9 +238,14 @@ def progress_bar(label: str, *, total: int, completed: int = 0, enabled: bool = 
         yield Bar(lines, None)  # the lines keep their own pace
         lines.closing()  # a log keeps the final state, transient or not
         return
-    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(),
-               *(TextColumn(f"{{task.fields[{name}]}}") for name in fields), *([RateColumn()] if unit else []),
-               LeftColumn())
+    columns = (
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *(TextColumn(f"{{task.fields[{name}]}}") for name in fields),
+        *([RateColumn()] if unit else []),
+        LeftColumn(),
+    )
     with Progress(*columns, console=console, transient=transient) as progress:
         task = progress.add_task(label, total=total, completed=completed, **{name: "" for name in fields})
         yield Bar(progress, task, pace)
@@ -237,8 +263,12 @@ def status(text: str, *, enabled: bool = True, after: float | None = None) -> It
     def report() -> None:
         wait = STATUS_AFTER_SECONDS if after is None else after
         while not done.wait(wait):
-            print(time.strftime("%H:%M:%S"), f"{label} ..., {clock(time.monotonic() - began)} elapsed",
-                  file=sys.stderr, flush=True)
+            print(
+                time.strftime("%H:%M:%S"),
+                f"{label} ..., {clock(time.monotonic() - began)} elapsed",
+                file=sys.stderr,
+                flush=True,
+            )
             wait = LINE_EVERY_SECONDS
 
     thread = threading.Thread(target=report, name="dpscale-status", daemon=True)

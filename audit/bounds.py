@@ -26,7 +26,7 @@ training code does, so an audit result above the nominal epsilon proves a bug:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from scipy import optimize, special, stats
@@ -70,8 +70,13 @@ def epsilon_from_rates(fpr: float, fnr: float, *, delta: float) -> float:
 
 
 def epsilon_lower_bound(
-    *, false_positives: int, negatives: int, false_negatives: int, positives: int,
-    delta: float, confidence: float,
+    *,
+    false_positives: int,
+    negatives: int,
+    false_negatives: int,
+    positives: int,
+    delta: float,
+    confidence: float,
 ) -> float:
     """Epsilon lower bound at ``confidence`` from counts of a fixed-threshold membership test.
 
@@ -94,7 +99,11 @@ def advantage_bound(epsilon: float, delta: float) -> float:
 
 
 def best_threshold(
-    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float,
+    in_scores: np.ndarray,
+    out_scores: np.ndarray,
+    *,
+    delta: float,
+    confidence: float,
     estimator: Callable[..., float] | None = None,
 ) -> float:
     """The threshold ("member if score >= t") with the largest bound on these scores.
@@ -112,8 +121,12 @@ def best_threshold(
     best_t, best_eps = float(candidates[0]), -1.0
     for t, fp, fn in zip(candidates, false_pos, false_neg):
         eps = (estimator or epsilon_lower_bound)(
-            false_positives=int(fp), negatives=len(out_scores), false_negatives=int(fn),
-            positives=len(in_scores), delta=delta, confidence=confidence,
+            false_positives=int(fp),
+            negatives=len(out_scores),
+            false_negatives=int(fn),
+            positives=len(in_scores),
+            delta=delta,
+            confidence=confidence,
         )
         if eps > best_eps:
             best_t, best_eps = float(t), eps
@@ -151,7 +164,12 @@ def one_run_p_value(*, canaries: int, guesses: int, correct: int, epsilon: float
 
 
 def one_run_epsilon_lower_bound(
-    *, canaries: int, guesses: int, correct: int, delta: float, confidence: float,
+    *,
+    canaries: int,
+    guesses: int,
+    correct: int,
+    delta: float,
+    confidence: float,
     tolerance: float = 1e-4,
 ) -> float:
     """Largest eps rejected at level ``1 - confidence`` by ``one_run_p_value`` (0 if none).
@@ -163,8 +181,7 @@ def one_run_epsilon_lower_bound(
     _check_alpha(alpha)
 
     def rejected(eps: float) -> bool:
-        value = one_run_p_value(canaries=canaries, guesses=guesses, correct=correct, epsilon=eps,
-                                delta=delta)
+        value = one_run_p_value(canaries=canaries, guesses=guesses, correct=correct, epsilon=eps, delta=delta)
         return value < alpha
 
     if not rejected(0.0):
@@ -186,8 +203,14 @@ def cp_max_certifiable_epsilon(*, positives: int, negatives: int, delta: float, 
     A row whose nominal epsilon is at or above this cannot detect a violation with
     Clopper-Pearson, whatever the code does.
     """
-    return epsilon_lower_bound(false_positives=0, negatives=negatives, false_negatives=0, positives=positives,
-                               delta=delta, confidence=confidence)
+    return epsilon_lower_bound(
+        false_positives=0,
+        negatives=negatives,
+        false_negatives=0,
+        positives=positives,
+        delta=delta,
+        confidence=confidence,
+    )
 
 
 def gdp_delta(epsilon: float, mu: float) -> float:
@@ -265,18 +288,27 @@ def mu_lower_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, confidence:
     return float(optimize.brentq(excess, 0.0, high, xtol=1e-10)) * scale
 
 
-def gdp_epsilon_lower_bound(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float,
-                            confidence: float) -> dict[str, float]:
+def gdp_epsilon_lower_bound(
+    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float
+) -> dict[str, float]:
     """Epsilon at ``delta`` of the mu lower bound, with the point estimate beside it."""
     estimate = mu_estimate(in_scores, out_scores)
     lower = mu_lower_bound(in_scores, out_scores, confidence=confidence)
-    return {"mu_estimate": estimate, "mu_lower_bound": lower,
-            "gdp_epsilon_estimate": gdp_epsilon(max(estimate, 0.0), delta),
-            "gdp_epsilon_lower_bound": gdp_epsilon(lower, delta)}
+    return {
+        "mu_estimate": estimate,
+        "mu_lower_bound": lower,
+        "gdp_epsilon_estimate": gdp_epsilon(max(estimate, 0.0), delta),
+        "gdp_epsilon_lower_bound": gdp_epsilon(lower, delta),
+    }
 
 
 def gdp_epsilon_from_rates(
-    *, false_positives: int, negatives: int, false_negatives: int, positives: int, delta: float,
+    *,
+    false_positives: int,
+    negatives: int,
+    false_negatives: int,
+    positives: int,
+    delta: float,
     confidence: float,
 ) -> float:
     """Epsilon at ``delta`` of the smallest mu that allows these counts, for a mu-GDP mechanism.

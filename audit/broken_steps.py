@@ -23,8 +23,9 @@ from dpscale.privacy.sampling import Layout, PoissonSampler, SampledBatch, batch
 from dpscale.privacy.streams import Stream, stream_rng
 
 
-def with_parts(plan: PrivacyPlan, *, step: type[DpsgdStep] = DpsgdStep,
-               sampler: type[PoissonSampler] = PoissonSampler) -> PrivacyPlan:
+def with_parts(
+    plan: PrivacyPlan, *, step: type[DpsgdStep] = DpsgdStep, sampler: type[PoissonSampler] = PoissonSampler
+) -> PrivacyPlan:
     """``plan`` building its DP step from ``step`` and its Poisson sampler from ``sampler``."""
     return dataclasses.replace(plan, parts=MechanismParts(step=step, poisson_sampler=sampler))
 
@@ -46,7 +47,7 @@ class ShuffledAsPoisson(PoissonSampler):
         size = max(1, round(self.expected_batch_size))
         epoch, position = divmod(step, max(1, self.num_examples // size))
         order = stream_rng(self._seed, Stream.SAMPLING, epoch).permutation(self.num_examples)
-        return pad_into(np.sort(order[position * size:(position + 1) * size]), self.layout)
+        return pad_into(np.sort(order[position * size : (position + 1) * size]), self.layout)
 
 
 class HalfNoise(DpsgdStep):

@@ -38,8 +38,14 @@ class Data:
 
 
 def make_canaries(
-    features: np.ndarray, labels: np.ndarray, spare: tuple[np.ndarray, np.ndarray], *,
-    kind: CanaryKind, count: int, num_classes: int, rng: np.random.Generator,
+    features: np.ndarray,
+    labels: np.ndarray,
+    spare: tuple[np.ndarray, np.ndarray],
+    *,
+    kind: CanaryKind,
+    count: int,
+    num_classes: int,
+    rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``count`` canaries for the data set (features, labels); ``spare`` are real rows outside it."""
     if kind == "mislabelled":
@@ -55,8 +61,9 @@ def make_canaries(
     return canaries, rng.integers(0, num_classes, size=count).astype(labels.dtype)
 
 
-def load_data(data: str, *, split: str, num_examples: int, kind: CanaryKind, canaries: int,
-              rng: np.random.Generator) -> tuple[Data, int]:
+def load_data(
+    data: str, *, split: str, num_examples: int, kind: CanaryKind, canaries: int, rng: np.random.Generator
+) -> tuple[Data, int]:
     """A random D of ``num_examples`` rows of the ingested ``split``, plus ``canaries`` canary rows."""
     dataset = IngestedDataset(data)
     if split not in dataset.splits:
@@ -64,23 +71,44 @@ def load_data(data: str, *, split: str, num_examples: int, kind: CanaryKind, can
     rows = InMemorySplit.load(dataset, split)
     spare = canaries if kind == "mislabelled" else 0
     if num_examples + spare > len(rows):
-        raise DataError(f"split {split!r} has {len(rows)} examples, fewer than --num-examples {num_examples}"
-                        + (f" plus {spare} for the mislabelled canaries" if spare else ""))
+        raise DataError(
+            f"split {split!r} has {len(rows)} examples, fewer than --num-examples {num_examples}"
+            + (f" plus {spare} for the mislabelled canaries" if spare else "")
+        )
     order = rng.permutation(len(rows))[: num_examples + spare]
     images, labels = rows.take(order)
     features = images.reshape(len(order), -1).astype(np.float32) / 255.0
-    data = build_data(features, labels.astype(np.int32), num_examples=num_examples, canaries=canaries,
-                      kind=kind, num_classes=dataset.num_classes, rng=rng)
+    data = build_data(
+        features,
+        labels.astype(np.int32),
+        num_examples=num_examples,
+        canaries=canaries,
+        kind=kind,
+        num_classes=dataset.num_classes,
+        rng=rng,
+    )
     return dataclasses.replace(data, image_shape=tuple(images.shape[1:])), dataset.num_classes
 
 
 def build_data(
-    features: np.ndarray, labels: np.ndarray, *, num_examples: int, canaries: int,
-    kind: CanaryKind, num_classes: int, rng: np.random.Generator,
+    features: np.ndarray,
+    labels: np.ndarray,
+    *,
+    num_examples: int,
+    canaries: int,
+    kind: CanaryKind,
+    num_classes: int,
+    rng: np.random.Generator,
 ) -> Data:
     """D = the first ``num_examples`` rows; canaries from the rows after them (mislabelled) or made up."""
     d_x, d_y = features[:num_examples], labels[:num_examples]
-    c_x, c_y = make_canaries(d_x, d_y, (features[num_examples:], labels[num_examples:]), kind=kind,
-                             count=canaries, num_classes=num_classes, rng=rng)
-    return Data(np.concatenate([d_x, c_x]).astype(np.float32), np.concatenate([d_y, c_y]),
-                num_examples)
+    c_x, c_y = make_canaries(
+        d_x,
+        d_y,
+        (features[num_examples:], labels[num_examples:]),
+        kind=kind,
+        count=canaries,
+        num_classes=num_classes,
+        rng=rng,
+    )
+    return Data(np.concatenate([d_x, c_x]).astype(np.float32), np.concatenate([d_y, c_y]), num_examples)

@@ -28,18 +28,25 @@ from dpscale.training.vmapped import TrainingSetup, train_and_score
 
 
 def game_statistics(
-    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float,
+    in_scores: np.ndarray,
+    out_scores: np.ndarray,
+    *,
+    delta: float,
+    confidence: float,
     holdout_fraction: float,
 ) -> dict[str, float]:
     """Threshold on the first ``holdout_fraction`` of each side, bound on the rest."""
     n_in, n_out = int(len(in_scores) * holdout_fraction), int(len(out_scores) * holdout_fraction)
-    threshold = audit_bounds.best_threshold(in_scores[:n_in], out_scores[:n_out], delta=delta,
-                                            confidence=confidence)
+    threshold = audit_bounds.best_threshold(in_scores[:n_in], out_scores[:n_out], delta=delta, confidence=confidence)
     test_in, test_out = in_scores[n_in:], out_scores[n_out:]
     false_neg, false_pos = int(np.sum(test_in < threshold)), int(np.sum(test_out >= threshold))
     epsilon_lb = audit_bounds.epsilon_lower_bound(
-        false_positives=false_pos, negatives=len(test_out), false_negatives=false_neg,
-        positives=len(test_in), delta=delta, confidence=confidence,
+        false_positives=false_pos,
+        negatives=len(test_out),
+        false_negatives=false_neg,
+        positives=len(test_in),
+        delta=delta,
+        confidence=confidence,
     )
     truth = np.r_[np.ones(len(in_scores)), np.zeros(len(out_scores))]
     return {
@@ -47,40 +54,68 @@ def game_statistics(
         "auc": float(roc_auc_score(truth, np.r_[in_scores, out_scores])),
         "advantage": 1 - false_neg / len(test_in) - false_pos / len(test_out),
         "threshold": threshold,
-        "false_positives": false_pos, "negatives": len(test_out),
-        "false_negatives": false_neg, "positives": len(test_in),
+        "false_positives": false_pos,
+        "negatives": len(test_out),
+        "false_negatives": false_neg,
+        "positives": len(test_in),
     }
 
 
-def gdp_rates_statistics(in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float,
-                         holdout_fraction: float) -> dict[str, float]:
+def gdp_rates_statistics(
+    in_scores: np.ndarray, out_scores: np.ndarray, *, delta: float, confidence: float, holdout_fraction: float
+) -> dict[str, float]:
     """``audit_bounds.gdp_epsilon_from_rates`` at its own best threshold on the held-out models."""
     n_in, n_out = int(len(in_scores) * holdout_fraction), int(len(out_scores) * holdout_fraction)
-    threshold = audit_bounds.best_threshold(in_scores[:n_in], out_scores[:n_out], delta=delta, confidence=confidence,
-                                            estimator=audit_bounds.gdp_epsilon_from_rates)
+    threshold = audit_bounds.best_threshold(
+        in_scores[:n_in],
+        out_scores[:n_out],
+        delta=delta,
+        confidence=confidence,
+        estimator=audit_bounds.gdp_epsilon_from_rates,
+    )
     test_in, test_out = in_scores[n_in:], out_scores[n_out:]
     bound = audit_bounds.gdp_epsilon_from_rates(
-        false_positives=int(np.sum(test_out >= threshold)), negatives=len(test_out),
-        false_negatives=int(np.sum(test_in < threshold)), positives=len(test_in), delta=delta, confidence=confidence)
+        false_positives=int(np.sum(test_out >= threshold)),
+        negatives=len(test_out),
+        false_negatives=int(np.sum(test_in < threshold)),
+        positives=len(test_in),
+        delta=delta,
+        confidence=confidence,
+    )
     return {"gdp_rates_epsilon_lower_bound": bound, "gdp_rates_threshold": threshold}
 
 
-def one_run_statistics(scores: np.ndarray, member: np.ndarray, *, delta: float, confidence: float,
-                       guess_fraction: float) -> dict[str, float]:
+def one_run_statistics(
+    scores: np.ndarray, member: np.ndarray, *, delta: float, confidence: float, guess_fraction: float
+) -> dict[str, float]:
     """Guess the top scores in and the bottom scores out; bound from Steinke et al. (2023)."""
     m = len(scores)
     k = max(1, int(m * guess_fraction / 2))
     order = np.argsort(scores, kind="stable")
     correct = int(member[order[-k:]].sum() + (~member[order[:k]]).sum())
     epsilon_lb = audit_bounds.one_run_epsilon_lower_bound(
-        canaries=m, guesses=2 * k, correct=correct, delta=delta, confidence=confidence)
-    return {"one_run_canaries": m, "one_run_guesses": 2 * k, "one_run_correct": correct,
-            "one_run_epsilon_lower_bound": epsilon_lb}
+        canaries=m, guesses=2 * k, correct=correct, delta=delta, confidence=confidence
+    )
+    return {
+        "one_run_canaries": m,
+        "one_run_guesses": 2 * k,
+        "one_run_correct": correct,
+        "one_run_epsilon_lower_bound": epsilon_lb,
+    }
 
 
 def audit_setting(
-    data: Data, setup: TrainingSetup, *, nominal_epsilon: float, delta: float, num_models: int,
-    confidence: float, holdout_fraction: float, seed: int, chunk_size: int = 256, bar: Bar | None = None,
+    data: Data,
+    setup: TrainingSetup,
+    *,
+    nominal_epsilon: float,
+    delta: float,
+    num_models: int,
+    confidence: float,
+    holdout_fraction: float,
+    seed: int,
+    chunk_size: int = 256,
+    bar: Bar | None = None,
 ) -> dict:
     """One row of the game: train ``num_models`` models (half with the canary), bound epsilon."""
     canary = data.canary_rows[:1]
@@ -89,21 +124,34 @@ def audit_setting(
     present[:, -1] = member
     started = time.perf_counter()
     scores = train_and_score(
-        data.features[: data.num_examples + 1], data.labels[: data.num_examples + 1], present, canary,
-        setup=setup, seed=seed, chunk_size=chunk_size,
+        data.features[: data.num_examples + 1],
+        data.labels[: data.num_examples + 1],
+        present,
+        canary,
+        setup=setup,
+        seed=seed,
+        chunk_size=chunk_size,
         on_chunk=None if bar is None else bar.advance,
     )[:, 0]
-    stats = game_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
-                            holdout_fraction=holdout_fraction)
+    stats = game_statistics(
+        scores[member], scores[~member], delta=delta, confidence=confidence, holdout_fraction=holdout_fraction
+    )
     if setup.plan.batch_size == setup.plan.num_examples:  # q = 1: the run is mu-GDP, so the rates bound it
-        stats |= gdp_rates_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
-                                      holdout_fraction=holdout_fraction)
+        stats |= gdp_rates_statistics(
+            scores[member], scores[~member], delta=delta, confidence=confidence, holdout_fraction=holdout_fraction
+        )
     row = {
-        "threat_model": "black-box", "num_examples": data.num_examples, "nominal_epsilon": nominal_epsilon,
+        "threat_model": "black-box",
+        "num_examples": data.num_examples,
+        "nominal_epsilon": nominal_epsilon,
         "delta": delta,
-        "noise_multiplier": setup.plan.noise_multiplier, "batch_size": setup.plan.batch_size,
-        "steps": setup.plan.steps, "model": setup.model, "num_models": num_models,
-        "confidence": confidence, **stats,
+        "noise_multiplier": setup.plan.noise_multiplier,
+        "batch_size": setup.plan.batch_size,
+        "steps": setup.plan.steps,
+        "model": setup.model,
+        "num_models": num_models,
+        "confidence": confidence,
+        **stats,
         "advantage_bound": audit_bounds.advantage_bound(nominal_epsilon, delta),
         "seconds": time.perf_counter() - started,
     }
@@ -123,14 +171,23 @@ def finish_row(row: dict) -> dict:
         row["estimators"]["gdp-rates"] = row["gdp_rates_epsilon_lower_bound"]
     row["best_estimator"], row["best_lower_bound"] = max(row["estimators"].items(), key=lambda kv: kv[1])
     row["cp_max_certifiable_epsilon"] = audit_bounds.cp_max_certifiable_epsilon(
-        positives=row["positives"], negatives=row["negatives"], delta=row["delta"], confidence=row["confidence"])
+        positives=row["positives"], negatives=row["negatives"], delta=row["delta"], confidence=row["confidence"]
+    )
     row["cp_cannot_detect"] = bool(row["nominal_epsilon"] >= row["cp_max_certifiable_epsilon"])
     row["violation"] = bool(row["best_lower_bound"] > row["nominal_epsilon"])
     return row
 
 
-def one_run(data: Data, setup: TrainingSetup, *, delta: float, confidence: float,
-            guess_fraction: float, seed: int, rng: np.random.Generator) -> dict:
+def one_run(
+    data: Data,
+    setup: TrainingSetup,
+    *,
+    delta: float,
+    confidence: float,
+    guess_fraction: float,
+    seed: int,
+    rng: np.random.Generator,
+) -> dict:
     """One training run on D plus each canary with probability 1/2.
 
     Each canary's score is calibrated by its score on a reference model trained on D
@@ -142,22 +199,33 @@ def one_run(data: Data, setup: TrainingSetup, *, delta: float, confidence: float
     member = rng.random(len(data.canary_rows)) < 0.5
     audited = np.r_[np.ones(data.num_examples, bool), member]
     reference = np.r_[np.ones(data.num_examples, bool), np.zeros_like(member)]
-    scores = train_and_score(data.features, data.labels, np.stack([audited, reference]),
-                             data.canary_rows, setup=setup, seed=seed)
-    return one_run_statistics(scores[0] - scores[1], member, delta=delta, confidence=confidence,
-                              guess_fraction=guess_fraction)
+    scores = train_and_score(
+        data.features, data.labels, np.stack([audited, reference]), data.canary_rows, setup=setup, seed=seed
+    )
+    return one_run_statistics(
+        scores[0] - scores[1], member, delta=delta, confidence=confidence, guess_fraction=guess_fraction
+    )
 
 
-_COLUMNS = (("threat model", "threat_model", "s"), ("model", "model", "s"), ("|D|", "num_examples", "d"),
-            ("T", "steps", "d"), ("nominal eps", "nominal_epsilon", ".3f"), ("delta", "delta", ".0e"),
-            ("sigma", "noise_multiplier", ".3f"), ("models", "num_models", "d"),
-            ("GDP eps lower bound", "gdp_epsilon_lower_bound", ".3f"),
-            ("GDP-rates eps lower bound", "gdp_rates_epsilon_lower_bound", ".3f"),
-            ("CP eps lower bound", "epsilon_lower_bound", ".3f"),
-            ("CP max certifiable", "cp_max_certifiable_epsilon", ".2f"),
-            ("mu nominal", "mu_nominal", ".3f"), ("mu estimate", "mu_estimate", ".3f"),
-            ("AUC", "auc", ".3f"), ("seconds", "seconds", ".1f"),
-            ("one-run eps lower bound", "one_run_epsilon_lower_bound", ".3f"))
+_COLUMNS = (
+    ("threat model", "threat_model", "s"),
+    ("model", "model", "s"),
+    ("|D|", "num_examples", "d"),
+    ("T", "steps", "d"),
+    ("nominal eps", "nominal_epsilon", ".3f"),
+    ("delta", "delta", ".0e"),
+    ("sigma", "noise_multiplier", ".3f"),
+    ("models", "num_models", "d"),
+    ("GDP eps lower bound", "gdp_epsilon_lower_bound", ".3f"),
+    ("GDP-rates eps lower bound", "gdp_rates_epsilon_lower_bound", ".3f"),
+    ("CP eps lower bound", "epsilon_lower_bound", ".3f"),
+    ("CP max certifiable", "cp_max_certifiable_epsilon", ".2f"),
+    ("mu nominal", "mu_nominal", ".3f"),
+    ("mu estimate", "mu_estimate", ".3f"),
+    ("AUC", "auc", ".3f"),
+    ("seconds", "seconds", ".1f"),
+    ("one-run eps lower bound", "one_run_epsilon_lower_bound", ".3f"),
+)
 
 
 def row_note(row: dict) -> str:
@@ -174,8 +242,7 @@ def row_note(row: dict) -> str:
 def markdown_table(rows: tuple[dict, ...] | list[dict]) -> str:
     """Only the columns some row has, plus the verdict of each row."""
     columns = [c for c in _COLUMNS if any(c[1] in r for r in rows)]
-    lines = ["| " + " | ".join(c[0] for c in columns) + " | note |",
-             "|" + "---|" * (len(columns) + 1)]
+    lines = ["| " + " | ".join(c[0] for c in columns) + " | note |", "|" + "---|" * (len(columns) + 1)]
     for row in rows:
         cells = [format(row[key], fmt) if key in row else "" for _, key, fmt in columns]
         lines.append("| " + " | ".join(cells + [row_note(row)]) + " |")

@@ -36,7 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,8 +86,9 @@ def model_seed(seed: int, model: int) -> int:
     return int(stream_rng(seed, Stream.SAMPLING, model).integers(2**63))
 
 
-def sampled_batches(plan: PrivacyPlan, *, seed: int, num_models: int, microbatch_size: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def sampled_batches(
+    plan: PrivacyPlan, *, seed: int, num_models: int, microbatch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Every model's batches from the plan's sampler: indices and masks ``[models, T, micro, slots]``."""
     indices, masks = [], []
     for model in range(num_models):
@@ -103,9 +105,17 @@ def likelihood_ratio(observed: jax.Array, *, sampling_rate: float, noise_multipl
     return jnp.logaddexp(math.log1p(-sampling_rate), math.log(sampling_rate) + shift)
 
 
-def sampler_scores(features: np.ndarray, labels: np.ndarray, num_classes: int, member: np.ndarray, *,
-                   setup: SamplerAuditSetup, seed: int, chunk_size: int = 256,
-                   on_chunk: Callable[[int], None] | None = None) -> np.ndarray:
+def sampler_scores(
+    features: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+    member: np.ndarray,
+    *,
+    setup: SamplerAuditSetup,
+    seed: int,
+    chunk_size: int = 256,
+    on_chunk: Callable[[int], None] | None = None,
+) -> np.ndarray:
     """One likelihood-ratio score per model (``member[i]``: model i's canary slot holds the canary).
 
     Rows 0 .. N-2 of ``features`` are D; row N-1 (N = ``plan.num_examples``) is the canary's slot.
@@ -121,13 +131,21 @@ def sampler_scores(features: np.ndarray, labels: np.ndarray, num_classes: int, m
     x, y = jnp.asarray(x), jnp.asarray(np.r_[np.asarray(labels[: n - 1]), 0], jnp.int32)
     loss_fn, init = softmax_regression(num_classes, x[:1])
     shapes = jax.eval_shape(init, jax.random.key(0))
-    direction = {"kernel": jnp.zeros(shapes["kernel"].shape).at[-1, 0].set(1.0),
-                 "bias": jnp.zeros(shapes["bias"].shape)}
+    direction = {
+        "kernel": jnp.zeros(shapes["kernel"].shape).at[-1, 0].set(1.0),
+        "bias": jnp.zeros(shapes["bias"].shape),
+    }
     canary = jax.tree_util.tree_map(lambda u: u * setup.canary_norm * setup.clip_norm, direction)
-    dp_step = plan.dp_step(loss_fn, seed=seed, clip_norm=setup.clip_norm, optimizer=optax.sgd(setup.learning_rate),
-                           ema_decay=TrainingConfig.ema_decay,  # unused: the audit scores the parameters
-                           clipped_sum_fn=with_gradient_canary(softmax_regression_clipped_sum(clip_norm=setup.clip_norm),
-                                                               canary, clip_norm=setup.clip_norm))
+    dp_step = plan.dp_step(
+        loss_fn,
+        seed=seed,
+        clip_norm=setup.clip_norm,
+        optimizer=optax.sgd(setup.learning_rate),
+        ema_decay=TrainingConfig.ema_decay,  # unused: the audit scores the parameters
+        clipped_sum_fn=with_gradient_canary(
+            softmax_regression_clipped_sum(clip_norm=setup.clip_norm), canary, clip_norm=setup.clip_norm
+        ),
+    )
     indices, masks = sampled_batches(plan, seed=seed, num_models=len(member), microbatch_size=setup.microbatch_size)
     is_canary = indices == n - 1
     masks = np.where(is_canary & ~np.asarray(member, bool)[:, None, None, None], 0.0, masks).astype(np.float32)
@@ -146,13 +164,24 @@ def sampler_scores(features: np.ndarray, labels: np.ndarray, num_classes: int, m
             total = dp_step.accumulate_pure(state.params, total, batch, mask[m], state.model_state)
         new_state, _ = dp_step.apply_pure(state, total, keys.noise)
         moved = jax.tree_util.tree_map(jnp.subtract, state.params, new_state.params)
-        observed = sum(jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(moved),
-                                                      jax.tree_util.tree_leaves(direction))) * scale
-        return new_state, score + likelihood_ratio(observed, sampling_rate=plan.sampling_rate,
-                                                   noise_multiplier=plan.noise_multiplier)
+        observed = (
+            sum(jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(moved), jax.tree_util.tree_leaves(direction)))
+            * scale
+        )
+        return new_state, score + likelihood_ratio(
+            observed, sampling_rate=plan.sampling_rate, noise_multiplier=plan.noise_multiplier
+        )
 
-    chunks = run_models(rows, seed=seed, steps=plan.steps, start=start, step=step,
-                        finish=lambda carries: carries[1], chunk_size=chunk_size, on_chunk=on_chunk)
+    chunks = run_models(
+        rows,
+        seed=seed,
+        steps=plan.steps,
+        start=start,
+        step=step,
+        finish=lambda carries: carries[1],
+        chunk_size=chunk_size,
+        on_chunk=on_chunk,
+    )
     return np.concatenate(chunks).astype(np.float64)
 
 
@@ -174,17 +203,26 @@ class _Profiles:
         if rate not in self._built:
             truncation = self.plan.truncation
             self._built[rate] = privacy_profile(
-                noise_multiplier=self.plan.noise_multiplier, sampling_rate=rate, steps=self.plan.steps,
-                epsilons=EPSILON_GRID, discretization=self.discretization,
-                truncation=None if truncation is None else (truncation.dataset_size, truncation.capacity))
+                noise_multiplier=self.plan.noise_multiplier,
+                sampling_rate=rate,
+                steps=self.plan.steps,
+                epsilons=EPSILON_GRID,
+                discretization=self.discretization,
+                truncation=None if truncation is None else (truncation.dataset_size, truncation.capacity),
+            )
         return self._built[rate]
 
 
-def _rates(in_scores: np.ndarray, out_scores: np.ndarray, threshold: float, alpha: float
-           ) -> tuple[int, int, float, float]:
+def _rates(
+    in_scores: np.ndarray, out_scores: np.ndarray, threshold: float, alpha: float
+) -> tuple[int, int, float, float]:
     false_pos, false_neg = int(np.sum(out_scores >= threshold)), int(np.sum(in_scores < threshold))
-    return (false_pos, false_neg, audit_bounds.clopper_pearson_upper(false_pos, len(out_scores), alpha=alpha),
-            audit_bounds.clopper_pearson_upper(false_neg, len(in_scores), alpha=alpha))
+    return (
+        false_pos,
+        false_neg,
+        audit_bounds.clopper_pearson_upper(false_pos, len(out_scores), alpha=alpha),
+        audit_bounds.clopper_pearson_upper(false_neg, len(in_scores), alpha=alpha),
+    )
 
 
 def rate_lower_bound(fpr: float, fnr: float, profiles: _Profiles, *, rate: float, iterations: int = 8) -> float:
@@ -204,8 +242,15 @@ def rate_lower_bound(fpr: float, fnr: float, profiles: _Profiles, *, rate: float
     return math.exp(low)
 
 
-def sampler_statistics(in_scores: np.ndarray, out_scores: np.ndarray, *, setup: SamplerAuditSetup, delta: float,
-                       confidence: float, holdout_fraction: float) -> dict[str, Any]:
+def sampler_statistics(
+    in_scores: np.ndarray,
+    out_scores: np.ndarray,
+    *,
+    setup: SamplerAuditSetup,
+    delta: float,
+    confidence: float,
+    holdout_fraction: float,
+) -> dict[str, Any]:
     """Threshold on the held-out models (the largest margin there), bounds and verdict on the others."""
     plan = setup.plan
     profiles = _Profiles(plan, setup.discretization)
@@ -221,34 +266,75 @@ def sampler_statistics(in_scores: np.ndarray, out_scores: np.ndarray, *, setup: 
     margin = profile_margin(fpr, fnr, accounted)
     rate_lb = rate_lower_bound(fpr, fnr, profiles, rate=plan.sampling_rate)
     return {
-        "threshold": threshold, "false_positives": false_pos, "negatives": len(test_out),
-        "false_negatives": false_neg, "positives": len(test_in), "fpr_upper": fpr, "fnr_upper": fnr,
-        "profile_margin": margin, "sampling_rate_lower_bound": rate_lb,
+        "threshold": threshold,
+        "false_positives": false_pos,
+        "negatives": len(test_out),
+        "false_negatives": false_neg,
+        "positives": len(test_in),
+        "fpr_upper": fpr,
+        "fnr_upper": fnr,
+        "profile_margin": margin,
+        "sampling_rate_lower_bound": rate_lb,
         "rate_fraction": rate_lb / plan.sampling_rate,
         "epsilon_lower_bound": audit_bounds.epsilon_from_rates(fpr, fnr, delta=delta),
         "violation": bool(margin > 0),
     }
 
 
-def sampler_row(features: np.ndarray, labels: np.ndarray, num_classes: int, *, setup: SamplerAuditSetup,
-                nominal_epsilon: float, delta: float, num_models: int, confidence: float, holdout_fraction: float,
-                seed: int, chunk_size: int = 256, bar: Bar | None = None) -> dict[str, Any]:
+def sampler_row(
+    features: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+    *,
+    setup: SamplerAuditSetup,
+    nominal_epsilon: float,
+    delta: float,
+    num_models: int,
+    confidence: float,
+    holdout_fraction: float,
+    seed: int,
+    chunk_size: int = 256,
+    bar: Bar | None = None,
+) -> dict[str, Any]:
     """One sampler-audit row: ``num_models`` models (half with the canary) -> verdict and bounds."""
     member = np.arange(num_models) % 2 == 0  # interleaved: holdout and test both get half of each
     started = time.perf_counter()
-    scores = sampler_scores(features, labels, num_classes, member, setup=setup, seed=seed, chunk_size=chunk_size,
-                            on_chunk=None if bar is None else bar.advance)
+    scores = sampler_scores(
+        features,
+        labels,
+        num_classes,
+        member,
+        setup=setup,
+        seed=seed,
+        chunk_size=chunk_size,
+        on_chunk=None if bar is None else bar.advance,
+    )
     plan = setup.plan
     row = {
-        "threat_model": "sampler", "model": "linear", "num_examples": plan.num_examples,
-        "nominal_epsilon": nominal_epsilon, "delta": delta, "noise_multiplier": plan.noise_multiplier,
-        "batch_size": plan.batch_size, "sampling_rate": plan.sampling_rate, "batch_capacity": plan.capacity,
-        "steps": plan.steps, "num_models": num_models, "confidence": confidence,
-        **sampler_statistics(scores[member], scores[~member], setup=setup, delta=delta, confidence=confidence,
-                             holdout_fraction=holdout_fraction),
+        "threat_model": "sampler",
+        "model": "linear",
+        "num_examples": plan.num_examples,
+        "nominal_epsilon": nominal_epsilon,
+        "delta": delta,
+        "noise_multiplier": plan.noise_multiplier,
+        "batch_size": plan.batch_size,
+        "sampling_rate": plan.sampling_rate,
+        "batch_capacity": plan.capacity,
+        "steps": plan.steps,
+        "num_models": num_models,
+        "confidence": confidence,
+        **sampler_statistics(
+            scores[member],
+            scores[~member],
+            setup=setup,
+            delta=delta,
+            confidence=confidence,
+            holdout_fraction=holdout_fraction,
+        ),
     }
     row["cp_max_certifiable_epsilon"] = audit_bounds.cp_max_certifiable_epsilon(
-        positives=row["positives"], negatives=row["negatives"], delta=delta, confidence=confidence)
+        positives=row["positives"], negatives=row["negatives"], delta=delta, confidence=confidence
+    )
     row["estimators"] = {"profile": row["sampling_rate_lower_bound"], "clopper-pearson": row["epsilon_lower_bound"]}
     row["best_estimator"], row["best_lower_bound"] = "clopper-pearson", row["epsilon_lower_bound"]
     row["cp_cannot_detect"] = False  # the profile test has no such ceiling: it compares rates, not epsilon

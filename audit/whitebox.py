@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Literal, get_args
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 import flax.linen as nn
 import jax
@@ -42,8 +43,8 @@ from dpscale.errors import InvalidConfigError
 from dpscale.models.cnn import small_cnn
 from dpscale.privacy import clipping
 from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
-from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, make_clipped_sum_fn
+from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.streams import ModelKeys
@@ -78,7 +79,8 @@ class WhiteBoxSetup:
         if self.plan.batch_size != self.plan.num_examples:
             raise InvalidConfigError(
                 "the white-box audit needs full batches (batch size = |D|, q = 1): its statistic is exact "
-                f"only then; got batch size {self.plan.batch_size} for |D| = {self.plan.num_examples}")
+                f"only then; got batch size {self.plan.batch_size} for |D| = {self.plan.num_examples}"
+            )
         if self.microbatches < 1 or not self.canary_norm >= 1:
             raise InvalidConfigError("microbatches must be >= 1 and canary_norm >= 1")
 
@@ -137,8 +139,13 @@ def _one_hot_tree(params: PyTree, path: tuple[str, ...], flat_index: int) -> PyT
     return direction
 
 
-def _task(setup: WhiteBoxSetup, features: np.ndarray, labels: np.ndarray, num_classes: int,
-          image_shape: tuple[int, ...] | None) -> _Task:
+def _task(
+    setup: WhiteBoxSetup,
+    features: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+    image_shape: tuple[int, ...] | None,
+) -> _Task:
     n = len(labels)
     y = jnp.asarray(np.r_[labels, 0], jnp.int32)  # D, then the canary row (its label is unused)
     clip = setup.clip_norm
@@ -148,8 +155,9 @@ def _task(setup: WhiteBoxSetup, features: np.ndarray, labels: np.ndarray, num_cl
         params = jax.eval_shape(init, jax.random.key(0))
         unused = np.flatnonzero(np.all(features.reshape(n, -1) == 0, axis=0))
         feature = int(unused[0]) if len(unused) else 0
-        direction = _one_hot_tree(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), params),
-                                  ("kernel",), feature * num_classes)
+        direction = _one_hot_tree(
+            jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), params), ("kernel",), feature * num_classes
+        )
         rows = lambda index: {"features": x[index], "label": y[index]}  # noqa: E731
         view_rows = lambda index: {"features": x[index][:, None], "label": y[index][:, None]}  # noqa: E731
         base_fn = softmax_regression_clipped_sum(clip_norm=clip)
@@ -157,8 +165,7 @@ def _task(setup: WhiteBoxSetup, features: np.ndarray, labels: np.ndarray, num_cl
     else:
         if image_shape is None:
             raise InvalidConfigError("the CNN needs images (an image shape)")
-        x = jnp.asarray(np.concatenate([features.reshape(n, *image_shape), np.zeros((1, *image_shape))]),
-                        jnp.float32)
+        x = jnp.asarray(np.concatenate([features.reshape(n, *image_shape), np.zeros((1, *image_shape))]), jnp.float32)
         model = small_cnn(num_classes=num_classes, channels=setup.channels, num_groups=setup.num_groups)
 
         def loss_fn(params: PyTree, model_state: PyTree, views: dict[str, jax.Array]) -> jax.Array:
@@ -172,8 +179,11 @@ def _task(setup: WhiteBoxSetup, features: np.ndarray, labels: np.ndarray, num_cl
         view_rows = lambda index: {"image": x[index][:, None], "label": y[index][:, None]}  # noqa: E731
         rows = view_rows
         if setup.per_example in ("bookkeeping", "ghost"):
-            example = (zeros, {}, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                                         view_rows(np.arange(1))))
+            example = (
+                zeros,
+                {},
+                jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), view_rows(np.arange(1))),
+            )
             make = make_bookkeeping_clipped_sum_fn if setup.per_example == "bookkeeping" else make_ghost_clipped_sum_fn
             base_fn = make(loss_fn, clip_norm=clip, example=example)
         else:
@@ -192,9 +202,17 @@ def _dot(a: PyTree, b: PyTree) -> jax.Array:
 
 
 def white_box_scores(
-    features: np.ndarray, labels: np.ndarray, num_classes: int, member: np.ndarray, *,
-    setup: WhiteBoxSetup, seed: int, image_shape: tuple[int, ...] | None = None, chunk_size: int = 256,
-    on_chunk: Callable[[int], None] | None = None, mesh: Mesh | None = None,
+    features: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+    member: np.ndarray,
+    *,
+    setup: WhiteBoxSetup,
+    seed: int,
+    image_shape: tuple[int, ...] | None = None,
+    chunk_size: int = 256,
+    on_chunk: Callable[[int], None] | None = None,
+    mesh: Mesh | None = None,
 ) -> np.ndarray:
     """One score per model (``member[i]``: model i has the canary); D = ``features``, ``labels``.
 
@@ -213,9 +231,14 @@ def white_box_scores(
     task = _task(setup, features, labels, num_classes, image_shape)
     v = jax.tree_util.tree_map(lambda u: u * setup.canary_norm * setup.clip_norm, task.direction)
     dp_step = setup.plan.dp_step(
-        task.loss_fn, seed=seed, clip_norm=setup.clip_norm, optimizer=optax.sgd(setup.learning_rate),
+        task.loss_fn,
+        seed=seed,
+        clip_norm=setup.clip_norm,
+        optimizer=optax.sgd(setup.learning_rate),
         ema_decay=TrainingConfig.ema_decay,  # unused: the audit scores the parameters, not their EMA
-        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm), mesh=mesh)
+        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm),
+        mesh=mesh,
+    )
     accumulate = dp_step.accumulate_traceable
     k = setup.microbatches
     per = k * dp_step.num_devices
@@ -249,38 +272,72 @@ def white_box_scores(
     # (``conv_general_dilated``'s batching rule raises NotImplementedError for grouped
     # convolutions with an output sharding), so with a mesh the CNN's models run one after
     # another, still in one compiled program per chunk.
-    chunks = run_models(masks, seed=seed, steps=setup.plan.steps, start=start, step=step,
-                        finish=lambda carries: carries[1], chunk_size=chunk_size, on_chunk=on_chunk,
-                        sequential=mesh is not None and setup.model == "cnn")
+    chunks = run_models(
+        masks,
+        seed=seed,
+        steps=setup.plan.steps,
+        start=start,
+        step=step,
+        finish=lambda carries: carries[1],
+        chunk_size=chunk_size,
+        on_chunk=on_chunk,
+        sequential=mesh is not None and setup.model == "cnn",
+    )
     return np.concatenate(chunks).astype(np.float64)
 
 
 def white_box_row(
-    features: np.ndarray, labels: np.ndarray, num_classes: int, *, setup: WhiteBoxSetup, nominal_epsilon: float,
-    delta: float, num_models: int, confidence: float, holdout_fraction: float, seed: int,
-    image_shape: tuple[int, ...] | None = None, chunk_size: int = 256, bar: Bar | None = None,
+    features: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+    *,
+    setup: WhiteBoxSetup,
+    nominal_epsilon: float,
+    delta: float,
+    num_models: int,
+    confidence: float,
+    holdout_fraction: float,
+    seed: int,
+    image_shape: tuple[int, ...] | None = None,
+    chunk_size: int = 256,
+    bar: Bar | None = None,
     mesh: Mesh | None = None,
 ) -> dict:
     """One white-box row: scores of ``num_models`` models (half with the canary) -> both estimators."""
     member = np.arange(num_models) % 2 == 0
     started = time.perf_counter()
-    scores = white_box_scores(features, labels, num_classes, member, setup=setup, seed=seed,
-                              image_shape=image_shape, chunk_size=chunk_size,
-                              on_chunk=None if bar is None else bar.advance, mesh=mesh)
+    scores = white_box_scores(
+        features,
+        labels,
+        num_classes,
+        member,
+        setup=setup,
+        seed=seed,
+        image_shape=image_shape,
+        chunk_size=chunk_size,
+        on_chunk=None if bar is None else bar.advance,
+        mesh=mesh,
+    )
     seconds = time.perf_counter() - started
     plan = setup.plan
     row = {
-        "threat_model": "white-box", "model": setup.model if setup.model == "linear" else
-        f"cnn ({setup.per_example})", "num_examples": plan.num_examples, "nominal_epsilon": nominal_epsilon,
-        "delta": delta, "noise_multiplier": plan.noise_multiplier, "batch_size": plan.batch_size,
-        "steps": plan.steps, "microbatches": setup.microbatches, "num_models": num_models,
+        "threat_model": "white-box",
+        "model": setup.model if setup.model == "linear" else f"cnn ({setup.per_example})",
+        "num_examples": plan.num_examples,
+        "nominal_epsilon": nominal_epsilon,
+        "delta": delta,
+        "noise_multiplier": plan.noise_multiplier,
+        "batch_size": plan.batch_size,
+        "steps": plan.steps,
+        "microbatches": setup.microbatches,
+        "num_models": num_models,
         "devices": 1 if mesh is None else mesh.devices.size,
-        "confidence": confidence, "mu_nominal": math.sqrt(plan.steps) / plan.noise_multiplier,
-        **audit_bounds.gdp_epsilon_lower_bound(scores[member], scores[~member], delta=delta,
-                                               confidence=confidence),
-        **game_statistics(scores[member], scores[~member], delta=delta, confidence=confidence,
-                          holdout_fraction=holdout_fraction),
+        "confidence": confidence,
+        "mu_nominal": math.sqrt(plan.steps) / plan.noise_multiplier,
+        **audit_bounds.gdp_epsilon_lower_bound(scores[member], scores[~member], delta=delta, confidence=confidence),
+        **game_statistics(
+            scores[member], scores[~member], delta=delta, confidence=confidence, holdout_fraction=holdout_fraction
+        ),
         "seconds": seconds,
     }
     return finish_row(row)
-

@@ -42,10 +42,17 @@ def main() -> None:
     args = parser.parse_args()
 
     config = audit.AuditConfig(
-        data=args.data, epsilons=tuple(float(e) for e in args.epsilons.split(",")),
-        num_examples=args.num_examples, batch_size=args.batch_size, steps=args.steps,
-        learning_rate=args.learning_rate, model=args.model, canary=args.canary,
-        num_models=args.num_models, one_run_canaries=args.one_run_canaries, seed=args.seed,
+        data=args.data,
+        epsilons=tuple(float(e) for e in args.epsilons.split(",")),
+        num_examples=args.num_examples,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        learning_rate=args.learning_rate,
+        model=args.model,
+        canary=args.canary,
+        num_models=args.num_models,
+        one_run_canaries=args.one_run_canaries,
+        seed=args.seed,
     )
     started = time.perf_counter()
     result = audit.run(config)
@@ -63,8 +70,11 @@ def main() -> None:
         f"{config.holdout_fraction:.0%} of them), Clopper-Pearson at {config.confidence:.1%}, "
         f"seed {result.seed}. Total wall time {wall:.0f} s.\n",
         markdown_table(result.rows),
-        ("**VIOLATION: a lower bound exceeds its nominal epsilon: a bug to investigate.**\n"
-         if violations else "All lower bounds are at or below the nominal epsilon.\n"),
+        (
+            "**VIOLATION: a lower bound exceeds its nominal epsilon: a bug to investigate.**\n"
+            if violations
+            else "All lower bounds are at or below the nominal epsilon.\n"
+        ),
     ]
     text = "\n".join(lines) + "\n"
     print(text)

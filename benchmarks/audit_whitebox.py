@@ -23,8 +23,8 @@ import time
 import jax
 
 from dpscale.audit.broken_steps import HalfNoise
-from dpscale.privacy.plan import MechanismParts
 from dpscale.audit.game import markdown_table
+from dpscale.privacy.plan import MechanismParts
 from dpscale.stages import audit
 
 
@@ -36,19 +36,50 @@ def _run_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     for epsilon in (float(e) for e in args.epsilons.split(",")):
         config = audit.AuditConfig(
-            data=args.data, epsilons=(epsilon,), num_examples=args.num_examples, batch_size=args.batch_size,
-            steps=args.steps, model=args.model, num_models=args.num_models, confidence=args.confidence,
-            canary=args.canary, seed=args.seed, threat_model=args.threat_model, microbatches=args.microbatches,
-            per_example=args.per_example, chunk_size=args.chunk_size, show_progress=False,
-            devices=args.devices, parts=_parts(args.bug))
+            data=args.data,
+            epsilons=(epsilon,),
+            num_examples=args.num_examples,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            model=args.model,
+            num_models=args.num_models,
+            confidence=args.confidence,
+            canary=args.canary,
+            seed=args.seed,
+            threat_model=args.threat_model,
+            microbatches=args.microbatches,
+            per_example=args.per_example,
+            chunk_size=args.chunk_size,
+            show_progress=False,
+            devices=args.devices,
+            parts=_parts(args.bug),
+        )
         before = os.getloadavg()
         started, cpu = time.perf_counter(), time.process_time()
         (row,) = audit.run(config).rows
-        row |= {"wall_seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu,
-                "load_before": before, "load_after": os.getloadavg()}
+        row |= {
+            "wall_seconds": time.perf_counter() - started,
+            "cpu_seconds": time.process_time() - cpu,
+            "load_before": before,
+            "load_after": os.getloadavg(),
+        }
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("nominal_epsilon", "best_estimator", "best_lower_bound",
-                                              "epsilon_lower_bound", "wall_seconds", "load_after")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: row[k]
+                    for k in (
+                        "nominal_epsilon",
+                        "best_estimator",
+                        "best_lower_bound",
+                        "epsilon_lower_bound",
+                        "wall_seconds",
+                        "load_after",
+                    )
+                }
+            ),
+            flush=True,
+        )
         print(markdown_table([row]), flush=True)  # a killed run still leaves its finished rows
     return rows
 
@@ -81,16 +112,28 @@ def main() -> None:
     load_lines = "\n".join(
         f"- nominal {r['nominal_epsilon']:.3f}: wall {r['wall_seconds']:.0f} s, CPU {r['cpu_seconds']:.0f} s, "
         f"load average (1/5/15 min) before {'/'.join(f'{x:.1f}' for x in r['load_before'])}, after "
-        f"{'/'.join(f'{x:.1f}' for x in r['load_after'])}" for r in rows)
-    text = "\n".join([
-        f"### {args.threat_model}, {args.model}, |D|={args.num_examples}, bug={args.bug}, devices={args.devices}\n",
-        f"Command: `{command}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), jax {jax.__version__}.\n",
-        markdown_table(rows),
-        load_lines + "\n",
-        ("Outcome: as expected (" + ("every row flagged" if args.bug != "none" else "no row flagged") + ").\n"
-         if ok else "**Outcome: NOT as expected.**\n"),
-    ]) + "\n"
+        f"{'/'.join(f'{x:.1f}' for x in r['load_after'])}"
+        for r in rows
+    )
+    text = (
+        "\n".join(
+            [
+                f"### {args.threat_model}, {args.model}, |D|={args.num_examples}, bug={args.bug}, devices={args.devices}\n",
+                f"Command: `{command}`  ",
+                f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), jax {jax.__version__}.\n",
+                markdown_table(rows),
+                load_lines + "\n",
+                (
+                    "Outcome: as expected ("
+                    + ("every row flagged" if args.bug != "none" else "no row flagged")
+                    + ").\n"
+                    if ok
+                    else "**Outcome: NOT as expected.**\n"
+                ),
+            ]
+        )
+        + "\n"
+    )
     print(text)
     with open(args.out, "a") as f:
         f.write(text)

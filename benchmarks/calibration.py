@@ -50,30 +50,46 @@ def main() -> None:
             common = dict(target_epsilon=target, delta=DELTA, accountant=accountant)
             first = len(rows)
             best, median, found = _time(
-                lambda: calibration.calibrate_noise_multiplier(
-                    sampling_rate=B / N, steps=T, **common), args.repeats)
+                lambda: calibration.calibrate_noise_multiplier(sampling_rate=B / N, steps=T, **common), args.repeats
+            )
             sigma = found.value
             rows.append((accountant, target, "noise multiplier", f"{sigma:.5f}", found, best, median))
             best, median, res = _time(
-                lambda: calibration.calibrate_steps(
-                    noise_multiplier=sigma, sampling_rate=B / N, **common), args.repeats)
+                lambda: calibration.calibrate_steps(noise_multiplier=sigma, sampling_rate=B / N, **common), args.repeats
+            )
             rows.append((accountant, target, "steps", str(res.value), res, best, median))
             best, median, res = _time(
-                lambda: calibration.calibrate_batch_size(
-                    noise_multiplier=sigma, steps=T, num_examples=N, **common), args.repeats)
+                lambda: calibration.calibrate_batch_size(noise_multiplier=sigma, steps=T, num_examples=N, **common),
+                args.repeats,
+            )
             rows.append((accountant, target, "batch size", str(res.value), res, best, median))
             if accountant == "pld" and target == 8.0:  # what `dpscale calibrate` runs (truncated batches)
                 plan_target = PrivacyTarget(target, DELTA, accountant)
-                for knob, given in (("noise multiplier", dict(batch_size=B, steps=T)),
-                                    ("batch size", dict(noise_multiplier=sigma, steps=T))):
-                    best, median, plan = _time(lambda: PrivacyPlan.calibrate(plan_target, num_examples=N, **given),
-                                               args.repeats)
+                for knob, given in (
+                    ("noise multiplier", dict(batch_size=B, steps=T)),
+                    ("batch size", dict(noise_multiplier=sigma, steps=T)),
+                ):
+                    best, median, plan = _time(
+                        lambda: PrivacyPlan.calibrate(plan_target, num_examples=N, **given), args.repeats
+                    )
                     value = f"{plan.noise_multiplier:.5f}" if knob == "noise multiplier" else str(plan.batch_size)
-                    rows.append((accountant, target, f"{knob} (plan)", value,
-                                 calibration.Calibrated(value=0, epsilon=plan.epsilon(), probes=0), best, median))
+                    rows.append(
+                        (
+                            accountant,
+                            target,
+                            f"{knob} (plan)",
+                            value,
+                            calibration.Calibrated(value=0, epsilon=plan.epsilon(), probes=0),
+                            best,
+                            median,
+                        )
+                    )
             for row in rows[first:]:
-                print(f"{row[0]} eps={row[1]:g} {row[2]}={row[3]} achieved={row[4].epsilon:.6f} "
-                      f"probes={row[4].probes} best={row[5]:.2f}s median={row[6]:.2f}s", flush=True)
+                print(
+                    f"{row[0]} eps={row[1]:g} {row[2]}={row[3]} achieved={row[4].epsilon:.6f} "
+                    f"probes={row[4].probes} best={row[5]:.2f}s median={row[6]:.2f}s",
+                    flush=True,
+                )
 
     load = os.getloadavg()[0]
     lines = [
@@ -88,12 +104,16 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for acc, target, knob, value, res, best, median in rows:
-        lines.append(f"| {acc} | {target:g} | {knob} | {value} | {res.epsilon:.6f} | {res.probes} | "
-                     f"{best:.2f} | {median:.2f} |")
-    lines += ["", "Probes count every accountant evaluation of the search (for PLD: the RDP and coarse-grid PLD "
-              "pre-solves plus the PLD probes); the final standard-accountant check reuses the last probe. "
-              "\"(plan)\" rows: `PrivacyPlan.calibrate`, as `dpscale calibrate` runs it (the search, the batch "
-              "capacity's choice, the search again with truncated batches; probes not counted, shown as 0)."]
+        lines.append(
+            f"| {acc} | {target:g} | {knob} | {value} | {res.epsilon:.6f} | {res.probes} | {best:.2f} | {median:.2f} |"
+        )
+    lines += [
+        "",
+        "Probes count every accountant evaluation of the search (for PLD: the RDP and coarse-grid PLD "
+        "pre-solves plus the PLD probes); the final standard-accountant check reuses the last probe. "
+        '"(plan)" rows: `PrivacyPlan.calibrate`, as `dpscale calibrate` runs it (the search, the batch '
+        "capacity's choice, the search again with truncated batches; probes not counted, shown as 0).",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:

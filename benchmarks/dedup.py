@@ -48,7 +48,7 @@ def shift(im: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         dx, dy = rng.integers(-2, 3, size=2)
     h, w = im.shape[:2]
     padded = np.pad(im, ((2, 2), (2, 2), (0, 0)), mode="edge")
-    return padded[2 - dy:2 - dy + h, 2 - dx:2 - dx + w].copy()
+    return padded[2 - dy : 2 - dy + h, 2 - dx : 2 - dx + w].copy()
 
 
 def rescale(im: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -60,15 +60,17 @@ def rescale(im: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     padded = np.pad(im, ((8, 8), (8, 8), (0, 0)), mode="edge")
     inv = 1 / s
     out = Image.fromarray(padded).transform(
-        padded.shape[1::-1], Image.Transform.AFFINE,
-        (inv, 0, cx * (1 - inv), 0, inv, cy * (1 - inv)), resample=Image.Resampling.BILINEAR)
-    return np.asarray(out)[8:8 + h, 8:8 + w].copy()
+        padded.shape[1::-1],
+        Image.Transform.AFFINE,
+        (inv, 0, cx * (1 - inv), 0, inv, cy * (1 - inv)),
+        resample=Image.Resampling.BILINEAR,
+    )
+    return np.asarray(out)[8 : 8 + h, 8 : 8 + w].copy()
 
 
 def colour(im: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Saturation 0.7-1.3, brightness x0.8-1.2 and +-15 levels, per-channel gain 0.9-1.1."""
-    x = np.asarray(ImageEnhance.Color(Image.fromarray(im)).enhance(rng.uniform(0.7, 1.3)),
-                   np.float32)
+    x = np.asarray(ImageEnhance.Color(Image.fromarray(im)).enhance(rng.uniform(0.7, 1.3)), np.float32)
     x = (x * rng.uniform(0.8, 1.2) + rng.uniform(-15, 15)) * rng.uniform(0.9, 1.1, size=3)
     return np.clip(np.round(x), 0, 255).astype(np.uint8)
 
@@ -89,12 +91,15 @@ def crop(im: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     s = rng.uniform(0.8, 0.95)
     cw, ch = int(round(w * s)), int(round(h * s))
     x, y = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
-    return np.asarray(Image.fromarray(im[y:y + ch, x:x + cw]).resize(
-        (w, h), Image.Resampling.BICUBIC))
+    return np.asarray(Image.fromarray(im[y : y + ch, x : x + cw]).resize((w, h), Image.Resampling.BICUBIC))
 
 
 TRANSFORMS = {
-    "shift": shift, "rescale": rescale, "colour": colour, "jpeg": jpeg, "mirror": mirror,
+    "shift": shift,
+    "rescale": rescale,
+    "colour": colour,
+    "jpeg": jpeg,
+    "mirror": mirror,
     "crop": crop,
     "mirror+shift+colour+jpeg": lambda im, r: jpeg(colour(shift(mirror(im, r), r), r), r),
     "rescale+shift+colour+jpeg": lambda im, r: jpeg(colour(shift(rescale(im, r), r), r), r),
@@ -118,12 +123,15 @@ def _caption(p: dict) -> str:
 
 def refined_margin(p: dict) -> float:
     """How far inside ``dedup.refine``'s cuts a refined pair is (0: on a cut, 1: perfect)."""
-    return min(1 - p["refined_rank_distance"] / (1 - refine.MIN_RANK),
-               1 - p["refined_detail_distance"] / (1 - refine.MIN_DETAIL))
+    return min(
+        1 - p["refined_rank_distance"] / (1 - refine.MIN_RANK),
+        1 - p["refined_detail_distance"] / (1 - refine.MIN_DETAIL),
+    )
 
 
-def montage(pairs: list[dict], public: IngestedDataset, private: IngestedDataset, path: str,
-            *, columns: int = 5, scale: int = 3) -> None:
+def montage(
+    pairs: list[dict], public: IngestedDataset, private: IngestedDataset, path: str, *, columns: int = 5, scale: int = 3
+) -> None:
     """private | public side by side, captioned with the distance and view."""
     side = 32 * scale
     cw, ch = 2 * side + 4, side + 14
@@ -136,15 +144,20 @@ def montage(pairs: list[dict], public: IngestedDataset, private: IngestedDataset
         (a,) = private.examples(p["private_split"], [p["private_index"]])
         (b,) = public.examples(p["public_split"], [p["public_index"]])
         for dx, im in ((0, a.image), (side + 4, b.image)):
-            sheet.paste(Image.fromarray(im).resize((side, side), Image.Resampling.NEAREST),
-                        (x0 + dx, y0))
+            sheet.paste(Image.fromarray(im).resize((side, side), Image.Resampling.NEAREST), (x0 + dx, y0))
         view = p["view"].replace(" crop", "").replace("mirrored", "m")
         draw.text((x0, y0 + side + 1), f"{k}: {_caption(p)} {view}", fill="black")
     sheet.save(path)
 
 
-def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: float | None = None,
-            copy_local_weight: float | None = None) -> dict:
+def planted(
+    data: str,
+    work: str,
+    *,
+    copy_model: str | None = None,
+    copy_cut: float | None = None,
+    copy_local_weight: float | None = None,
+) -> dict:
     ds = IngestedDataset(data)
     rng = np.random.default_rng(0)
     priv_idx = np.sort(rng.choice(ds.num_examples("test"), 1000, replace=False))
@@ -163,15 +176,22 @@ def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: fl
     paths = {}
     for side in ("public", "private"):
         paths[side] = os.path.join(work, side)
-        ingest(IngestConfig(f"folder:{os.path.join(src, side)}", paths[side], overwrite=True,
-                            pipeline_args=ONE_PROCESS))
+        ingest(
+            IngestConfig(f"folder:{os.path.join(src, side)}", paths[side], overwrite=True, pipeline_args=ONE_PROCESS)
+        )
     start = time.time()
-    copy = {} if copy_model is None else {"copy_model": copy_model,
-                                          **({} if copy_cut is None else {"copy_cut": copy_cut}),
-                                          **({} if copy_local_weight is None else
-                                             {"copy_local_weight": copy_local_weight})}
-    res = stage.run(stage.DedupConfig(paths["public"], paths["private"],
-                                      os.path.join(work, "out"), overwrite=True, **copy))
+    copy = (
+        {}
+        if copy_model is None
+        else {
+            "copy_model": copy_model,
+            **({} if copy_cut is None else {"copy_cut": copy_cut}),
+            **({} if copy_local_weight is None else {"copy_local_weight": copy_local_weight}),
+        }
+    )
+    res = stage.run(
+        stage.DedupConfig(paths["public"], paths["private"], os.path.join(work, "out"), overwrite=True, **copy)
+    )
     seconds = time.time() - start
     removed = res.report["removed"]
     names = list(TRANSFORMS)
@@ -185,21 +205,29 @@ def planted(data: str, work: str, *, copy_model: str | None = None, copy_cut: fl
         t, i = stem[1:].split("_")
         per[names[int(t)]][0] += 1
         per[names[int(t)]][1] += int(os.path.basename(p["private_key"])[1:5] == i)
-    montage(fps[:60], IngestedDataset(paths["public"]), IngestedDataset(paths["private"]),
-            os.path.join(RESULTS, "dedup_planted_fp_copy.png" if copy else "dedup_planted_fp.png"))
+    montage(
+        fps[:60],
+        IngestedDataset(paths["public"]),
+        IngestedDataset(paths["private"]),
+        os.path.join(RESULTS, "dedup_planted_fp_copy.png" if copy else "dedup_planted_fp.png"),
+    )
     near = res.report["near_threshold_rejected"]
     missed = [p for p in near if not os.path.basename(p["public_key"]).startswith("u")]
-    summary = {"seconds": round(seconds, 1), "per_transform": per,
-               "recall": sum(v[1] for v in per.values()) / (1000 * len(names)),
-               "unrelated_removed": len(fps), "unrelated_total": 10_000,
-               "fp_pairs": [(p["public_key"], p["private_key"], p["decided_by"], p["distance"],
-                             p.get("copy_score")) for p in fps],
-               "removed_by_decision": {d: sum(p["decided_by"] == d for p in removed)
-                                       for d in ("grid", "refined", "copy")},
-               "planted_rejected_near_cut": len(missed),
-               "private_expanded": res.report["num_private_expanded"],
-               "candidates": res.report["num_candidate_pairs"],
-               "verified": res.report["num_verified_pairs"]}
+    summary = {
+        "seconds": round(seconds, 1),
+        "per_transform": per,
+        "recall": sum(v[1] for v in per.values()) / (1000 * len(names)),
+        "unrelated_removed": len(fps),
+        "unrelated_total": 10_000,
+        "fp_pairs": [
+            (p["public_key"], p["private_key"], p["decided_by"], p["distance"], p.get("copy_score")) for p in fps
+        ],
+        "removed_by_decision": {d: sum(p["decided_by"] == d for p in removed) for d in ("grid", "refined", "copy")},
+        "planted_rejected_near_cut": len(missed),
+        "private_expanded": res.report["num_private_expanded"],
+        "candidates": res.report["num_candidate_pairs"],
+        "verified": res.report["num_verified_pairs"],
+    }
     print(json.dumps(summary, indent=1))
     return summary
 
@@ -214,12 +242,19 @@ def copy_montages(data: str, out: str) -> None:
     rng = np.random.default_rng(7)  # its own seed: not a sample drawn before
     pick = [copied[i] for i in np.sort(rng.choice(len(copied), min(40, len(copied)), replace=False))]
     montage(pick, ds, ds, os.path.join(RESULTS, "dedup_cifar_copy_random40.png"))
-    montage(sorted(copied, key=lambda p: p["copy_score"])[:40], ds, ds,
-            os.path.join(RESULTS, "dedup_cifar_copy_closest_to_cut.png"))
-    montage(report["copy_decision"]["near_cut_rejected"][:40], ds, ds,
-            os.path.join(RESULTS, "dedup_cifar_copy_rejected_closest_to_cut.png"))
-    print(f"copy decision: {len(copied)} public removed, {len({p['private_index'] for p in copied})} "
-          "private images")
+    montage(
+        sorted(copied, key=lambda p: p["copy_score"])[:40],
+        ds,
+        ds,
+        os.path.join(RESULTS, "dedup_cifar_copy_closest_to_cut.png"),
+    )
+    montage(
+        report["copy_decision"]["near_cut_rejected"][:40],
+        ds,
+        ds,
+        os.path.join(RESULTS, "dedup_cifar_copy_rejected_closest_to_cut.png"),
+    )
+    print(f"copy decision: {len(copied)} public removed, {len({p['private_index'] for p in copied})} private images")
 
 
 def montages(data: str, out: str) -> None:
@@ -227,8 +262,7 @@ def montages(data: str, out: str) -> None:
     ds = IngestedDataset(data)
     removed = report["removed"]
     rng = np.random.default_rng(0)
-    pick = [removed[i] for i in np.sort(rng.choice(len(removed), min(40, len(removed)),
-                                                   replace=False))]
+    pick = [removed[i] for i in np.sort(rng.choice(len(removed), min(40, len(removed)), replace=False))]
     montage(pick, ds, ds, os.path.join(RESULTS, "dedup_cifar_random40.png"))
     grid = [p for p in removed if p["decided_by"] == "grid"]
     closest = sorted(grid, key=lambda p: -p["distance"])[:40]
@@ -236,15 +270,21 @@ def montages(data: str, out: str) -> None:
     refined = [p for p in removed if p["decided_by"] == "refined"]
     if refined:  # the pairs only the second decision accepted: a random 40 and the 40 nearest its cuts
         rng = np.random.default_rng(1)  # its own seed: the sample that validated the cuts
-        pick = [refined[i] for i in np.sort(rng.choice(len(refined), min(40, len(refined)),
-                                                       replace=False))]
+        pick = [refined[i] for i in np.sort(rng.choice(len(refined), min(40, len(refined)), replace=False))]
         montage(pick, ds, ds, os.path.join(RESULTS, "dedup_cifar_refined_random40.png"))
-        montage(sorted(refined, key=refined_margin)[:40], ds, ds,
-                os.path.join(RESULTS, "dedup_cifar_refined_closest_to_cut.png"))
-    montage(report["near_threshold_rejected"][:40], ds, ds,
-            os.path.join(RESULTS, "dedup_cifar_rejected_closest_to_cut.png"))
-    print(f"removed {len(removed)} public, {report['num_private_matched']} private matched, "
-          f"{report['num_candidate_pairs']} candidates")
+        montage(
+            sorted(refined, key=refined_margin)[:40],
+            ds,
+            ds,
+            os.path.join(RESULTS, "dedup_cifar_refined_closest_to_cut.png"),
+        )
+    montage(
+        report["near_threshold_rejected"][:40], ds, ds, os.path.join(RESULTS, "dedup_cifar_rejected_closest_to_cut.png")
+    )
+    print(
+        f"removed {len(removed)} public, {report['num_private_matched']} private matched, "
+        f"{report['num_candidate_pairs']} candidates"
+    )
 
 
 def subset(data: str, out: str, n: int) -> None:
@@ -252,8 +292,7 @@ def subset(data: str, out: str, n: int) -> None:
     ds = IngestedDataset(data)
     src = out + "-src"
     idx = np.arange(n)
-    for split, images in (("train", ds.get("train", idx)[0]),
-                          ("test", ds.split_images("test"))):
+    for split, images in (("train", ds.get("train", idx)[0]), ("test", ds.split_images("test"))):
         for i, im in enumerate(images):
             _save(src, split, f"{i:05d}", im)
     ingest(IngestConfig(f"folder:{src}", out, overwrite=True))

@@ -70,22 +70,59 @@ def _commit() -> str:
     return head.stdout.strip() + ("+dirty" if git("diff", "--quiet", "HEAD").returncode else "")
 
 
-def _train(data: str, run_dir: Path, *, model: str, microbatch: int, views: int, batch: int, steps: int,
-           epsilon: str, seed: int) -> tuple[dict[int, float], int]:
+def _train(
+    data: str,
+    run_dir: Path,
+    *,
+    model: str,
+    microbatch: int,
+    views: int,
+    batch: int,
+    steps: int,
+    epsilon: str,
+    seed: int,
+) -> tuple[dict[int, float], int]:
     """Per-step seconds and peak RSS (kB) of one ``dpscale train`` process."""
     rss_file = run_dir.parent / f"{run_dir.name}.rss"
-    command = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), sys.executable, "-m", "dpscale", "train", data,
-               str(run_dir), "--model", model, "--epsilon", epsilon, "--batch-size", str(batch),
-               "--microbatch-size", str(microbatch), "--augmult", str(views), "--steps", str(steps),
-               "--checkpoint-every", str(steps + 1), "--seed", str(seed), "--private-diagnostics"]
+    command = [
+        "/usr/bin/time",
+        "-f",
+        "%M",
+        "-o",
+        str(rss_file),
+        sys.executable,
+        "-m",
+        "dpscale",
+        "train",
+        data,
+        str(run_dir),
+        "--model",
+        model,
+        "--epsilon",
+        epsilon,
+        "--batch-size",
+        str(batch),
+        "--microbatch-size",
+        str(microbatch),
+        "--augmult",
+        str(views),
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(steps + 1),
+        "--seed",
+        str(seed),
+        "--private-diagnostics",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"dpscale train failed ({result.returncode}):\n{result.stderr[-2000:]}")
     return per_step_seconds(run_dir), int(rss_file.read_text().split()[-1])
 
 
-def xla_step_cost(data: str, *, model: str, microbatch: int, views: int, batch: int, steps: int, epsilon: str,
-                  seed: int) -> dict:
+def xla_step_cost(
+    data: str, *, model: str, microbatch: int, views: int, batch: int, steps: int, epsilon: str, seed: int
+) -> dict:
     """XLA's flops, bytes accessed and temporary memory of one step of a ``dpscale train`` run (no step is run).
 
     The plan, layout and clipped sum are the trainer's (one device); the micro-batch program is
@@ -98,46 +135,73 @@ def xla_step_cost(data: str, *, model: str, microbatch: int, views: int, batch: 
     from dpscale.training.model import build_train_model
     from dpscale.training.trainer import plan_for
 
-    config = training_config("images", epsilon=float(epsilon), batch_size=batch, steps=steps, seed=seed,
-                             microbatch_size=microbatch, model=model, augmult=views)
+    config = training_config(
+        "images",
+        epsilon=float(epsilon),
+        batch_size=batch,
+        steps=steps,
+        seed=seed,
+        microbatch_size=microbatch,
+        model=model,
+        augmult=views,
+    )
     train_model = build_train_model(data, config)
     plan = plan_for(config, train_model)
     clipped = train_model.clipped_sum_fn(config.clip_norm) if plan.private else None
-    step = plan.dp_step(train_model.loss_fn, seed=seed, clip_norm=config.clip_norm, clipped_sum_fn=clipped,
-                        optimizer=optax.sgd(config.learning_rate), ema_decay=config.ema_decay)
+    step = plan.dp_step(
+        train_model.loss_fn,
+        seed=seed,
+        clip_norm=config.clip_norm,
+        clipped_sum_fn=clipped,
+        optimizer=optax.sgd(config.learning_rate),
+        ema_decay=config.ema_decay,
+    )
     sampler = plan.sampler(seed=seed, microbatch_size=config.effective_microbatch_size)
     (views_batch, mask), *_ = train_model.make_feed(jax.random.key(seed)).microbatches(sampler.sample(0), 0)
     state = step.init(train_model.init_params(seed), train_model.model_state)
-    compiled = jax.jit(step.accumulate_traceable).lower(
-        state.params, step.zero_sum(state), views_batch, mask, state.model_state).compile()
+    compiled = (
+        jax.jit(step.accumulate_traceable)
+        .lower(state.params, step.zero_sum(state), views_batch, mask, state.model_state)
+        .compile()
+    )
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     count = sampler.layout.num_microbatches
-    return {"layout": f"{count} x {sampler.layout.microbatch_size}", "gflops": count * analysis["flops"] / 1e9,
-            "gbytes_accessed": count * analysis["bytes accessed"] / 1e9,
-            "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 2**20}
+    return {
+        "layout": f"{count} x {sampler.layout.microbatch_size}",
+        "gflops": count * analysis["flops"] / 1e9,
+        "gbytes_accessed": count * analysis["bytes accessed"] / 1e9,
+        "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+    }
 
 
-def summarize(setting: str, batch: int, times: dict[str, list[dict[int, float]]],
-              rss: dict[str, list[int]]) -> dict:
+def summarize(setting: str, batch: int, times: dict[str, list[dict[int, float]]], rss: dict[str, list[int]]) -> dict:
     """One setting's row: each step's own seconds (all runs pooled, and per run), the step-by-step ratio, memory.
 
     ``times[kind]`` holds one ``{step: seconds}`` per run, warm-up already dropped; DP run r is
     paired with non-private run r, step t with step t.
     """
-    ratios = [dp[t] / nonprivate[t] for dp, nonprivate in zip(times["dp"], times["nonprivate"])
-              for t in dp if t in nonprivate]
+    ratios = [
+        dp[t] / nonprivate[t] for dp, nonprivate in zip(times["dp"], times["nonprivate"]) for t in dp if t in nonprivate
+    ]
     if len(ratios) < 2:
-        raise SystemExit(f"{setting}: {len(ratios)} usable steps; training logs epsilon every "
-                         f"ceil(steps / 20) steps and the step after a log is dropped: use --steps 22 or more")
+        raise SystemExit(
+            f"{setting}: {len(ratios)} usable steps; training logs epsilon every "
+            f"ceil(steps / 20) steps and the step after a log is dropped: use --steps 22 or more"
+        )
     row = {"setting": setting, "batch": batch}
     for kind, _ in KINDS:
         row[f"{kind}_step_s"] = statistics.median(s for run in times[kind] for s in run.values())
         row[f"{kind}_runs_s"] = [round(statistics.median(run.values()), 3) for run in times[kind]]
-    row.update({
-        "ratio_median": statistics.median(ratios), "ratio_q1_q3": statistics.quantiles(ratios, n=4)[::2],
-        "pairs": len(ratios), "dp_peak_mb": max(rss["dp"]) / 1024, "nonprivate_peak_mb": max(rss["nonprivate"]) / 1024,
-    })
+    row.update(
+        {
+            "ratio_median": statistics.median(ratios),
+            "ratio_q1_q3": statistics.quantiles(ratios, n=4)[::2],
+            "pairs": len(ratios),
+            "dp_peak_mb": max(rss["dp"]) / 1024,
+            "nonprivate_peak_mb": max(rss["nonprivate"]) / 1024,
+        }
+    )
     row["memory_ratio"] = row["dp_peak_mb"] / row["nonprivate_peak_mb"]
     return row
 
@@ -157,8 +221,10 @@ def compare(row: dict, earlier: list[dict], *, tolerance: float) -> list[str]:
         key = f"{kind}_step_s"
         factor = row[key] / then[key]
         flag = "  SLOWER" if factor > 1 + tolerance else ""
-        lines.append(f"{row['setting']} B={row['batch']} {kind}: {row[key]:.3f} s/step now, {then[key]:.3f} at "
-                     f"{then.get('commit', '?')} (load {then.get('load_before', '?')}): x{factor:.2f}{flag}")
+        lines.append(
+            f"{row['setting']} B={row['batch']} {kind}: {row[key]:.3f} s/step now, {then[key]:.3f} at "
+            f"{then.get('commit', '?')} (load {then.get('load_before', '?')}): x{factor:.2f}{flag}"
+        )
     return lines
 
 
@@ -196,13 +262,21 @@ def main() -> None:
             batch = args.batch_multiple * microbatch
             times: dict[str, list[dict[int, float]]] = {kind: [] for kind, _ in KINDS}
             rss: dict[str, list[int]] = {kind: [] for kind, _ in KINDS}
-            common = {"model": model, "microbatch": microbatch, "views": views, "batch": batch, "steps": args.steps,
-                      "seed": args.seed}
+            common = {
+                "model": model,
+                "microbatch": microbatch,
+                "views": views,
+                "batch": batch,
+                "steps": args.steps,
+                "seed": args.seed,
+            }
             if args.xla_cost or args.xla_cost_only:
                 for kind, epsilon in KINDS:
                     cost = xla_step_cost(args.data, epsilon=epsilon, **common)
-                    print(json.dumps({"setting": setting, "batch": batch, "kind": kind, "commit": commit, **cost}),
-                          flush=True)
+                    print(
+                        json.dumps({"setting": setting, "batch": batch, "kind": kind, "commit": commit, **cost}),
+                        flush=True,
+                    )
             if args.xla_cost_only:
                 continue
             load_before = _load1()
@@ -213,9 +287,17 @@ def main() -> None:
                     times[kind].append({t: s for t, s in per_step.items() if t > args.warmup})
                     rss[kind].append(peak)
             row = summarize(setting, batch, times, rss)
-            row.update({"commit": commit, "seed": args.seed, "steps": args.steps, "repeats": args.repeats,
-                        "load_before": load_before, "load_after": _load1(),
-                        "xla_flags": os.environ.get("XLA_FLAGS", "")})
+            row.update(
+                {
+                    "commit": commit,
+                    "seed": args.seed,
+                    "steps": args.steps,
+                    "repeats": args.repeats,
+                    "load_before": load_before,
+                    "load_after": _load1(),
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                }
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.out:
@@ -224,17 +306,21 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()}")
     if not rows:
         return
-    print("| setting | batch | DP s/step (runs) | non-private s/step (runs) | DP / non-private (median; q1-q3) "
-          "| peak MB DP / non-private | commit, load |")
+    print(
+        "| setting | batch | DP s/step (runs) | non-private s/step (runs) | DP / non-private (median; q1-q3) "
+        "| peak MB DP / non-private | commit, load |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         q1, q3 = r["ratio_q1_q3"]
         runs = {kind: " / ".join(f"{s:.2f}" for s in r[f"{kind}_runs_s"]) for kind, _ in KINDS}
-        print(f"| {r['setting']} | {r['batch']} | {r['dp_step_s']:.3f} ({runs['dp']}) | "
-              f"{r['nonprivate_step_s']:.3f} ({runs['nonprivate']}) | "
-              f"**{r['ratio_median']:.2f}** ({q1:.2f}-{q3:.2f}, {r['pairs']} steps) | "
-              f"{r['dp_peak_mb']:,.0f} / {r['nonprivate_peak_mb']:,.0f} ({r['memory_ratio']:.2f}x) | "
-              f"{r['commit']}, {r['load_before']}-{r['load_after']} |")
+        print(
+            f"| {r['setting']} | {r['batch']} | {r['dp_step_s']:.3f} ({runs['dp']}) | "
+            f"{r['nonprivate_step_s']:.3f} ({runs['nonprivate']}) | "
+            f"**{r['ratio_median']:.2f}** ({q1:.2f}-{q3:.2f}, {r['pairs']} steps) | "
+            f"{r['dp_peak_mb']:,.0f} / {r['nonprivate_peak_mb']:,.0f} ({r['memory_ratio']:.2f}x) | "
+            f"{r['commit']}, {r['load_before']}-{r['load_after']} |"
+        )
     if args.compare_to:
         for r in rows:
             print("\n".join(compare(r, earlier, tolerance=args.tolerance)))

@@ -96,8 +96,12 @@ def depthwise_comparison(batch: int, *, repeats: int = 5) -> list[tuple[tuple[in
         variables = {"params": {"kernel": jnp.asarray(rng.normal(size=(kernel, kernel, 1, channels)), jnp.float32)}}
         grouped = jax.jit(
             lambda v, x, s=stride, c=channels: jax.lax.conv_general_dilated(
-                x, v["params"]["kernel"], (s, s), "SAME",
-                dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=c,
+                x,
+                v["params"]["kernel"],
+                (s, s),
+                "SAME",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                feature_group_count=c,
             )
         )
         shifted = jax.jit(layer.apply)
@@ -109,8 +113,10 @@ def depthwise_comparison(batch: int, *, repeats: int = 5) -> list[tuple[tuple[in
                 fn(variables, x).block_until_ready()
             times.append(1000 * (time.perf_counter() - t0) / repeats)
         rows.append(((size, channels, kernel, stride), times[0], times[1]))
-        print(f"depthwise {size}x{size}x{channels} k{kernel} s{stride}: grouped {times[0]:.1f} ms, "
-              f"shifted {times[1]:.1f} ms")
+        print(
+            f"depthwise {size}x{size}x{channels} k{kernel} s{stride}: grouped {times[0]:.1f} ms, "
+            f"shifted {times[1]:.1f} ms"
+        )
     return rows
 
 

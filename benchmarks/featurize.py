@@ -55,21 +55,37 @@ def steady_rate(store: fstore.FeatureStore, chunks: list[tuple[str, int]], worke
     return rows / (times[-1][0] - times[workers - 1][0])
 
 
-def pipeline(data: str, backbone: str, resolution: int, *, subset: int, batch: int,
-             chunk_rows: int, pipeline_args: tuple[str, ...]) -> tuple[float, float, int]:
+def pipeline(
+    data: str,
+    backbone: str,
+    resolution: int,
+    *,
+    subset: int,
+    batch: int,
+    chunk_rows: int,
+    pipeline_args: tuple[str, ...],
+) -> tuple[float, float, int]:
     """Images/s of the Beam graph over the first ``subset`` train rows (fresh cache):
     end to end, and in steady state."""
     cache = tempfile.mkdtemp(prefix="dpscale-bench-features-")
     try:
-        config = stage.FeaturizeConfig(data, backbone, cache_dir=cache, resolution=resolution,
-                                       batch_size=batch, chunk_rows=chunk_rows,
-                                       pipeline_args=pipeline_args)
+        config = stage.FeaturizeConfig(
+            data,
+            backbone,
+            cache_dir=cache,
+            resolution=resolution,
+            batch_size=batch,
+            chunk_rows=chunk_rows,
+            pipeline_args=pipeline_args,
+        )
         with IngestedDataset(data) as ds:
             key, meta = featurizer.feature_key(ds, backbone, resolution=resolution)
             layout = fstore.EntryLayout(
-                key=key, feature_dim=featurizer.feature_dim(meta, key),
+                key=key,
+                feature_dim=featurizer.feature_dim(meta, key),
                 class_names=tuple(ds.class_names),
-                splits={s: fstore.SplitLayout(ds.num_examples(s), chunk_rows) for s in ds.splits})
+                splits={s: fstore.SplitLayout(ds.num_examples(s), chunk_rows) for s in ds.splits},
+            )
         store = fstore.FeatureStore.create(cache, layout)
         chunks = [("train", c) for c in range(-(-subset // chunk_rows))]
         rows = sum(stop - start for start, stop in (layout.splits["train"].rows(c) for _, c in chunks))
@@ -101,22 +117,34 @@ def main() -> None:
     parser.add_argument("--pipeline-args", default="", help="Beam options, space separated")
     parser.add_argument("--output", default=None, help="append a markdown table here")
     args = parser.parse_args()
-    lines = ["| resolution | bare forward img/s | pipeline img/s (end to end) | ratio | "
-             "pipeline img/s (steady state) | ratio | rows | load avg |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| resolution | bare forward img/s | pipeline img/s (end to end) | ratio | "
+        "pipeline img/s (steady state) | ratio | rows | load avg |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for resolution in (int(r) for r in args.resolutions.split(",")):
         bare = bare_forward(args.backbone, resolution, batch=args.batch, min_seconds=args.min_seconds)
-        rate, steady, rows = pipeline(args.data, args.backbone, resolution, subset=args.subset,
-                              batch=args.batch, chunk_rows=args.chunk_rows,
-                              pipeline_args=tuple(args.pipeline_args.split()))
-        line = (f"| {resolution} | {bare:.1f} | {rate:.1f} | {rate / bare:.2f} | {steady:.1f} | "
-                f"{steady / bare:.2f} | {rows} | {os.getloadavg()[0]:.1f} |")
+        rate, steady, rows = pipeline(
+            args.data,
+            args.backbone,
+            resolution,
+            subset=args.subset,
+            batch=args.batch,
+            chunk_rows=args.chunk_rows,
+            pipeline_args=tuple(args.pipeline_args.split()),
+        )
+        line = (
+            f"| {resolution} | {bare:.1f} | {rate:.1f} | {rate / bare:.2f} | {steady:.1f} | "
+            f"{steady / bare:.2f} | {rows} | {os.getloadavg()[0]:.1f} |"
+        )
         print(line, flush=True)
         lines.append(line)
     if args.output:
         with open(args.output, "a") as f:
-            f.write(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, batch {args.batch}, "
-                    f"chunk rows {args.chunk_rows}, pipeline args: `{args.pipeline_args or 'default'}`\n\n")
+            f.write(
+                f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, batch {args.batch}, "
+                f"chunk rows {args.chunk_rows}, pipeline args: `{args.pipeline_args or 'default'}`\n\n"
+            )
             f.write("\n".join(lines) + "\n")
 
 

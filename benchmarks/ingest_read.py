@@ -27,8 +27,7 @@ def main() -> None:
     with IngestedDataset(args.path) as ds:
         n = ds.num_examples(args.split)
         ds.get(args.split, [0])  # open the shards once
-        print(f"{args.path} {args.split}: {n} examples of {ds.image_shape}, "
-              f"{ds.manifest['record_encoding']} records")
+        print(f"{args.path} {args.split}: {n} examples of {ds.image_shape}, {ds.manifest['record_encoding']} records")
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             seen, start = 0, time.perf_counter()
             while time.perf_counter() - start < args.min_seconds:

@@ -37,13 +37,16 @@ _CLIP_ONLY_SIGMA = 1e-9
 
 def _plan(epsilon: str, *, num_examples: int, batch_size: int, steps: int) -> PrivacyPlan:
     if epsilon == "inf":
-        return PrivacyPlan.calibrate(PrivacyTarget(math.inf), num_examples=num_examples, batch_size=batch_size,
-                                     steps=steps)
+        return PrivacyPlan.calibrate(
+            PrivacyTarget(math.inf), num_examples=num_examples, batch_size=batch_size, steps=steps
+        )
     if epsilon == "clip":
-        return PrivacyPlan(num_examples=num_examples, batch_size=batch_size, steps=steps,
-                           noise_multiplier=_CLIP_ONLY_SIGMA, delta=1e-5)
-    return PrivacyPlan.calibrate(PrivacyTarget(float(epsilon), 1e-5), num_examples=num_examples,
-                                 batch_size=batch_size, steps=steps)
+        return PrivacyPlan(
+            num_examples=num_examples, batch_size=batch_size, steps=steps, noise_multiplier=_CLIP_ONLY_SIGMA, delta=1e-5
+        )
+    return PrivacyPlan.calibrate(
+        PrivacyTarget(float(epsilon), 1e-5), num_examples=num_examples, batch_size=batch_size, steps=steps
+    )
 
 
 def main() -> None:
@@ -82,19 +85,32 @@ def main() -> None:
         for eps in (e.strip() for e in a.epsilons.split(",")):
             plan = _plan(eps, num_examples=n, batch_size=batch_size, steps=a.steps)
             for lr in (float(v) for v in a.learning_rates.split(",")):
-                setup = TrainingSetup(plan=plan, learning_rate=lr, clip_norm=a.clip_norm, model="linear",
-                                      ema_decay=a.ema_decay)
-                (out,) = train_models(x_tr, y_tr, present, setup=setup, seed=a.seed, read_out=read_out,
-                                      chunk_size=a.repeats)
+                setup = TrainingSetup(
+                    plan=plan, learning_rate=lr, clip_norm=a.clip_norm, model="linear", ema_decay=a.ema_decay
+                )
+                (out,) = train_models(
+                    x_tr, y_tr, present, setup=setup, seed=a.seed, read_out=read_out, chunk_size=a.repeats
+                )
                 for r in range(a.repeats):
                     scores = {}
                     for name in ("last", "ema"):
                         w, b = out[name]["kernel"][r], out[name]["bias"][r]
                         scores[name] = float(np.mean(np.argmax(x_va @ w + b, 1) == y_va))
-                    record = dict(epsilon=eps, lr=lr, repeat=r, seed=a.seed, sigma=plan.noise_multiplier,
-                                  clip=a.clip_norm if plan.private else "inf", kind=a.kind, scale=a.scale,
-                                  q=plan.sampling_rate, steps=a.steps, holdout=a.holdout,
-                                  heldout_top1=scores["last"], heldout_ema_top1=scores["ema"])
+                    record = dict(
+                        epsilon=eps,
+                        lr=lr,
+                        repeat=r,
+                        seed=a.seed,
+                        sigma=plan.noise_multiplier,
+                        clip=a.clip_norm if plan.private else "inf",
+                        kind=a.kind,
+                        scale=a.scale,
+                        q=plan.sampling_rate,
+                        steps=a.steps,
+                        holdout=a.holdout,
+                        heldout_top1=scores["last"],
+                        heldout_ema_top1=scores["ema"],
+                    )
                     print(json.dumps(record), flush=True)
                     f.write(json.dumps(record) + "\n")
     print(f"done in {time.time() - started:.0f} s")

@@ -44,8 +44,9 @@ def _parse() -> argparse.Namespace:
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:  # must happen before jax initialises its backend
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+    ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -77,15 +78,18 @@ def make_step(model, mode: str, batch: int):
     def noisy_mean(summed, key):
         leaves, tree = jax.tree.flatten(summed)
         keys = jax.random.split(key, len(leaves))
-        noisy = [g + NOISE_MULTIPLIER * CLIP_NORM * jax.random.normal(k, g.shape, g.dtype)
-                 for g, k in zip(leaves, keys)]
+        noisy = [
+            g + NOISE_MULTIPLIER * CLIP_NORM * jax.random.normal(k, g.shape, g.dtype) for g, k in zip(leaves, keys)
+        ]
         return jax.tree.unflatten(tree, [g / batch for g in noisy])
 
     if mode == "non-private":
+
         def grads(params, x, y, key):
             del key
             return jax.grad(lambda p: _loss(model, p, x, y))(params)
     elif mode == "dp-contract":
+
         def grads(params, x, y, key):
             g = per_example_grads(params, x, y)
             sq = sum(jnp.sum(jnp.square(leaf.reshape(batch, -1)), axis=1) for leaf in jax.tree.leaves(g))
@@ -95,6 +99,7 @@ def make_step(model, mode: str, batch: int):
             summed = jax.tree.map(lambda leaf: jnp.tensordot(scales, leaf, axes=1), g)
             return noisy_mean(summed, key)
     elif mode == "dp-clip-in-vmap":
+
         def grads(params, x, y, key):
             def clipped(params, xi, yi):
                 g = jax.grad(single_loss)(params, xi, yi)
@@ -152,11 +157,15 @@ def main() -> None:
             speeds, cpu_speeds = {}, {}
             for mode in modes:
                 speeds[mode], cpu_speeds[mode], compile_s = time_config(name, mode, batch, mesh)
-                print(f"{name} b={batch} devices={len(devices)} {mode}: {speeds[mode]:,.1f} ex/s, "
-                      f"{cpu_speeds[mode]:,.1f} ex/cpu-s (compile {compile_s:.1f} s)", flush=True)
+                print(
+                    f"{name} b={batch} devices={len(devices)} {mode}: {speeds[mode]:,.1f} ex/s, "
+                    f"{cpu_speeds[mode]:,.1f} ex/cpu-s (compile {compile_s:.1f} s)",
+                    flush=True,
+                )
             ratios = tuple(
                 s["non-private"] / s["dp-contract"] if {"non-private", "dp-contract"} <= set(s) else float("nan")
-                for s in (speeds, cpu_speeds))
+                for s in (speeds, cpu_speeds)
+            )
             rows.append((name, param_count(name), batch, len(devices), speeds, ratios))
     _write(rows, modes)
 
@@ -168,7 +177,8 @@ def _write(rows, modes) -> None:
         f"Command: `{command}`  ",
         f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs (shared with other jobs: treat as indicative).\n",
-        "| model | params | batch | devices | " + " | ".join(f"{m} ex/s" for m in modes)
+        "| model | params | batch | devices | "
+        + " | ".join(f"{m} ex/s" for m in modes)
         + " | slowdown (wall) | slowdown (CPU time) |",
         "|---|---:|---:|---:|" + "---:|" * len(modes) + "---:|---:|",
     ]
@@ -183,7 +193,8 @@ def _write(rows, modes) -> None:
             "clipped sum from per-example norms with one weighted contraction; `dp-clip-in-vmap` clips "
             "inside `vmap` then sums. All steps include the SGD update; DP steps include the noise. "
             "Slowdown = non-private / dp-contract throughput, from wall-clock time and from the "
-            "process's CPU time (steadier when other jobs share the cores).\n")
+            "process's CPU time (steadier when other jobs share the cores).\n"
+        )
     with ARGS.output.open("a") as handle:
         handle.write("\n".join(lines) + "\n")
     print(f"appended to {ARGS.output}")

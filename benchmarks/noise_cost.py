@@ -42,22 +42,32 @@ class _Step:
         import jax
         import optax
 
+        from benchmarks.peers_run_jax import _problem
         from dpscale.privacy import dpsgd
         from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
         from dpscale.privacy.plan import PrivacyPlan
         from dpscale.training.config import TrainingConfig
-
-        from benchmarks.peers_run_jax import _problem
 
         dpsgd.add_gaussian_noise = noise_fn
         loss_fn, params, self.batches, linear = _problem(args.workload, args.physical, args.logical // args.physical)
         if linear:
             raise SystemExit("this benchmark times the image workloads' per-layer clipped step")
         clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, self.batches[0][0]))
-        plan = PrivacyPlan(num_examples=args.logical, batch_size=args.logical, steps=1, delta=1e-5,
-                           noise_multiplier=args.noise_multiplier)
-        self.dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, optimizer=optax.sgd(0.1),
-                               ema_decay=TrainingConfig.ema_decay, clipped_sum_fn=clipped)
+        plan = PrivacyPlan(
+            num_examples=args.logical,
+            batch_size=args.logical,
+            steps=1,
+            delta=1e-5,
+            noise_multiplier=args.noise_multiplier,
+        )
+        self.dp = plan.dp_step(
+            loss_fn,
+            seed=0,
+            clip_norm=1.0,
+            optimizer=optax.sgd(0.1),
+            ema_decay=TrainingConfig.ema_decay,
+            clipped_sum_fn=clipped,
+        )
         self.state = self.dp.init(params)
         self._copy = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x + 0, tree))
         for _ in range(2):  # compile, then one warm step
@@ -132,20 +142,27 @@ def main() -> None:
     acc_w, acc_c = med(accumulate_wall), med(accumulate_cpu)
     result = {
         "accumulate": {"wall_s": round(acc_w, 4), "cpu_s": round(acc_c, 4)},
-        "apply": {name: {"wall_s": round(med(apply_wall[name]), 4), "cpu_s": round(med(apply_cpu[name]), 4)}
-                  for name in steps},
+        "apply": {
+            name: {"wall_s": round(med(apply_wall[name]), 4), "cpu_s": round(med(apply_cpu[name]), 4)} for name in steps
+        },
     }
     result["step_wall_ratio"] = round((acc_w + med(apply_wall[secure])) / (acc_w + med(apply_wall[single])), 4)
     result["step_cpu_ratio"] = round((acc_c + med(apply_cpu[secure])) / (acc_c + med(apply_cpu[single])), 4)
     result["noise_extra_ms"] = round(1e3 * (med(apply_wall[secure]) - med(apply_wall[single])), 1)
     paired = [a / b for a, b in zip(whole_wall[secure], whole_wall[single])]
     quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
-    result["whole_steps"] = {
-        name: round(med(whole_wall[name]), 4) for name in steps
-    } | {"wall_ratio_of_medians": round(med(whole_wall[secure]) / med(whole_wall[single]), 4),
-         "pairwise_ratio_quartiles": [round(q, 4) for q in quartiles]}
-    result |= {"workload": args.workload, "physical": args.physical, "logical": args.logical,
-               "repeats": args.repeats, "apply_repeats": args.apply_repeats, "load1_at_end": os.getloadavg()[0]}
+    result["whole_steps"] = {name: round(med(whole_wall[name]), 4) for name in steps} | {
+        "wall_ratio_of_medians": round(med(whole_wall[secure]) / med(whole_wall[single]), 4),
+        "pairwise_ratio_quartiles": [round(q, 4) for q in quartiles],
+    }
+    result |= {
+        "workload": args.workload,
+        "physical": args.physical,
+        "logical": args.logical,
+        "repeats": args.repeats,
+        "apply_repeats": args.apply_repeats,
+        "load1_at_end": os.getloadavg()[0],
+    }
     print(json.dumps(result, indent=1))
 
 

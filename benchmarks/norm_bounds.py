@@ -66,21 +66,41 @@ def margins(args) -> None:
 
     loss_fn, params, batch = _problem(args.data, args.model, args.batch, args.views)
     _, grads = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
-    exact = np.sqrt(sum(np.sum(np.asarray(g, np.float64).reshape(args.batch, -1) ** 2, axis=1)
-                        for g in jax.tree_util.tree_leaves(grads)))
+    exact = np.sqrt(
+        sum(
+            np.sum(np.asarray(g, np.float64).reshape(args.batch, -1) ** 2, axis=1)
+            for g in jax.tree_util.tree_leaves(grads)
+        )
+    )
     one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-    paths = [c.path for c in bookkeeping.plan_layers(loss_fn, params, {}, one)
-             if type(c.module).__name__ in ("WSConv", "Dense")]
+    paths = [
+        c.path
+        for c in bookkeeping.plan_layers(loss_fn, params, {}, one)
+        if type(c.module).__name__ in ("WSConv", "Dense")
+    ]
     original = ghost.clipped_sum_from_norms  # report each example's bound in place of their sum
     ghost.clipped_sum_from_norms = lambda norms, mask, **kw: original(norms, mask, **kw).replace(sum_of_norms=norms)
     for mode in args.modes.split(","):
         for name in FORMATS:
             forced = None if mode == "auto" else {path: mode for path in paths}
-            fn = ghost.make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, strategies=forced, example=(params, {}, batch),
-                                                 precision=ClipPrecision(norms=name, sums=name))
+            fn = ghost.make_ghost_clipped_sum_fn(
+                loss_fn,
+                clip_norm=1.0,
+                strategies=forced,
+                example=(params, {}, batch),
+                precision=ClipPrecision(norms=name, sums=name),
+            )
             ratio = np.asarray(jax.jit(fn)(params, {}, batch, jnp.ones(args.batch)).sum_of_norms, np.float64) / exact
-            row = {"model": args.model, "batch": args.batch, "views": args.views, "paths": mode, "precision": name,
-                   "mean": ratio.mean() - 1, "min": ratio.min() - 1, "max": ratio.max() - 1}
+            row = {
+                "model": args.model,
+                "batch": args.batch,
+                "views": args.views,
+                "paths": mode,
+                "precision": name,
+                "mean": ratio.mean() - 1,
+                "min": ratio.min() - 1,
+                "max": ratio.max() - 1,
+            }
             if mode == "auto":
                 row["layers"] = ghost.describe(fn.layers)
             print(json.dumps(row), flush=True)
@@ -88,14 +108,16 @@ def margins(args) -> None:
 
 def _baseline_ghost(ref: str):
     """``privacy.ghost`` as it was at ``ref``, imported as a package of its own beside this tree's."""
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref, "privacy/"], check=True,
-                           capture_output=True, text=True).stdout.split()
+    names = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", ref, "privacy/"], check=True, capture_output=True, text=True
+    ).stdout.split()
     modules = [Path(n).stem for n in names if n.endswith(".py")]
     package = Path(tempfile.mkdtemp()) / "baseline_privacy"
     package.mkdir()
     for module in modules:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:privacy/{module}.py"], check=True,
-                                capture_output=True, text=True).stdout
+        source = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{ref}:privacy/{module}.py"], check=True, capture_output=True, text=True
+        ).stdout
         for other in modules:
             source = source.replace(f"dpscale.privacy.{other} ", f"baseline_privacy.{other} ")
             source = source.replace(f"dpscale.privacy.{other}\n", f"baseline_privacy.{other}\n")
@@ -132,13 +154,25 @@ def timing(args) -> None:
     ratios = [t / b for t, b in zip(wall["this"], wall["baseline"])]
     cpu_ratios = [t / b for t, b in zip(cpu["this"], cpu["baseline"])]
     control = [t / b for t, b in zip(cpu["baseline again"], cpu["baseline"])]
-    print(json.dumps({"model": args.model, "batch": args.batch, "views": args.views, "baseline": args.baseline,
-                      "baseline_s": statistics.median(wall["baseline"]), "this_s": statistics.median(wall["this"]),
-                      "ratio_median": statistics.median(ratios), "ratio_q1_q3": statistics.quantiles(ratios, n=4)[::2],
-                      "cpu_ratio_median": statistics.median(cpu_ratios),
-                      "cpu_ratio_q1_q3": statistics.quantiles(cpu_ratios, n=4)[::2],
-                      "control_cpu_ratio_median": statistics.median(control),
-                      "rounds": args.rounds, "load_average": os.getloadavg()}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "batch": args.batch,
+                "views": args.views,
+                "baseline": args.baseline,
+                "baseline_s": statistics.median(wall["baseline"]),
+                "this_s": statistics.median(wall["this"]),
+                "ratio_median": statistics.median(ratios),
+                "ratio_q1_q3": statistics.quantiles(ratios, n=4)[::2],
+                "cpu_ratio_median": statistics.median(cpu_ratios),
+                "cpu_ratio_q1_q3": statistics.quantiles(cpu_ratios, n=4)[::2],
+                "control_cpu_ratio_median": statistics.median(control),
+                "rounds": args.rounds,
+                "load_average": os.getloadavg(),
+            }
+        )
+    )
 
 
 def main() -> None:

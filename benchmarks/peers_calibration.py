@@ -28,11 +28,20 @@ def main() -> None:
         for accountant in ("pld", "rdp"):
             for eps in TARGETS:
                 start = time.perf_counter()
-                found = calibrate_noise_multiplier(target_epsilon=eps, delta=DELTA, sampling_rate=q,
-                                                   steps=T, accountant=accountant)
-                emit({"framework": "dpscale", "accountant": accountant, "target": eps,
-                      "sigma": found.value, "epsilon": found.epsilon, "probes": found.probes,
-                      "seconds": time.perf_counter() - start})
+                found = calibrate_noise_multiplier(
+                    target_epsilon=eps, delta=DELTA, sampling_rate=q, steps=T, accountant=accountant
+                )
+                emit(
+                    {
+                        "framework": "dpscale",
+                        "accountant": accountant,
+                        "target": eps,
+                        "sigma": found.value,
+                        "epsilon": found.epsilon,
+                        "probes": found.probes,
+                        "seconds": time.perf_counter() - start,
+                    }
+                )
         return
     import opacus
     from opacus.accountants.utils import get_noise_multiplier
@@ -41,13 +50,21 @@ def main() -> None:
         for eps in TARGETS:
             start = time.perf_counter()
             try:
-                sigma = get_noise_multiplier(target_epsilon=eps, target_delta=DELTA, sample_rate=q,
-                                             steps=T, accountant=accountant)
+                sigma = get_noise_multiplier(
+                    target_epsilon=eps, target_delta=DELTA, sample_rate=q, steps=T, accountant=accountant
+                )
                 result = {"sigma": float(sigma)}
-            except Exception as err:  # an accountant may be missing or fail at this size
+            except Exception as err:  # noqa: BLE001  an accountant may be missing or fail at this size
                 result = {"error": f"{type(err).__name__}: {err}"[:200]}
-            emit({"framework": f"opacus {opacus.__version__}", "accountant": accountant, "target": eps,
-                  "seconds": time.perf_counter() - start, **result})
+            emit(
+                {
+                    "framework": f"opacus {opacus.__version__}",
+                    "accountant": accountant,
+                    "target": eps,
+                    "seconds": time.perf_counter() - start,
+                    **result,
+                }
+            )
 
 
 if __name__ == "__main__":

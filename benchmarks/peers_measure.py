@@ -16,7 +16,7 @@ import os
 import resource
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def rss_now_mb() -> float:
@@ -30,8 +30,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(step: Callable[[], None], *, examples: int, warmup: int, repeats: int,
-            rss_base_mb: float, extra: dict | None = None) -> dict:
+def measure(
+    step: Callable[[], None], *, examples: int, warmup: int, repeats: int, rss_base_mb: float, extra: dict | None = None
+) -> dict:
     """Median wall and CPU seconds of ``step`` over ``repeats`` calls after ``warmup`` calls."""
     start = time.perf_counter()
     for _ in range(warmup):
@@ -73,8 +74,15 @@ def parse_runner_args(frameworks: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--clip-tuning", default=None,
-                        help="dpscale: clip with this backend's device tuning (cpu, gpu; default: the running one's)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="torch runners: where the step runs (auto: CUDA when present)")
+    parser.add_argument(
+        "--clip-tuning",
+        default=None,
+        help="dpscale: clip with this backend's device tuning (cpu, gpu; default: the running one's)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="torch runners: where the step runs (auto: CUDA when present)",
+    )
     return parser.parse_args()

@@ -43,8 +43,16 @@ def _problem(workload: str, physical: int, micro: int):
             logits = views["features"] @ params["kernel"] + params["bias"]
             return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
 
-        batches = [({"features": jax.random.normal(jax.random.fold_in(key, i), (physical, dim)),
-                     "label": jnp.arange(physical) % classes}, jnp.ones(physical)) for i in range(micro)]
+        batches = [
+            (
+                {
+                    "features": jax.random.normal(jax.random.fold_in(key, i), (physical, dim)),
+                    "label": jnp.arange(physical) % classes,
+                },
+                jnp.ones(physical),
+            )
+            for i in range(micro)
+        ]
         return loss_fn, params, batches, True
 
     from dpscale.models.registry import get_model, get_spec
@@ -57,9 +65,16 @@ def _problem(workload: str, physical: int, micro: int):
         logits = model.apply({"params": params}, views["image"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
 
-    batches = [({"image": jax.random.normal(jax.random.fold_in(key, i), (physical, 1, *spec.input_shape)),
-                 "label": (jnp.arange(physical) % spec.num_classes)[:, None]}, jnp.ones(physical))
-               for i in range(micro)]
+    batches = [
+        (
+            {
+                "image": jax.random.normal(jax.random.fold_in(key, i), (physical, 1, *spec.input_shape)),
+                "label": (jnp.arange(physical) % spec.num_classes)[:, None],
+            },
+            jnp.ones(physical),
+        )
+        for i in range(micro)
+    ]
     return loss_fn, params, batches, False
 
 
@@ -77,8 +92,10 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
     if private and linear:
         # As FeatureFeed does: cached features are fixed, so ||x_i||^2 is computed once per
         # dataset (here, before timing), not on every step.
-        batches = [({**batch, "features_sq_norm": jax.numpy.sum(batch["features"] ** 2, axis=-1)}, mask)
-                   for batch, mask in batches]
+        batches = [
+            ({**batch, "features_sq_norm": jax.numpy.sum(batch["features"] ** 2, axis=-1)}, mask)
+            for batch, mask in batches
+        ]
     if args.framework == "dpscale-vmap":
         if linear:
             raise SystemExit("dpscale-vmap is for image workloads (the linear ones have a closed form)")
@@ -95,10 +112,21 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
     else:
         clipped = None  # a non-private plan sums plain gradients
     # The step as `dpscale train` builds it, from a plan (q = 1: only the step's shape matters here).
-    plan = PrivacyPlan(num_examples=args.logical, batch_size=args.logical, steps=1, delta=1e-5,
-                       noise_multiplier=args.noise_multiplier if private else 0.0)
-    dp = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, optimizer=optax.sgd(0.1),
-                      ema_decay=TrainingConfig.ema_decay, clipped_sum_fn=clipped)
+    plan = PrivacyPlan(
+        num_examples=args.logical,
+        batch_size=args.logical,
+        steps=1,
+        delta=1e-5,
+        noise_multiplier=args.noise_multiplier if private else 0.0,
+    )
+    dp = plan.dp_step(
+        loss_fn,
+        seed=0,
+        clip_norm=1.0,
+        optimizer=optax.sgd(0.1),
+        ema_decay=TrainingConfig.ema_decay,
+        clipped_sum_fn=clipped,
+    )
     holder = {"state": dp.init(params)}
 
     def step() -> None:
@@ -132,17 +160,21 @@ def _jax_privacy_step(args, loss_fn, params, batches, linear: bool, extra: dict)
     # the kernel's OOM killer pick a process on a shared machine.
     need = 4 * args.physical * sum(leaf.size for leaf in jax.tree.leaves(params))
     if need > 0.7 * _available_bytes():
-        emit({"status": f"skipped: per-example gradients need {need / 2**30:.1f} GiB, "
-                        f"{_available_bytes() / 2**30:.1f} GiB available"})
+        emit(
+            {
+                "status": f"skipped: per-example gradients need {need / 2**30:.1f} GiB, "
+                f"{_available_bytes() / 2**30:.1f} GiB available"
+            }
+        )
         raise SystemExit(0)
 
     def fun(params, inputs, labels):
         return loss_fn(params, None, {key: inputs, "label": labels})
 
-    clipped = jax_privacy.clipped_grad(fun, l2_clip_norm=1.0, rescale_to_unit_norm=True,
-                                       batch_argnums=(1, 2), keep_batch_dim=linear)
-    tx = optax.chain(gaussian_privatizer(stddev=args.noise_multiplier, prng_key=0),
-                     optax.sgd(0.1 / args.logical))
+    clipped = jax_privacy.clipped_grad(
+        fun, l2_clip_norm=1.0, rescale_to_unit_norm=True, batch_argnums=(1, 2), keep_batch_dim=linear
+    )
+    tx = optax.chain(gaussian_privatizer(stddev=args.noise_multiplier, prng_key=0), optax.sgd(0.1 / args.logical))
 
     @jax.jit
     def accumulate(params, total, inputs, labels):
@@ -173,15 +205,18 @@ def main() -> None:
     micro = args.logical // args.physical
     loss_fn, params, batches, linear = _problem(args.workload, args.physical, micro)
     build = _jax_privacy_step if args.framework == "jax-privacy" else _dpscale_step
-    extra = {"jax": jax.__version__, "devices": jax.device_count(), "platform": jax.devices()[0].platform,
-             "device_kind": jax.devices()[0].device_kind}
+    extra = {
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind,
+    }
     step = build(args, loss_fn, params, batches, linear, extra)
     if args.framework == "jax-privacy":
         import jax_privacy
 
         extra["jax_privacy"] = jax_privacy.__version__
-    emit(measure(step, examples=args.logical, warmup=args.warmup, repeats=args.repeats,
-                 rss_base_mb=base, extra=extra))
+    emit(measure(step, examples=args.logical, warmup=args.warmup, repeats=args.repeats, rss_base_mb=base, extra=extra))
 
 
 if __name__ == "__main__":

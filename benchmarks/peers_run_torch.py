@@ -37,8 +37,10 @@ def main() -> None:
         model = without_weight_standardisation(model)
     model = model.to(device)
     micro = args.logical // args.physical
-    batches = [(torch.randn(args.physical, *shape, device=device),
-                torch.randint(0, 10, (args.physical,), device=device)) for _ in range(micro)]
+    batches = [
+        (torch.randn(args.physical, *shape, device=device), torch.randint(0, 10, (args.physical,), device=device))
+        for _ in range(micro)
+    ]
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     criterion = nn.CrossEntropyLoss()
     extra = {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
@@ -46,6 +48,7 @@ def main() -> None:
         extra["gpu"] = torch.cuda.get_device_name()
 
     if args.framework == "torch":
+
         def step() -> None:
             for x, y in batches:
                 (criterion(model(x), y) * (args.physical / args.logical)).backward()
@@ -58,8 +61,9 @@ def main() -> None:
 
         extra["opacus"] = opacus.__version__
         gsm = GradSampleModule(model)
-        dp = DPOptimizer(sgd, noise_multiplier=args.noise_multiplier, max_grad_norm=1.0,
-                         expected_batch_size=args.logical)
+        dp = DPOptimizer(
+            sgd, noise_multiplier=args.noise_multiplier, max_grad_norm=1.0, expected_batch_size=args.logical
+        )
 
         def step() -> None:
             for index, (x, y) in enumerate(batches):
@@ -76,8 +80,9 @@ def main() -> None:
 
         extra["opacus"] = opacus.__version__
         gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, use_ghost_clipping=True)
-        dp = DPOptimizerFastGradientClipping(sgd, noise_multiplier=args.noise_multiplier, max_grad_norm=1.0,
-                                             expected_batch_size=args.logical)
+        dp = DPOptimizerFastGradientClipping(
+            sgd, noise_multiplier=args.noise_multiplier, max_grad_norm=1.0, expected_batch_size=args.logical
+        )
         dp_loss = DPLossFastGradientClipping(gsm, dp, criterion, loss_reduction="mean")
         if micro != 1:
             raise SystemExit("opacus-ghost is measured with logical == physical only")
@@ -95,8 +100,9 @@ def main() -> None:
             unsynchronised()
             torch.cuda.synchronize()
 
-    result = measure(step, examples=args.logical, warmup=args.warmup, repeats=args.repeats,
-                     rss_base_mb=base, extra=extra)
+    result = measure(
+        step, examples=args.logical, warmup=args.warmup, repeats=args.repeats, rss_base_mb=base, extra=extra
+    )
     if device == "cuda":
         result["peak_gpu_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     emit(result)

@@ -118,9 +118,14 @@ def pytest_runtest_protocol(item: Any, nextitem: Any) -> Any:
     _sampler.reset()
     start = time.time()
     yield
-    row = {"test": item.nodeid, "seconds": round(time.time() - start, 2), "start": round(start, 1),
-           "rss_before_mb": before >> 20, "rss_after_mb": _rss(os.getpid()) >> 20,
-           "peak_mb": max(_sampler.reset(), before) >> 20}
+    row = {
+        "test": item.nodeid,
+        "seconds": round(time.time() - start, 2),
+        "start": round(start, 1),
+        "rss_before_mb": before >> 20,
+        "rss_after_mb": _rss(os.getpid()) >> 20,
+        "peak_mb": max(_sampler.reset(), before) >> 20,
+    }
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 

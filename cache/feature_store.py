@@ -150,13 +150,19 @@ class EntryLayout:
         if meta.get("format") != STORE_FORMAT:
             raise DataError("not a dpscale feature-store entry")
         if meta.get("format_version") != FEATURE_FORMAT_VERSION:
-            raise DataError(f"feature format version {meta.get('format_version')} is not "
-                            f"supported (expected {FEATURE_FORMAT_VERSION}); featurize again")
+            raise DataError(
+                f"feature format version {meta.get('format_version')} is not "
+                f"supported (expected {FEATURE_FORMAT_VERSION}); featurize again"
+            )
         try:
-            return cls(key=FeatureKey.from_dict(meta["key"]), feature_dim=int(meta["feature_dim"]),
-                       class_names=tuple(meta["class_names"]),
-                       splits={s: SplitLayout(**v) for s, v in meta["splits"].items()},
-                       source=str(meta.get("source", "")), backbone=str(meta.get("backbone", "")))
+            return cls(
+                key=FeatureKey.from_dict(meta["key"]),
+                feature_dim=int(meta["feature_dim"]),
+                class_names=tuple(meta["class_names"]),
+                splits={s: SplitLayout(**v) for s, v in meta["splits"].items()},
+                source=str(meta.get("source", "")),
+                backbone=str(meta.get("backbone", "")),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"malformed feature-store metadata: {exc}") from None
 
@@ -165,8 +171,16 @@ class EntryLayout:
         key = self.key
         cache_dir = os.path.dirname(path.rstrip("/")) or "."
         cache_dir = files.absolute(cache_dir)  # works from any directory
-        parts = ["dpscale featurize", self.source or "DATA", "--backbone", self.backbone or "BACKBONE",
-                 "--cache-dir", cache_dir, "--resolution", str(key.resolution)]
+        parts = [
+            "dpscale featurize",
+            self.source or "DATA",
+            "--backbone",
+            self.backbone or "BACKBONE",
+            "--cache-dir",
+            cache_dir,
+            "--resolution",
+            str(key.resolution),
+        ]
         if key.resize_method != "bilinear":
             parts += ["--resize-method", key.resize_method]
         if key.flip_average:
@@ -181,15 +195,19 @@ def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
     try:
         meta = json.loads(files.read_text(files.join(path, METADATA)))
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path!r} is not a feature-store entry (no readable {METADATA}); "
-                        "it may be an unfinished run: featurize again") from exc
+        raise DataError(
+            f"{path!r} is not a feature-store entry (no readable {METADATA}); "
+            "it may be an unfinished run: featurize again"
+        ) from exc
     layout = EntryLayout.from_metadata(meta)
     if meta.get("digest") != layout.key.digest:
         raise DataError(f"{path!r}: stored key does not hash to its digest (stale or edited entry)")
     name = os.path.basename(path.rstrip("/"))
     if _DIGEST.match(name) and name != layout.key.digest:
-        raise DataError(f"{path!r}: the entry's key digest {layout.key.digest[:16]}... does not "
-                        "match its directory name (stale or moved entry)")
+        raise DataError(
+            f"{path!r}: the entry's key digest {layout.key.digest[:16]}... does not "
+            "match its directory name (stale or moved entry)"
+        )
     return layout, meta
 
 
@@ -234,12 +252,18 @@ class FeatureStore:
         for split, rows in sorted(layout.splits.items()):
             n, c = rows.num_examples, rows.chunk_rows
             sub = group.create_group(split)
-            sub.create_array("features", shape=(n, layout.feature_dim), dtype="float32",
-                             chunks=(c, layout.feature_dim), fill_value=np.nan, **integrity.codecs())
-            sub.create_array("labels", shape=(n,), dtype="int32", chunks=(c,), fill_value=-1,
-                             **integrity.codecs())
-            sub.create_array("ids", shape=(n, ID_BYTES), dtype="uint8", chunks=(c, ID_BYTES),
-                             fill_value=0, **integrity.codecs())
+            sub.create_array(
+                "features",
+                shape=(n, layout.feature_dim),
+                dtype="float32",
+                chunks=(c, layout.feature_dim),
+                fill_value=np.nan,
+                **integrity.codecs(),
+            )
+            sub.create_array("labels", shape=(n,), dtype="int32", chunks=(c,), fill_value=-1, **integrity.codecs())
+            sub.create_array(
+                "ids", shape=(n, ID_BYTES), dtype="uint8", chunks=(c, ID_BYTES), fill_value=0, **integrity.codecs()
+            )
         _write_text(files.join(path, METADATA), json.dumps(layout.to_metadata(), indent=2) + "\n")
         return store
 
@@ -254,8 +278,7 @@ class FeatureStore:
         """Read the complete entry for ``key``; ``DataError`` if absent, partial, stale or damaged."""
         path = entry_path(cache_dir, key)
         if not files.exists(files.join(path, METADATA)):
-            raise DataError(f"no features for key {key.digest[:16]}... in {cache_dir!r}: "
-                            "run dpscale featurize first")
+            raise DataError(f"no features for key {key.digest[:16]}... in {cache_dir!r}: run dpscale featurize first")
         return open_features(path, expected_key=key, verify=verify)
 
     # ---- chunk bookkeeping -----------------------------------------------------------------
@@ -278,8 +301,7 @@ class FeatureStore:
         return done
 
     def all_chunks(self) -> list[tuple[str, int]]:
-        return [(s, c) for s, rows in sorted(self.layout.splits.items())
-                for c in range(rows.num_chunks)]
+        return [(s, c) for s, rows in sorted(self.layout.splits.items()) for c in range(rows.num_chunks)]
 
     def missing_chunks(self) -> list[tuple[str, int]]:
         done = self.done_chunks()
@@ -296,8 +318,9 @@ class FeatureStore:
             group = zarr.open_group(store=_zarr_store(files.join(self.path, DATA), read_only=True), mode="r")
             damage = integrity.unreadable_chunks(files.join(self.path, DATA), group, self.layout.splits, chunks=done)
         except Exception:  # noqa: BLE001 - unreadable arrays: nothing marked can be trusted
-            damage = [integrity.ChunkDamage(s, "features", c, self.layout.splits[s].rows(c), "unreadable")
-                      for s, c in done]
+            damage = [
+                integrity.ChunkDamage(s, "features", c, self.layout.splits[s].rows(c), "unreadable") for s, c in done
+            ]
         bad = sorted({(d.split, d.chunk) for d in damage})
         if bad:
             for path in [files.join(self.path, COMPLETE)] + [self._marker(s, c) for s, c in bad]:
@@ -315,22 +338,28 @@ class FeatureStore:
     def _array(self, split: str, name: str) -> Any:
         if (split, name) not in self._arrays:
             self._arrays[split, name] = zarr.open_array(
-                store=_zarr_store(files.join(self.path, DATA)), path=f"{split}/{name}", mode="r+",
-                config=integrity.WRITE_CONFIG)
+                store=_zarr_store(files.join(self.path, DATA)),
+                path=f"{split}/{name}",
+                mode="r+",
+                config=integrity.WRITE_CONFIG,
+            )
         return self._arrays[split, name]
 
     @files.owner_only
-    def write_chunk(self, split: str, chunk: int, features: np.ndarray, labels: np.ndarray,
-                    ids: Sequence[bytes] | np.ndarray) -> None:
+    def write_chunk(
+        self, split: str, chunk: int, features: np.ndarray, labels: np.ndarray, ids: Sequence[bytes] | np.ndarray
+    ) -> None:
         """Write one whole chunk's rows, then its marker (the marker is the commit)."""
         start, stop = self.layout.splits[split].rows(chunk)
         n = stop - start
         features = np.asarray(features, dtype=np.float32)
         if features.shape != (n, self.layout.feature_dim):
-            raise ValueError(f"chunk {split}/{chunk}: features {features.shape}, "
-                             f"expected {(n, self.layout.feature_dim)}")
-        id_array = np.asarray(ids if isinstance(ids, np.ndarray) else
-                              [np.frombuffer(i, dtype=np.uint8) for i in ids], dtype=np.uint8)
+            raise ValueError(
+                f"chunk {split}/{chunk}: features {features.shape}, expected {(n, self.layout.feature_dim)}"
+            )
+        id_array = np.asarray(
+            ids if isinstance(ids, np.ndarray) else [np.frombuffer(i, dtype=np.uint8) for i in ids], dtype=np.uint8
+        )
         if id_array.shape != (n, ID_BYTES) or np.shape(labels) != (n,):
             raise ValueError(f"chunk {split}/{chunk}: labels/ids do not have {n} rows")
         self._array(split, "features")[start:stop] = features
@@ -343,8 +372,10 @@ class FeatureStore:
         """Write ``COMPLETE`` if (and only if) every chunk has its marker."""
         missing = self.missing_chunks()
         if missing:
-            raise RuntimeError(f"{len(missing)} of {len(self.all_chunks())} chunks were not "
-                               f"written (first: {missing[0]}); the entry stays incomplete")
+            raise RuntimeError(
+                f"{len(missing)} of {len(self.all_chunks())} chunks were not "
+                f"written (first: {missing[0]}); the entry stays incomplete"
+            )
         _write_text(files.join(self.path, COMPLETE), self.layout.key.digest + "\n")
 
 
@@ -361,23 +392,36 @@ class FeatureSplitSet:
         try:
             self._group = zarr.open_group(store=_zarr_store(self._data, read_only=True), mode="r")
             shapes = {s: {name: self._group[f"{s}/{name}"].shape for name in integrity.ARRAYS} for s in layout.splits}
-        except Exception as exc:  # noqa: BLE001 - missing or unreadable array metadata
-            raise DataError(f"feature cache {path!r} is damaged: its arrays cannot be opened "
-                            f"({integrity.short(exc)}); recompute it with `{self.repair}`") from exc
+        except Exception as exc:
+            raise DataError(
+                f"feature cache {path!r} is damaged: its arrays cannot be opened "
+                f"({integrity.short(exc)}); recompute it with `{self.repair}`"
+            ) from exc
         for split, rows in layout.splits.items():
-            want = {"features": (rows.num_examples, layout.feature_dim),
-                    "labels": (rows.num_examples,), "ids": (rows.num_examples, ID_BYTES)}
+            want = {
+                "features": (rows.num_examples, layout.feature_dim),
+                "labels": (rows.num_examples,),
+                "ids": (rows.num_examples, ID_BYTES),
+            }
             if shapes[split] != want:
-                raise DataError(f"{path!r}: arrays of split {split!r} have shapes {shapes[split]}, "
-                                f"metadata says {want}")
+                raise DataError(
+                    f"{path!r}: arrays of split {split!r} have shapes {shapes[split]}, metadata says {want}"
+                )
         check = integrity.unreadable_chunks if verify else integrity.missing_chunks
         damage = check(self._data, self._group, layout.splits)
         if damage:
             raise integrity.damage_error(path, damage, self.repair)
 
     def _checked(self, split: str, name: str) -> integrity.CheckedArray:
-        return integrity.CheckedArray(self._group, data_path=self._data, split=split, name=name,
-                                      layout=self._split(split), path=self.path, repair=self.repair)
+        return integrity.CheckedArray(
+            self._group,
+            data_path=self._data,
+            split=split,
+            name=name,
+            layout=self._split(split),
+            path=self.path,
+            repair=self.repair,
+        )
 
     @property
     def key(self) -> FeatureKey:
@@ -408,8 +452,9 @@ class FeatureSplitSet:
         try:
             return self.layout.splits[split]
         except KeyError:
-            raise DataError(f"split {split!r} not in the features at {self.path!r} "
-                            f"(has {', '.join(self.splits)})") from None
+            raise DataError(
+                f"split {split!r} not in the features at {self.path!r} (has {', '.join(self.splits)})"
+            ) from None
 
     def num_examples(self, split: str) -> int:
         return self._split(split).num_examples
@@ -433,12 +478,15 @@ class FeatureSplitSet:
             raise IndexError(f"index out of range for split {split!r} of size {n}")
         feats = self.features(split).get_orthogonal_selection((flat, slice(None)))
         labels = self._checked(split, "labels").get_orthogonal_selection(flat)
-        return (np.asarray(feats, np.float32).reshape(*idx.shape, self.feature_dim),
-                np.asarray(labels, np.int32).reshape(idx.shape))
+        return (
+            np.asarray(feats, np.float32).reshape(*idx.shape, self.feature_dim),
+            np.asarray(labels, np.int32).reshape(idx.shape),
+        )
 
 
-def open_features(path: str | os.PathLike[str], *, expected_key: FeatureKey | None = None,
-                  verify: bool = False) -> FeatureSplitSet:
+def open_features(
+    path: str | os.PathLike[str], *, expected_key: FeatureKey | None = None, verify: bool = False
+) -> FeatureSplitSet:
     """Open the entry at ``path`` for reading; refuses partial, stale, mismatched or damaged entries.
 
     Every chunk must be present; ``verify`` also reads each one (checksums), which
@@ -449,12 +497,13 @@ def open_features(path: str | os.PathLike[str], *, expected_key: FeatureKey | No
     if expected_key is not None and layout.key != expected_key:
         mine, theirs = layout.key.as_dict(), expected_key.as_dict()
         differ = sorted(k for k in mine if mine[k] != theirs.get(k))
-        raise DataError(f"{path!r} holds features for another key (differs in: "
-                        f"{', '.join(differ)})")
+        raise DataError(f"{path!r} holds features for another key (differs in: {', '.join(differ)})")
     store = FeatureStore(path, layout)
     if not store.is_complete():
         total = len(store.all_chunks())
         done = total - len(store.missing_chunks())
-        raise DataError(f"{path!r} is an incomplete feature entry ({done} of {total} chunks "
-                        f"written, no COMPLETE marker): finish it with `{layout.repair_command(path)}`")
+        raise DataError(
+            f"{path!r} is an incomplete feature entry ({done} of {total} chunks "
+            f"written, no COMPLETE marker): finish it with `{layout.repair_command(path)}`"
+        )
     return FeatureSplitSet(path, layout, meta, verify=verify)

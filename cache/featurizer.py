@@ -21,8 +21,9 @@ from dpscale.data.key_store import directory_secret
 from dpscale.errors import DataError
 
 
-def preprocess(images: Any, *, resolution: int, mean: tuple[float, ...], std: tuple[float, ...],
-               resize_method: str = "bilinear") -> Any:
+def preprocess(
+    images: Any, *, resolution: int, mean: tuple[float, ...], std: tuple[float, ...], resize_method: str = "bilinear"
+) -> Any:
     """uint8 NHWC pixels -> resized, normalised float32 at ``resolution`` (traceable in jit).
 
     Grayscale images fed to an RGB backbone are repeated over the three channels.
@@ -53,12 +54,12 @@ class Featurizer:
         from dpscale.models.pretrained import load_pretrained, read_metadata, resolve_backbone
 
         if read_metadata(resolve_backbone(backbone)).weights_sha256 != key.weights_sha256:
-            raise DataError(f"backbone {backbone!r} changed since the run was planned "
-                            "(weights sha256 differs from the cache key)")
+            raise DataError(
+                f"backbone {backbone!r} changed since the run was planned (weights sha256 differs from the cache key)"
+            )
         model, variables, _ = load_pretrained(backbone)
         self.batch_size = batch_size
-        prep = dict(resolution=key.resolution, mean=key.mean, std=key.std,
-                    resize_method=key.resize_method)
+        prep = dict(resolution=key.resolution, mean=key.mean, std=key.std, resize_method=key.resize_method)
 
         def features(x: Any) -> Any:
             return model.apply(variables, x, method="features")
@@ -75,7 +76,7 @@ class Featurizer:
         n = len(images)
         pending = []
         for start in range(0, n, self.batch_size):
-            batch = images[start:start + self.batch_size]
+            batch = images[start : start + self.batch_size]
             if len(batch) < self.batch_size:
                 pad = np.zeros((self.batch_size - len(batch), *batch.shape[1:]), batch.dtype)
                 batch = np.concatenate([batch, pad])
@@ -85,20 +86,29 @@ class Featurizer:
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in pending])[:n]
 
 
-def featurize_chunk(dataset: IngestedDataset, store: fstore.FeatureStore, featurizer: Featurizer,
-                    split: str, chunk: int) -> int:
+def featurize_chunk(
+    dataset: IngestedDataset, store: fstore.FeatureStore, featurizer: Featurizer, split: str, chunk: int
+) -> int:
     """Read one chunk's rows by index, featurize them, write the chunk. Returns its rows."""
     start, stop = store.layout.splits[split].rows(chunk)
     examples = dataset.examples(split, range(start, stop))
     images = np.stack([e.image for e in examples])
     features = featurizer(images)
-    store.write_chunk(split, chunk, features, np.array([e.label for e in examples], np.int32),
-                      [e.digest for e in examples])
+    store.write_chunk(
+        split, chunk, features, np.array([e.label for e in examples], np.int32), [e.digest for e in examples]
+    )
     return stop - start
 
 
-def feature_key(dataset: IngestedDataset, backbone: str, *, cache_dir: str, resolution: int | None = None,
-                resize_method: str = "bilinear", flip_average: bool = False) -> tuple[FeatureKey, Any]:
+def feature_key(
+    dataset: IngestedDataset,
+    backbone: str,
+    *,
+    cache_dir: str,
+    resolution: int | None = None,
+    resize_method: str = "bilinear",
+    flip_average: bool = False,
+) -> tuple[FeatureKey, Any]:
     """The cache key from metadata only (no weights loaded), and the backbone metadata.
 
     The data enters the key as its content hash keyed with ``cache_dir``'s secret.
@@ -109,12 +119,18 @@ def feature_key(dataset: IngestedDataset, backbone: str, *, cache_dir: str, reso
     prep = meta.preprocessing
     channels = dataset.image_shape[-1] if dataset.image_shape else len(prep.mean)
     if channels not in (len(prep.mean), 1):
-        raise DataError(f"images have {channels} channels but the backbone expects "
-                        f"{len(prep.mean)}")
+        raise DataError(f"images have {channels} channels but the backbone expects {len(prep.mean)}")
     identity = keyed_identity(directory_secret(cache_dir), dataset.content_hash)
-    key = FeatureKey(data_identity=identity, weights_sha256=meta.weights_sha256,
-                     model=meta.model, resolution=resolution or prep.resolution, mean=prep.mean,
-                     std=prep.std, resize_method=resize_method, flip_average=flip_average)
+    key = FeatureKey(
+        data_identity=identity,
+        weights_sha256=meta.weights_sha256,
+        model=meta.model,
+        resolution=resolution or prep.resolution,
+        mean=prep.mean,
+        std=prep.std,
+        resize_method=resize_method,
+        flip_average=flip_average,
+    )
     return key, meta
 
 

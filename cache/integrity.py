@@ -65,18 +65,29 @@ def missing_chunks(data_path: str, group: Any, splits: Mapping[str, Any]) -> lis
     for split, layout in sorted(splits.items()):
         for name in ARRAYS:
             array = group[f"{split}/{name}"]
-            missing += [ChunkDamage(split, name, chunk, layout.rows(chunk), "missing")
-                        for chunk in range(layout.num_chunks) if not _present(data_path, split, name, array, chunk)]
+            missing += [
+                ChunkDamage(split, name, chunk, layout.rows(chunk), "missing")
+                for chunk in range(layout.num_chunks)
+                if not _present(data_path, split, name, array, chunk)
+            ]
     return missing
 
 
-def unreadable_chunks(data_path: str, group: Any, splits: Mapping[str, Any], *,
-                      chunks: Iterable[tuple[str, int]] | None = None,
-                      arrays: tuple[str, ...] = ARRAYS) -> list[ChunkDamage]:
+def unreadable_chunks(
+    data_path: str,
+    group: Any,
+    splits: Mapping[str, Any],
+    *,
+    chunks: Iterable[tuple[str, int]] | None = None,
+    arrays: tuple[str, ...] = ARRAYS,
+) -> list[ChunkDamage]:
     """Chunks that are missing or fail to decode (reads every chunk asked for: featurize's full check)."""
     damaged = []
-    wanted = sorted(chunks) if chunks is not None else [(s, c) for s, layout in sorted(splits.items())
-                                                        for c in range(layout.num_chunks)]
+    wanted = (
+        sorted(chunks)
+        if chunks is not None
+        else [(s, c) for s, layout in sorted(splits.items()) for c in range(layout.num_chunks)]
+    )
     for split, chunk in wanted:
         start, stop = splits[split].rows(chunk)
         for name in arrays:
@@ -105,15 +116,17 @@ def short(exc: Exception) -> str:
 def damage_error(path: str, damage: list[ChunkDamage], repair: str) -> DataError:
     """The one-line error for a damaged entry: the first damaged chunk, how many, and the fix."""
     more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
-    return DataError(f"feature cache {path!r} is damaged: {damage[0].describe()}{more}; recompute the "
-                     f"damaged chunks with `{repair}`")
+    return DataError(
+        f"feature cache {path!r} is damaged: {damage[0].describe()}{more}; recompute the damaged chunks with `{repair}`"
+    )
 
 
 class CheckedArray:
     """A read-only Zarr array whose failed reads become ``damage_error`` naming the damaged chunk."""
 
-    def __init__(self, group: Any, *, data_path: str, split: str, name: str, layout: Any, path: str,
-                 repair: str) -> None:
+    def __init__(
+        self, group: Any, *, data_path: str, split: str, name: str, layout: Any, path: str, repair: str
+    ) -> None:
         self._group, self._data_path, self._split, self._name = group, data_path, split, name
         self._array = group[f"{split}/{name}"]
         self._layout, self._path, self._repair = layout, path, repair
@@ -142,9 +155,8 @@ class CheckedArray:
     def _checked(self, read: Any) -> Any:
         try:
             return read()
-        except Exception as exc:  # noqa: BLE001 - located below; re-raised as is if it is not damage
-            damage = unreadable_chunks(self._data_path, self._group, {self._split: self._layout},
-                                       arrays=(self._name,))
+        except Exception as exc:
+            damage = unreadable_chunks(self._data_path, self._group, {self._split: self._layout}, arrays=(self._name,))
             if not damage:
                 raise
             raise damage_error(self._path, damage, self._repair) from exc

@@ -43,8 +43,7 @@ class FeatureKey:
         object.__setattr__(self, "std", tuple(float(s) for s in self.std))
         object.__setattr__(self, "flip_average", bool(self.flip_average))
         if self.resize_method not in RESIZE_METHODS:
-            raise DataError(f"resize method must be one of {', '.join(RESIZE_METHODS)}, "
-                            f"got {self.resize_method!r}")
+            raise DataError(f"resize method must be one of {', '.join(RESIZE_METHODS)}, got {self.resize_method!r}")
         if not self.data_identity or not self.weights_sha256:
             raise DataError("a feature key needs the data identity and the weights sha256")
 

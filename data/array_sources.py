@@ -14,14 +14,25 @@ from typing import Any
 
 import numpy as np
 
-from dpscale.data.raw_items import (SPLIT_ALIASES, UNKNOWN_LABEL, PlanOptions, RawItem, ReadTask, SourceKind,
-                                    SourcePlan, SourceSpec, location_argument, open_maybe_gz)
+from dpscale.data.raw_items import (
+    SPLIT_ALIASES,
+    UNKNOWN_LABEL,
+    PlanOptions,
+    RawItem,
+    ReadTask,
+    SourceKind,
+    SourcePlan,
+    SourceSpec,
+    location_argument,
+    open_maybe_gz,
+)
 from dpscale.errors import DataError
 
 DIGITS_TEST_FRACTION = 0.2
 
 
 # --- IDX (MNIST format) --------------------------------------------------------------
+
 
 def _idx_header(path: str) -> tuple[int, tuple[int, ...]]:
     """Return (header size, dims) of an IDX file of unsigned bytes."""
@@ -46,13 +57,11 @@ def _find_idx_pairs(directory: str) -> dict[str, tuple[str, str]]:
         for marker in ("-images-idx3-ubyte", "-images.idx3-ubyte"):
             if base.endswith(marker):
                 prefix = base[: -len(marker)]
-                labels = [f for f in files if f.startswith(prefix) and "labels" in f
-                          and "idx1" in f]
+                labels = [f for f in files if f.startswith(prefix) and "labels" in f and "idx1" in f]
                 split = SPLIT_ALIASES.get(prefix.lower(), prefix.lower())
                 if not labels:
                     raise DataError(f"no labels file for {name!r} in {directory!r}")
-                pairs[split] = (os.path.join(directory, name),
-                                os.path.join(directory, labels[0]))
+                pairs[split] = (os.path.join(directory, name), os.path.join(directory, labels[0]))
     return pairs
 
 
@@ -91,7 +100,8 @@ def _classes_from_labels(path: str) -> tuple[str, ...]:
             f"{path!r}: labels run 0..{top} but {empty.size} of those {top + 1} classes have no example "
             f"(e.g. {', '.join(map(str, empty[:3]))}; {int(counts[top])} example(s) labelled {top}): a corrupt "
             "label? Name the classes in classes.txt (one per line) beside the IDX files; other labels are then "
-            "rejected and listed in report.json")
+            "rejected and listed in report.json"
+        )
     return tuple(str(i) for i in range(counts.size))
 
 
@@ -121,9 +131,10 @@ def plan_idx(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
             raise DataError(f"{images!r} has {dims[0]} images but {labels!r} {n_labels} labels")
         sizes[split] = dims[0]
         extra = (("labels", labels), ("header", header), ("dims", dims))
-        tasks += [ReadTask("idx", path=images, split=split, start=s,
-                           stop=min(s + chunk_size, dims[0]), extra=extra)
-                  for s in range(0, dims[0], chunk_size)]
+        tasks += [
+            ReadTask("idx", path=images, split=split, start=s, stop=min(s + chunk_size, dims[0]), extra=extra)
+            for s in range(0, dims[0], chunk_size)
+        ]
     return SourcePlan(spec, classes, tuple(tasks), sizes)
 
 
@@ -133,7 +144,7 @@ def read_idx(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
     dims = extra["dims"]
     shape = tuple(dims[1:]) if len(dims) == 4 else (dims[1], dims[2], 1)
     size = int(np.prod(shape))
-    labels = _read_idx_labels(extra["labels"])[task.start:task.stop]
+    labels = _read_idx_labels(extra["labels"])[task.start : task.stop]
     with open_maybe_gz(task.path) as f:
         f.seek(extra["header"] + task.start * size)
         data = f.read((task.stop - task.start) * size)
@@ -144,11 +155,11 @@ def read_idx(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
         key = f"{base}[{task.start + i}]"
         payload = images[i] if i < count else b""
         known = int(label) < num_classes
-        yield RawItem(task.split, key, int(label) if known else UNKNOWN_LABEL, payload,
-                      label_name=str(int(label)))
+        yield RawItem(task.split, key, int(label) if known else UNKNOWN_LABEL, payload, label_name=str(int(label)))
 
 
 # --- TFDS ------------------------------------------------------------------------------
+
 
 def _tfds_keys(features: Any) -> tuple[str, str]:
     """Pick the image and label feature names of a TFDS builder."""
@@ -191,7 +202,8 @@ def plan_tfds(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
         f"TFDS dataset {spec.location!r} is not prepared in {where} (dpscale reads prepared TFDS data only, it never "
         f"downloads): prepare it there in ArrayRecord format, e.g. `tfds build {spec.location} "
         f"--file_format=array_record{f' --data_dir={data_dir}' if data_dir else ''}`, or give --tfds-data-dir "
-        "where it is")
+        "where it is"
+    )
     if not spec.split and not available:
         raise not_prepared
     splits = [spec.split] if spec.split else available
@@ -200,18 +212,27 @@ def plan_tfds(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
     except Exception as exc:  # noqa: BLE001 - e.g. a split that is not there, or not in ArrayRecord format
         if not builder.is_prepared():
             raise not_prepared from None
-        raise DataError(f"cannot read TFDS dataset {spec.location!r} (splits {', '.join(available) or '?'}): "
-                        f"{' '.join(str(exc).split())[:200]}") from None
+        raise DataError(
+            f"cannot read TFDS dataset {spec.location!r} (splits {', '.join(available) or '?'}): "
+            f"{' '.join(str(exc).split())[:200]}"
+        ) from None
     image_key, label_key = _tfds_keys(builder.info.features)
     classes = tuple(builder.info.features[label_key].names)
     tasks, sizes = [], {}
     for split, source in sources.items():
         name = SPLIT_ALIASES.get(split.split("[")[0], split.split("[")[0])
         sizes[name] = len(source)
-        extra = (("name", spec.location), ("selection", split), ("data_dir", data_dir),
-                 ("image_key", image_key), ("label_key", label_key))
-        tasks += [ReadTask("tfds", split=name, start=s, stop=min(s + chunk_size, len(source)),
-                           extra=extra) for s in range(0, len(source), chunk_size)]
+        extra = (
+            ("name", spec.location),
+            ("selection", split),
+            ("data_dir", data_dir),
+            ("image_key", image_key),
+            ("label_key", label_key),
+        )
+        tasks += [
+            ReadTask("tfds", split=name, start=s, stop=min(s + chunk_size, len(source)), extra=extra)
+            for s in range(0, len(source), chunk_size)
+        ]
     return SourcePlan(spec, classes, tuple(tasks), sizes)
 
 
@@ -220,18 +241,22 @@ def read_tfds(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
 
     num_classes = len(class_names)
     extra = dict(task.extra)
-    source = tfds.data_source(extra["name"], split=extra["selection"],
-                              data_dir=extra["data_dir"], download=False)
+    source = tfds.data_source(extra["name"], split=extra["selection"], data_dir=extra["data_dir"], download=False)
     for i in range(task.start, task.stop):
         record = source[i]
         label = int(record[extra["label_key"]])
         known = 0 <= label < num_classes
-        yield RawItem(task.split, f"{extra['selection']}[{i}]",
-                      label if known else UNKNOWN_LABEL,
-                      np.asarray(record[extra["image_key"]]), label_name=str(label))
+        yield RawItem(
+            task.split,
+            f"{extra['selection']}[{i}]",
+            label if known else UNKNOWN_LABEL,
+            np.asarray(record[extra["image_key"]]),
+            label_name=str(label),
+        )
 
 
 # --- scikit-learn digits ---------------------------------------------------------------
+
 
 def _no_argument(rest: str) -> tuple[str, str | None] | None:
     return ("", None) if not rest else None
@@ -263,9 +288,12 @@ def _digits() -> Iterator[RawItem]:
         yield RawItem("test" if is_test else "train", f"digits[{i}]", int(label), image)
 
 
-IDX = SourceKind(name="idx", syntax="idx:DIR", parse=location_argument, plan=plan_idx, read=read_idx,
-                 task_kinds=("idx",))
-TFDS = SourceKind(name="tfds", syntax="tfds:NAME[:SPLIT]", parse=_tfds_argument, plan=plan_tfds, read=read_tfds,
-                  task_kinds=("tfds",))
-DIGITS = SourceKind(name="digits", syntax="digits", parse=_no_argument, plan=plan_digits, read=read_digits,
-                    task_kinds=("digits",))
+IDX = SourceKind(
+    name="idx", syntax="idx:DIR", parse=location_argument, plan=plan_idx, read=read_idx, task_kinds=("idx",)
+)
+TFDS = SourceKind(
+    name="tfds", syntax="tfds:NAME[:SPLIT]", parse=_tfds_argument, plan=plan_tfds, read=read_tfds, task_kinds=("tfds",)
+)
+DIGITS = SourceKind(
+    name="digits", syntax="digits", parse=_no_argument, plan=plan_digits, read=read_digits, task_kinds=("digits",)
+)

@@ -61,8 +61,7 @@ class IngestedDataset:
         try:
             return self.manifest.splits[split]
         except KeyError:
-            raise DataError(f"split {split!r} not in {self.path!r} "
-                            f"(has {', '.join(self.splits) or 'none'})") from None
+            raise DataError(f"split {split!r} not in {self.path!r} (has {', '.join(self.splits) or 'none'})") from None
 
     def _source(self, split: str) -> Any:
         if split not in self._sources:
@@ -74,9 +73,12 @@ class IngestedDataset:
             except (RuntimeError, OSError) as exc:  # a shard missing, cut off or unreadable
                 raise shards.damaged_shard_error(self.path, self.manifest, split, exc) from None
             if len(source) != self.num_examples(split):
-                raise shards.damaged_shard_error(self.path, self.manifest, split,
-                                                 ValueError(f"{len(source)} records instead of "
-                                                            f"{self.num_examples(split)}"))
+                raise shards.damaged_shard_error(
+                    self.path,
+                    self.manifest,
+                    split,
+                    ValueError(f"{len(source)} records instead of {self.num_examples(split)}"),
+                )
             self._sources[split] = source
         return self._sources[split]
 
@@ -95,8 +97,9 @@ class IngestedDataset:
         except (RuntimeError, OSError) as exc:  # a checksum or a read failed: name the shard
             raise shards.damaged_shard_error(self.path, self.manifest, split, exc, indices=wanted) from None
 
-    def get(self, split: str, indices: Sequence[int] | np.ndarray, *,
-            padding_index: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def get(
+        self, split: str, indices: Sequence[int] | np.ndarray, *, padding_index: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Images uint8 ``[*indices.shape, H, W, C]`` and labels int32 ``[*indices.shape]``.
 
         ``indices`` may have any shape, e.g. a Poisson sampler's ``[micro-batches, size]``.
@@ -126,8 +129,7 @@ class IngestedDataset:
     def labels(self, split: str) -> np.ndarray:
         """All labels of a split in index order (parses only each record's header)."""
         n = self.num_examples(split)
-        return np.array([record_label(r) for r in self.records(split, range(n))],
-                        dtype=np.int32)
+        return np.array([record_label(r) for r in self.records(split, range(n))], dtype=np.int32)
 
     def ids(self, split: str, *, chunk: int = 10_000) -> np.ndarray:
         """Every example id of a split as uint64 (the first 8 bytes of its sha256), in index

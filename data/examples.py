@@ -111,8 +111,7 @@ def decode_image(data: bytes) -> np.ndarray:
         if img.mode in ("1", "I", "I;16", "F"):
             img = img.convert("L")
         elif img.mode not in ("L", "LA", "RGB", "RGBA"):
-            img = img.convert("RGBA" if "A" in img.mode or "transparency" in img.info
-                              else "RGB")
+            img = img.convert("RGBA" if "A" in img.mode or "transparency" in img.info else "RGB")
         array = np.asarray(img, dtype=np.uint8)
     return array[..., None] if array.ndim == 2 else array
 
@@ -120,22 +119,25 @@ def decode_image(data: bytes) -> np.ndarray:
 def to_example(item: RawItem) -> Example | Rejection:
     """Decode one raw item, or say why it cannot be an example."""
     if item.label == UNKNOWN_LABEL:
-        detail = (f"class {item.label_name!r} is not a known class" if item.label_name
-                  else "file is not inside a class folder")
+        detail = (
+            f"class {item.label_name!r} is not a known class"
+            if item.label_name
+            else "file is not inside a class folder"
+        )
         return Rejection(item.split, item.key, "unknown_label", detail)
     if isinstance(item.payload, np.ndarray):
         image = item.payload
         if image.ndim == 2:
             image = image[..., None]
         if image.ndim != 3 or image.dtype != np.uint8:
-            return Rejection(item.split, item.key, "undecodable",
-                             f"expected uint8 [H,W,C], got {image.dtype} {image.shape}")
+            return Rejection(
+                item.split, item.key, "undecodable", f"expected uint8 [H,W,C], got {image.dtype} {image.shape}"
+            )
     else:
         try:
             image = decode_image(item.payload)
         except Exception as exc:  # noqa: BLE001 - any decoder failure is a data problem
-            return Rejection(item.split, item.key, "undecodable",
-                             f"{type(exc).__name__}: {exc}"[:200])
+            return Rejection(item.split, item.key, "undecodable", f"{type(exc).__name__}: {exc}"[:200])
     image = np.ascontiguousarray(image)
     return Example(item.split, item.key, item.label, image, content_digest(image))
 
@@ -147,13 +149,13 @@ def majority_shape(shape_counts: list[tuple[tuple[int, ...], int]]) -> tuple[int
     return min(shape_counts, key=lambda sc: (-sc[1], sc[0]))[0]
 
 
-def check_shape(example: Example | Encoded,
-                shape: Sequence[int] | None) -> Example | Encoded | Rejection:
+def check_shape(example: Example | Encoded, shape: Sequence[int] | None) -> Example | Encoded | Rejection:
     """Reject examples whose shape differs from the data set's majority shape."""
     if shape is None or tuple(example.shape) == tuple(shape):
         return example
-    return Rejection(example.split, example.key, "wrong_shape",
-                     f"shape {tuple(example.shape)} != majority shape {tuple(shape)}")
+    return Rejection(
+        example.split, example.key, "wrong_shape", f"shape {tuple(example.shape)} != majority shape {tuple(shape)}"
+    )
 
 
 def _unit_interval(salt: bytes, digest: bytes) -> float:
@@ -206,19 +208,30 @@ def encode_record(example: Example, *, encoding: str = "raw") -> bytes:
         body = buf.getvalue()
     else:
         body = example.image.tobytes()
-    header = _HEADER.pack(MAGIC, RECORD_VERSION, ENCODINGS[encoding], h, w, c,
-                          example.label, example.digest, len(key))
+    header = _HEADER.pack(MAGIC, RECORD_VERSION, ENCODINGS[encoding], h, w, c, example.label, example.digest, len(key))
     return header + key + body
 
 
 def encode(example: Example, *, encoding: str = "raw") -> Encoded:
-    return Encoded(example.split, example.key, example.label, example.shape, example.digest,
-                   encode_record(example, encoding=encoding))
+    return Encoded(
+        example.split,
+        example.key,
+        example.label,
+        example.shape,
+        example.digest,
+        encode_record(example, encoding=encoding),
+    )
 
 
-def process_task(task: ReadTask, class_names: Sequence[str], *, validation_fraction: float,
-                 shards_per_split: dict[str, int], encoding: str,
-                 label_map: Sequence[int] | None = None) -> TaskOutput:
+def process_task(
+    task: ReadTask,
+    class_names: Sequence[str],
+    *,
+    validation_fraction: float,
+    shards_per_split: dict[str, int],
+    encoding: str,
+    label_map: Sequence[int] | None = None,
+) -> TaskOutput:
     """Read, decode, split, encode and shard-key every item of one read task.
 
     ``label_map`` (a class filter) maps each source label to its new label, or to -1 to
@@ -251,7 +264,7 @@ def decode_record(record: bytes, *, split: str = "") -> Example:
     if magic != MAGIC or version != RECORD_VERSION:
         raise ValueError(f"not a dpscale v{RECORD_VERSION} record")
     start = _HEADER.size + key_len
-    key = record[_HEADER.size:start].decode("utf-8")
+    key = record[_HEADER.size : start].decode("utf-8")
     if enc == ENCODINGS["raw"]:
         image = np.frombuffer(record, dtype=np.uint8, offset=start).reshape(h, w, c)
     else:

@@ -11,8 +11,18 @@ import os
 import tarfile
 from collections.abc import Iterator, Sequence
 
-from dpscale.data.raw_items import (SPLIT_ALIASES, UNKNOWN_LABEL, PlanOptions, RawItem, ReadTask, SourceKind,
-                                    SourcePlan, SourceSpec, location_argument, open_maybe_gz)
+from dpscale.data.raw_items import (
+    SPLIT_ALIASES,
+    UNKNOWN_LABEL,
+    PlanOptions,
+    RawItem,
+    ReadTask,
+    SourceKind,
+    SourcePlan,
+    SourceSpec,
+    location_argument,
+    open_maybe_gz,
+)
 from dpscale.errors import DataError
 
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar")
@@ -31,8 +41,12 @@ def split_layout(paths: Sequence[str]) -> tuple[list[tuple[str, str, str]], list
     Files at any other depth keep an empty class, so they are reported, not dropped.
     """
     parts = [p.split("/") for p in paths]
-    while (parts and all(len(p) > 2 for p in parts) and len({p[0] for p in parts}) == 1
-           and parts[0][0].lower() not in SPLIT_ALIASES):
+    while (
+        parts
+        and all(len(p) > 2 for p in parts)
+        and len({p[0] for p in parts}) == 1
+        and parts[0][0].lower() not in SPLIT_ALIASES
+    ):
         parts = [p[1:] for p in parts]
     tops = {p[0] for p in parts if len(p) > 1}
     by_split = bool(tops) and all(t.lower() in SPLIT_ALIASES for t in tops)
@@ -72,17 +86,25 @@ def plan_folder(spec: SourceSpec, options: PlanOptions) -> SourcePlan:
         for root, dirs, files in os.walk(path):
             dirs[:] = sorted(d for d in dirs if not _hidden(d))
             rel = os.path.relpath(root, path)
-            names += [os.path.normpath(os.path.join(rel, f)).replace(os.sep, "/")
-                      for f in sorted(files) if not _hidden(f)]
+            names += [
+                os.path.normpath(os.path.join(rel, f)).replace(os.sep, "/") for f in sorted(files) if not _hidden(f)
+            ]
         members, classes = split_layout(names)
     if os.path.isfile(path):
-        tasks = tuple(ReadTask("tar", path=path, members=tuple(members[i:i + chunk_size]),
-                               extra=(("spans", tuple(spans[m[2]] for m in
-                                                      members[i:i + chunk_size])),))
-                      for i in range(0, len(members), chunk_size))
+        tasks = tuple(
+            ReadTask(
+                "tar",
+                path=path,
+                members=tuple(members[i : i + chunk_size]),
+                extra=(("spans", tuple(spans[m[2]] for m in members[i : i + chunk_size])),),
+            )
+            for i in range(0, len(members), chunk_size)
+        )
     else:
-        tasks = tuple(ReadTask("files", path=path, members=tuple(members[i:i + chunk_size]))
-                      for i in range(0, len(members), chunk_size))
+        tasks = tuple(
+            ReadTask("files", path=path, members=tuple(members[i : i + chunk_size]))
+            for i in range(0, len(members), chunk_size)
+        )
     if not members:
         raise DataError(f"source {path!r} contains no files")
     sizes: dict[str, int] = {}
@@ -106,9 +128,11 @@ def _check_end_of_archive(archive: tarfile.TarFile, path: str) -> None:
     else:
         reason = "no end-of-archive marker" if len(block) < tarfile.BLOCKSIZE else "an unreadable header"
     if len(block) < tarfile.BLOCKSIZE or block.count(0) != tarfile.BLOCKSIZE:
-        raise DataError(f"archive {path!r} is truncated or damaged: {reason} after {len(archive.getmembers())} "
-                        f"members (byte {archive.offset}); a cut download or copy? Ingesting it would leave the "
-                        "rest out silently")
+        raise DataError(
+            f"archive {path!r} is truncated or damaged: {reason} after {len(archive.getmembers())} "
+            f"members (byte {archive.offset}); a cut download or copy? Ingesting it would leave the "
+            "rest out silently"
+        )
 
 
 def _hidden(name: str) -> bool:
@@ -142,5 +166,11 @@ def read_files(task: ReadTask, class_names: Sequence[str]) -> Iterator[RawItem]:
             yield item(rel, data if len(data) == size else b"")  # short: reported
 
 
-FOLDER = SourceKind(name="folder", syntax="folder:PATH", parse=location_argument, plan=plan_folder,
-                    read=read_files, task_kinds=("files", "tar"))
+FOLDER = SourceKind(
+    name="folder",
+    syntax="folder:PATH",
+    parse=location_argument,
+    plan=plan_folder,
+    read=read_files,
+    task_kinds=("files", "tar"),
+)

@@ -70,15 +70,28 @@ def normalize(images: np.ndarray) -> np.ndarray:
     return (images.astype(np.float32) - np.float32(PIXEL_MEAN)) / np.float32(PIXEL_STD)
 
 
-def image_inputs(dataset: IngestedDataset, *, resolution: int | None, mean: tuple[float, ...],
-                 std: tuple[float, ...], backbone: dict[str, str] | None = None) -> dict[str, Any]:
+def image_inputs(
+    dataset: IngestedDataset,
+    *,
+    resolution: int | None,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    backbone: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """What an image run's inputs are made of besides the pixels: the classes, the stored image shape,
     the preprocessing (resize to ``resolution`` if any, then ``(x - mean) / std``) and the backbone.
 
     A run records it (``config.json``'s ``inputs``) so that scoring it on other data can refuse
     images of other classes or another shape, and a backbone directory replaced since.
     """
-    return {"class_names": list(dataset.class_names), "image_shape": list(dataset.image_shape),
-            "preprocessing": {"resolution": resolution, "resize": "bilinear" if resolution else None,
-                              "mean": [float(m) for m in mean], "std": [float(s) for s in std]},
-            "backbone": backbone}
+    return {
+        "class_names": list(dataset.class_names),
+        "image_shape": list(dataset.image_shape),
+        "preprocessing": {
+            "resolution": resolution,
+            "resize": "bilinear" if resolution else None,
+            "mean": [float(m) for m in mean],
+            "std": [float(s) for s in std],
+        },
+        "backbone": backbone,
+    }

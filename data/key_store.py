@@ -32,7 +32,8 @@ _ID = re.compile(r"[0-9a-f]{32}")
 def store_dir() -> str:
     """This user's key store, created owner-only (0700) on first use."""
     path = os.environ.get(ENV) or os.path.join(
-        os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"), "dpscale", "keys")
+        os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"), "dpscale", "keys"
+    )
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)

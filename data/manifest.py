@@ -95,16 +95,24 @@ class Manifest:
             "content_hash": self.content_hash,
             "content_hash_method": CONTENT_HASH_METHOD,
             "validation_fraction": self.validation_fraction,
-            "splits": {name: {"num_examples": e.num_examples, "shards": [dataclasses.asdict(s) for s in e.shards],
-                              "class_counts": dict(e.class_counts), "content_hash": e.content_hash}
-                       for name, e in sorted(self.splits.items())},
+            "splits": {
+                name: {
+                    "num_examples": e.num_examples,
+                    "shards": [dataclasses.asdict(s) for s in e.shards],
+                    "class_counts": dict(e.class_counts),
+                    "content_hash": e.content_hash,
+                }
+                for name, e in sorted(self.splits.items())
+            },
             "num_rejected": self.num_rejected,
             "rejected_by_reason": dict(sorted(self.rejected_by_reason.items())),
             "num_inputs": self.num_inputs,
         }
         if self.class_filter is not None:
-            payload["class_filter"] = {"source_class_names": list(self.class_filter.source_class_names),
-                                       "num_excluded": self.class_filter.num_excluded}
+            payload["class_filter"] = {
+                "source_class_names": list(self.class_filter.source_class_names),
+                "num_excluded": self.class_filter.num_excluded,
+            }
         if self.dedup is not None:
             payload["dedup"] = dataclasses.asdict(self.dedup)
         return payload
@@ -115,26 +123,36 @@ class Manifest:
         if not isinstance(payload, dict) or payload.get("format") != FORMAT_NAME:
             raise DataError(f"{where}: not a {FORMAT_NAME} manifest")
         if payload.get("format_version") != FORMAT_VERSION:
-            raise DataError(f"{where}: format version {payload.get('format_version')} is not supported "
-                            f"(expected {FORMAT_VERSION})")
+            raise DataError(
+                f"{where}: format version {payload.get('format_version')} is not supported (expected {FORMAT_VERSION})"
+            )
         try:
             splits = {
                 name: SplitEntry(
-                    num_examples=int(e["num_examples"]), class_counts=dict(e["class_counts"]),
+                    num_examples=int(e["num_examples"]),
+                    class_counts=dict(e["class_counts"]),
                     content_hash=str(e["content_hash"]),
-                    shards=tuple(ShardEntry(str(s["file"]), int(s["num_examples"])) for s in e["shards"]))
-                for name, e in payload["splits"].items()}
+                    shards=tuple(ShardEntry(str(s["file"]), int(s["num_examples"])) for s in e["shards"]),
+                )
+                for name, e in payload["splits"].items()
+            }
             class_filter = payload.get("class_filter")
             dedup = payload.get("dedup")
             return cls(
-                source=str(payload["source"]), record_encoding=str(payload["record_encoding"]),
+                source=str(payload["source"]),
+                record_encoding=str(payload["record_encoding"]),
                 image_shape=tuple(payload["image_shape"]) if payload["image_shape"] else None,
-                class_names=tuple(payload["class_names"]), content_hash=str(payload["content_hash"]),
-                validation_fraction=float(payload["validation_fraction"]), splits=splits,
-                num_inputs=int(payload.get("num_inputs", 0)), num_rejected=int(payload["num_rejected"]),
+                class_names=tuple(payload["class_names"]),
+                content_hash=str(payload["content_hash"]),
+                validation_fraction=float(payload["validation_fraction"]),
+                splits=splits,
+                num_inputs=int(payload.get("num_inputs", 0)),
+                num_rejected=int(payload["num_rejected"]),
                 rejected_by_reason=dict(payload["rejected_by_reason"]),
-                class_filter=None if class_filter is None else ClassFilter(
-                    tuple(class_filter["source_class_names"]), int(class_filter["num_excluded"])),
-                dedup=None if dedup is None else DedupProvenance(**dedup))
+                class_filter=None
+                if class_filter is None
+                else ClassFilter(tuple(class_filter["source_class_names"]), int(class_filter["num_excluded"])),
+                dedup=None if dedup is None else DedupProvenance(**dedup),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DataError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None

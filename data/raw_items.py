@@ -15,8 +15,14 @@ from typing import Any
 
 import numpy as np
 
-SPLIT_ALIASES = {"train": "train", "test": "test", "validation": "validation",
-                  "val": "validation", "valid": "validation", "t10k": "test"}
+SPLIT_ALIASES = {
+    "train": "train",
+    "test": "test",
+    "validation": "validation",
+    "val": "validation",
+    "valid": "validation",
+    "t10k": "test",
+}
 UNKNOWN_LABEL = -1
 
 

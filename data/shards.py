@@ -56,9 +56,16 @@ def is_local(path: str) -> bool:
 
 
 @files.owner_only
-def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
-                examples: Iterable[Encoded], *, num_classes: int,
-                shape: Sequence[int] | None) -> tuple[dict[str, Any], list[Rejection]]:
+def write_shard(
+    output_dir: str,
+    split: str,
+    shard: int,
+    num_shards: int,
+    examples: Iterable[Encoded],
+    *,
+    num_classes: int,
+    shape: Sequence[int] | None,
+) -> tuple[dict[str, Any], list[Rejection]]:
     """Write one shard's examples of the majority ``shape`` (sorted); reject the others.
 
     Returns the shard's summary and the wrong-shape rejections.
@@ -87,20 +94,33 @@ def write_shard(output_dir: str, split: str, shard: int, num_shards: int,
     else:
         files.upload(tmp, target)
         shutil.rmtree(local_dir, ignore_errors=True)
-    summary = {"split": split, "shard": shard, "file": name, "num_examples": len(kept),
-               "class_counts": counts, "hash": combine_hashes(terms)}
+    summary = {
+        "split": split,
+        "shard": shard,
+        "file": name,
+        "num_examples": len(kept),
+        "class_counts": counts,
+        "hash": combine_hashes(terms),
+    }
     return summary, rejected
 
 
-def build_manifest(summaries: Sequence[dict[str, Any]], *, source: str,
-                   class_names: Sequence[str], image_shape: Sequence[int] | None,
-                   rejections: Sequence[dict[str, str]], validation_fraction: float,
-                   encoding: str) -> Manifest:
+def build_manifest(
+    summaries: Sequence[dict[str, Any]],
+    *,
+    source: str,
+    class_names: Sequence[str],
+    image_shape: Sequence[int] | None,
+    rejections: Sequence[dict[str, str]],
+    validation_fraction: float,
+    encoding: str,
+) -> Manifest:
     """Combine shard summaries into the manifest (deterministic: no times, sorted keys)."""
     splits: dict[str, dict[str, Any]] = {}
     for s in sorted(summaries, key=lambda s: (s["split"], s["shard"])):
-        entry = splits.setdefault(s["split"], {"num_examples": 0, "hash": 0, "shards": [],
-                                               "class_counts": [0] * len(class_names)})
+        entry = splits.setdefault(
+            s["split"], {"num_examples": 0, "hash": 0, "shards": [], "class_counts": [0] * len(class_names)}
+        )
         entry["num_examples"] += s["num_examples"]
         entry["hash"] = combine_hashes([entry["hash"], s["hash"]])
         entry["class_counts"] = [a + b for a, b in zip(entry["class_counts"], s["class_counts"])]
@@ -110,15 +130,24 @@ def build_manifest(summaries: Sequence[dict[str, Any]], *, source: str,
     for r in rejections:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     return Manifest(
-        source=source, record_encoding=encoding,
+        source=source,
+        record_encoding=encoding,
         image_shape=tuple(image_shape) if image_shape else None,
-        class_names=tuple(class_names), content_hash=f"{total:064x}",
+        class_names=tuple(class_names),
+        content_hash=f"{total:064x}",
         validation_fraction=validation_fraction,
-        splits={name: SplitEntry(num_examples=e["num_examples"],
-                                 class_counts=dict(zip(class_names, e["class_counts"])),
-                                 content_hash=f"{e['hash']:064x}", shards=tuple(e["shards"]))
-                for name, e in sorted(splits.items())},
-        num_rejected=len(rejections), rejected_by_reason=dict(sorted(reasons.items())))
+        splits={
+            name: SplitEntry(
+                num_examples=e["num_examples"],
+                class_counts=dict(zip(class_names, e["class_counts"])),
+                content_hash=f"{e['hash']:064x}",
+                shards=tuple(e["shards"]),
+            )
+            for name, e in sorted(splits.items())
+        },
+        num_rejected=len(rejections),
+        rejected_by_reason=dict(sorted(reasons.items())),
+    )
 
 
 def _unrelated_files(output_dir: str, patterns: Sequence[str]) -> list[str]:
@@ -144,12 +173,16 @@ def check_output(output_dir: str, *, overwrite: bool, extra_files: Sequence[str]
     unrelated = _unrelated_files(output_dir, patterns)
     if unrelated:
         shown = ", ".join(unrelated[:3]) + (f" and {len(unrelated) - 3} more" if len(unrelated) > 3 else "")
-        raise DataError(f"output {output_dir!r} holds files that are not an output of this command ({shown}): "
-                        "give a new or empty directory")
+        raise DataError(
+            f"output {output_dir!r} holds files that are not an output of this command ({shown}): "
+            "give a new or empty directory"
+        )
     existing = [path for pattern in patterns for path in files.glob(join(output_dir, pattern))]
     if existing and not overwrite:
-        raise DataError(f"output {output_dir!r} already holds a dataset or the remains of a "
-                        "failed run (use --overwrite to replace it)")
+        raise DataError(
+            f"output {output_dir!r} already holds a dataset or the remains of a "
+            "failed run (use --overwrite to replace it)"
+        )
     return existing
 
 
@@ -195,8 +228,9 @@ def _reason(exc: BaseException) -> str:
     return (text if len(text) <= 150 else text[:147] + "...") or type(exc).__name__
 
 
-def damaged_shard_error(directory: str, manifest: Manifest, split: str, error: BaseException, *,
-                        indices: Sequence[int] | None = None) -> DataError:
+def damaged_shard_error(
+    directory: str, manifest: Manifest, split: str, error: BaseException, *, indices: Sequence[int] | None = None
+) -> DataError:
     """One line naming the shard of ``split`` that cannot be read, and the command that rebuilds the dataset.
 
     ArrayRecord's reader says what is wrong (a checksum, a cut-off file) but not in which of a
@@ -216,10 +250,14 @@ def damaged_shard_error(directory: str, manifest: Manifest, split: str, error: B
         path = join(directory, entry.file)
         problem = _shard_problem(path, entry.num_examples, wanted.get(number))
         if problem is not None:
-            return DataError(f"shard {path!r} of split {split!r} is damaged ({problem}); rebuild the dataset with "
-                             f"{rebuild_command(directory, manifest)}")
-    return DataError(f"split {split!r} of {directory!r} cannot be read ({_reason(error)}); rebuild the dataset with "
-                     f"{rebuild_command(directory, manifest)}")
+            return DataError(
+                f"shard {path!r} of split {split!r} is damaged ({problem}); rebuild the dataset with "
+                f"{rebuild_command(directory, manifest)}"
+            )
+    return DataError(
+        f"split {split!r} of {directory!r} cannot be read ({_reason(error)}); rebuild the dataset with "
+        f"{rebuild_command(directory, manifest)}"
+    )
 
 
 @files.owner_only
@@ -245,11 +283,21 @@ def write_manifest(directory: str, manifest: Manifest) -> None:
     write_json(join(directory, MANIFEST), manifest.to_json())
 
 
-def write_outputs(_: Any, *, output_dir: str, summaries: Sequence[dict[str, Any]],
-                  rejections: Sequence[dict[str, str]], image_shape: Sequence[int] | None,
-                  source: str, class_names: Sequence[str], validation_fraction: float,
-                  encoding: str, num_inputs: int, num_excluded: int = 0,
-                  source_class_names: Sequence[str] | None = None) -> Manifest:
+def write_outputs(
+    _: Any,
+    *,
+    output_dir: str,
+    summaries: Sequence[dict[str, Any]],
+    rejections: Sequence[dict[str, str]],
+    image_shape: Sequence[int] | None,
+    source: str,
+    class_names: Sequence[str],
+    validation_fraction: float,
+    encoding: str,
+    num_inputs: int,
+    num_excluded: int = 0,
+    source_class_names: Sequence[str] | None = None,
+) -> Manifest:
     """Write report.json, then manifest.json last: a manifest means a complete dataset.
 
     Every planned input must be an example, a rejection or (with a class filter, whose
@@ -258,15 +306,25 @@ def write_outputs(_: Any, *, output_dir: str, summaries: Sequence[dict[str, Any]
     """
     ordered = sorted(rejections, key=lambda r: (r["split"], r["key"], r["reason"]))
     write_json(join(output_dir, REPORT), {"num_rejected": len(ordered), "rejected": ordered})
-    manifest = build_manifest(summaries, source=source, class_names=class_names,
-                              image_shape=image_shape, rejections=ordered,
-                              validation_fraction=validation_fraction, encoding=encoding)
+    manifest = build_manifest(
+        summaries,
+        source=source,
+        class_names=class_names,
+        image_shape=image_shape,
+        rejections=ordered,
+        validation_fraction=validation_fraction,
+        encoding=encoding,
+    )
     accounted = len(ordered) + num_excluded + manifest.num_examples
     if accounted != num_inputs:
-        raise RuntimeError(f"ingest accounted for {accounted} of {num_inputs} inputs; "
-                           "the runner lost or duplicated data, no manifest written")
+        raise RuntimeError(
+            f"ingest accounted for {accounted} of {num_inputs} inputs; "
+            "the runner lost or duplicated data, no manifest written"
+        )
     manifest = dataclasses.replace(
-        manifest, num_inputs=num_inputs,
-        class_filter=None if source_class_names is None else ClassFilter(tuple(source_class_names), num_excluded))
+        manifest,
+        num_inputs=num_inputs,
+        class_filter=None if source_class_names is None else ClassFilter(tuple(source_class_names), num_excluded),
+    )
     write_manifest(output_dir, manifest)
     return manifest

@@ -31,8 +31,12 @@ from dpscale.data.raw_items import PlanOptions, RawItem, ReadTask, SourceKind, S
 from dpscale.errors import DataError, InvalidConfigError
 
 #: Every kind of source, in the order the error for an unknown source lists them.
-SOURCE_KINDS: tuple[SourceKind, ...] = (array_sources.TFDS, folder_source.FOLDER, array_sources.IDX,
-                                        array_sources.DIGITS)
+SOURCE_KINDS: tuple[SourceKind, ...] = (
+    array_sources.TFDS,
+    folder_source.FOLDER,
+    array_sources.IDX,
+    array_sources.DIGITS,
+)
 _BY_NAME = {kind.name: kind for kind in SOURCE_KINDS}
 _BY_TASK_KIND = {task_kind: kind for kind in SOURCE_KINDS for task_kind in kind.task_kinds}
 
@@ -54,16 +58,14 @@ def parse_source(text: str) -> SourceSpec:
     return SourceSpec(kind.name, location, split, text=text)
 
 
-def plan_source(spec: SourceSpec, *, chunk_size: int = 2048,
-                tfds_data_dir: str | None = None) -> SourcePlan:
+def plan_source(spec: SourceSpec, *, chunk_size: int = 2048, tfds_data_dir: str | None = None) -> SourcePlan:
     """Check the source exists and cut it into ``ReadTask``s of about ``chunk_size`` items."""
     if spec.kind not in _BY_NAME:
         raise InvalidConfigError(f"unknown source kind {spec.kind!r}; expected {_expected()}")
     return _BY_NAME[spec.kind].plan(spec, PlanOptions(chunk_size=chunk_size, tfds_data_dir=tfds_data_dir))
 
 
-def select_classes(class_names: Sequence[str],
-                   wanted: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def select_classes(class_names: Sequence[str], wanted: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """A class filter: ``(kept names, label map)`` for keeping only the ``wanted`` classes.
 
     Kept classes stay in the source's order (so ``3,4`` and ``4,3`` give the same data)
@@ -72,8 +74,7 @@ def select_classes(class_names: Sequence[str],
     """
     unknown = [name for name in wanted if name not in class_names]
     if unknown:
-        raise DataError(f"class(es) {', '.join(map(repr, unknown))} not in the source; "
-                        f"it has {', '.join(class_names)}")
+        raise DataError(f"class(es) {', '.join(map(repr, unknown))} not in the source; it has {', '.join(class_names)}")
     keep = set(wanted)
     kept = tuple(name for name in class_names if name in keep)
     new = {name: i for i, name in enumerate(kept)}

@@ -119,12 +119,12 @@ def thumbnails(images: np.ndarray, *, chunk: int = 2048) -> np.ndarray:
         return images
     out = np.empty((len(images), RESOLUTION, RESOLUTION, 3), np.uint8)
     for lo in range(0, len(images), chunk):
-        x = images[lo:lo + chunk].astype(np.float32)
+        x = images[lo : lo + chunk].astype(np.float32)
         if x.shape[-1] == 1:
             x = np.repeat(x, 3, axis=-1)
         if x.shape[1:3] != (RESOLUTION, RESOLUTION):
             x = np.asarray(jax.image.resize(x, (len(x), RESOLUTION, RESOLUTION, 3), "linear", antialias=True))
-        out[lo:lo + chunk] = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+        out[lo : lo + chunk] = np.clip(np.rint(x), 0, 255).astype(np.uint8)
     return out
 
 
@@ -154,8 +154,9 @@ def copy_edit(key: jax.Array, x: jax.Array) -> jax.Array:
     ys = ((gy * sy + cy) + 1) / 2 * height - 0.5
     xs = ((gx * sx + cx) + 1) / 2 * width - 0.5
     yy, xx = jnp.meshgrid(ys, xs, indexing="ij")
-    x = jnp.stack([jax.scipy.ndimage.map_coordinates(x[..., c], [yy, xx], order=1, mode="nearest")
-                   for c in range(3)], axis=-1)
+    x = jnp.stack(
+        [jax.scipy.ndimage.map_coordinates(x[..., c], [yy, xx], order=1, mode="nearest") for c in range(3)], axis=-1
+    )
     x = x * _uniform(keys[4], 0.8, 1.2, (1, 1, 3))
     mean = x.mean()
     x = (x - mean) * _uniform(keys[5], 0.6, 1.4) + mean * _uniform(keys[6], 0.7, 1.3)
@@ -164,7 +165,7 @@ def copy_edit(key: jax.Array, x: jax.Array) -> jax.Array:
     x = jnp.clip(grey + (x - grey) * saturation, 0, 1) ** jnp.exp(_uniform(keys[9], -0.4, 0.4))
     padded = jnp.pad(x, ((1, 1), (1, 1), (0, 0)), mode="edge")
     k = jnp.array([1.0, 2.0, 1.0]) / 4
-    blurred = sum(k[i] * k[j] * padded[i:i + height, j:j + width] for i in range(3) for j in range(3))
+    blurred = sum(k[i] * k[j] * padded[i : i + height, j : j + width] for i in range(3) for j in range(3))
     x = x + _uniform(keys[10], -0.8, 1.0) * (blurred - x)  # < 0: sharpen, > 0: blur
     x = x + jax.random.normal(keys[11], x.shape) * _uniform(jax.random.fold_in(keys[11], 1), 0.0, 0.03)
     return jnp.clip(x, 0, 1)
@@ -222,9 +223,13 @@ def contrastive_step(optimiser: optax.GradientTransformation, temperature: float
 PARTIAL = "copy_model.partial.msgpack"  # the state after the last finished epoch
 
 
-def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
-          progress: Callable[[int, int, float], None] | None = None,
-          work_dir: str | None = None) -> tuple[Any, dict]:
+def train(
+    images: np.ndarray,
+    settings: TrainSettings = TrainSettings(),
+    *,
+    progress: Callable[[int, int, float], None] | None = None,
+    work_dir: str | None = None,
+) -> tuple[Any, dict]:
     """Train on ``images`` (uint8 [n, H, W, C]: public images only); returns (params, info).
 
     One-cycle learning rate (AdamW), a fresh pair of copy edits of every image each epoch.
@@ -259,9 +264,8 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
     for epoch in range(first_epoch, settings.epochs):
         order = np.random.default_rng((settings.seed, epoch)).permutation(len(x))
         for i in range(per_epoch):
-            batch = x[order[i * settings.batch:(i + 1) * settings.batch]].astype(np.float32) / 255.0
-            params, state, loss = step(params, state, batch,
-                                       jax.random.fold_in(root, done))
+            batch = x[order[i * settings.batch : (i + 1) * settings.batch]].astype(np.float32) / 255.0
+            params, state, loss = step(params, state, batch, jax.random.fold_in(root, done))
             done += 1
             losses.append(float(loss))
             if not np.isfinite(losses[-1]):
@@ -269,13 +273,24 @@ def train(images: np.ndarray, settings: TrainSettings = TrainSettings(), *,
             if progress is not None:
                 progress(done, total, losses[-1])
         if partial is not None and epoch + 1 < settings.epochs:
-            blob = serialization.msgpack_serialize({
-                "identity": json.dumps(identity), "epoch": epoch + 1, "losses": np.asarray(losses),
-                "params": serialization.to_state_dict(params), "state": serialization.to_state_dict(state)})
+            blob = serialization.msgpack_serialize(
+                {
+                    "identity": json.dumps(identity),
+                    "epoch": epoch + 1,
+                    "losses": np.asarray(losses),
+                    "params": serialization.to_state_dict(params),
+                    "state": serialization.to_state_dict(state),
+                }
+            )
             _write_atomically(partial, blob)  # a crash mid-write keeps the previous epoch
-    tail = losses[-min(50, len(losses)):]
-    return params, {"steps": total, "images": len(x), "final_loss": round(float(np.mean(tail)), 4),
-                    "resumed_at_epoch": first_epoch, **dataclasses.asdict(settings)}
+    tail = losses[-min(50, len(losses)) :]
+    return params, {
+        "steps": total,
+        "images": len(x),
+        "final_loss": round(float(np.mean(tail)), 4),
+        "resumed_at_epoch": first_epoch,
+        **dataclasses.asdict(settings),
+    }
 
 
 def _restore(partial: str, identity: dict, template: dict) -> tuple[tuple[Any, Any], int, list[float]] | None:
@@ -325,7 +340,7 @@ def embed(params: Any, images: np.ndarray, *, mirrored: bool = False, batch: int
     """Unit embeddings float32 [n, dim] of uint8 images (mirrored left-right first if asked)."""
     out = []
     for lo in range(0, len(images), batch):
-        chunk = as_input(images[lo:lo + batch])
+        chunk = as_input(images[lo : lo + batch])
         if mirrored:
             chunk = chunk[:, :, ::-1]
         n = len(chunk)
@@ -365,8 +380,10 @@ def load(directory: str) -> SavedModel:
     """A model written by ``save``, checked (hashes, shapes, finite weights); ``ValueError`` if it is not one."""
     paths = {name: os.path.join(directory, name) for name in (WEIGHTS, TRAINED_ON, INFO)}
     if not (os.path.isfile(paths[WEIGHTS]) and os.path.isfile(paths[INFO])):
-        raise ValueError(f"{directory!r} holds no copy model ({WEIGHTS} and {INFO}); train one with "
-                         "`dpscale train-copy-model PUBLIC DIR`")
+        raise ValueError(
+            f"{directory!r} holds no copy model ({WEIGHTS} and {INFO}); train one with "
+            "`dpscale train-copy-model PUBLIC DIR`"
+        )
     try:
         with open(paths[INFO]) as f:
             info = json.load(f)
@@ -374,8 +391,10 @@ def load(directory: str) -> SavedModel:
         raise ValueError(f"copy model description {paths[INFO]!r} cannot be read: {exc}") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         found = info.get("format") if isinstance(info, dict) else None
-        raise ValueError(f"copy model {directory!r} has format {found}, expected {FORMAT}: train it again "
-                         "with `dpscale train-copy-model PUBLIC DIR --overwrite`")
+        raise ValueError(
+            f"copy model {directory!r} has format {found}, expected {FORMAT}: train it again "
+            "with `dpscale train-copy-model PUBLIC DIR --overwrite`"
+        )
     blobs = {}
     for name in (WEIGHTS, TRAINED_ON):
         if not os.path.isfile(paths[name]):
@@ -384,8 +403,10 @@ def load(directory: str) -> SavedModel:
             blobs[name] = f.read()
         expected = info.get("sha256")
         if not isinstance(expected, dict) or _sha256(blobs[name]) != expected.get(name):
-            raise ValueError(f"copy model file {paths[name]!r} does not match its description (damaged, or "
-                             "from another save): train the model again")
+            raise ValueError(
+                f"copy model file {paths[name]!r} does not match its description (damaged, or "
+                "from another save): train the model again"
+            )
     template = CopyEmbedding().init(jax.random.PRNGKey(0), jnp.zeros((1, RESOLUTION, RESOLUTION, 3)))
     try:
         params = serialization.from_bytes(template, blobs[WEIGHTS])

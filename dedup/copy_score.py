@@ -26,13 +26,20 @@ import numpy as np
 
 from dpscale.progress import progress_bar
 
-
 BLOCK_BYTES = 512 * 2**20  # working memory of one block of ``top_k``: ~21 bytes per query x reference
 
 
-def top_k(queries: np.ndarray, queries_mirror: np.ndarray, reference: np.ndarray, *, k: int,
-          exclude_self: bool = False, block: int = 1000,
-          show_progress: bool = False, label: str = "nearest") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def top_k(
+    queries: np.ndarray,
+    queries_mirror: np.ndarray,
+    reference: np.ndarray,
+    *,
+    k: int,
+    exclude_self: bool = False,
+    block: int = 1000,
+    show_progress: bool = False,
+    label: str = "nearest",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per query: its ``k`` most similar reference rows, most similar first, each reference row at
     the query's better mirror state: (similarities [n, k], reference indices, mirrored flags).
     ``exclude_self``: queries *are* the reference (row i never matches itself, in either state).
@@ -43,8 +50,7 @@ def top_k(queries: np.ndarray, queries_mirror: np.ndarray, reference: np.ndarray
     block = max(1, min(block, BLOCK_BYTES // (21 * len(reference))))
     ref32 = reference.astype(np.float32).T
     n = len(queries)
-    sims, index, mirrored = (np.empty((n, k), np.float32), np.empty((n, k), np.int64),
-                             np.empty((n, k), bool))
+    sims, index, mirrored = (np.empty((n, k), np.float32), np.empty((n, k), np.int64), np.empty((n, k), bool))
     with progress_bar(label, total=n, enabled=show_progress) as bar:
         for lo in range(0, n, block):
             hi = min(n, lo + block)
@@ -64,8 +70,9 @@ def top_k(queries: np.ndarray, queries_mirror: np.ndarray, reference: np.ndarray
     return sims, index, mirrored
 
 
-def normalised(similarity: np.ndarray, query_background: np.ndarray, public_background: np.ndarray,
-               beta: float) -> np.ndarray:
+def normalised(
+    similarity: np.ndarray, query_background: np.ndarray, public_background: np.ndarray, beta: float
+) -> np.ndarray:
     """A pair's cosine minus ``beta`` times how crowded its two ends are (the mean of each end's
     k-th nearest public image's cosine); see the module docstring for why."""
     return similarity - beta * 0.5 * (query_background + public_background)
@@ -76,8 +83,7 @@ def local_background(agreement: np.ndarray) -> np.ndarray:
     return np.median(agreement, axis=1)
 
 
-def with_local_agreement(score: np.ndarray, agreement: np.ndarray, weight: float,
-                         background: np.ndarray) -> np.ndarray:
+def with_local_agreement(score: np.ndarray, agreement: np.ndarray, weight: float, background: np.ndarray) -> np.ndarray:
     """Candidates' scores [n, w] plus ``weight`` x how much more they agree locally than their
     private image's ``background`` [n]; see the module docstring for why."""
     return score + weight * (agreement - background[:, None])
@@ -112,8 +118,9 @@ class CopySettings:
             raise ValueError(f"copy local weight must be in [0, 10], got {self.local_weight}")
         bound = 2.0 + self.local_weight  # the score's range: cosine terms in (-2, 2), agreement terms +-weight
         if not -bound < self.cut < bound:
-            raise ValueError(f"copy cut must be in ({-bound:g}, {bound:g}) at local weight {self.local_weight:g}, "
-                             f"got {self.cut}")
+            raise ValueError(
+                f"copy cut must be in ({-bound:g}, {bound:g}) at local weight {self.local_weight:g}, got {self.cut}"
+            )
         if not 1 <= self.k <= self.candidates:
             raise ValueError(f"copy k must be in [1, candidates = {self.candidates}], got {self.k}")
         if not 0.0 <= self.beta <= 2.0:
@@ -140,9 +147,16 @@ LocalAgreement = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 """(private rows [m], candidates' public indices [m, w], mirrored [m, w]) -> agreements [m, w]."""
 
 
-def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, private_mirror: np.ndarray,
-           settings: CopySettings, *, local_agreement: LocalAgreement | None = None,
-           show_progress: bool = False) -> CopyPairs:
+def decide(
+    public: np.ndarray,
+    public_mirror: np.ndarray,
+    private: np.ndarray,
+    private_mirror: np.ndarray,
+    settings: CopySettings,
+    *,
+    local_agreement: LocalAgreement | None = None,
+    show_progress: bool = False,
+) -> CopyPairs:
     """The copy decision over all pairs, from unit embeddings of both sides in both mirror states;
     ``local_agreement`` (e.g. ``local_match.Agreement``) is needed when ``settings.local_weight`` is not 0."""
     if settings.local_weight and local_agreement is None:
@@ -151,15 +165,23 @@ def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, p
         raise ValueError("the copy decision needs at least two public images (one as background)")
     if not len(private):
         raise ValueError("the copy decision needs at least one private image")
-    public_sims, _, _ = top_k(public, public_mirror, public, k=settings.k, exclude_self=True,
-                              show_progress=show_progress, label="copy: public background")
+    public_sims, _, _ = top_k(
+        public,
+        public_mirror,
+        public,
+        k=settings.k,
+        exclude_self=True,
+        show_progress=show_progress,
+        label="copy: public background",
+    )
     rows, width, label = np.arange(len(private)), settings.candidates, "copy: private neighbours"
     found, best, background = [], None, None
     while rows.size:
-        sims, index, mirrored = top_k(private[rows], private_mirror[rows], public, k=width,
-                                      show_progress=show_progress, label=label)
+        sims, index, mirrored = top_k(
+            private[rows], private_mirror[rows], public, k=width, show_progress=show_progress, label=label
+        )
         k = min(settings.k, sims.shape[1], public_sims.shape[1])
-        score = normalised(sims, sims[:, k - 1:k], public_sims[index, k - 1], settings.beta)
+        score = normalised(sims, sims[:, k - 1 : k], public_sims[index, k - 1], settings.beta)
         if settings.local_weight:
             agreement = np.asarray(local_agreement(rows, index, mirrored))
             if agreement.shape != index.shape:
@@ -181,6 +203,14 @@ def decide(public: np.ndarray, public_mirror: np.ndarray, private: np.ndarray, p
     flat = [np.concatenate(column) for column in zip(*found)]
     order = np.argsort(flat[0], kind="stable")
     private_rows, public_rows, is_mirrored, scores, cosines = (column[order] for column in flat)
-    return CopyPairs(private=private_rows, public=public_rows, mirrored=is_mirrored, score=scores,
-                     cosine=cosines, best_public=best[0], best_mirrored=best[1], best_score=best[2],
-                     best_cosine=best[3])
+    return CopyPairs(
+        private=private_rows,
+        public=public_rows,
+        mirrored=is_mirrored,
+        score=scores,
+        cosine=cosines,
+        best_public=best[0],
+        best_mirrored=best[1],
+        best_score=best[2],
+        best_cosine=best[3],
+    )

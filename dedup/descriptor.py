@@ -33,8 +33,7 @@ SIGMA = 1.0  # Gaussian sampling kernel, in thumbnail pixels
 CHROMA_WEIGHT = 0.5
 CROP = 0.88  # share of each side a crop view keeps
 DIM = LUMA_KEEP * LUMA_KEEP + 2 * CHROMA_KEEP * CHROMA_KEEP
-_YCBCR = np.array([[0.299, 0.587, 0.114], [-0.169, -0.331, 0.5], [0.5, -0.419, -0.081]],
-                  dtype=np.float32)
+_YCBCR = np.array([[0.299, 0.587, 0.114], [-0.169, -0.331, 0.5], [0.5, -0.419, -0.081]], dtype=np.float32)
 
 Box = tuple[float, float, float, float]  # left, top, right, bottom as shares of the side
 
@@ -59,8 +58,9 @@ def view_of(number: int) -> tuple[Box, bool]:
 
 def view_name(number: int) -> str:
     box, mirrored = view_of(number)
-    where = ("whole", "centre crop", "top-left crop", "top-right crop", "bottom-left crop",
-             "bottom-right crop")[number % len(VIEWS)]
+    where = ("whole", "centre crop", "top-left crop", "top-right crop", "bottom-left crop", "bottom-right crop")[
+        number % len(VIEWS)
+    ]
     return f"{where}{' mirrored' if mirrored else ''}"
 
 

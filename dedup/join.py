@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from dpscale import files
-from dpscale.dedup import descriptor, knn, refine, verify
 from dpscale.data.shards import join as path_join
+from dpscale.dedup import descriptor, knn, refine, verify
 
 PUBLIC, PRIVATE = "public", "private"
 
@@ -98,22 +98,26 @@ def embed_task(task: ReadTask, dataset: Any, work_dir: str) -> int:
     buf = io.BytesIO()
     np.save(buf, d.astype(np.float32))
     # whole or not at all (a rerun of the task may race a reader); owner-only: private images' descriptors
-    files.write_atomic(path_join(work_dir, task.name), lambda f: f.write(buf.getvalue()), binary=True,
-                       private=True)
+    files.write_atomic(path_join(work_dir, task.name), lambda f: f.write(buf.getvalue()), binary=True, private=True)
     return len(images)
 
 
 def _load(task: ReadTask, work_dir: str) -> np.ndarray:
     d = np.load(io.BytesIO(files.read_bytes(path_join(work_dir, task.name))))
     if d.shape[1] != task.stop - task.start:  # a partial file would silently drop images
-        raise RuntimeError(f"descriptor file {task.name} holds {d.shape[1]} rows, expected "
-                           f"{task.stop - task.start}")
+        raise RuntimeError(f"descriptor file {task.name} holds {d.shape[1]} rows, expected {task.stop - task.start}")
     return d
 
 
-def knn_task(private: ReadTask, public: Sequence[ReadTask], work_dir: str, *, k: int,
-             min_similarity: float,
-             searched: Callable[[ReadTask], None] | None = None) -> list[Candidate]:
+def knn_task(
+    private: ReadTask,
+    public: Sequence[ReadTask],
+    work_dir: str,
+    *,
+    k: int,
+    min_similarity: float,
+    searched: Callable[[ReadTask], None] | None = None,
+) -> list[Candidate]:
     """The ``k`` nearest public images (of the ``public`` tasks) of each image of ``private``.
 
     ``searched(t)`` is called after each public task ``t`` (progress within a long task).
@@ -136,9 +140,17 @@ def knn_task(private: ReadTask, public: Sequence[ReadTask], work_dir: str, *, k:
         g = int(best.public[row, col])
         which = int(np.searchsorted(offsets_arr, g, "right") - 1)
         t = public[which]
-        out.append(Candidate(t.split, t.start + g - offsets[which], t.shard,
-                             private.split, private.start + int(row),
-                             int(best.view[row, col]), round(float(best.similarity[row, col]), 5)))
+        out.append(
+            Candidate(
+                t.split,
+                t.start + g - offsets[which],
+                t.shard,
+                private.split,
+                private.start + int(row),
+                int(best.view[row, col]),
+                round(float(best.similarity[row, col]), 5),
+            )
+        )
     return out
 
 
@@ -155,8 +167,9 @@ def _rounded(x: float) -> float:
     return round(float(x), 5) if np.isfinite(x) else float("inf")
 
 
-def verify_candidates(candidates: Sequence[Candidate], public: Any, private: Any, *,
-                      threshold: float, refine_rejected: bool = True) -> list[Match]:
+def verify_candidates(
+    candidates: Sequence[Candidate], public: Any, private: Any, *, threshold: float, refine_rejected: bool = True
+) -> list[Match]:
     """Decide a batch of candidates on the images (``IngestedDataset``s).
 
     ``refine_rejected``: pairs over the grid's ``threshold`` get ``dedup.refine``'s decision.
@@ -167,27 +180,35 @@ def verify_candidates(candidates: Sequence[Candidate], public: Any, private: Any
     b = _images(private, [(c.private_split, c.private_index) for c in candidates])
     mirrored = np.array([descriptor.view_of(c.view)[1] for c in candidates])
     coarse, fine = verify.distances(a, b, mirrored)
-    out = [Match(c, _rounded(co), _rounded(fi), bool(fi <= threshold))
-           for c, co, fi in zip(candidates, coarse, fine)]
+    out = [Match(c, _rounded(co), _rounded(fi), bool(fi <= threshold)) for c, co, fi in zip(candidates, coarse, fine)]
     rejected = np.flatnonzero(~(fine <= threshold))
     if refine_rejected and len(rejected):
         r = refine.refine(a[rejected], b[rejected], mirrored[rejected])
         for j, i in enumerate(rejected):
-            out[i] = dataclasses.replace(out[i], accepted=bool(r.accepted[j]),
-                                         ecc_distance=_rounded(r.ecc_distance[j]),
-                                         rank_distance=_rounded(r.rank_distance[j]),
-                                         detail_distance=_rounded(r.detail_distance[j]))
+            out[i] = dataclasses.replace(
+                out[i],
+                accepted=bool(r.accepted[j]),
+                ecc_distance=_rounded(r.ecc_distance[j]),
+                rank_distance=_rounded(r.rank_distance[j]),
+                detail_distance=_rounded(r.detail_distance[j]),
+            )
     return out
 
 
 def closest(matches: Iterable[Match]) -> Match:
     """The closest accepted private match of one public example (ties: lowest private index)."""
+
     # grid decisions first (by grid distance), then refined ones by their own detail distance,
     # then the copy decision's by its score
     def key(m: Match) -> tuple:
         closeness = {"grid": m.fine_distance, "refined": m.detail_distance, "copy": -m.copy_score}
-        return (_DECISION_ORDER[m.decided_by], closeness[m.decided_by], m.candidate.private_split,
-                m.candidate.private_index, m.candidate.view)
+        return (
+            _DECISION_ORDER[m.decided_by],
+            closeness[m.decided_by],
+            m.candidate.private_split,
+            m.candidate.private_index,
+            m.candidate.view,
+        )
 
     return min(matches, key=key)
 

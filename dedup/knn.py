@@ -26,25 +26,26 @@ class TopK:
     view: np.ndarray  # int8 [m, k]
 
 
-def search(private_views: np.ndarray, public: np.ndarray, k: int, *, offset: int = 0,
-           block: int = PUBLIC_BLOCK) -> TopK:
+def search(
+    private_views: np.ndarray, public: np.ndarray, k: int, *, offset: int = 0, block: int = PUBLIC_BLOCK
+) -> TopK:
     """Top ``k`` rows of ``public`` [n, D] for each private image ([V, m, D] views).
 
     A pair's similarity is its best view's; public row numbers start at ``offset``.
     """
     v, m, d = private_views.shape
     q = np.ascontiguousarray(private_views.reshape(v * m, d), dtype=np.float32)
-    best = TopK(np.full((m, 0), -np.inf, np.float32), np.zeros((m, 0), np.int64),
-                np.zeros((m, 0), np.int8))
+    best = TopK(np.full((m, 0), -np.inf, np.float32), np.zeros((m, 0), np.int64), np.zeros((m, 0), np.int8))
     for start in range(0, len(public), block):
-        p = np.asarray(public[start:start + block], np.float32)
+        p = np.asarray(public[start : start + block], np.float32)
         s = (q @ p.T).reshape(v, m, len(p))
         view = s.argmax(0).astype(np.int8)
         s = s.max(0)
         kk = min(k, s.shape[1])
         part = np.argpartition(-s, kk - 1, axis=1)[:, :kk]
-        best = merge(best, TopK(np.take_along_axis(s, part, 1), part + offset + start,
-                                np.take_along_axis(view, part, 1)), k)
+        best = merge(
+            best, TopK(np.take_along_axis(s, part, 1), part + offset + start, np.take_along_axis(view, part, 1)), k
+        )
     return best
 
 
@@ -54,5 +55,4 @@ def merge(a: TopK, b: TopK, k: int) -> TopK:
     i = np.concatenate([a.public, b.public], 1)
     v = np.concatenate([a.view, b.view], 1)
     order = np.lexsort((i, -s), axis=1)[:, :k] if s.size else np.zeros((len(s), 0), int)
-    return TopK(np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1),
-                np.take_along_axis(v, order, 1))
+    return TopK(np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1), np.take_along_axis(v, order, 1))

@@ -42,7 +42,7 @@ def cells(params: Any, thumbnails: np.ndarray) -> np.ndarray:
     -> float32 [n, cells, channels]. ``params``: ``copy_model.local_params`` of a copy model."""
     out = []
     for lo in range(0, len(thumbnails), BATCH):
-        chunk = thumbnails[lo:lo + BATCH].astype(np.float32) / 255.0
+        chunk = thumbnails[lo : lo + BATCH].astype(np.float32) / 255.0
         n = len(chunk)
         if n < BATCH:  # keep one compiled shape
             chunk = np.concatenate([chunk, np.zeros((BATCH - n, *chunk.shape[1:]), chunk.dtype)])
@@ -69,12 +69,12 @@ def mutual_fraction(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise ValueError(f"cell arrays differ in shape: {a.shape} and {b.shape}")
     out = np.empty(len(a), np.float32)
     for lo in range(0, len(a), BATCH):
-        x, y = a[lo:lo + BATCH], b[lo:lo + BATCH]
+        x, y = a[lo : lo + BATCH], b[lo : lo + BATCH]
         n = len(x)
         if n < BATCH:
             pad = np.zeros((BATCH - n, *x.shape[1:]), x.dtype)
             x, y = np.concatenate([x, pad]), np.concatenate([y, pad])
-        out[lo:lo + n] = np.asarray(_mutual(x, y))[:n]
+        out[lo : lo + n] = np.asarray(_mutual(x, y))[:n]
     return out
 
 
@@ -83,8 +83,9 @@ class Agreement:
     their candidates' public indices and mirror states -> fractions of the same shape.
     Holds both sides' thumbnails (3 KB per image) and the copy model's early parameters."""
 
-    def __init__(self, params: Any, public_thumbnails: np.ndarray, private_thumbnails: np.ndarray, *,
-                 show_progress: bool = False) -> None:
+    def __init__(
+        self, params: Any, public_thumbnails: np.ndarray, private_thumbnails: np.ndarray, *, show_progress: bool = False
+    ) -> None:
         self._params = copy_model.local_params(params)
         self._public, self._private = public_thumbnails, private_thumbnails
         self._show_progress = show_progress

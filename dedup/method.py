@@ -37,14 +37,16 @@ DESCRIPTION = (
     "coarse 16x16 then fine 32x32; pairs it rejects: affine ECC alignment (3 starts), accepted "
     f"if the blurred luma's rank correlation >= {refine.MIN_RANK}, detail (DoG {refine.DETAIL_BAND[0]}-"
     f"{refine.DETAIL_BAND[1]} px) correlation >= {refine.MIN_DETAIL}, warp scale "
-    f"{refine.SCALE_RANGE[0]}-{refine.SCALE_RANGE[1]}, anisotropy <= {refine.MAX_ANISOTROPY}")
+    f"{refine.SCALE_RANGE[0]}-{refine.SCALE_RANGE[1]}, anisotropy <= {refine.MAX_ANISOTROPY}"
+)
 COPY_DESCRIPTION = (
     "copy decision (with a copy model): a small CNN trained contrastively on the public images "
     "only maps copy edits of an image together; each private image's nearest public images "
     "(both mirror states) score cosine - beta x the mean of both ends' k-th nearest public "
     "cosine, + local_weight x (the share of the two images' 16x16 early-feature cells that are "
     "mutual nearest neighbours - the median share over the private image's candidates); a pair is "
-    "a duplicate at score >= cut")
+    "a duplicate at score >= cut"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,9 +26,14 @@ def _order(c: Candidate) -> tuple[float, str, int]:
     return -c.similarity, c.public_split, c.public_index
 
 
-def verify_by_page(candidates: Sequence[Candidate],
-                   verify: Callable[[list[Candidate]], list[Match]], *, k: int,
-                   max_pages: int, crowded_fraction: float) -> tuple[list[Match], int, int]:
+def verify_by_page(
+    candidates: Sequence[Candidate],
+    verify: Callable[[list[Candidate]], list[Match]],
+    *,
+    k: int,
+    max_pages: int,
+    crowded_fraction: float,
+) -> tuple[list[Match], int, int]:
     """Verify pages of each private image's candidates while the previous page was crowded.
 
     ``verify`` decides a list of candidates (any private images; one call per page round, so
@@ -41,8 +46,7 @@ def verify_by_page(candidates: Sequence[Candidate],
     for cs in ranked.values():
         cs.sort(key=_order)
         if len(cs) > k * max_pages:  # more than the search keeps: a bug upstream
-            raise RuntimeError(f"{len(cs)} candidates for one private image, at most "
-                               f"{k * max_pages} planned")
+            raise RuntimeError(f"{len(cs)} candidates for one private image, at most {k * max_pages} planned")
     need = crowded_count(k, crowded_fraction)
     matches: list[Match] = []
     active = sorted(ranked)
@@ -50,7 +54,7 @@ def verify_by_page(candidates: Sequence[Candidate],
     for page in range(max_pages):
         if page:
             expanded.update(active)
-        batch = [c for key in active for c in ranked[key][page * k:(page + 1) * k]]
+        batch = [c for key in active for c in ranked[key][page * k : (page + 1) * k]]
         if not batch:
             break
         decided = verify(batch)
@@ -59,6 +63,5 @@ def verify_by_page(candidates: Sequence[Candidate],
         for m in decided:
             if m.accepted:
                 accepted[(m.candidate.private_split, m.candidate.private_index)] += 1
-        active = [key for key in active
-                  if accepted[key] >= need and len(ranked[key]) > (page + 1) * k]
+        active = [key for key in active if accepted[key] >= need and len(ranked[key]) > (page + 1) * k]
     return matches, len(candidates) - len(matches), len(expanded)

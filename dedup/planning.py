@@ -26,22 +26,19 @@ def select_splits(dataset: IngestedDataset, wanted: Sequence[str]) -> list[str]:
     return list(wanted) or dataset.splits
 
 
-def read_tasks(dataset: IngestedDataset, side: str, per_task: int,
-               splits: Sequence[str]) -> list[ReadTask]:
+def read_tasks(dataset: IngestedDataset, side: str, per_task: int, splits: Sequence[str]) -> list[ReadTask]:
     """Index ranges of ``splits``, never straddling a shard (public tasks know theirs)."""
     tasks = []
     for split in splits:
         start = 0
         for shard, entry in enumerate(dataset.manifest.splits[split].shards):
             stop = start + entry.num_examples
-            tasks += [ReadTask(side, split, s, min(s + per_task, stop), shard)
-                      for s in range(start, stop, per_task)]
+            tasks += [ReadTask(side, split, s, min(s + per_task, stop), shard) for s in range(start, stop, per_task)]
             start = stop
     return tasks
 
 
-def shard_ranges(dataset: IngestedDataset,
-                 splits: Sequence[str]) -> dict[tuple[str, int], tuple[int, int, int]]:
+def shard_ranges(dataset: IngestedDataset, splits: Sequence[str]) -> dict[tuple[str, int], tuple[int, int, int]]:
     """(split, shard) -> (first index, end index, number of shards in the split)."""
     ranges = {}
     for split in splits:
@@ -53,8 +50,9 @@ def shard_ranges(dataset: IngestedDataset,
     return ranges
 
 
-def knn_tasks(tasks: Sequence[ReadTask],
-              public_per_task: int = PUBLIC_PER_KNN_TASK) -> list[tuple[ReadTask, tuple[ReadTask, ...]]]:
+def knn_tasks(
+    tasks: Sequence[ReadTask], public_per_task: int = PUBLIC_PER_KNN_TASK
+) -> list[tuple[ReadTask, tuple[ReadTask, ...]]]:
     """Every private task paired with every group of consecutive public tasks."""
     private = [t for t in tasks if t.side == PRIVATE]
     groups: list[list[ReadTask]] = [[]]
@@ -81,8 +79,9 @@ def public_positions(tasks: Sequence[ReadTask]) -> dict[str, int]:
     return positions
 
 
-def verify_blocks(dataset: IngestedDataset, splits: Sequence[str],
-                  per_block: int = PRIVATE_PER_VERIFY_TASK) -> list[tuple[tuple[str, int], int]]:
+def verify_blocks(
+    dataset: IngestedDataset, splits: Sequence[str], per_block: int = PRIVATE_PER_VERIFY_TASK
+) -> list[tuple[tuple[str, int], int]]:
     """((split, block), private images in it) for every block of ``per_block`` private images.
 
     Verification runs one task per block, including blocks without candidates, so its

@@ -66,8 +66,13 @@ class Refined:
     @property
     def accepted(self) -> np.ndarray:
         lo, hi = SCALE_RANGE
-        return ((self.rank_distance <= 1 - MIN_RANK) & (self.detail_distance <= 1 - MIN_DETAIL)
-                & (self.anisotropy <= MAX_ANISOTROPY) & (self.scale >= lo) & (self.scale <= hi))
+        return (
+            (self.rank_distance <= 1 - MIN_RANK)
+            & (self.detail_distance <= 1 - MIN_DETAIL)
+            & (self.anisotropy <= MAX_ANISOTROPY)
+            & (self.scale >= lo)
+            & (self.scale <= hi)
+        )
 
 
 def _luma(image: np.ndarray) -> np.ndarray:
@@ -99,8 +104,9 @@ def _warp(image: np.ndarray, warp: np.ndarray) -> np.ndarray:
     """``image`` resampled into the public frame: out(x) = image(warp @ [x, 1])."""
     import cv2
 
-    return cv2.warpAffine(image, warp, (SIZE, SIZE), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
-                          borderMode=cv2.BORDER_REPLICATE)
+    return cv2.warpAffine(
+        image, warp, (SIZE, SIZE), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE
+    )
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -125,8 +131,9 @@ def _refine_one(public: np.ndarray, private: np.ndarray) -> tuple[float, ...]:
     for s in START_SCALES:
         start = np.array([[s, 0, centre - s * centre], [0, s, centre - s * centre]], np.float32)
         try:  # the criterion over the public window only (the template mask), as documented above
-            _, w = cv2.findTransformECCWithMask(ta, tb, window, everywhere, start, cv2.MOTION_AFFINE,
-                                                criteria, ECC_FILTER)
+            _, w = cv2.findTransformECCWithMask(
+                ta, tb, window, everywhere, start, cv2.MOTION_AFFINE, criteria, ECC_FILTER
+            )
         except cv2.error:  # did not converge, or a flat image: no evidence from this start
             continue
         if not np.all(np.isfinite(w)):
@@ -159,8 +166,10 @@ def refine(public: np.ndarray, private: np.ndarray, mirrored: np.ndarray) -> Ref
     threads = cv2.getNumThreads()
     cv2.setNumThreads(1)
     try:
-        rows = [_refine_one(a, b[:, ::-1] if m else b)
-                for a, b, m in zip(public, private, np.asarray(mirrored, bool), strict=True)]
+        rows = [
+            _refine_one(a, b[:, ::-1] if m else b)
+            for a, b, m in zip(public, private, np.asarray(mirrored, bool), strict=True)
+        ]
     finally:
         cv2.setNumThreads(threads)
     cols = np.array(rows, np.float64).reshape(-1, 5).T

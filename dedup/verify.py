@@ -55,7 +55,7 @@ def alignment_grid(size: int) -> tuple[tuple[float, np.ndarray, np.ndarray], ...
     """Per scale: (scale, shifts [T], sampling matrices [T, window, size])."""
     window, step = size * WINDOW // SIZE, SIZE // size
     centre = (size - 1) / 2
-    x = np.arange(size)[(size - window) // 2:(size + window) // 2]
+    x = np.arange(size)[(size - window) // 2 : (size + window) // 2]
     grid = []
     for s in SCALES:
         limit = MAX_SHIFT + (int(16 * (1 - s)) if s < 1 else 0)
@@ -84,8 +84,7 @@ def _luma(images: np.ndarray, size: int, *, detail: bool = False) -> np.ndarray:
     """
     x = images.astype(np.float32) / 255.0
     y = x[..., 0] if x.shape[-1] == 1 else x[..., :3] @ _LUMA
-    y = np.einsum("ij,njk,lk->nil", _blur(y.shape[1], size), y, _blur(y.shape[2], size),
-                  optimize=True)
+    y = np.einsum("ij,njk,lk->nil", _blur(y.shape[1], size), y, _blur(y.shape[2], size), optimize=True)
     if detail:
         g = sampling_matrix(size, size, 0.0, 1.0, DETAIL_SIGMA * size / SIZE)
         y = y - np.einsum("ij,njk,lk->nil", g, y, g, optimize=True)
@@ -96,7 +95,7 @@ def _distances(public: np.ndarray, private: np.ndarray, size: int) -> np.ndarray
     """1 - best correlation over the grid, for pairs (public[i], private[i]) of luma maps."""
     window = size * WINDOW // SIZE
     lo = (size - window) // 2
-    p = public[:, lo:lo + window, lo:lo + window]
+    p = public[:, lo : lo + window, lo : lo + window]
     p = p - p.mean(axis=(1, 2), keepdims=True)
     p = p / np.maximum(np.sqrt(np.square(p).sum(axis=(1, 2), keepdims=True)), 1e-6)
     n_pix = window * window
@@ -114,8 +113,9 @@ def _distances(public: np.ndarray, private: np.ndarray, size: int) -> np.ndarray
     return best
 
 
-def distances(public: np.ndarray, private: np.ndarray, mirrored: np.ndarray, *,
-              batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def distances(
+    public: np.ndarray, private: np.ndarray, mirrored: np.ndarray, *, batch: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
     """(coarse, fine) distances of pairs (public[i], private[i]); fine = inf where coarse fails.
 
     ``mirrored[i]``: compare with the private image's mirror (the candidate's view).
@@ -123,17 +123,16 @@ def distances(public: np.ndarray, private: np.ndarray, mirrored: np.ndarray, *,
     coarse = np.empty(len(public), np.float32)
     fine = np.full(len(public), np.inf, np.float32)
     for s in range(0, len(public), batch):
-        a = public[s:s + batch]
-        b = private[s:s + batch]
-        m = np.asarray(mirrored[s:s + batch], bool)
+        a = public[s : s + batch]
+        b = private[s : s + batch]
+        m = np.asarray(mirrored[s : s + batch], bool)
         b = np.where(m[:, None, None, None], b[:, :, ::-1], b)
-        coarse[s:s + len(a)] = _distances(_luma(a, SIZE // 2), _luma(b, SIZE // 2), SIZE // 2)
+        coarse[s : s + len(a)] = _distances(_luma(a, SIZE // 2), _luma(b, SIZE // 2), SIZE // 2)
     keep = np.flatnonzero(coarse <= COARSE_CUT)
     for s in range(0, len(keep), batch // 4):
-        idx = keep[s:s + batch // 4]
+        idx = keep[s : s + batch // 4]
         b = private[idx]
         m = np.asarray(mirrored, bool)[idx]
         b = np.where(m[:, None, None, None], b[:, :, ::-1], b)
-        fine[idx] = _distances(_luma(public[idx], SIZE, detail=True),
-                               _luma(b, SIZE, detail=True), SIZE)
+        fine[idx] = _distances(_luma(public[idx], SIZE, detail=True), _luma(b, SIZE, detail=True), SIZE)
     return coarse, fine

@@ -9,7 +9,7 @@ so the full DP path (per-example gradients through every layer) runs on a CPU in
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +45,13 @@ def checked_channels(channels: Sequence[int], num_groups: int) -> tuple[int, ...
     """``channels`` as ints; each stage's GroupNorm needs its channel count divisible by ``num_groups``."""
     channels = tuple(int(c) for c in channels)
     if not channels or any(c < 1 or c % num_groups for c in channels):
-        raise InvalidConfigError(
-            f"CNN channels {channels} must be non-empty and divisible by num_groups={num_groups}")
+        raise InvalidConfigError(f"CNN channels {channels} must be non-empty and divisible by num_groups={num_groups}")
     return channels
 
 
-def small_cnn(*, num_classes: int = 10, channels: Sequence[int] = DEFAULT_CHANNELS,
-              num_groups: int = 16) -> ImageClassifier:
+def small_cnn(
+    *, num_classes: int = 10, channels: Sequence[int] = DEFAULT_CHANNELS, num_groups: int = 16
+) -> ImageClassifier:
     """Build the small CNN; every channel count must be divisible by ``num_groups``."""
     channels = checked_channels(channels, num_groups)
     return ImageClassifier(

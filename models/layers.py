@@ -7,7 +7,8 @@ as a differentiable op inside the forward pass, so the gradient flows through th
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,8 +72,7 @@ class WSConv(nn.Module):
         shape = (kh, kw, in_ch // self.feature_group_count, self.features)
         kernel = self.param("kernel", self.kernel_init, shape, jnp.float32)
         weight = standardize_kernel(kernel, eps=self.eps)
-        y = _conv(x, weight, strides=as_pair(self.strides), padding=self.padding,
-                  groups=self.feature_group_count)
+        y = _conv(x, weight, strides=as_pair(self.strides), padding=self.padding, groups=self.feature_group_count)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
         return y
@@ -109,8 +109,7 @@ class ScaledWSConv(nn.Module):
         var = jnp.var(kernel, axis=axes, keepdims=True)
         scale = jax.lax.rsqrt(jnp.maximum(var * fan_in, self.eps)) * gain
         weight = (kernel - mean) * scale
-        y = _conv(x, weight, strides=as_pair(self.strides), padding=self.padding,
-                  groups=self.feature_group_count)
+        y = _conv(x, weight, strides=as_pair(self.strides), padding=self.padding, groups=self.feature_group_count)
         return y + bias.astype(y.dtype)
 
 
@@ -134,7 +133,6 @@ def scaled_relu(x: Array) -> Array:
 def scaled_gelu(x: Array) -> Array:
     """GELU times its variance-preserving gain for N(0, 1) inputs."""
     return jax.nn.gelu(x, approximate=False) * 1.7015043497085571
-
 
 
 class SqueezeExcite(nn.Module):

@@ -16,7 +16,7 @@ Stages (ResNet-50 layout, bottleneck ratio 0.25): widths 256, 512, 1024, 2048; s
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ def block_betas(depths: Sequence[int], alpha: float) -> list[float]:
     betas, expected_var = [], 1.0
     for depth in depths:
         for index in range(depth):
-            betas.append(expected_var ** -0.5)
+            betas.append(expected_var**-0.5)
             if index == 0:
                 expected_var = 1.0
             expected_var += alpha**2
@@ -92,8 +92,13 @@ class NFResNetBackbone(nn.Module):
         for stage, (width, depth) in enumerate(zip(STAGE_WIDTHS, self.depths)):
             for block in range(depth):
                 strides = 2 if stage > 0 and block == 0 else 1
-                out = NFResBlock(width, strides=strides, beta=next(betas), alpha=self.alpha,
-                                 name=f"stage{stage + 1}_block{block + 1}")(out)
+                out = NFResBlock(
+                    width,
+                    strides=strides,
+                    beta=next(betas),
+                    alpha=self.alpha,
+                    name=f"stage{stage + 1}_block{block + 1}",
+                )(out)
         return jnp.mean(scaled_relu(out), axis=(1, 2))
 
 

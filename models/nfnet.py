@@ -14,7 +14,7 @@ paper for non-private training; they add no parameters and are not part of the m
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,16 +67,16 @@ class NFBlock(nn.Module):
         out = self.activation(x) * self.beta
         projection = self.strides != 1 or x.shape[-1] != self.features
         if self.strides != 1:
-            pooled = nn.avg_pool(out, (self.strides, self.strides), strides=(self.strides,) * 2,
-                                 padding="SAME")
+            pooled = nn.avg_pool(out, (self.strides, self.strides), strides=(self.strides,) * 2, padding="SAME")
             shortcut = ScaledWSConv(self.features, 1, name="shortcut")(pooled)
         elif projection:
             shortcut = ScaledWSConv(self.features, 1, name="shortcut")(out)
         else:
             shortcut = x
         out = ScaledWSConv(width, 1, name="conv_0")(out)
-        out = ScaledWSConv(width, 3, strides=self.strides, feature_group_count=groups,
-                           name="conv_1")(self.activation(out))
+        out = ScaledWSConv(width, 3, strides=self.strides, feature_group_count=groups, name="conv_1")(
+            self.activation(out)
+        )
         out = ScaledWSConv(width, 3, feature_group_count=groups, name="conv_1b")(self.activation(out))
         out = ScaledWSConv(self.features, 1, name="conv_2")(self.activation(out))
         hidden = max(1, int(self.features * SE_RATIO))
@@ -102,8 +102,13 @@ class NFNetBackbone(nn.Module):
         for stage, (width, depth) in enumerate(zip(STAGE_WIDTHS, self.depths)):
             for block in range(depth):
                 strides = 2 if stage > 0 and block == 0 else 1
-                out = NFBlock(width, strides=strides, beta=next(betas), alpha=self.alpha,
-                              name=f"stage{stage + 1}_block{block + 1}")(out)
+                out = NFBlock(
+                    width,
+                    strides=strides,
+                    beta=next(betas),
+                    alpha=self.alpha,
+                    name=f"stage{stage + 1}_block{block + 1}",
+                )(out)
         out = ScaledWSConv(NFNET_FEATURE_DIM, 1, name="final_conv")(out)
         return jnp.mean(act(out), axis=(1, 2))
 

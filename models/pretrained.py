@@ -251,9 +251,15 @@ def _write_parameter_free_backbone(spec: Any, directory: pathlib.Path) -> None:
     variables = model.init(jax.random.key(0), images)
     channels = spec.input_shape[2]
     prep = Preprocessing(resolution=spec.input_shape[0], mean=(127.5,) * channels, std=(127.5,) * channels)
-    save_pretrained(directory, variables, model=spec.name, num_classes=spec.num_classes, preprocessing=prep,
-                    source=f"{spec.name}: a fixed transform, built by dpscale (no trained weights)",
-                    force=True)
+    save_pretrained(
+        directory,
+        variables,
+        model=spec.name,
+        num_classes=spec.num_classes,
+        preprocessing=prep,
+        source=f"{spec.name}: a fixed transform, built by dpscale (no trained weights)",
+        force=True,
+    )
 
 
 def load_pretrained(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +162,12 @@ def _efficientnet_lite_specs() -> Iterable[ModelSpec]:
 
 #: Every model family, in the order ``dpscale models`` lists them.
 _FAMILIES: tuple[Callable[[], Iterable[ModelSpec]], ...] = (
-    _wrn_specs, _nf_resnet_specs, _nfnet_specs, _cnn_specs, _scattering_specs, _efficientnet_lite_specs,
+    _wrn_specs,
+    _nf_resnet_specs,
+    _nfnet_specs,
+    _cnn_specs,
+    _scattering_specs,
+    _efficientnet_lite_specs,
 )
 
 
@@ -206,8 +211,9 @@ def get_model(name: str, *, num_classes: int | None = None) -> nn.Module:
     return spec.build(num_classes=classes)
 
 
-def abstract_variables(name: str, *, num_classes: int | None = None,
-                       input_shape: tuple[int, int, int] | None = None) -> dict:
+def abstract_variables(
+    name: str, *, num_classes: int | None = None, input_shape: tuple[int, int, int] | None = None
+) -> dict:
     """Shapes and dtypes of the model's variables, via ``jax.eval_shape`` (nothing allocated)."""
     spec = get_spec(name)
     model = get_model(name, num_classes=num_classes)
@@ -226,7 +232,7 @@ def param_count(name: str, *, num_classes: int | None = None) -> int:
     return traced_param_count(spec.name, num_classes=num_classes)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced_param_count(name: str, *, num_classes: int | None = None) -> int:
     """``param_count`` from the model code itself (``jax.eval_shape``: seconds for the big models)."""
     variables = abstract_variables(name, num_classes=num_classes)

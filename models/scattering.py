@@ -78,10 +78,12 @@ def filter_bank(size: int, J: int, L: int) -> tuple[np.ndarray, np.ndarray]:
     """Fourier transforms of the wavelets ``(J * L, size, size)`` (index ``j * L + l``) and of
     the low-pass ``(size, size)``; cached because they depend on the shape only."""
     slant = 4.0 / L
-    psi = [np.fft.fft2(_morlet(size, SIGMA0 * 2 ** j, math.pi * (L - 1 - angle) / L,
-                               XI0 / 2 ** j, slant))
-           for j in range(J) for angle in range(L)]
-    phi = np.fft.fft2(_gabor(size, SIGMA0 * 2 ** J, 0.0, 0.0, 1.0)).real
+    psi = [
+        np.fft.fft2(_morlet(size, SIGMA0 * 2**j, math.pi * (L - 1 - angle) / L, XI0 / 2**j, slant))
+        for j in range(J)
+        for angle in range(L)
+    ]
+    phi = np.fft.fft2(_gabor(size, SIGMA0 * 2**J, 0.0, 0.0, 1.0)).real
     return np.stack(psi).astype(np.complex64), phi.astype(np.float32)
 
 
@@ -95,22 +97,22 @@ class Scattering2D(nn.Module):
         if self.J < 1 or self.L < 1:
             raise InvalidConfigError(f"scattering needs J >= 1 and L >= 1, got J={self.J}, L={self.L}")
         batch, height, width, channels = x.shape
-        step = 2 ** self.J
+        step = 2**self.J
         if height % step or width % step:
-            raise InvalidConfigError(f"scattering with J={self.J} needs image sides divisible by "
-                                     f"{step}, got {height}x{width}")
+            raise InvalidConfigError(
+                f"scattering with J={self.J} needs image sides divisible by {step}, got {height}x{width}"
+            )
         pad = 2 * step
         size = max(height, width) + 2 * pad
         psi, phi = (jnp.asarray(a) for a in filter_bank(size, self.J, self.L))
         # (B, C, size, size): reflect-pad, then square (the bank is square)
         img = jnp.transpose(x, (0, 3, 1, 2))
-        img = jnp.pad(img, ((0, 0), (0, 0), (pad, size - height - pad), (pad, size - width - pad)),
-                      mode="reflect")
+        img = jnp.pad(img, ((0, 0), (0, 0), (pad, size - height - pad), (pad, size - width - pad)), mode="reflect")
         spectrum = jnp.fft.fft2(img)
 
         def low_pass(spec: Array) -> Array:  # (..., size, size) spectrum -> (..., H/2^J, W/2^J)
             out = jnp.fft.ifft2(spec * phi).real
-            return out[..., pad:pad + height:step, pad:pad + width:step]
+            return out[..., pad : pad + height : step, pad : pad + width : step]
 
         def modulus(spec: Array, filters: Array) -> Array:  # |x * psi| for every filter
             return jnp.abs(jnp.fft.ifft2(spec[..., None, :, :] * filters))
@@ -121,8 +123,8 @@ class Scattering2D(nn.Module):
         maps = [order0, low_pass(first_spec)]
         for j1 in range(self.J - 1):
             for j2 in range(j1 + 1, self.J):
-                coarse = psi[j2 * self.L:(j2 + 1) * self.L]
-                second = modulus(first_spec[:, :, j1 * self.L:(j1 + 1) * self.L], coarse)
+                coarse = psi[j2 * self.L : (j2 + 1) * self.L]
+                second = modulus(first_spec[:, :, j1 * self.L : (j1 + 1) * self.L], coarse)
                 second = second.reshape(batch, channels, self.L * self.L, size, size)
                 maps.append(low_pass(jnp.fft.fft2(second)))
         coeffs = jnp.concatenate(maps, axis=2)  # (B, C, K, H', W')
@@ -137,8 +139,7 @@ class ScatterNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        return nn.GroupNorm(num_groups=self.num_groups, use_scale=False, use_bias=False,
-                            epsilon=1e-5)(x)
+        return nn.GroupNorm(num_groups=self.num_groups, use_scale=False, use_bias=False, epsilon=1e-5)(x)
 
 
 class ScatterLinearBackbone(nn.Module):
@@ -178,20 +179,30 @@ def _check_groups(channels_in: int, J: int, L: int, scatter_groups: int) -> None
         raise InvalidConfigError(f"scatter_groups={scatter_groups} must divide the {total} scattering maps")
 
 
-def scatter_linear(*, num_classes: int = 10, J: int = 2, L: int = 8, num_groups: int = 27,
-                   input_channels: int = 1) -> ImageClassifier:
+def scatter_linear(
+    *, num_classes: int = 10, J: int = 2, L: int = 8, num_groups: int = 27, input_channels: int = 1
+) -> ImageClassifier:
     """Softmax regression on normalised scattering features (Tramer & Boneh's ScatterNet+linear)."""
     _check_groups(input_channels, J, L, num_groups)
-    return ImageClassifier(backbone=ScatterLinearBackbone(J=J, L=L, num_groups=num_groups),
-                           head=Classifier(num_classes))
+    return ImageClassifier(
+        backbone=ScatterLinearBackbone(J=J, L=L, num_groups=num_groups), head=Classifier(num_classes)
+    )
 
 
-def scatter_cnn(*, num_classes: int = 10, channels: tuple[int, ...] = (64, 64), J: int = 2, L: int = 8,
-                scatter_groups: int = 27, num_groups: int = 16, input_channels: int = 1) -> ImageClassifier:
+def scatter_cnn(
+    *,
+    num_classes: int = 10,
+    channels: tuple[int, ...] = (64, 64),
+    J: int = 2,
+    L: int = 8,
+    scatter_groups: int = 27,
+    num_groups: int = 16,
+    input_channels: int = 1,
+) -> ImageClassifier:
     """A GroupNorm + WS CNN on normalised scattering maps (Tramer & Boneh's ScatterNet+CNN)."""
     _check_groups(input_channels, J, L, scatter_groups)
     channels = checked_channels(channels, num_groups)
     return ImageClassifier(
-        backbone=ScatterCNNBackbone(channels=channels, J=J, L=L, scatter_groups=scatter_groups,
-                                    num_groups=num_groups),
-        head=Classifier(num_classes))
+        backbone=ScatterCNNBackbone(channels=channels, J=J, L=L, scatter_groups=scatter_groups, num_groups=num_groups),
+        head=Classifier(num_classes),
+    )

@@ -21,7 +21,8 @@ Two independent checks run on abstract values (``jax.eval_shape``, nothing is al
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import flax
 import jax
@@ -80,7 +81,8 @@ def validate_dp_model(
             raise _batchnorm_error(offenders) from exc
         raise InvalidConfigError(
             "model updates state in its training forward pass, which is not allowed under DP "
-            f"(a layer computing statistics across the batch?): {exc}") from exc
+            f"(a layer computing statistics across the batch?): {exc}"
+        ) from exc
     if offenders:
         raise _batchnorm_error(offenders)
 
@@ -90,4 +92,5 @@ def _batchnorm_error(offenders: list[str]) -> InvalidConfigError:
     return InvalidConfigError(
         "BatchNorm with batch statistics mixes examples and breaks per-example DP sensitivity: "
         f"{', '.join(unique)}. Use GroupNorm, or freeze the statistics "
-        "(nn.BatchNorm(use_running_average=True)).")
+        "(nn.BatchNorm(use_running_average=True))."
+    )

@@ -62,8 +62,12 @@ class WRNBackbone(nn.Module):
         for stage, base in enumerate((16, 32, 64)):
             for block in range(blocks_per_stage):
                 strides = 2 if stage > 0 and block == 0 else 1
-                out = WRNBlock(base * self.width, strides=strides, num_groups=self.num_groups,
-                               name=f"stage{stage + 1}_block{block + 1}")(out)
+                out = WRNBlock(
+                    base * self.width,
+                    strides=strides,
+                    num_groups=self.num_groups,
+                    name=f"stage{stage + 1}_block{block + 1}",
+                )(out)
         out = nn.relu(GroupNorm(num_groups=self.num_groups, name="final_norm")(out))
         return jnp.mean(out, axis=(1, 2))
 
@@ -75,8 +79,7 @@ def wide_resnet(depth: int, width: int, *, num_classes: int = 10, num_groups: in
     if width < 1:
         raise InvalidConfigError(f"WRN width must be >= 1, got {width}")
     if (16 * width) % num_groups != 0 or 16 % num_groups != 0:
-        raise InvalidConfigError(
-            f"GroupNorm groups ({num_groups}) must divide the channel counts 16 and {16 * width}")
+        raise InvalidConfigError(f"GroupNorm groups ({num_groups}) must divide the channel counts 16 and {16 * width}")
     return ImageClassifier(
         backbone=WRNBackbone(depth=depth, width=width, num_groups=num_groups),
         head=Classifier(num_classes),

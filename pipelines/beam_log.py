@@ -44,9 +44,12 @@ def beam_log_to_file(verbose: bool) -> Iterator[str | None]:
     saved = os.dup(2)
     terminal = os.fdopen(os.dup(saved), "w", buffering=1)
     old_stderr = sys.stderr
-    handlers = [h for name in (None, *logging.root.manager.loggerDict)
-                for h in getattr(logging.getLogger(name), "handlers", [])
-                if isinstance(h, logging.StreamHandler) and h.stream is old_stderr]
+    handlers = [
+        h
+        for name in (None, *logging.root.manager.loggerDict)
+        for h in getattr(logging.getLogger(name), "handlers", [])
+        if isinstance(h, logging.StreamHandler) and h.stream is old_stderr
+    ]
     beam_logger = logging.getLogger("apache_beam")
     old_level, old_propagate = beam_logger.level, beam_logger.propagate
     beam_logger.setLevel(logging.ERROR)
@@ -93,8 +96,9 @@ _LOGGED_USER_ERROR = re.compile(r"^dpscale\.errors\.(\w+): (.+)$", re.MULTILINE)
 _LOGGED_EXCEPTION = re.compile(r"^((?:[\w.]+\.)?\w*(?:Error|Exception): .+)$", re.MULTILINE)
 
 
-def worker_error(exc: BaseException, *, writes_to: str | None = None,
-                 rerun: str = "run the command again") -> errors.DpscaleError | None:
+def worker_error(
+    exc: BaseException, *, writes_to: str | None = None, rerun: str = "run the command again"
+) -> errors.DpscaleError | None:
     """The dpscale error a worker raised (a damaged shard, a full disk), if that is why the pipeline failed.
 
     In one process Beam re-raises the worker's exception (with the step's name added to its

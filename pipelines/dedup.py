@@ -79,9 +79,11 @@ def progress_total(num_public: int, num_private: int, k: int) -> int:
 
 def progress_units(num_public: int, num_private: int, k: int) -> str:
     """What the bar's total is made of, for the log line that opens a run."""
-    return (f"progress counts {progress_total(num_public, num_private, k):,} items: {num_public + num_private:,} "
-            f"images described, {num_private:,} private images searched and {k * num_private:,} candidate pairs "
-            f"verified ({k} per private image; pages verified where crowded are not counted)")
+    return (
+        f"progress counts {progress_total(num_public, num_private, k):,} items: {num_public + num_private:,} "
+        f"images described, {num_private:,} private images searched and {k * num_private:,} candidate pairs "
+        f"verified ({k} per private image; pages verified where crowded are not counted)"
+    )
 
 
 class _WithDatasets(beam.DoFn):
@@ -92,8 +94,10 @@ class _WithDatasets(beam.DoFn):
     def setup(self) -> None:
         from dpscale.data.dataset import IngestedDataset
 
-        self.datasets = {join.PUBLIC: IngestedDataset(self.settings.public),
-                         join.PRIVATE: IngestedDataset(self.settings.private)}
+        self.datasets = {
+            join.PUBLIC: IngestedDataset(self.settings.public),
+            join.PRIVATE: IngestedDataset(self.settings.private),
+        }
 
     def teardown(self) -> None:
         for ds in self.datasets.values():
@@ -110,8 +114,7 @@ class _Describe(_WithDatasets):
         yield task.side, rows
 
 
-def _knn(pair: tuple[join.ReadTask, tuple[join.ReadTask, ...]], *, settings: GraphSettings,
-         _done: Any = None):
+def _knn(pair: tuple[join.ReadTask, tuple[join.ReadTask, ...]], *, settings: GraphSettings, _done: Any = None):
     private, public = pair
     m = settings.method
     rows, total = private.stop - private.start, max(settings.num_public, 1)
@@ -121,8 +124,9 @@ def _knn(pair: tuple[join.ReadTask, tuple[join.ReadTask, ...]], *, settings: Gra
         start = settings.public_positions[t.name]
         mark(settings.progress_dir, rows * (start + t.stop - t.start) // total - rows * start // total)
 
-    for c in join.knn_task(private, public, settings.work_dir, k=m.neighbours,
-                           min_similarity=m.min_similarity, searched=searched):
+    for c in join.knn_task(
+        private, public, settings.work_dir, k=m.neighbours, min_similarity=m.min_similarity, searched=searched
+    ):
         yield (c.private_split, c.private_index), c
 
 
@@ -143,15 +147,25 @@ class _Verify(_WithDatasets):
         method = s.method
 
         def verify(cs: list[join.Candidate]) -> list[join.Match]:
-            return [m for i in range(0, len(cs), VERIFY_BATCH)
-                    for m in join.verify_candidates(cs[i:i + VERIFY_BATCH], self.datasets[join.PUBLIC],
-                                                    self.datasets[join.PRIVATE],
-                                                    threshold=method.threshold,
-                                                    refine_rejected=method.refine)]
+            return [
+                m
+                for i in range(0, len(cs), VERIFY_BATCH)
+                for m in join.verify_candidates(
+                    cs[i : i + VERIFY_BATCH],
+                    self.datasets[join.PUBLIC],
+                    self.datasets[join.PRIVATE],
+                    threshold=method.threshold,
+                    refine_rejected=method.refine,
+                )
+            ]
 
         matches, skipped, expanded = pages.verify_by_page(
-            list(parts["candidates"]), verify, k=method.k, max_pages=method.max_pages,
-            crowded_fraction=method.crowded_fraction)
+            list(parts["candidates"]),
+            verify,
+            k=method.k,
+            max_pages=method.max_pages,
+            crowded_fraction=method.crowded_fraction,
+        )
         for m in matches:
             if m.accepted:
                 yield "accepted", ((m.candidate.public_split, m.candidate.public_index), m)
@@ -164,15 +178,20 @@ class _Verify(_WithDatasets):
         mark(s.progress_dir, method.k * images[0])
 
 
-def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *,
-                  settings: GraphSettings):
+def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *, settings: GraphSettings):
     (split, shard), parts = group
     if not parts["shard"]:  # a match for a shard we did not plan: a bug, not data
         raise RuntimeError(f"match for unknown public shard {split}/{shard}")
     summary, removed = output.filter_shard(
-        settings.public, settings.output_dir, split, shard,
-        settings.shard_ranges[(split, shard)], parts["matches"],
-        num_classes=settings.num_classes, shape=settings.image_shape)
+        settings.public,
+        settings.output_dir,
+        split,
+        shard,
+        settings.shard_ranges[(split, shard)],
+        parts["matches"],
+        num_classes=settings.num_classes,
+        shape=settings.image_shape,
+    )
     for r in removed:
         yield "removed", r
     yield "summaries", summary
@@ -189,10 +208,19 @@ def _ready_task(group: tuple[int, dict[str, list[Any]]]):
 def _write_report(parts: dict[str, list[Any]], **kwargs: Any) -> Any:
     """``output.write_outputs`` from the gathered lists (absent counts are zero)."""
     return output.write_outputs(
-        None, summaries=parts["summaries"], removed=parts["removed"], matches=parts["matches"],
-        matched_private=parts["matched_private"], near=parts["near"], described=dict(parts["described"]),
-        num_candidates=sum(parts["num_candidates"]), num_verified=sum(parts["num_verified"]),
-        num_skipped=sum(parts["num_skipped"]), num_expanded=sum(parts["num_expanded"]), **kwargs)
+        None,
+        summaries=parts["summaries"],
+        removed=parts["removed"],
+        matches=parts["matches"],
+        matched_private=parts["matched_private"],
+        near=parts["near"],
+        described=dict(parts["described"]),
+        num_candidates=sum(parts["num_candidates"]),
+        num_verified=sum(parts["num_verified"]),
+        num_skipped=sum(parts["num_skipped"]),
+        num_expanded=sum(parts["num_expanded"]),
+        **kwargs,
+    )
 
 
 def _rank(c: join.Candidate) -> tuple[float, int]:
@@ -202,70 +230,95 @@ def _rank(c: join.Candidate) -> tuple[float, int]:
 
 def build(pipeline: beam.Pipeline, settings: GraphSettings, copy: CopyOutcome | None = None) -> None:
     """Add the dedup graph to ``pipeline``; ``copy``: the copy decision's pairs, removed too."""
-    described = (pipeline
-                 | "Tasks" >> beam.Create(list(settings.tasks))
-                 | "SpreadTasks" >> beam.Reshuffle()
-                 | "Describe" >> beam.ParDo(_Describe(settings)))
+    described = (
+        pipeline
+        | "Tasks" >> beam.Create(list(settings.tasks))
+        | "SpreadTasks" >> beam.Reshuffle()
+        | "Describe" >> beam.ParDo(_Describe(settings))
+    )
     described_count = described | "CountDescribed" >> beam.CombinePerKey(sum)
     # the neighbour search starts once every descriptor file exists: each task's group waits for
     # the signal sent (after every description) to every task's key
     num_knn = len(settings.knn_tasks)
     done = portable.total(described_count | "Rows" >> beam.Values(), label="AllDescribed")
-    candidates = ({"task": pipeline | "KnnTasks" >> beam.Create(list(enumerate(settings.knn_tasks))),
-                   "described": portable.broadcast(done, lambda _: range(num_knn), label="ToEveryKnnTask")}
-                  | "AfterDescribe" >> beam.CoGroupByKey()
-                  | "ReadyTasks" >> beam.FlatMap(_ready_task)
-                  | "SpreadKnn" >> beam.Reshuffle()
-                  | "Neighbours" >> beam.FlatMap(_knn, settings=settings)
-                  | "TopKPerPrivate" >> beam.combiners.Top.PerKey(settings.method.neighbours,
-                                                                   key=_rank)
-                  | "Candidates" >> beam.FlatMap(lambda kv: kv[1]))
+    candidates = (
+        {
+            "task": pipeline | "KnnTasks" >> beam.Create(list(enumerate(settings.knn_tasks))),
+            "described": portable.broadcast(done, lambda _: range(num_knn), label="ToEveryKnnTask"),
+        }
+        | "AfterDescribe" >> beam.CoGroupByKey()
+        | "ReadyTasks" >> beam.FlatMap(_ready_task)
+        | "SpreadKnn" >> beam.Reshuffle()
+        | "Neighbours" >> beam.FlatMap(_knn, settings=settings)
+        | "TopKPerPrivate" >> beam.combiners.Top.PerKey(settings.method.neighbours, key=_rank)
+        | "Candidates" >> beam.FlatMap(lambda kv: kv[1])
+    )
     num_candidates = portable.count(candidates, label="CountCandidates")
     per_block = settings.private_per_block
-    by_block = candidates | "ByBlock" >> beam.Map(
-        lambda c: ((c.private_split, c.private_index // per_block), c))
+    by_block = candidates | "ByBlock" >> beam.Map(lambda c: ((c.private_split, c.private_index // per_block), c))
     blocks = pipeline | "VerifyBlocks" >> beam.Create(list(settings.verify_blocks))
     verified = portable.by_tag(
         {"images": blocks, "candidates": by_block}
         | "GroupBlock" >> beam.CoGroupByKey()
         | "SpreadBlocks" >> beam.Reshuffle()
         | "Verify" >> beam.ParDo(_Verify(settings)),
-        ("accepted", "near", "verified", "skipped", "expanded"), label="Verified")
+        ("accepted", "near", "verified", "skipped", "expanded"),
+        label="Verified",
+    )
     num_verified = portable.total(verified["verified"], label="CountVerified")
     num_skipped = portable.total(verified["skipped"], label="CountSkipped")
     num_expanded = portable.total(verified["expanded"], label="CountExpanded")
     accepted = verified["accepted"]
     if copy is not None:
         copied = pipeline | "CopyMatches" >> beam.Create(
-            [((m.candidate.public_split, m.candidate.public_index), m) for m in copy.accepted])
+            [((m.candidate.public_split, m.candidate.public_index), m) for m in copy.accepted]
+        )
         accepted = (accepted, copied) | "WithCopyMatches" >> beam.Flatten()
     # every private image with an accepted pair, also when its public twin is credited to
     # another private image (closest() keeps one per public image)
-    matched_private = (accepted
-                       | "PrivateOfPair" >> beam.Map(lambda kv: (kv[1].candidate.private_split,
-                                                                 kv[1].candidate.private_index))
-                       | "DistinctPrivate" >> beam.Distinct())
-    closest = (accepted
-               | "ClosestPrivate" >> beam.CombinePerKey(join.closest)
-               | "ByShard" >> beam.Map(lambda kv: ((kv[1].candidate.public_split,
-                                                    kv[1].candidate.public_shard), kv[1])))
-    shard_keys = (pipeline
-                  | "Shards" >> beam.Create([(k, None) for k in sorted(settings.shard_ranges)]))
+    matched_private = (
+        accepted
+        | "PrivateOfPair" >> beam.Map(lambda kv: (kv[1].candidate.private_split, kv[1].candidate.private_index))
+        | "DistinctPrivate" >> beam.Distinct()
+    )
+    closest = (
+        accepted
+        | "ClosestPrivate" >> beam.CombinePerKey(join.closest)
+        | "ByShard" >> beam.Map(lambda kv: ((kv[1].candidate.public_split, kv[1].candidate.public_shard), kv[1]))
+    )
+    shard_keys = pipeline | "Shards" >> beam.Create([(k, None) for k in sorted(settings.shard_ranges)])
     written = portable.by_tag(
         {"shard": shard_keys, "matches": closest}
         | "GroupShard" >> beam.CoGroupByKey()
         | "WriteShards" >> beam.FlatMap(_filter_shard, settings=settings),
-        ("summaries", "removed"), label="Written")
-    _ = (portable.gather(pipeline, {
-            "summaries": written["summaries"], "removed": written["removed"],
-            "matches": closest | "Matches" >> beam.Values(), "matched_private": matched_private,
-            "near": verified["near"], "described": described_count, "num_candidates": num_candidates,
-            "num_verified": num_verified, "num_skipped": num_skipped, "num_expanded": num_expanded},
-            label="Finish")
-         | "WriteReport" >> beam.Map(
-             _write_report, public_path=settings.public, private_path=settings.private,
-             output_dir=settings.output_dir, method=settings.method, num_public=settings.num_public,
-             num_private=settings.num_private, public_splits=settings.public_splits,
-             private_splits=settings.private_splits,
-             copy_near=() if copy is None else copy.near,
-             copy_model=None if copy is None else copy.model))
+        ("summaries", "removed"),
+        label="Written",
+    )
+    _ = portable.gather(
+        pipeline,
+        {
+            "summaries": written["summaries"],
+            "removed": written["removed"],
+            "matches": closest | "Matches" >> beam.Values(),
+            "matched_private": matched_private,
+            "near": verified["near"],
+            "described": described_count,
+            "num_candidates": num_candidates,
+            "num_verified": num_verified,
+            "num_skipped": num_skipped,
+            "num_expanded": num_expanded,
+        },
+        label="Finish",
+    ) | "WriteReport" >> beam.Map(
+        _write_report,
+        public_path=settings.public,
+        private_path=settings.private,
+        output_dir=settings.output_dir,
+        method=settings.method,
+        num_public=settings.num_public,
+        num_private=settings.num_private,
+        public_splits=settings.public_splits,
+        private_splits=settings.private_splits,
+        copy_near=() if copy is None else copy.near,
+        copy_model=None if copy is None else copy.model,
+    )

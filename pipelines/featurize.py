@@ -53,8 +53,7 @@ class _FeaturizeChunk(beam.DoFn):
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every restore step
         self.dataset = IngestedDataset(self.settings.data)
         self.store = FeatureStore.for_writing(self.settings.entry)
-        self.featurizer = Featurizer(self.settings.backbone, self.store.layout.key,
-                                           batch_size=self.settings.batch_size)
+        self.featurizer = Featurizer(self.settings.backbone, self.store.layout.key, batch_size=self.settings.batch_size)
 
     def process(self, element: tuple[str, int]) -> Any:
         from dpscale.cache.featurizer import featurize_chunk
@@ -72,10 +71,11 @@ class _FeaturizeChunk(beam.DoFn):
             dataset.close()
 
 
-def build(pipeline: beam.Pipeline, chunks: list[tuple[str, int]],
-          settings: WorkerSettings) -> beam.PCollection:
+def build(pipeline: beam.Pipeline, chunks: list[tuple[str, int]], settings: WorkerSettings) -> beam.PCollection:
     """Add the featurize graph over ``chunks`` (``(split, chunk index)`` pairs) to ``pipeline``."""
-    return (pipeline
-            | "Chunks" >> beam.Create(list(chunks))
-            | "SpreadChunks" >> beam.Reshuffle()
-            | "FeaturizeChunks" >> beam.ParDo(_FeaturizeChunk(settings)))
+    return (
+        pipeline
+        | "Chunks" >> beam.Create(list(chunks))
+        | "SpreadChunks" >> beam.Reshuffle()
+        | "FeaturizeChunks" >> beam.ParDo(_FeaturizeChunk(settings))
+    )

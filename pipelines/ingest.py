@@ -52,14 +52,17 @@ class _ProcessTask(beam.DoFn):
         self.rejected = beam.metrics.Metrics.counter("ingest", "rejected")
 
     def process(self, task: Any):
-        out = ex.process_task(task, self.class_names,
-                              validation_fraction=self.settings.validation_fraction,
-                              shards_per_split=self.settings.shards_per_split,
-                              encoding=self.settings.encoding, label_map=self.settings.label_map)
+        out = ex.process_task(
+            task,
+            self.class_names,
+            validation_fraction=self.settings.validation_fraction,
+            shards_per_split=self.settings.shards_per_split,
+            encoding=self.settings.encoding,
+            label_map=self.settings.label_map,
+        )
         self.rejected.inc(len(out.rejections))
         self.examples.inc(sum(out.shape_counts.values()))
-        mark(self.settings.progress_dir,
-             len(out.rejections) + sum(out.shape_counts.values()) + out.num_excluded)
+        mark(self.settings.progress_dir, len(out.rejections) + sum(out.shape_counts.values()) + out.num_excluded)
         if out.num_excluded:
             yield "excluded", out.num_excluded
         for rejection in out.rejections:
@@ -77,8 +80,14 @@ def _write_shard(group: tuple[tuple[str, int], dict[str, Any]], *, settings: Gra
         return
     [shape] = parts["shape"]
     summary, rejected = write_shard(
-        settings.output_dir, split, shard, settings.shards_per_split.get(split, 1),
-        itertools.chain.from_iterable(parts["batches"]), num_classes=num_classes, shape=shape)
+        settings.output_dir,
+        split,
+        shard,
+        settings.shards_per_split.get(split, 1),
+        itertools.chain.from_iterable(parts["batches"]),
+        num_classes=num_classes,
+        shape=shape,
+    )
     for rejection in rejected:
         yield "rejected", rejection.as_dict()
     yield "summaries", summary
@@ -90,9 +99,14 @@ def _planned_shards(settings: GraphSettings) -> list[tuple[str, int]]:
 
 def _finish(parts: dict[str, list[Any]], **kwargs: Any) -> Any:
     """``write_outputs`` once every shard is written, from the gathered lists."""
-    return write_outputs(None, summaries=parts["summaries"], rejections=parts["rejections"],
-                         image_shape=ex.majority_shape(parts["shape_counts"]),
-                         num_excluded=sum(parts["excluded"]), **kwargs)
+    return write_outputs(
+        None,
+        summaries=parts["summaries"],
+        rejections=parts["rejections"],
+        image_shape=ex.majority_shape(parts["shape_counts"]),
+        num_excluded=sum(parts["excluded"]),
+        **kwargs,
+    )
 
 
 def build(pipeline: beam.Pipeline, plan: SourcePlan, settings: GraphSettings) -> None:
@@ -107,32 +121,50 @@ def build(pipeline: beam.Pipeline, plan: SourcePlan, settings: GraphSettings) ->
         | "Tasks" >> beam.Create(list(plan.tasks))
         | "SpreadTasks" >> beam.Reshuffle()
         | "ReadDecodeEncode" >> beam.ParDo(_ProcessTask(plan.class_names, settings)),
-        ("batches", "rejected", "shapes", "excluded"), label="Processed")
+        ("batches", "rejected", "shapes", "excluded"),
+        label="Processed",
+    )
     shape_counts = processed["shapes"] | "SumShapes" >> beam.CombinePerKey(sum)
     # the majority shape, handed to every planned shard (a shard's group waits for it)
-    majority = (shape_counts
-                | "KeyShapes" >> beam.Map(lambda sc: (None, sc))
-                | "AllShapes" >> beam.GroupByKey()
-                | "Majority" >> beam.Map(lambda kv: ex.majority_shape(list(kv[1]))))
+    majority = (
+        shape_counts
+        | "KeyShapes" >> beam.Map(lambda sc: (None, sc))
+        | "AllShapes" >> beam.GroupByKey()
+        | "Majority" >> beam.Map(lambda kv: ex.majority_shape(list(kv[1])))
+    )
     shard_shape = portable.broadcast(majority, lambda _: _planned_shards(settings), label="ShapePerShard")
     written = portable.by_tag(
         {"batches": processed["batches"], "shape": shard_shape}
         | "GroupShards" >> beam.CoGroupByKey()
         | "WriteShards" >> beam.FlatMap(_write_shard, settings=settings, num_classes=len(classes)),
-        ("summaries", "rejected"), label="Written")
-    rejections = ((processed["rejected"], written["rejected"]) | "AllRejections" >> beam.Flatten())
-    _ = (portable.gather(pipeline, {"summaries": written["summaries"], "rejections": rejections,
-                                    "shape_counts": shape_counts, "excluded": processed["excluded"]},
-                         label="Finish")
-         | "WriteManifest" >> beam.Map(
-             _finish, output_dir=settings.output_dir, source=plan.spec.text, class_names=classes,
-             validation_fraction=settings.validation_fraction, encoding=settings.encoding,
-             num_inputs=settings.num_inputs,
-             source_class_names=plan.class_names if settings.label_map is not None else None))
+        ("summaries", "rejected"),
+        label="Written",
+    )
+    rejections = (processed["rejected"], written["rejected"]) | "AllRejections" >> beam.Flatten()
+    _ = portable.gather(
+        pipeline,
+        {
+            "summaries": written["summaries"],
+            "rejections": rejections,
+            "shape_counts": shape_counts,
+            "excluded": processed["excluded"],
+        },
+        label="Finish",
+    ) | "WriteManifest" >> beam.Map(
+        _finish,
+        output_dir=settings.output_dir,
+        source=plan.spec.text,
+        class_names=classes,
+        validation_fraction=settings.validation_fraction,
+        encoding=settings.encoding,
+        num_inputs=settings.num_inputs,
+        source_class_names=plan.class_names if settings.label_map is not None else None,
+    )
 
 
-def shards_per_split(split_sizes: dict[str, int], *, validation_fraction: float,
-                     examples_per_shard: int) -> dict[str, int]:
+def shards_per_split(
+    split_sizes: dict[str, int], *, validation_fraction: float, examples_per_shard: int
+) -> dict[str, int]:
     """Shard counts from the planned sizes (known before reading), ``validation`` included."""
     sizes = dict(split_sizes)
     if validation_fraction > 0:

@@ -39,10 +39,12 @@ def by_tag(tagged: beam.PCollection, tags: Sequence[str], *, label: str) -> dict
 
 def total(values: beam.PCollection, *, label: str) -> beam.PCollection:
     """The sum of ``values`` as one element (none if ``values`` is empty: ``gather`` then sees ``[]``)."""
-    return (values
-            | f"{label}/Key" >> beam.Map(lambda v: (_KEY, v))
-            | f"{label}/Sum" >> beam.CombinePerKey(sum)
-            | f"{label}/Value" >> beam.Values())
+    return (
+        values
+        | f"{label}/Key" >> beam.Map(lambda v: (_KEY, v))
+        | f"{label}/Sum" >> beam.CombinePerKey(sum)
+        | f"{label}/Value" >> beam.Values()
+    )
 
 
 def count(values: beam.PCollection, *, label: str) -> beam.PCollection:
@@ -58,17 +60,18 @@ def gather(pipeline: beam.Pipeline, parts: dict[str, beam.PCollection], *, label
     """
     keyed = {name: pcoll | f"{label}/Key {name}" >> beam.Map(lambda v: (_KEY, v)) for name, pcoll in parts.items()}
     keyed["_start"] = pipeline | f"{label}/Start" >> beam.Create([(_KEY, None)])
-    return (keyed
-            | f"{label}/Group" >> beam.CoGroupByKey()
-            | f"{label}/Lists" >> beam.Map(_lists, tuple(parts)).with_output_types(Any))
+    return (
+        keyed
+        | f"{label}/Group" >> beam.CoGroupByKey()
+        | f"{label}/Lists" >> beam.Map(_lists, tuple(parts)).with_output_types(Any)
+    )
 
 
 def _lists(group: tuple[Any, dict[str, Iterable[Any]]], names: tuple[str, ...]) -> dict[str, list[Any]]:
     return {name: list(group[1][name]) for name in names}
 
 
-def broadcast(values: beam.PCollection, keys: Callable[[Any], Iterable[Any]], *,
-              label: str) -> beam.PCollection:
+def broadcast(values: beam.PCollection, keys: Callable[[Any], Iterable[Any]], *, label: str) -> beam.PCollection:
     """``(key, value)`` for each key of ``keys(value)``: a value handed to the groups that need it.
 
     Joined with a ``CoGroupByKey`` on those keys, a group then waits for the value (the

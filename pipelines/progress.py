@@ -46,8 +46,9 @@ class LocalProgress:
     stage's result's (counts over the stage's whole time); default: when the bar opens.
     """
 
-    def __init__(self, total: int, *, label: str, interval: float = 0.5, unit: str | None = None,
-                 since: float | None = None) -> None:
+    def __init__(
+        self, total: int, *, label: str, interval: float = 0.5, unit: str | None = None, since: float | None = None
+    ) -> None:
         self.total, self.label, self.interval, self.unit, self.since = total, label, interval, unit, since
         self.directory = tempfile.mkdtemp(prefix="dpscale-progress-")
         self._stop = threading.Event()
@@ -57,16 +58,18 @@ class LocalProgress:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop.set()
         self._thread.join()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _watch(self) -> None:
         # transient: on a terminal the bar gives way to the stage's result; a log keeps a last line
-        with progress_bar(self.label, total=self.total, transient=True, since=self.since,
-                          unit=(self.unit, 1) if self.unit else None) as bar:
+        with progress_bar(
+            self.label, total=self.total, transient=True, since=self.since, unit=(self.unit, 1) if self.unit else None
+        ) as bar:
             stopped = False
             while not stopped:  # one more count after the stop: the last marks are in the last line
                 stopped = self._stop.wait(self.interval)

@@ -72,8 +72,7 @@ def pipeline_options(args: Sequence[str], *, parallel: bool) -> PipelineOptions:
         if "direct_num_workers" not in given:
             direct.direct_num_workers = 2 if parallel else 1
         if "direct_running_mode" not in given:
-            direct.direct_running_mode = ("in_memory" if direct.direct_num_workers == 1
-                                          else "multi_processing")
+            direct.direct_running_mode = "in_memory" if direct.direct_num_workers == 1 else "multi_processing"
     return options
 
 
@@ -102,9 +101,11 @@ def check_dataflow_options(options: PipelineOptions) -> None:
 
     setup = options.view_as(SetupOptions)
     if not (setup.setup_file or setup.extra_packages or options.view_as(WorkerOptions).sdk_container_image):
-        raise PipelineError("Dataflow workers need dpscale: add --setup_file PATH/pyproject.toml (a source "
-                            "checkout), --extra_package dpscale-*.whl or --sdk_container_image IMAGE "
-                            "(docs/cluster.md, Run on Dataflow)")
+        raise PipelineError(
+            "Dataflow workers need dpscale: add --setup_file PATH/pyproject.toml (a source "
+            "checkout), --extra_package dpscale-*.whl or --sdk_container_image IMAGE "
+            "(docs/cluster.md, Run on Dataflow)"
+        )
 
 
 def _write_job(result: object, options: PipelineOptions) -> str | None:
@@ -118,8 +119,10 @@ def _write_job(result: object, options: PipelineOptions) -> str | None:
     job = getattr(result, "job", None)
     if not path or job is None:
         return None
-    payload = {"options": options.get_all_options(drop_default=True, retain_unknown_options=True),
-               "pipeline": json_format.MessageToDict(job.proto_pipeline)}
+    payload = {
+        "options": options.get_all_options(drop_default=True, retain_unknown_options=True),
+        "pipeline": json_format.MessageToDict(job.proto_pipeline),
+    }
     files.write_json_atomic(path, payload)
     return path
 
@@ -157,11 +160,21 @@ def _stop_children() -> None:
             p.kill()
 
 
-def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel: bool,
-                 progress_total: int, progress_label: str, log: logging.Logger,
-                 progress_unit: str | None = None, progress_since: float | None = None,
-                 verbose: bool = False, stall_seconds: float = STALL_SECONDS,
-                 writes_to: str | None = None, rerun: str = "run the command again") -> None:
+def run_pipeline(
+    build: Callable[..., object],
+    *,
+    args: Sequence[str],
+    parallel: bool,
+    progress_total: int,
+    progress_label: str,
+    log: logging.Logger,
+    progress_unit: str | None = None,
+    progress_since: float | None = None,
+    verbose: bool = False,
+    stall_seconds: float = STALL_SECONDS,
+    writes_to: str | None = None,
+    rerun: str = "run the command again",
+) -> None:
     """Build the graph with ``build(pipeline, progress_dir)`` and run it to completion.
 
     ``progress_dir`` is where workers ``mark`` finished work (None on a remote runner, whose
@@ -181,8 +194,9 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
     local = is_local_runner(options)
     if local:
         avoid_flush_race()
-    progress = (LocalProgress(progress_total, label=progress_label, unit=progress_unit, since=progress_since)
-                if local else None)
+    progress = (
+        LocalProgress(progress_total, label=progress_label, unit=progress_unit, since=progress_since) if local else None
+    )
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:
@@ -211,8 +225,10 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
             cpu, now = _tree_cpu_seconds(), time.monotonic()
             if cpu - last_cpu > _IDLE_CPU * (now - last_busy):
                 last_cpu, last_busy = cpu, now
-            elif now - last_busy > min(stall_seconds, FAILED_WORKER_GRACE) and (
-                    failed := logged_failure(log_path)) is not None:
+            elif (
+                now - last_busy > min(stall_seconds, FAILED_WORKER_GRACE)
+                and (failed := logged_failure(log_path)) is not None
+            ):
                 _stop_children()  # a worker failed and Beam did not end the run (it can hang there)
                 raise failed
             elif now - last_busy > stall_seconds:
@@ -220,16 +236,19 @@ def run_pipeline(build: Callable[..., object], *, args: Sequence[str], parallel:
                 where = f"; Beam's log: {log_path}" if log_path else ""
                 raise PipelineStalledError(
                     f"the Beam pipeline stalled (no CPU used for {stall_seconds:.0f} s) and was "
-                    f"stopped; {TRY_IN_MEMORY}{where}")
+                    f"stopped; {TRY_IN_MEMORY}{where}"
+                )
     error = outcome.get("error")
     if error is None:
         if log_path:
             os.unlink(log_path)
         if dataflow and _dry_run(options):
             where = _write_job(outcome.get("result"), options)
-            raise DryRun("dry run: the Dataflow job was built and not submitted"
-                         + (f" (its description: {where})" if where else " (add --dataflow_job_file PATH to keep it)")
-                         + "; nothing was computed")
+            raise DryRun(
+                "dry run: the Dataflow job was built and not submitted"
+                + (f" (its description: {where})" if where else " (add --dataflow_job_file PATH to keep it)")
+                + "; nothing was computed"
+            )
         return
     if isinstance(error, KeyboardInterrupt):
         raise error

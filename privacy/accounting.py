@@ -49,8 +49,14 @@ import numpy as np
 from scipy import stats
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.checks import (Accountant, check_accountant, check_accounted_steps, check_batch_size,
-                                    check_delta, check_mechanism)
+from dpscale.privacy.checks import (
+    Accountant,
+    check_accountant,
+    check_accounted_steps,
+    check_batch_size,
+    check_delta,
+    check_mechanism,
+)
 from dpscale.privacy.pld import DEFAULT_DISCRETIZATION, MIN_DELTA, NEIGHBORING_RELATION, BoundedPld
 
 # dp-accounting's own default grid; coarser only where it would not fit in memory (privacy.pld).
@@ -91,7 +97,8 @@ class Truncation:
             raise InvalidConfigError(
                 f"batch capacity {self.capacity} is below the expected batch size {expected:.6g}: most steps "
                 "would be truncated, and there epsilon is not monotone in the data-set size, so the accounted "
-                "neighbour (N + 1) would not bound the other (N - 1); give a capacity of at least the batch size")
+                "neighbour (N + 1) would not bound the other (N - 1); give a capacity of at least the batch size"
+            )
 
     def probability(self, sampling_rate: float) -> float:
         """P(at least ``capacity`` of the N others join): when the added example may be truncated."""
@@ -108,14 +115,20 @@ def _poisson_rdp(noise_multiplier: float, sampling_rate: float) -> tuple[np.ndar
     accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
     with quiet_rdp_warnings():
         accountant.compose(step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate))
-    orders, rdp = np.array(accountant._orders, dtype=float), np.array(accountant._rdp, dtype=float)  # noqa: SLF001
+    orders, rdp = np.array(accountant._orders, dtype=float), np.array(accountant._rdp, dtype=float)
     orders.setflags(write=False)
     rdp.setflags(write=False)
     return orders, rdp
 
 
-def truncated_step_rdp(orders: np.ndarray, untruncated: np.ndarray, *, noise_multiplier: float,
-                       sampling_rate: float, truncation: Truncation) -> np.ndarray:
+def truncated_step_rdp(
+    orders: np.ndarray,
+    untruncated: np.ndarray,
+    *,
+    noise_multiplier: float,
+    sampling_rate: float,
+    truncation: Truncation,
+) -> np.ndarray:
     """Per-order RDP of one truncated-Poisson step, given the untruncated step's RDP at ``orders``.
 
     Condition on K, how many of the N others join. If K < capacity, the added example never
@@ -140,8 +153,9 @@ def truncated_step_rdp(orders: np.ndarray, untruncated: np.ndarray, *, noise_mul
         return np.asarray(half_noise, dtype=float)
     scale = np.asarray(orders, dtype=float) - 1
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        both = np.logaddexp(math.log1p(-p) + scale * np.asarray(untruncated, dtype=float),
-                            math.log(p) + scale * half_noise)
+        both = np.logaddexp(
+            math.log1p(-p) + scale * np.asarray(untruncated, dtype=float), math.log(p) + scale * half_noise
+        )
         rdp = both / scale
     return np.where(np.isnan(rdp), np.inf, rdp)
 
@@ -160,35 +174,40 @@ def bounds_for(accountant: Accountant, delta: float) -> tuple[str, ...]:
     return ("rdp",)
 
 
-def step_event(*, noise_multiplier: float, sampling_rate: float,
-               truncation: Truncation | None = None) -> dp_accounting.DpEvent:
+def step_event(
+    *, noise_multiplier: float, sampling_rate: float, truncation: Truncation | None = None
+) -> dp_accounting.DpEvent:
     """The DpEvent of one DP-SGD step: (truncated) Poisson sampling, then the Gaussian mechanism."""
     if truncation is not None:
         truncation.check_rate(sampling_rate)
         return dp_accounting.TruncatedSubsampledGaussianDpEvent(
-            truncation.dataset_size, sampling_rate, truncation.capacity, noise_multiplier)
-    return dp_accounting.PoissonSampledDpEvent(
-        sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
-    )
+            truncation.dataset_size, sampling_rate, truncation.capacity, noise_multiplier
+        )
+    return dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
 
 
-def dp_event(*, noise_multiplier: float, sampling_rate: float, steps: int,
-             releases: tuple[float, ...] = (), truncation: Truncation | None = None) -> dp_accounting.DpEvent:
+def dp_event(
+    *,
+    noise_multiplier: float,
+    sampling_rate: float,
+    steps: int,
+    releases: tuple[float, ...] = (),
+    truncation: Truncation | None = None,
+) -> dp_accounting.DpEvent:
     """The DpEvent of ``steps`` DP-SGD steps after the one-off ``releases``."""
     training = dp_accounting.SelfComposedDpEvent(
-        step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, truncation=truncation), steps)
+        step_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, truncation=truncation), steps
+    )
     if not releases:
         return training
-    return dp_accounting.ComposedDpEvent(
-        [dp_accounting.GaussianDpEvent(sigma) for sigma in releases] + [training])
+    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(sigma) for sigma in releases] + [training])
 
 
 def make_accountant(accountant: Accountant = "pld") -> dp_accounting.PrivacyAccountant:
     """A fresh dp-accounting accountant under the add-or-remove-one relation (for composed events)."""
     check_accountant(accountant)
     if accountant == "pld":
-        return dp_accounting.pld.PLDAccountant(NEIGHBORING_RELATION,
-                                               value_discretization_interval=PLD_DISCRETIZATION)
+        return dp_accounting.pld.PLDAccountant(NEIGHBORING_RELATION, value_discretization_interval=PLD_DISCRETIZATION)
     return dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
 
 
@@ -217,20 +236,41 @@ def quiet_rdp_warnings() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
-            accountant: Accountant = "pld", releases: tuple[float, ...] = (),
-            truncation: Truncation | None = None) -> float:
+def epsilon(
+    *,
+    noise_multiplier: float,
+    sampling_rate: float,
+    steps: int,
+    delta: float,
+    accountant: Accountant = "pld",
+    releases: tuple[float, ...] = (),
+    truncation: Truncation | None = None,
+) -> float:
     """Epsilon at ``delta`` of ``steps`` DP-SGD steps after ``releases``, by ``accountant``."""
-    check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=steps,
-                    releases=tuple(releases))
-    curve = epsilon_curve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
-                          accountant=accountant, releases=tuple(releases), truncation=truncation)
+    check_mechanism(
+        noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=steps, releases=tuple(releases)
+    )
+    curve = epsilon_curve(
+        noise_multiplier=noise_multiplier,
+        sampling_rate=sampling_rate,
+        delta=delta,
+        accountant=accountant,
+        releases=tuple(releases),
+        truncation=truncation,
+    )
     return curve(steps)
 
 
-def epsilon_curve(*, noise_multiplier: float, sampling_rate: float, delta: float, accountant: Accountant = "pld",
-                  pld_discretization: float = PLD_DISCRETIZATION, releases: tuple[float, ...] = (),
-                  truncation: Truncation | None = None) -> EpsilonCurve:
+def epsilon_curve(
+    *,
+    noise_multiplier: float,
+    sampling_rate: float,
+    delta: float,
+    accountant: Accountant = "pld",
+    pld_discretization: float = PLD_DISCRETIZATION,
+    releases: tuple[float, ...] = (),
+    truncation: Truncation | None = None,
+) -> EpsilonCurve:
     """The process's one ``EpsilonCurve`` of a mechanism (the last ``CURVES`` asked for are kept).
 
     Building a curve (the one-step PLD) costs up to seconds, and the same mechanism is asked about
@@ -238,8 +278,15 @@ def epsilon_curve(*, noise_multiplier: float, sampling_rate: float, delta: float
     write, a sweep's repeats. A curve is a pure function of these arguments, so sharing it changes
     no number.
     """
-    return _shared_curve(float(noise_multiplier), float(sampling_rate), float(delta), accountant,
-                         float(pld_discretization), tuple(float(r) for r in releases), truncation)
+    return _shared_curve(
+        float(noise_multiplier),
+        float(sampling_rate),
+        float(delta),
+        accountant,
+        float(pld_discretization),
+        tuple(float(r) for r in releases),
+        truncation,
+    )
 
 
 CURVES = 64
@@ -252,12 +299,24 @@ def clear_caches() -> None:
 
 
 @functools.lru_cache(maxsize=CURVES)
-def _shared_curve(noise_multiplier: float, sampling_rate: float, delta: float, accountant: Accountant,
-                  pld_discretization: float, releases: tuple[float, ...],
-                  truncation: Truncation | None) -> EpsilonCurve:
-    return EpsilonCurve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta,
-                        accountant=accountant, pld_discretization=pld_discretization, releases=releases,
-                        truncation=truncation)
+def _shared_curve(
+    noise_multiplier: float,
+    sampling_rate: float,
+    delta: float,
+    accountant: Accountant,
+    pld_discretization: float,
+    releases: tuple[float, ...],
+    truncation: Truncation | None,
+) -> EpsilonCurve:
+    return EpsilonCurve(
+        noise_multiplier=noise_multiplier,
+        sampling_rate=sampling_rate,
+        delta=delta,
+        accountant=accountant,
+        pld_discretization=pld_discretization,
+        releases=releases,
+        truncation=truncation,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +335,14 @@ class RdpParts:
     charge: float
 
     @classmethod
-    def of(cls, *, noise_multiplier: float, sampling_rate: float, releases: tuple[float, ...] = (),
-           truncation: Truncation | None = None) -> RdpParts:
+    def of(
+        cls,
+        *,
+        noise_multiplier: float,
+        sampling_rate: float,
+        releases: tuple[float, ...] = (),
+        truncation: Truncation | None = None,
+    ) -> RdpParts:
         orders, untruncated = _poisson_rdp(noise_multiplier, sampling_rate)
         released = dp_accounting.rdp.RdpAccountant(neighboring_relation=NEIGHBORING_RELATION)
         with quiet_rdp_warnings():
@@ -286,11 +351,15 @@ class RdpParts:
         step, charge = untruncated, 0.0
         if truncation is not None:
             truncation.check_rate(sampling_rate)
-            step = truncated_step_rdp(orders, untruncated, noise_multiplier=noise_multiplier,
-                                      sampling_rate=sampling_rate, truncation=truncation)
+            step = truncated_step_rdp(
+                orders,
+                untruncated,
+                noise_multiplier=noise_multiplier,
+                sampling_rate=sampling_rate,
+                truncation=truncation,
+            )
             charge = truncation.probability(sampling_rate)
-        return cls(orders=orders, step=step, untruncated=untruncated,
-                   released=np.asarray(released._rdp), charge=charge)  # noqa: SLF001 (same default orders)
+        return cls(orders=orders, step=step, untruncated=untruncated, released=np.asarray(released._rdp), charge=charge)
 
 
 def rdp_epsilon(parts: list[tuple[RdpParts, int]], delta: float) -> float:
@@ -302,17 +371,19 @@ def rdp_epsilon(parts: list[tuple[RdpParts, int]], delta: float) -> float:
     example" (the untruncated pair) and the rest (probability at most steps * charge), so the
     hockey-stick divergence grows by at most that probability at every epsilon.
     """
+
     def composed(vector: str) -> np.ndarray:
         # 0 steps spend nothing at every order, also where one step's RDP is inf (0 * inf is nan).
-        return sum(((steps * getattr(p, vector) if steps else 0.0) + p.released for p, steps in parts),
-                   np.zeros_like(parts[0][0].orders, dtype=float))
+        return sum(
+            ((steps * getattr(p, vector) if steps else 0.0) + p.released for p, steps in parts),
+            np.zeros_like(parts[0][0].orders, dtype=float),
+        )
 
     orders = parts[0][0].orders
     best = float(dp_accounting.rdp.compute_epsilon(orders, composed("step"), delta)[0])
     charge = sum(steps * p.charge for p, steps in parts)
     if 0 < charge < delta:
-        best = min(best, float(dp_accounting.rdp.compute_epsilon(orders, composed("untruncated"),
-                                                                 delta - charge)[0]))
+        best = min(best, float(dp_accounting.rdp.compute_epsilon(orders, composed("untruncated"), delta - charge)[0]))
     return best
 
 
@@ -341,8 +412,9 @@ class EpsilonCurve:
         releases: tuple[float, ...] = (),
         truncation: Truncation | None = None,
     ) -> None:
-        check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1,
-                        releases=tuple(releases))
+        check_mechanism(
+            noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1, releases=tuple(releases)
+        )
         check_delta(delta)
         check_accountant(accountant)
         if truncation is not None:
@@ -354,14 +426,22 @@ class EpsilonCurve:
         self.releases = tuple(releases)
         self.truncation = truncation
         self._cache: dict[int, tuple[float, str]] = {}
-        self._rdp_parts = RdpParts.of(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
-                                      releases=self.releases, truncation=truncation)
+        self._rdp_parts = RdpParts.of(
+            noise_multiplier=noise_multiplier,
+            sampling_rate=sampling_rate,
+            releases=self.releases,
+            truncation=truncation,
+        )
         self._pld = None
         if "pld" in bounds_for(accountant, delta):
-            self._pld = BoundedPld(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate,
-                                   releases=self.releases, delta=delta, base=pld_discretization,
-                                   truncation=None if truncation is None else (truncation.dataset_size,
-                                                                               truncation.capacity))
+            self._pld = BoundedPld(
+                noise_multiplier=noise_multiplier,
+                sampling_rate=sampling_rate,
+                releases=self.releases,
+                delta=delta,
+                base=pld_discretization,
+                truncation=None if truncation is None else (truncation.dataset_size, truncation.capacity),
+            )
 
     def __call__(self, steps: int) -> float:
         """Epsilon after ``steps`` steps (0 steps spend only the releases, if any)."""

@@ -33,7 +33,8 @@ unchanged, so the result has the same meaning and sensitivity 1.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +59,7 @@ class UnsupportedModelError(InvalidConfigError):
 # -- per-layer rules: (unbound module, its params, x [b, K, ...], g [b, K, ...]) -> {name: [b, ...]}
 
 
-def _layer_vjp_rule(module: nn.Module, params: PyTree, x: jax.Array, g: jax.Array,
-                    fmt: Format) -> dict[str, jax.Array]:
+def _layer_vjp_rule(module: nn.Module, params: PyTree, x: jax.Array, g: jax.Array, fmt: Format) -> dict[str, jax.Array]:
     """Per-example VJP of the layer itself w.r.t. its parameters (exact by construction).
 
     Cheap for dense layers and normalisations: under ``vmap`` their parameter gradient is a
@@ -87,7 +87,7 @@ def shifted_windows(x: jax.Array, window: tuple[int, int], strides: tuple[int, i
     out_h, out_w = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
     rows = []
     for i in range(kh):
-        cols = [x[:, i:i + (out_h - 1) * sh + 1:sh, j:j + (out_w - 1) * sw + 1:sw, :] for j in range(kw)]
+        cols = [x[:, i : i + (out_h - 1) * sh + 1 : sh, j : j + (out_w - 1) * sw + 1 : sw, :] for j in range(kw)]
         rows.append(jnp.stack(cols, axis=3))
     return jnp.stack(rows, axis=3)
 
@@ -104,8 +104,7 @@ def _wsconv_rule(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, fmt
     windows = windows.reshape(b, -1, kh, kw, cin)
     flat_g = g.reshape(b, -1, cout)
     d_weight = contract(fmt, "bpijc,bpo->bijco", windows, flat_g)
-    _, standardize_vjp = jax.vjp(
-        lambda k: standardize_kernel(k, eps=module.eps).astype(x.dtype), kernel)
+    _, standardize_vjp = jax.vjp(lambda k: standardize_kernel(k, eps=module.eps).astype(x.dtype), kernel)
     grads = {"kernel": jax.vmap(lambda d: standardize_vjp(d)[0])(d_weight)}
     if module.use_bias:
         grads["bias"] = jnp.sum(flat_g, axis=1)
@@ -203,8 +202,11 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
             problems.append(f"{'/'.join(path)}: parameters {sorted(set(own) - rule.param_names)} have no rule")
         elif any(own[name] is not traced_leaves.get(path + (name,)) for name in own):
             problems.append(f"{'/'.join(path)}: its parameters are not the leaves passed to loss_fn")
-        elif (jnp.result_type(args[0]) != jnp.float32 or any(own[n].dtype != jnp.float32 for n in own)
-              or jnp.dtype(getattr(module, "dtype", None) or jnp.float32) != jnp.float32):
+        elif (
+            jnp.result_type(args[0]) != jnp.float32
+            or any(own[n].dtype != jnp.float32 for n in own)
+            or jnp.dtype(getattr(module, "dtype", None) or jnp.float32) != jnp.float32
+        ):
             problems.append(f"{'/'.join(path)}: not float32 (its input, parameters or computation)")
         elif (reason := rule.problem(module, args[0])) is not None:
             problems.append(f"{'/'.join(path)}: {reason}")
@@ -229,8 +231,10 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
     covered = {c.path + (name,) for c in calls for name in _param_leaves_of_call(c, leaves)}
     missing = sorted("/".join(p) for p in set(leaves) - covered)
     if missing:
-        raise UnsupportedModelError(f"book-keeping has no rule for parameters {missing[:5]}"
-                                    + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise UnsupportedModelError(
+            f"book-keeping has no rule for parameters {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
 
     # Feed every layer call a separate copy of its parameters: the loss must then not
     # depend on the parameters given to loss_fn at all.
@@ -257,7 +261,8 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
     flags = [True] * len(leaves) + [False] * (len(closed.jaxpr.invars) - len(leaves))
     if _output_depends_on(closed.jaxpr, flags):
         raise UnsupportedModelError(
-            "the loss uses parameters outside the supported layer calls (e.g. a penalty on the weights)")
+            "the loss uses parameters outside the supported layer calls (e.g. a penalty on the weights)"
+        )
     return tuple(calls)
 
 
@@ -275,8 +280,9 @@ class Tape:
     out_grads: list[jax.Array]  # d (sum of the losses) / d output, [b, K, ...]
 
 
-def record_layers(loss_fn: LossFn, calls: tuple[LayerCall, ...], params: PyTree, model_state: PyTree,
-                  batch: PyTree) -> Tape:
+def record_layers(
+    loss_fn: LossFn, calls: tuple[LayerCall, ...], params: PyTree, model_state: PyTree, batch: PyTree
+) -> Tape:
     """One forward (``vmap`` over examples, as the reference) and one backward to every layer's output.
 
     Each supported call returns ``output + delta``; ``d loss / d delta`` is its output gradient.
@@ -319,14 +325,20 @@ def layer_params(call: LayerCall, params: PyTree) -> dict[str, jax.Array]:
     return {name: leaves[call.path + (name,)] for name in _param_leaves_of_call(call, leaves)}
 
 
-def per_example_layer_gradients(call: LayerCall, params: PyTree, x: jax.Array, g: jax.Array, *,
-                                precision: Format = FORMATS["highest"]) -> dict[str, jax.Array]:
+def per_example_layer_gradients(
+    call: LayerCall, params: PyTree, x: jax.Array, g: jax.Array, *, precision: Format = FORMATS["highest"]
+) -> dict[str, jax.Array]:
     """Each example's gradient of the parameters of ``call`` from its recorded input and output gradient."""
     return _RULES[type(call.module)].grads(call.module, layer_params(call, params), x, g, precision)
 
 
 def per_example_gradients_bk(
-    loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree, *, precision: Format = FORMATS["highest"],
+    loss_fn: LossFn,
+    params: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    *,
+    precision: Format = FORMATS["highest"],
 ) -> tuple[jax.Array, PyTree]:
     """Like ``clipping.per_example_gradients`` (losses ``[b]``, leaves ``[b, *shape]``), by book-keeping;
     the convolutions' per-example products run at ``precision``."""
@@ -343,7 +355,10 @@ def per_example_gradients_bk(
 
 
 def make_bookkeeping_clipped_sum_fn(
-    loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None,
+    loss_fn: LossFn,
+    *,
+    clip_norm: float,
+    example: tuple[PyTree, PyTree, PyTree] | None = None,
     precision: ClipPrecision | None = None,
 ) -> ClippedSumFn:
     """Drop-in for ``make_clipped_sum_fn`` on supported models.

@@ -164,9 +164,7 @@ def _nearer(problem: MonotoneProblem, x: float, old: float) -> bool:
     return x > old if problem.increasing else x < old
 
 
-def _candidates(
-    problem: MonotoneProblem, feasible: float, infeasible: float, guess: float | None
-) -> list[float]:
+def _candidates(problem: MonotoneProblem, feasible: float, infeasible: float, guess: float | None) -> list[float]:
     """Next probes: the predicted boundary, straddled by two probes when close."""
     lo, hi = min(feasible, infeasible), max(feasible, infeasible)
     if guess is None or not lo < guess < hi:

@@ -47,11 +47,17 @@ import math
 from collections.abc import Callable
 
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy.accounting import (PLD_DISCRETIZATION, Truncation, bounds_for, epsilon, epsilon_curve,
-                                        quiet_rdp_warnings)
+from dpscale.privacy.accounting import (
+    PLD_DISCRETIZATION,
+    Truncation,
+    bounds_for,
+    epsilon,
+    epsilon_curve,
+    quiet_rdp_warnings,
+)
 from dpscale.privacy.accounting import clear_caches as accounting_caches
-from dpscale.privacy.checks import Accountant, check_accountant, check_batch_size, check_delta, check_mechanism
 from dpscale.privacy.bracket_search import MonotoneProblem, solve_boundary
+from dpscale.privacy.checks import Accountant, check_accountant, check_batch_size, check_delta, check_mechanism
 from dpscale.privacy.sampling import batch_capacity
 
 # The search domain. Targets so loose that less noise or more steps would do get the
@@ -87,19 +93,32 @@ class _EpsilonCache:
     probe, its check and the plan's own report are one computation.
     """
 
-    def __init__(self, *, delta: float, accountant: Accountant, releases: tuple[float, ...] = (),
-                 discretization: float = PLD_DISCRETIZATION) -> None:
+    def __init__(
+        self,
+        *,
+        delta: float,
+        accountant: Accountant,
+        releases: tuple[float, ...] = (),
+        discretization: float = PLD_DISCRETIZATION,
+    ) -> None:
         self.delta = delta
         self.accountant = accountant
         self.releases = tuple(releases)
         self.discretization = discretization
         self.probes = 0
 
-    def __call__(self, noise_multiplier: float, sampling_rate: float, steps: int,
-                 truncation: Truncation | None = None) -> float:
-        curve = epsilon_curve(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=self.delta,
-                              accountant=self.accountant, pld_discretization=self.discretization,
-                              releases=self.releases, truncation=truncation)
+    def __call__(
+        self, noise_multiplier: float, sampling_rate: float, steps: int, truncation: Truncation | None = None
+    ) -> float:
+        curve = epsilon_curve(
+            noise_multiplier=noise_multiplier,
+            sampling_rate=sampling_rate,
+            delta=self.delta,
+            accountant=self.accountant,
+            pld_discretization=self.discretization,
+            releases=self.releases,
+            truncation=truncation,
+        )
         self.probes += 1
         return curve(int(steps))
 
@@ -122,10 +141,24 @@ def _stages(accountant: Accountant, delta: float, *, near: bool) -> tuple[tuple[
 Mechanism = Callable[[float], tuple[float, float, int, Truncation | None]]
 
 
-def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, accountant: Accountant,
-           releases: tuple[float, ...], increasing: bool, integer: bool, lower: float, upper: float,
-           start: float, slope: float, nudge: Callable[[float], float], rtol: float = DEFAULT_RTOL,
-           near: tuple[float, float] | None = None) -> Calibrated:
+def _solve(
+    name: str,
+    mechanism: Mechanism,
+    *,
+    target: float,
+    delta: float,
+    accountant: Accountant,
+    releases: tuple[float, ...],
+    increasing: bool,
+    integer: bool,
+    lower: float,
+    upper: float,
+    start: float,
+    slope: float,
+    nudge: Callable[[float], float],
+    rtol: float = DEFAULT_RTOL,
+    near: tuple[float, float] | None = None,
+) -> Calibrated:
     """The feasible boundary of ``epsilon(mechanism(x)) <= target`` in x, by the search below.
 
     A cheap RDP search first, then one on the epsilon ``accountant`` reports (``EpsilonCurve``:
@@ -146,9 +179,17 @@ def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, acco
     with quiet_rdp_warnings():
         for i, (acc, grid) in enumerate(stages):
             cache = _EpsilonCache(delta=delta, accountant=acc, releases=releases, discretization=grid)
-            problem = MonotoneProblem(name=name, eps_at=lambda x, c=cache: c(*mechanism(x)), target=target,
-                                      increasing=increasing, integer=integer, lower=lower, upper=upper, rtol=rtol,
-                                      margin=(1e-4 if integer else rtol / 4) if close else None)
+            problem = MonotoneProblem(
+                name=name,
+                eps_at=lambda x, c=cache: c(*mechanism(x)),
+                target=target,
+                increasing=increasing,
+                integer=integer,
+                lower=lower,
+                upper=upper,
+                rtol=rtol,
+                margin=(1e-4 if integer else rtol / 4) if close else None,
+            )
             try:
                 start, slope = solve_boundary(problem, start, slope=slope)
                 close = acc == "pld"  # a PLD answer is close to the next grid's; RDP's is not (5-10% off)
@@ -163,25 +204,33 @@ def _solve(name: str, mechanism: Mechanism, *, target: float, delta: float, acco
     value = int(start) if integer else start
     for _ in range(64):
         sigma, q, steps, truncation = mechanism(value)
-        achieved = epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta,
-                           accountant=accountant, releases=releases, truncation=truncation)
+        achieved = epsilon(
+            noise_multiplier=sigma,
+            sampling_rate=q,
+            steps=steps,
+            delta=delta,
+            accountant=accountant,
+            releases=releases,
+            truncation=truncation,
+        )
         if achieved <= target:
             return Calibrated(value=value, epsilon=achieved, probes=probes, slope=slope)
         value = nudge(value)
     raise RuntimeError("accounting.epsilon disagrees with the search")  # a bug
 
 
-def _check_releases_fit(*, target: float, delta: float, accountant: Accountant,
-                        releases: tuple[float, ...]) -> None:
+def _check_releases_fit(*, target: float, delta: float, accountant: Accountant, releases: tuple[float, ...]) -> None:
     """Refuse at once a target that the one-off releases alone exceed (no training fits under it)."""
     if not releases:
         return
-    spent = epsilon_curve(noise_multiplier=1.0, sampling_rate=1.0, delta=delta, accountant=accountant,
-                         releases=releases)(0)
+    spent = epsilon_curve(
+        noise_multiplier=1.0, sampling_rate=1.0, delta=delta, accountant=accountant, releases=releases
+    )(0)
     if spent > target:
         raise InfeasiblePrivacyTargetError(
             f"target epsilon {target:g} is out of reach: the one-off releases alone (noise multipliers "
-            f"{', '.join(f'{r:g}' for r in releases)}) spend epsilon {spent:.4g}")
+            f"{', '.join(f'{r:g}' for r in releases)}) spend epsilon {spent:.4g}"
+        )
 
 
 def _check_target(target_epsilon: float, delta: float, accountant: Accountant) -> None:
@@ -207,11 +256,23 @@ def calibrate_noise_multiplier(
     """Smallest sigma (within relative ``rtol``) with epsilon <= target (``near``: see ``_solve``)."""
     _check_target(target_epsilon, delta, accountant)
     check_mechanism(noise_multiplier=1.0, sampling_rate=sampling_rate, steps=steps, releases=releases)
-    return _solve("noise multiplier", lambda s: (s, sampling_rate, steps, truncation), target=target_epsilon,
-                  delta=delta,
-                  accountant=accountant, releases=releases, increasing=False, integer=False, lower=SIGMA_MIN,
-                  upper=SIGMA_MAX, start=1.0, slope=-1.0, rtol=rtol, near=near,
-                  nudge=lambda s: min(s * (1 + rtol / 4), SIGMA_MAX))
+    return _solve(
+        "noise multiplier",
+        lambda s: (s, sampling_rate, steps, truncation),
+        target=target_epsilon,
+        delta=delta,
+        accountant=accountant,
+        releases=releases,
+        increasing=False,
+        integer=False,
+        lower=SIGMA_MIN,
+        upper=SIGMA_MAX,
+        start=1.0,
+        slope=-1.0,
+        rtol=rtol,
+        near=near,
+        nudge=lambda s: min(s * (1 + rtol / 4), SIGMA_MAX),
+    )
 
 
 @functools.lru_cache(maxsize=128)  # pure; sweeps and repeats ask the same question
@@ -229,11 +290,22 @@ def calibrate_steps(
     """Largest number of steps with epsilon <= target (``near``: see ``_solve``)."""
     _check_target(target_epsilon, delta, accountant)
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1, releases=releases)
-    return _solve("steps", lambda t: (noise_multiplier, sampling_rate, int(t), truncation), target=target_epsilon,
-                  delta=delta,
-                  accountant=accountant, releases=releases, increasing=True, integer=True, lower=1,
-                  upper=MAX_STEPS, start=1000.0, slope=0.5, near=near,
-                  nudge=lambda t: _decrement(t, "steps", target_epsilon))
+    return _solve(
+        "steps",
+        lambda t: (noise_multiplier, sampling_rate, int(t), truncation),
+        target=target_epsilon,
+        delta=delta,
+        accountant=accountant,
+        releases=releases,
+        increasing=True,
+        integer=True,
+        lower=1,
+        upper=MAX_STEPS,
+        start=1000.0,
+        slope=0.5,
+        near=near,
+        nudge=lambda t: _decrement(t, "steps", target_epsilon),
+    )
 
 
 @functools.lru_cache(maxsize=128)  # pure; sweeps and repeats ask the same question
@@ -259,28 +331,58 @@ def calibrate_batch_size(
     check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=1.0, steps=steps, releases=releases)
 
     def mechanism(b: float) -> tuple[float, float, int, Truncation | None]:
-        truncation = (None if capacity_stds is None else
-                      Truncation(num_examples, batch_capacity(num_examples, int(b), stds=capacity_stds)))
+        truncation = (
+            None
+            if capacity_stds is None
+            else Truncation(num_examples, batch_capacity(num_examples, int(b), stds=capacity_stds))
+        )
         return noise_multiplier, int(b) / num_examples, steps, truncation
 
-    return _solve("batch size", mechanism, target=target_epsilon,
-                  delta=delta, accountant=accountant, releases=releases, increasing=True, integer=True, lower=1,
-                  upper=num_examples, start=max(1.0, num_examples / 100), slope=1.0, near=near,
-                  nudge=lambda b: _decrement(b, "batch size", target_epsilon))
+    return _solve(
+        "batch size",
+        mechanism,
+        target=target_epsilon,
+        delta=delta,
+        accountant=accountant,
+        releases=releases,
+        increasing=True,
+        integer=True,
+        lower=1,
+        upper=num_examples,
+        start=max(1.0, num_examples / 100),
+        slope=1.0,
+        near=near,
+        nudge=lambda b: _decrement(b, "batch size", target_epsilon),
+    )
 
 
 @functools.lru_cache(maxsize=256)  # pure; every plan of a sweep asks it
-def capacity_stds(*, noise_multiplier: float, num_examples: int, batch_size: int, steps: int, delta: float,
-                    accountant: Accountant = "pld", releases: tuple[float, ...] = ()) -> float:
+def capacity_stds(
+    *,
+    noise_multiplier: float,
+    num_examples: int,
+    batch_size: int,
+    steps: int,
+    delta: float,
+    accountant: Accountant = "pld",
+    releases: tuple[float, ...] = (),
+) -> float:
     """The smallest k of ``CAPACITY_LADDER`` whose truncation adds at most ``TRUNCATION_COST`` to epsilon.
 
     Epsilon falls as the capacity grows (fewer truncations), so the first k that passes is
     found by bisection over the ladder; the last k if none passes.
     """
-    check_mechanism(noise_multiplier=noise_multiplier, sampling_rate=batch_size / num_examples, steps=steps,
-                    releases=releases)
-    common = dict(noise_multiplier=noise_multiplier, sampling_rate=batch_size / num_examples, delta=delta,
-                  accountant=accountant, releases=releases)
+    check_mechanism(
+        noise_multiplier=noise_multiplier, sampling_rate=batch_size / num_examples, steps=steps, releases=releases
+    )
+    common = dict(
+        noise_multiplier=noise_multiplier,
+        sampling_rate=batch_size / num_examples,
+        delta=delta,
+        accountant=accountant,
+        releases=releases,
+    )
+
     def spent(truncation: Truncation | None) -> float:  # on a coarser grid: a comparison, not a report
         return epsilon_curve(**common, pld_discretization=CHOICE_DISCRETIZATION, truncation=truncation)(steps)
 

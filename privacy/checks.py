@@ -94,14 +94,16 @@ def check_batch_size(*, batch_size: float, num_examples: int) -> None:
     if batch_size > num_examples:
         raise InvalidConfigError(
             f"batch size {batch_size} exceeds the number of examples {num_examples} "
-            f"(sampling rate q = {batch_size / num_examples:.4g} > 1)")
+            f"(sampling rate q = {batch_size / num_examples:.4g} > 1)"
+        )
 
 
 def check_sampling_rate(sampling_rate: float) -> None:
     """``0 < q <= 1``."""
     if not (_is_number(sampling_rate) and 0 < sampling_rate <= 1):
         raise InvalidConfigError(
-            f"sampling rate q = batch size / number of examples must be in (0, 1], got {sampling_rate}")
+            f"sampling rate q = batch size / number of examples must be in (0, 1], got {sampling_rate}"
+        )
 
 
 def check_steps(steps: int) -> None:
@@ -114,7 +116,8 @@ def check_accounted_steps(steps: int) -> None:
     if steps > MAX_ACCOUNTED_STEPS:
         raise InvalidConfigError(
             f"{steps:,} steps: epsilon is computed for at most {MAX_ACCOUNTED_STEPS:,} steps (10^8, in seconds); "
-            "beyond that the accountant's time and memory grow without bound, and no training run needs as many")
+            "beyond that the accountant's time and memory grow without bound, and no training run needs as many"
+        )
 
 
 def check_ema_decay(ema_decay: float) -> None:
@@ -131,8 +134,14 @@ def check_sampling(sampling: str) -> None:
     check_choice(sampling, SAMPLING_SCHEMES, "sampling")
 
 
-def check_mechanism(*, noise_multiplier: float, sampling_rate: float, steps: int,
-                    sampling: str = "poisson", releases: Sequence[float] = ()) -> None:
+def check_mechanism(
+    *,
+    noise_multiplier: float,
+    sampling_rate: float,
+    steps: int,
+    sampling: str = "poisson",
+    releases: Sequence[float] = (),
+) -> None:
     """(sigma, q, T, sampling, releases) describe a DP-SGD run the accountant can compute."""
     check_releases(releases)
     check_noise_multiplier(noise_multiplier)

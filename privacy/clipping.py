@@ -26,7 +26,8 @@ so each example's contribution has norm at most 1 exactly, not only up to roundi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +65,7 @@ class ClippedSum:
         Each example is in one part only, so the sensitivity is the larger of the
         two, not their sum (an empty sum has sensitivity 0).
         """
-        dynamic = jax.tree_util.tree_map(
-            jnp.add, self.replace(sensitivity=0.0), other.replace(sensitivity=0.0)
-        )
+        dynamic = jax.tree_util.tree_map(jnp.add, self.replace(sensitivity=0.0), other.replace(sensitivity=0.0))
         return dynamic.replace(sensitivity=max(self.sensitivity, other.sensitivity))
 
 
@@ -118,8 +117,11 @@ def hold(tree: PyTree) -> PyTree:
     if not leaves:
         return tree
     size = leaves[0].shape[0]
-    _, out = jax.lax.scan(lambda one, xs: (one, [x * one.astype(x.dtype) for x in xs]), jnp.ones((), jnp.float32),
-                          [_in_parts(x) for x in leaves])
+    _, out = jax.lax.scan(
+        lambda one, xs: (one, [x * one.astype(x.dtype) for x in xs]),
+        jnp.ones((), jnp.float32),
+        [_in_parts(x) for x in leaves],
+    )
     return jax.tree_util.tree_unflatten(treedef, [x.reshape((-1,) + x.shape[2:])[:size] for x in out])
 
 
@@ -147,9 +149,7 @@ def per_example_norms(per_example_grads: PyTree) -> jax.Array:
 _WEIGHT_ULPS = 8
 
 
-def clip_weights(
-    norms: jax.Array, mask: jax.Array, *, clip_norm: float
-) -> tuple[jax.Array, jax.Array]:
+def clip_weights(norms: jax.Array, mask: jax.Array, *, clip_norm: float) -> tuple[jax.Array, jax.Array]:
     """Weights w_i with ``w_i * g_i = clip_C(g_i) / C`` and a per-example finiteness flag.
 
     ``min(1, C/n) / C == 1 / max(C, n)``; ``norms`` must be upper bounds of the norms of what
@@ -204,8 +204,9 @@ def clipped_sum_from_gradients(
     zero = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype), per_example_grads)
     parts = (jax.tree_util.tree_map(_in_parts, per_example_grads), _in_parts(mask))
     value, norms = jax.lax.scan(part, zero, parts)
-    return clipped_sum_from_norms(norms.reshape(-1)[:size], mask, clip_norm=clip_norm, losses=losses,
-                                  weighted=lambda weights, finite: value)
+    return clipped_sum_from_norms(
+        norms.reshape(-1)[:size], mask, clip_norm=clip_norm, losses=losses, weighted=lambda weights, finite: value
+    )
 
 
 def clipped_sum_from_norms(
@@ -232,9 +233,7 @@ def clipped_sum_from_norms(
         num_nonfinite=jnp.sum(real & ~finite).astype(jnp.int32),
         sum_of_norms=jnp.sum(jnp.where(real & finite, norms, 0.0)),
         sum_of_losses=(
-            jnp.zeros((), jnp.float32)
-            if losses is None
-            else jnp.sum(jnp.where(real & finite, losses, 0.0))
+            jnp.zeros((), jnp.float32) if losses is None else jnp.sum(jnp.where(real & finite, losses, 0.0))
         ),
     )
 

@@ -26,7 +26,8 @@ event cannot drift apart.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -102,8 +103,10 @@ class DpsgdStep:
         mesh: Mesh | None = None,
     ) -> None:
         if not isinstance(clipped_sum_fn, ClippedSumFn):
-            raise TypeError(f"clipped_sum_fn must be a ClippedSumFn (a function with its stated sensitivity), "
-                            f"got {type(clipped_sum_fn).__name__}")
+            raise TypeError(
+                f"clipped_sum_fn must be a ClippedSumFn (a function with its stated sensitivity), "
+                f"got {type(clipped_sum_fn).__name__}"
+            )
         check_noise_multiplier(noise_multiplier, zero_allowed=True)
         check_positive(expected_batch_size, "expected batch size")
         check_ema_decay(ema_decay)
@@ -124,9 +127,7 @@ class DpsgdStep:
         self._accumulate = jax.jit(
             self.accumulate_traceable,
             donate_argnums=(1,),
-            in_shardings=(
-                None if mesh is None else (replicated, replicated, batch_sharded, batch_sharded, replicated)
-            ),
+            in_shardings=(None if mesh is None else (replicated, replicated, batch_sharded, batch_sharded, replicated)),
             out_shardings=replicated,
         )
         self._apply = jax.jit(self.apply_pure, donate_argnums=(0,), out_shardings=replicated)
@@ -163,15 +164,11 @@ class DpsgdStep:
     def zero_sum(self, state: TrainState) -> ClippedSum:
         return self._zero_sum(state.params, self._sensitivity)
 
-    def accumulate(
-        self, state: TrainState, total: ClippedSum, batch: PyTree, mask: jax.Array
-    ) -> ClippedSum:
+    def accumulate(self, state: TrainState, total: ClippedSum, batch: PyTree, mask: jax.Array) -> ClippedSum:
         """Add one micro-batch's clipped sum to ``total`` (``total`` is donated)."""
         leading = jax.tree_util.tree_leaves(batch)[0].shape[0]
         if leading % self.num_devices:
-            raise InvalidConfigError(
-                f"micro-batch size {leading} is not divisible by the {self.num_devices} devices"
-            )
+            raise InvalidConfigError(f"micro-batch size {leading} is not divisible by the {self.num_devices} devices")
         return self._accumulate(state.params, total, batch, mask, state.model_state)
 
     def privatized_gradient(self, total: ClippedSum, step: int | jax.Array) -> PyTree:
@@ -226,7 +223,10 @@ class DpsgdStep:
         # check_vma=False: with it, differentiating w.r.t. the replicated parameters inside
         # would psum every per-example gradient over devices (mixing examples) before clipping.
         clipped = jax.shard_map(
-            local, mesh=self.mesh, out_specs=PartitionSpec(), check_vma=False,
+            local,
+            mesh=self.mesh,
+            out_specs=PartitionSpec(),
+            check_vma=False,
             in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS), PartitionSpec(DATA_AXIS)),
         )(params, model_state, batch, mask)
         return total.plus(clipped)

@@ -126,8 +126,12 @@ def _plain(module: nn.Module) -> bool:
     ``dot_general`` or dtype promotion): what the ghost, explicit and streamed rules compute."""
     if type(module) is WSConv:
         return True
-    return (type(module) is nn.Dense and module.dot_general is None and module.dot_general_cls is None
-            and module.promote_dtype is nn.dtypes.promote_dtype)
+    return (
+        type(module) is nn.Dense
+        and module.dot_general is None
+        and module.dot_general_cls is None
+        and module.promote_dtype is nn.dtypes.promote_dtype
+    )
 
 
 def _shape_of(call: bookkeeping.LayerCall, params: PyTree) -> tuple[int, int, int]:
@@ -137,9 +141,14 @@ def _shape_of(call: bookkeeping.LayerCall, params: PyTree) -> tuple[int, int, in
     return positions, math.prod(kernel.shape[:-1]), kernel.shape[-1]
 
 
-def plan_strategies(calls: tuple[bookkeeping.LayerCall, ...], params_of: Callable[[bookkeeping.LayerCall], PyTree],
-                    overrides: Mapping[Path, Strategy] | None = None, *, precision: ClipPrecision = ClipPrecision(),
-                    measured: Mapping[Path, Measured] | None = None) -> tuple[LayerChoice, ...]:
+def plan_strategies(
+    calls: tuple[bookkeeping.LayerCall, ...],
+    params_of: Callable[[bookkeeping.LayerCall], PyTree],
+    overrides: Mapping[Path, Strategy] | None = None,
+    *,
+    precision: ClipPrecision = ClipPrecision(),
+    measured: Mapping[Path, Measured] | None = None,
+) -> tuple[LayerChoice, ...]:
     """Each layer call's path and precision: book-keeping for shared or normalisation layers; else
     forced (``overrides``), measured on the device (``measured``), or by the shape rule."""
     overrides, measured = dict(overrides or {}), measured or {}
@@ -148,8 +157,15 @@ def plan_strategies(calls: tuple[bookkeeping.LayerCall, ...], params_of: Callabl
     for call in calls:
         kind = type(call.module).__name__
         if uses[call.path] > 1 or not _plain(call.module):
-            choices.append(LayerChoice(call.path, kind, "book-keeping", precision=precision,
-                                       reason="a normalisation, shared or non-plain layer"))
+            choices.append(
+                LayerChoice(
+                    call.path,
+                    kind,
+                    "book-keeping",
+                    precision=precision,
+                    reason="a normalisation, shared or non-plain layer",
+                )
+            )
             continue
         positions, fan_in, fan_out = _shape_of(call, params_of(call))
         shape = {"positions": positions, "fan_in": fan_in, "fan_out": fan_out}
@@ -171,29 +187,42 @@ def plan_strategies(calls: tuple[bookkeeping.LayerCall, ...], params_of: Callabl
 def _timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, Strategy]) -> list[int]:
     """The calls whose path is worth timing: plain layers used once and not forced."""
     uses = collections.Counter(call.path for call in calls)
-    return [i for i, call in enumerate(calls) if uses[call.path] == 1 and _plain(call.module) and call.path not in forced]
+    return [
+        i for i, call in enumerate(calls) if uses[call.path] == 1 and _plain(call.module) and call.path not in forced
+    ]
 
 
 def describe(choices: tuple[LayerChoice, ...]) -> str:
     """One line for the log: how many layers take each path and precision, how chosen, which are ghost."""
     counts = collections.Counter(candidate_name(c.strategy, c.precision) for c in choices)
-    how = collections.Counter("measured" if c.reason.startswith("measured") else c.reason for c in choices
-                              if c.strategy != "book-keeping")
+    how = collections.Counter(
+        "measured" if c.reason.startswith("measured") else c.reason for c in choices if c.strategy != "book-keeping"
+    )
     ghost = ["/".join(c.path) for c in choices if c.strategy == "ghost"]
-    return (", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-            + (f"; chosen by {', '.join(f'{k} ({n})' for k, n in sorted(how.items()))}" if how else "")
-            + (f" (ghost: {', '.join(ghost)})" if ghost else ""))
+    return (
+        ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        + (f"; chosen by {', '.join(f'{k} ({n})' for k, n in sorted(how.items()))}" if how else "")
+        + (f" (ghost: {', '.join(ghost)})" if ghost else "")
+    )
 
 
 def describe_layers(choices: tuple[LayerChoice, ...]) -> list[str]:
     """One log line per layer: its shape, path, precision and why."""
-    return [f"{'/'.join(c.path)} ({c.kind}, {c.positions} positions, {c.fan_in} -> {c.fan_out}): "
-            f"{candidate_name(c.strategy, c.precision)}, {c.reason}" for c in choices if c.strategy != "book-keeping"]
+    return [
+        f"{'/'.join(c.path)} ({c.kind}, {c.positions} positions, {c.fan_in} -> {c.fan_out}): "
+        f"{candidate_name(c.strategy, c.precision)}, {c.reason}"
+        for c in choices
+        if c.strategy != "book-keeping"
+    ]
 
 
 def make_ghost_clipped_sum_fn(
-    loss_fn: LossFn, *, clip_norm: float, example: tuple[PyTree, PyTree, PyTree] | None = None,
-    strategies: Mapping[Path, Strategy] | None = None, precision: ClipPrecision | None = None,
+    loss_fn: LossFn,
+    *,
+    clip_norm: float,
+    example: tuple[PyTree, PyTree, PyTree] | None = None,
+    strategies: Mapping[Path, Strategy] | None = None,
+    precision: ClipPrecision | None = None,
     tuning: DeviceTuning | None = None,
 ) -> ClippedSumFn:
     """Drop-in for ``make_clipped_sum_fn`` on models book-keeping covers (else UnsupportedModelError).
@@ -224,8 +253,13 @@ def make_ghost_clipped_sum_fn(
 
     def plan(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
         calls = calls_of(params, model_state, batch)
-        return calls, plan_strategies(calls, lambda call: bookkeeping.layer_params(call, params), forced,
-                                      precision=tuning.precision, measured=measured)
+        return calls, plan_strategies(
+            calls,
+            lambda call: bookkeeping.layer_params(call, params),
+            forced,
+            precision=tuning.precision,
+            measured=measured,
+        )
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
         calls, choices = plan(params, model_state, batch)
@@ -240,12 +274,17 @@ def make_ghost_clipped_sum_fn(
             x, g = tape.inputs[indices[0]], tape.out_grads[indices[0]]
             if choice.strategy == "book-keeping":
                 booked[path] = layer_bounds.book_keeping_gradients(
-                    [calls[i] for i in indices], params, [tape.inputs[i] for i in indices],
-                    [tape.out_grads[i] for i in indices], choice.precision)
+                    [calls[i] for i in indices],
+                    params,
+                    [tape.inputs[i] for i in indices],
+                    [tape.out_grads[i] for i in indices],
+                    choice.precision,
+                )
                 continue
             rule = layer_bounds.wsconv if isinstance(first.module, WSConv) else layer_bounds.dense
-            part, summer = rule(first.module, own, x, g, choice.strategy, choice.precision,
-                                chunk_bytes=tuning.chunk_bytes)
+            part, summer = rule(
+                first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=tuning.chunk_bytes
+            )
             squares.append(part)
             summers.append((path, summer))
         for path, per_example in hold(booked).items():  # one loop holds them all (clipping.hold)
@@ -254,13 +293,13 @@ def make_ghost_clipped_sum_fn(
                 summers.append((path, functools.partial(layer_bounds.held_sum, per_example)))
 
         def weighted(weights: jax.Array, finite: jax.Array) -> PyTree:
-            grads = {path + (name,): grad for path, summer in summers
-                     for name, grad in summer(weights, finite).items()}
+            grads = {path + (name,): grad for path, summer in summers for name, grad in summer(weights, finite).items()}
             flat, treedef = jax.tree_util.tree_flatten_with_path(params)
             return jax.tree_util.tree_unflatten(treedef, [grads[bookkeeping.key_path(p)] for p, _ in flat])
 
-        return clipped_sum_from_norms(norm_bound(squares), mask, clip_norm=clip_norm, weighted=weighted,
-                                      losses=tape.losses)
+        return clipped_sum_from_norms(
+            norm_bound(squares), mask, clip_norm=clip_norm, weighted=weighted, losses=tape.losses
+        )
 
     choices = () if example is None else plan(*example)[1]
     return ClippedSumFn(clipped_sum, sensitivity=1.0, layers=choices)

@@ -46,8 +46,21 @@ from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping
 from dpscale.privacy.clipping import hold
 from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES
-from dpscale.privacy.rounding import (U, ClipPrecision, Format, blocked_depth, blocked_sum, contract, gamma, inflate,
-                                      monotone, underflow, upper_sqrt, upper_sum, upper_sum_of_squares)
+from dpscale.privacy.rounding import (
+    ClipPrecision,
+    Format,
+    U,
+    blocked_depth,
+    blocked_sum,
+    contract,
+    gamma,
+    inflate,
+    monotone,
+    underflow,
+    upper_sqrt,
+    upper_sum,
+    upper_sum_of_squares,
+)
 
 PyTree = Any
 Strategy = Literal["ghost", "explicit", "streamed"]
@@ -60,8 +73,14 @@ def guard(finite: jax.Array, a: jax.Array) -> jax.Array:
     return jnp.where(finite.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
 
 
-def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_example: int, *,
-            chunk_bytes: int = CPU_CHUNK_BYTES, held: bool = False) -> PyTree:
+def chunked(
+    fn: Callable[..., PyTree],
+    arrays: tuple[jax.Array, ...],
+    bytes_per_example: int,
+    *,
+    chunk_bytes: int = CPU_CHUNK_BYTES,
+    held: bool = False,
+) -> PyTree:
     """``fn`` over examples (leading axis), ``chunk_bytes`` of working set at a time (a CPU's
     cache; on an accelerator the whole micro-batch: ``privacy.device_tuning``).
 
@@ -80,8 +99,10 @@ def chunked(fn: Callable[..., PyTree], arrays: tuple[jax.Array, ...], bytes_per_
 def held_sum(per_example: dict[str, jax.Array], weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
     """``sum_i w_i v_i`` of held per-example gradients, at full float32 (a TF32 default would round
     each ``v_i`` by 2^-11, beyond its bound)."""
-    return {name: jnp.tensordot(weights, guard(finite, grad.astype(jnp.float32)), axes=1, precision=_HIGHEST)
-            for name, grad in per_example.items()}
+    return {
+        name: jnp.tensordot(weights, guard(finite, grad.astype(jnp.float32)), axes=1, precision=_HIGHEST)
+        for name, grad in per_example.items()
+    }
 
 
 def held_square_bound(per_example: dict[str, jax.Array]) -> jax.Array:
@@ -156,8 +177,9 @@ def _patches_square_bound(module: WSConv, x: jax.Array) -> jax.Array:
     return monotone(upper_sum_of_squares(x) * np.float32(-(-kh // sh) * -(-kw // sw)), 1)
 
 
-def _product_errors(fmt: Format, positions: int, fan_in: int, fan_out: int, a2: jax.Array,
-                    g2: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _product_errors(
+    fmt: Format, positions: int, fan_in: int, fan_out: int, a2: jax.Array, g2: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """``(||A|| ||G||, a bound of |fl(A^T G) - A^T G|_F at fmt)`` per example, from upper bounds of
     ``||A||^2`` and ``||G||^2``."""
     a, g = upper_sqrt(a2), upper_sqrt(g2)
@@ -165,16 +187,18 @@ def _product_errors(fmt: Format, positions: int, fan_in: int, fan_out: int, a2: 
     return ag, monotone(np.float32(fmt.error(positions)) * ag + underflow(positions * fan_in * fan_out, a, g), 3)
 
 
-def _summer_error(precision: ClipPrecision, positions: int, fan_in: int, fan_out: int, a2: jax.Array,
-                  g2: jax.Array) -> jax.Array:
+def _summer_error(
+    precision: ClipPrecision, positions: int, fan_in: int, fan_out: int, a2: jax.Array, g2: jax.Array
+) -> jax.Array:
     """What example i alone adds to the batch contraction ``A^T (w G)`` beyond ``w A_i^T G_i``, per
     unit of weight: the product ``w G`` rounds (u) and then the contraction at the sum precision."""
     ag, error = _product_errors(precision.sum_format, positions, fan_in, fan_out, a2, g2)
     return monotone(error * np.float32(1 + U) + np.float32(U) * ag, 3)
 
 
-def _ws_batch_summer(module: WSConv, geometry: WsGeometry, kernel_shape: tuple[int, ...], fmt: Format,
-                     x: jax.Array, g: jax.Array) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def _ws_batch_summer(
+    module: WSConv, geometry: WsGeometry, kernel_shape: tuple[int, ...], fmt: Format, x: jax.Array, g: jax.Array
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """The kernel's weighted sum: one backward contraction of the convolution over the batch, then
     the centring and fold of the sum (the same functions the norms used)."""
 
@@ -186,9 +210,14 @@ def _ws_batch_summer(module: WSConv, geometry: WsGeometry, kernel_shape: tuple[i
 
         def conv(k: jax.Array) -> jax.Array:
             return jax.lax.conv_general_dilated(
-                flat_x, k, window_strides=as_pair(module.strides), padding=module.padding,
-                dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=fmt.lax_precision,
-                preferred_element_type=jnp.float32)
+                flat_x,
+                k,
+                window_strides=as_pair(module.strides),
+                padding=module.padding,
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                precision=fmt.lax_precision,
+                preferred_element_type=jnp.float32,
+            )
 
         _, vjp = jax.vjp(conv, kernel)
         u_sum = vjp(scaled)[0].astype(jnp.float32).reshape(geometry.d, -1)
@@ -197,8 +226,9 @@ def _ws_batch_summer(module: WSConv, geometry: WsGeometry, kernel_shape: tuple[i
     return kernel_sum
 
 
-def _gram_terms(rows_a: jax.Array, bound_a: jax.Array, rows_g: jax.Array, bound_g: jax.Array,
-                fmt: Format) -> tuple[jax.Array, ...]:
+def _gram_terms(
+    rows_a: jax.Array, bound_a: jax.Array, rows_g: jax.Array, bound_g: jax.Array, fmt: Format
+) -> tuple[jax.Array, ...]:
     """One example's ``<X, Y>`` for the Grams ``X = rows_a rows_a^T``, ``Y = rows_g rows_g^T`` at
     ``fmt``, and what its bound needs: ``n^T |Y| n`` and ``(n . m)^2``, for ``n`` and ``m`` upper
     bounds of the norms of the exact rows. Each is a product per row (one contraction over the P
@@ -212,8 +242,18 @@ def _gram_terms(rows_a: jax.Array, bound_a: jax.Array, rows_g: jax.Array, bound_
     return inner, term_a, monotone(cross * cross, 1)
 
 
-def _ghost_square(fmt: Format, positions: int, fan_in: int, fan_out: int, kappa_rows: float, inner: jax.Array,
-                  term_a: jax.Array, cross: jax.Array, a2: jax.Array, g2: jax.Array) -> jax.Array:
+def _ghost_square(
+    fmt: Format,
+    positions: int,
+    fan_in: int,
+    fan_out: int,
+    kappa_rows: float,
+    inner: jax.Array,
+    term_a: jax.Array,
+    cross: jax.Array,
+    a2: jax.Array,
+    g2: jax.Array,
+) -> jax.Array:
     """``>= <X_exact, Y_exact>`` from the computed ``<X, Y>``.
 
     With ``|X - X_exact| <= alpha n n^T`` and ``|Y - Y_exact| <= beta m m^T`` entrywise, the
@@ -229,13 +269,24 @@ def _ghost_square(fmt: Format, positions: int, fan_in: int, fan_out: int, kappa_
     a, g = upper_sqrt(a2), upper_sqrt(g2)
     tiny = np.float32(4 * positions * positions * np.finfo(np.float32).tiny)
     absolute = tiny * (fan_in * (1 + 2 * a) * g2 + fan_out * (1 + 2 * g) * a2 + 1)
-    slack = (np.float32(inner_error * (1 + alpha) + alpha) * term_a
-             + np.float32((beta + alpha * beta) * (1 + alpha)) * cross + absolute)
+    slack = (
+        np.float32(inner_error * (1 + alpha) + alpha) * term_a
+        + np.float32((beta + alpha * beta) * (1 + alpha)) * cross
+        + absolute
+    )
     return jnp.maximum(monotone(inner + monotone(slack, 8), 1), 0.0)
 
 
-def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
-           precision: ClipPrecision, *, chunk_bytes: int = CPU_CHUNK_BYTES) -> tuple[jax.Array, Summer]:
+def wsconv(
+    module: WSConv,
+    params: PyTree,
+    x: jax.Array,
+    g: jax.Array,
+    strategy: Strategy,
+    precision: ClipPrecision,
+    *,
+    chunk_bytes: int = CPU_CHUNK_BYTES,
+) -> tuple[jax.Array, Summer]:
     kernel = params["kernel"]
     geometry = WsGeometry.of(module, kernel)
     d, p, fmt = geometry.d, kernel.shape[-1], precision.norm_format
@@ -245,12 +296,12 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
     work = 4 * positions * (d + p)
 
     if strategy == "explicit":
+
         def folded_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             # The fold per example, before the sum: what is summed is what is measured.
             return geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
 
-        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work, chunk_bytes=chunk_bytes,
-                         held=True)
+        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work, chunk_bytes=chunk_bytes, held=True)
         if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
             folded = hold(folded)
         per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
@@ -261,6 +312,7 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
     g2 = upper_sum_of_squares(flat_g)
     kappa = geometry.kappa
     if strategy == "streamed":
+
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
             u_one = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)
             folded = geometry.fold(geometry.centre(u_one))
@@ -275,8 +327,9 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
         # norm is taken may be another evaluation of the product than the one folded: within
         # 2 err(u~) of it.)
         u_norm = upper_sqrt(q_u)
-        slack = geometry.s_hat_max * (np.float32(2 * kappa) * u_norm + np.float32(1 + 3 * kappa) * norm_error
-                                      + np.float32(1 + kappa) * sum_error)
+        slack = geometry.s_hat_max * (
+            np.float32(2 * kappa) * u_norm + np.float32(1 + 3 * kappa) * norm_error + np.float32(1 + kappa) * sum_error
+        )
         layer = upper_sqrt(q_folded) + monotone(slack, 8)
     else:
         scaled_g = flat_g * geometry.s_hat
@@ -290,13 +343,16 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
             terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
             return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
 
-        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions),
-                                        chunk_bytes=chunk_bytes)
+        *terms, a2, scaled_g2 = chunked(
+            ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions), chunk_bytes=chunk_bytes
+        )
         square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
         ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
         # The sum: s_hat (err_sum + kappa ||U~||), ||U~|| <= ||A|| ||G|| + err_sum.
-        layer = upper_sqrt(square) + monotone(geometry.s_hat_max * (sum_error + np.float32(kappa) * (ag + sum_error)), 4)
+        layer = upper_sqrt(square) + monotone(
+            geometry.s_hat_max * (sum_error + np.float32(kappa) * (ag + sum_error)), 4
+        )
 
     kernel_sum = _ws_batch_summer(module, geometry, kernel.shape, precision.sum_format, x, g)
 
@@ -306,8 +362,16 @@ def wsconv(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, strategy:
     return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
 
 
-def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy: Strategy,
-          precision: ClipPrecision, *, chunk_bytes: int = CPU_CHUNK_BYTES) -> tuple[jax.Array, Summer]:
+def dense(
+    module: nn.Dense,
+    params: PyTree,
+    x: jax.Array,
+    g: jax.Array,
+    strategy: Strategy,
+    precision: ClipPrecision,
+    *,
+    chunk_bytes: int = CPU_CHUNK_BYTES,
+) -> tuple[jax.Array, Summer]:
     b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
     flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
     positions, fmt = flat_x.shape[1], precision.norm_format
@@ -322,33 +386,43 @@ def dense(module: nn.Dense, params: PyTree, x: jax.Array, g: jax.Array, strategy
     ag, norm_error = _product_errors(fmt, positions, fan_in, fan_out, a2, g2)
     sum_error = _summer_error(precision, positions, fan_in, fan_out, a2, g2)
     if strategy == "streamed":
+
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
 
         q = chunked(norm_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out), chunk_bytes=chunk_bytes)
         layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
     else:
+
         def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
             rows_x = upper_sqrt(upper_sum_of_squares(x_one))
             rows_g = upper_sqrt(upper_sum_of_squares(g_one))
             return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
 
-        terms = chunked(ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions),
-                        chunk_bytes=chunk_bytes)
+        terms = chunked(
+            ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions), chunk_bytes=chunk_bytes
+        )
         square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
         layer = upper_sqrt(square) + sum_error
     sum_fmt = precision.sum_format
 
     def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
         scaled = guard(finite, flat_g * weights[:, None, None])
-        return {"kernel": contract(sum_fmt, "btf,bto->fo", guard(finite, flat_x), scaled),
-                **held_sum(bias, weights, finite)}
+        return {
+            "kernel": contract(sum_fmt, "btf,bto->fo", guard(finite, flat_x), scaled),
+            **held_sum(bias, weights, finite),
+        }
 
     return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
 
 
-def book_keeping_gradients(calls: list[bookkeeping.LayerCall], params: PyTree, xs: list[jax.Array],
-                           gs: list[jax.Array], precision: ClipPrecision) -> dict[str, jax.Array]:
+def book_keeping_gradients(
+    calls: list[bookkeeping.LayerCall],
+    params: PyTree,
+    xs: list[jax.Array],
+    gs: list[jax.Array],
+    precision: ClipPrecision,
+) -> dict[str, jax.Array]:
     """Per-example gradients by book-keeping's rules, summed over the calls of one layer: to be held
     (``clipping.hold``, all such layers at once) before ``held_square_bound`` and ``held_sum``."""
     per_example: dict[str, jax.Array] = {}

@@ -137,21 +137,26 @@ def add_gaussian_noise(tree: PyTree, key: jax.Array, *, std: float | jax.Array) 
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     keys = jax.random.split(key, len(leaves))
     unit = std * 2.0**-GRID_BITS
-    noisy = [(jnp.round((x.astype(jnp.float32) + std * standard_normal(k, x.shape)) / unit) * unit).astype(x.dtype)
-             for k, x in zip(keys, leaves)]
+    noisy = [
+        (jnp.round((x.astype(jnp.float32) + std * standard_normal(k, x.shape)) / unit) * unit).astype(x.dtype)
+        for k, x in zip(keys, leaves)
+    ]
     return jax.tree_util.tree_unflatten(treedef, noisy)
 
 
-def gaussian_release(value: np.ndarray, key: jax.Array, *, noise_multiplier: float,
-                     sensitivity: float = 1.0) -> np.ndarray:
+def gaussian_release(
+    value: np.ndarray, key: jax.Array, *, noise_multiplier: float, sensitivity: float = 1.0
+) -> np.ndarray:
     """A one-off Gaussian mechanism: ``value + N(0, (noise_multiplier * sensitivity)^2 I)``.
 
     ``value`` must have L2 sensitivity ``sensitivity`` under adding or removing one
     example; the release's cost is the caller's to put in the run's ``releases``.
     """
     if not (noise_multiplier > 0 and sensitivity > 0 and np.isfinite(noise_multiplier * sensitivity)):
-        raise InvalidConfigError(f"a Gaussian release needs a positive, finite noise scale, got "
-                                 f"noise_multiplier={noise_multiplier}, sensitivity={sensitivity}")
+        raise InvalidConfigError(
+            f"a Gaussian release needs a positive, finite noise scale, got "
+            f"noise_multiplier={noise_multiplier}, sensitivity={sensitivity}"
+        )
     value = np.asarray(value, np.float32)
     noisy = add_gaussian_noise(jnp.asarray(value), key, std=noise_multiplier * sensitivity)
     return np.asarray(noisy, np.float32)

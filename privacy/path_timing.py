@@ -53,21 +53,24 @@ class Measured:
     def summary(self) -> str:
         """``measured: ghost/tf32 0.41 ms (explicit/highest 1.20 ms, ...)``, the winner first."""
         ranked = sorted(self.seconds, key=lambda item: item[1])
-        shown = [f"{name} {seconds * 1e3:.2f} ms" if math.isfinite(seconds) else f"{name} failed"
-                 for name, seconds in ranked]
+        shown = [
+            f"{name} {seconds * 1e3:.2f} ms" if math.isfinite(seconds) else f"{name} failed" for name, seconds in ranked
+        ]
         return f"measured: {shown[0]}" + (f" ({', '.join(shown[1:])})" if len(shown) > 1 else "")
 
 
 def candidate_name(strategy: str, precision: ClipPrecision) -> str:
-    return f"{strategy}/{precision.norms}" if precision.norms == precision.sums else (
-        f"{strategy}/{precision.norms}+{precision.sums}")
+    return (
+        f"{strategy}/{precision.norms}"
+        if precision.norms == precision.sums
+        else (f"{strategy}/{precision.norms}+{precision.sums}")
+    )
 
 
 def _random_like(tree: PyTree, rng: np.random.Generator) -> PyTree:
     """Device arrays of the shapes and dtypes of ``tree``, normal with a small scale (values do not
     change the time; a scale keeps the WS kernels' variance away from zero)."""
-    return jax.tree_util.tree_map(
-        lambda a: jnp.asarray((0.1 * rng.standard_normal(a.shape)).astype(a.dtype)), tree)
+    return jax.tree_util.tree_map(lambda a: jnp.asarray((0.1 * rng.standard_normal(a.shape)).astype(a.dtype)), tree)
 
 
 def _time(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
@@ -120,12 +123,21 @@ def _write_timings(path: str | None, timings: dict[str, float]) -> None:
         _log.info("clip path timings not kept (%s)", error)
 
 
-def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping.LayerCall], timed: Sequence[int],
-                  params: PyTree, model_state: PyTree, batch: PyTree, tuning: DeviceTuning, *,
-                  repeats: int = 5) -> dict[Path, Measured]:
+def measure_paths(
+    loss_fn: Callable[..., jax.Array],
+    calls: Sequence[bookkeeping.LayerCall],
+    timed: Sequence[int],
+    params: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    tuning: DeviceTuning,
+    *,
+    repeats: int = 5,
+) -> dict[Path, Measured]:
     """The fastest candidate of each call in ``timed`` (indices into ``calls``, WS convolutions and
     plain dense layers), for micro-batches shaped like ``batch`` (leaves ``[b, K, ...]``; arrays or
     ``ShapeDtypeStruct``). Calls with the same module and shapes are timed once."""
+
     def shapes(p: PyTree, s: PyTree, b: PyTree) -> tuple[list, list]:
         tape = bookkeeping.record_layers(loss_fn, tuple(calls), p, s, b)
         return tape.inputs, tape.out_grads
@@ -134,8 +146,12 @@ def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping
     groups: dict[tuple, list[int]] = collections.defaultdict(list)
     for index in timed:
         own = bookkeeping.layer_params(calls[index], params)
-        key = (repr(calls[index].module), inputs[index].shape, out_grads[index].shape,
-               tuple((name, leaf.shape) for name, leaf in sorted(own.items())))
+        key = (
+            repr(calls[index].module),
+            inputs[index].shape,
+            out_grads[index].shape,
+            tuple((name, leaf.shape) for name, leaf in sorted(own.items())),
+        )
         groups[key].append(index)
     rng = np.random.default_rng(0)
     start, chosen, timed_now = time.perf_counter(), {}, 0
@@ -150,17 +166,32 @@ def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping
         args = (own, x, g, jnp.full((size,), 0.5, jnp.float32), jnp.ones((size,), bool))
         seconds = []
         for strategy, precision in tuning.candidates:
-            name = "|".join(map(str, (device.platform, device.device_kind, jax.__version__, *key,
-                                      candidate_name(strategy, precision), tuning.chunk_bytes)))
+            name = "|".join(
+                map(
+                    str,
+                    (
+                        device.platform,
+                        device.device_kind,
+                        jax.__version__,
+                        *key,
+                        candidate_name(strategy, precision),
+                        tuning.chunk_bytes,
+                    ),
+                )
+            )
             if name in kept:
                 seconds.append((strategy, precision, kept[name]))
                 continue
             timed_now += 1
             try:
                 taken = _time(_layer_fn(call.module, strategy, precision, tuning.chunk_bytes), args, repeats)
-            except Exception as error:  # out of memory, say: never chosen, and said
-                _log.info("clip path %s of %s failed: %s", candidate_name(strategy, precision),
-                          "/".join(call.path), (str(error).splitlines() or [""])[0][:200])
+            except Exception as error:  # noqa: BLE001  out of memory, say: never chosen, and said
+                _log.info(
+                    "clip path %s of %s failed: %s",
+                    candidate_name(strategy, precision),
+                    "/".join(call.path),
+                    (str(error).splitlines() or [""])[0][:200],
+                )
                 taken = math.inf
             seconds.append((strategy, precision, taken))
             kept[name] = taken
@@ -172,7 +203,13 @@ def measure_paths(loss_fn: Callable[..., jax.Array], calls: Sequence[bookkeeping
             chosen[calls[index].path] = measured
     if timed_now:
         _write_timings(cache, kept)
-    _log.info("clip paths: %d candidates of %d layer shapes on %s, %d timed now (%.1f s), the rest from %s",
-              len(groups) * len(tuning.candidates), len(groups), device.device_kind, timed_now,
-              time.perf_counter() - start, cache)
+    _log.info(
+        "clip paths: %d candidates of %d layer shapes on %s, %d timed now (%.1f s), the rest from %s",
+        len(groups) * len(tuning.candidates),
+        len(groups),
+        device.device_kind,
+        timed_now,
+        time.perf_counter() - start,
+        cache,
+    )
     return chosen

@@ -32,11 +32,30 @@ import dp_accounting
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (EpsilonCurve, Truncation, bounds_for, dp_event, epsilon_curve,
-                                        make_accountant, quiet_rdp_warnings, RdpParts, rdp_epsilon)
-from dpscale.privacy.checks import (Accountant, SamplingScheme, check_accountant, check_batch_size, check_delta,
-                                    check_mechanism, check_positive, check_positive_integer, check_releases,
-                                    check_sampling, check_steps)
+from dpscale.privacy.accounting import (
+    EpsilonCurve,
+    RdpParts,
+    Truncation,
+    bounds_for,
+    dp_event,
+    epsilon_curve,
+    make_accountant,
+    quiet_rdp_warnings,
+    rdp_epsilon,
+)
+from dpscale.privacy.checks import (
+    Accountant,
+    SamplingScheme,
+    check_accountant,
+    check_batch_size,
+    check_delta,
+    check_mechanism,
+    check_positive,
+    check_positive_integer,
+    check_releases,
+    check_sampling,
+    check_steps,
+)
 from dpscale.privacy.sampling import Layout, PoissonSampler, ShuffledSampler, batch_capacity
 
 if TYPE_CHECKING:  # the DP step needs JAX, imported when one is built: `dpscale epsilon` needs only the accountant
@@ -107,8 +126,9 @@ class PrivacyTarget:
         return math.isfinite(self.epsilon)
 
 
-def knob_to_solve(*, num_examples: int, batch_size: int | None, steps: int | None,
-                  noise_multiplier: float | None) -> str:
+def knob_to_solve(
+    *, num_examples: int, batch_size: int | None, steps: int | None, noise_multiplier: float | None
+) -> str:
     """Check a calibration request and name the one knob of ``KNOBS`` it leaves out."""
     check_positive_integer(num_examples, "number of examples")
     if noise_multiplier is not None:
@@ -121,8 +141,9 @@ def knob_to_solve(*, num_examples: int, batch_size: int | None, steps: int | Non
     missing = [k for k in KNOBS if given[k] is None]
     if len(missing) != 1:
         which = "none" if len(missing) == 3 else "all three" if not missing else "only one"
-        raise InvalidConfigError("give exactly two of noise multiplier, steps and batch size (the third is "
-                                 f"solved for); got {which}")
+        raise InvalidConfigError(
+            f"give exactly two of noise multiplier, steps and batch size (the third is solved for); got {which}"
+        )
     return missing[0]
 
 
@@ -158,15 +179,28 @@ class PrivacyPlan:
                 raise InvalidConfigError("a non-private plan makes no DP releases")
             check_sampling(self.sampling)
         else:
-            check_mechanism(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
-                            steps=self.steps, sampling=self.sampling, releases=self.releases)
+            check_mechanism(
+                noise_multiplier=self.noise_multiplier,
+                sampling_rate=self.sampling_rate,
+                steps=self.steps,
+                sampling=self.sampling,
+                releases=self.releases,
+            )
 
     # -- from a target ------------------------------------------------------------------
 
     @classmethod
-    def calibrate(cls, target: PrivacyTarget, *, num_examples: int, batch_size: int | None = None,
-                  steps: int | None = None, noise_multiplier: float | None = None,
-                  releases: tuple[float, ...] = (), rtol: float = calibration.DEFAULT_RTOL) -> PrivacyPlan:
+    def calibrate(
+        cls,
+        target: PrivacyTarget,
+        *,
+        num_examples: int,
+        batch_size: int | None = None,
+        steps: int | None = None,
+        noise_multiplier: float | None = None,
+        releases: tuple[float, ...] = (),
+        rtol: float = calibration.DEFAULT_RTOL,
+    ) -> PrivacyPlan:
         """The plan that meets ``target`` with two of {sigma, steps, batch size} given.
 
         The third is solved by ``privacy.calibration``: the smallest sigma, or the largest
@@ -176,38 +210,85 @@ class PrivacyPlan:
         if not target.private:
             if batch_size is None or steps is None:
                 raise InvalidConfigError("a non-private run (epsilon=inf) needs --batch-size and --steps")
-            return cls(num_examples=int(num_examples), batch_size=int(batch_size), steps=int(steps),
-                       noise_multiplier=0.0, delta=target.delta, accountant=target.accountant,
-                       sampling=target.sampling)
+            return cls(
+                num_examples=int(num_examples),
+                batch_size=int(batch_size),
+                steps=int(steps),
+                noise_multiplier=0.0,
+                delta=target.delta,
+                accountant=target.accountant,
+                sampling=target.sampling,
+            )
         check_releases(tuple(releases))
         if not 0 < rtol < 0.5:
             raise InvalidConfigError(f"rtol must be in (0, 0.5), got {rtol}")
-        solve = knob_to_solve(num_examples=num_examples, batch_size=batch_size, steps=steps,
-                              noise_multiplier=noise_multiplier)
-        common = dict(target_epsilon=target.epsilon, delta=target.delta, accountant=target.accountant,
-                      releases=tuple(releases))
+        solve = knob_to_solve(
+            num_examples=num_examples, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier
+        )
+        common = dict(
+            target_epsilon=target.epsilon, delta=target.delta, accountant=target.accountant, releases=tuple(releases)
+        )
         n = int(num_examples)
-        solved = cls._solve(solve, n, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
-                            capacity_stds=None, rtol=rtol, common=common)
+        solved = cls._solve(
+            solve,
+            n,
+            batch_size=batch_size,
+            steps=steps,
+            noise_multiplier=noise_multiplier,
+            capacity_stds=None,
+            rtol=rtol,
+            common=common,
+        )
         capacity = 0
         if target.sampling == "poisson":
             # The truncation that costs at most ``TRUNCATION_COST`` at the untruncated answer, then the
             # answer again with that truncation accounted.
             stds = calibration.capacity_stds(
-                noise_multiplier=solved.noise_multiplier, num_examples=n, batch_size=solved.batch_size,
-                steps=solved.steps, delta=target.delta, accountant=target.accountant, releases=tuple(releases))
-            solved = cls._solve(solve, n, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
-                                capacity_stds=stds, rtol=rtol, common=common, near=solved)
+                noise_multiplier=solved.noise_multiplier,
+                num_examples=n,
+                batch_size=solved.batch_size,
+                steps=solved.steps,
+                delta=target.delta,
+                accountant=target.accountant,
+                releases=tuple(releases),
+            )
+            solved = cls._solve(
+                solve,
+                n,
+                batch_size=batch_size,
+                steps=steps,
+                noise_multiplier=noise_multiplier,
+                capacity_stds=stds,
+                rtol=rtol,
+                common=common,
+                near=solved,
+            )
             capacity = batch_capacity(n, solved.batch_size, stds=stds)
-        return cls(num_examples=n, batch_size=solved.batch_size, steps=solved.steps,
-                   noise_multiplier=solved.noise_multiplier,
-                   delta=target.delta, accountant=target.accountant, sampling=target.sampling,
-                   releases=tuple(releases), batch_capacity=capacity)
+        return cls(
+            num_examples=n,
+            batch_size=solved.batch_size,
+            steps=solved.steps,
+            noise_multiplier=solved.noise_multiplier,
+            delta=target.delta,
+            accountant=target.accountant,
+            sampling=target.sampling,
+            releases=tuple(releases),
+            batch_capacity=capacity,
+        )
 
     @staticmethod
-    def _solve(solve: str, n: int, *, batch_size: int | None, steps: int | None, noise_multiplier: float | None,
-               capacity_stds: float | None, rtol: float, common: dict[str, Any],
-               near: Solution | None = None) -> Solution:
+    def _solve(
+        solve: str,
+        n: int,
+        *,
+        batch_size: int | None,
+        steps: int | None,
+        noise_multiplier: float | None,
+        capacity_stds: float | None,
+        rtol: float,
+        common: dict[str, Any],
+        near: Solution | None = None,
+    ) -> Solution:
         """The setting with the ``solve`` knob calibrated; batches truncated ``capacity_stds`` standard
         deviations of the batch size above B (None: not). ``near``: an earlier answer (without
         truncation), where the search starts."""
@@ -216,20 +297,32 @@ class PrivacyPlan:
             truncation = Truncation(n, batch_capacity(n, batch_size, stds=capacity_stds))
         start = None if near is None else (getattr(near, solve), near.slope)
         if solve == "noise_multiplier":
-            found = calibration.calibrate_noise_multiplier(sampling_rate=batch_size / n, steps=int(steps), rtol=rtol,
-                                                           truncation=truncation, near=start, **common)
+            found = calibration.calibrate_noise_multiplier(
+                sampling_rate=batch_size / n, steps=int(steps), rtol=rtol, truncation=truncation, near=start, **common
+            )
             noise_multiplier = found.value
         elif solve == "steps":
-            found = calibration.calibrate_steps(noise_multiplier=noise_multiplier, sampling_rate=batch_size / n,
-                                                truncation=truncation, near=start, **common)
+            found = calibration.calibrate_steps(
+                noise_multiplier=noise_multiplier,
+                sampling_rate=batch_size / n,
+                truncation=truncation,
+                near=start,
+                **common,
+            )
             steps = found.value
         else:
-            found = calibration.calibrate_batch_size(noise_multiplier=noise_multiplier, steps=int(steps),
-                                                     num_examples=n, capacity_stds=capacity_stds, near=start,
-                                                     **common)
+            found = calibration.calibrate_batch_size(
+                noise_multiplier=noise_multiplier,
+                steps=int(steps),
+                num_examples=n,
+                capacity_stds=capacity_stds,
+                near=start,
+                **common,
+            )
             batch_size = found.value
-        return Solution(batch_size=int(batch_size), steps=int(steps), noise_multiplier=float(noise_multiplier),
-                        slope=found.slope)
+        return Solution(
+            batch_size=int(batch_size), steps=int(steps), noise_multiplier=float(noise_multiplier), slope=found.slope
+        )
 
     # -- what it guarantees ---------------------------------------------------------------
 
@@ -256,8 +349,14 @@ class PrivacyPlan:
         if not self.private:
             return batch_capacity(self.num_examples, self.batch_size)
         stds = calibration.capacity_stds(
-            noise_multiplier=self.noise_multiplier, num_examples=self.num_examples, batch_size=self.batch_size,
-            steps=self.steps, delta=self.delta, accountant=self.accountant, releases=self.releases)
+            noise_multiplier=self.noise_multiplier,
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            steps=self.steps,
+            delta=self.delta,
+            accountant=self.accountant,
+            releases=self.releases,
+        )
         return batch_capacity(self.num_examples, self.batch_size, stds=stds)
 
     @property
@@ -277,9 +376,14 @@ class PrivacyPlan:
 
     @property
     def _curve(self) -> EpsilonCurve:
-        return epsilon_curve(noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate,
-                             delta=self.delta, accountant=self.accountant, releases=self.releases,
-                             truncation=self.truncation)
+        return epsilon_curve(
+            noise_multiplier=self.noise_multiplier,
+            sampling_rate=self.sampling_rate,
+            delta=self.delta,
+            accountant=self.accountant,
+            releases=self.releases,
+            truncation=self.truncation,
+        )
 
     def epsilon(self, steps: int | None = None) -> float:
         """Epsilon after ``steps`` steps (default: all) and the releases; inf for a non-private plan."""
@@ -298,11 +402,15 @@ class PrivacyPlan:
         """What the user must know about this plan's guarantee (shown by every command that uses it)."""
         notes = []
         if self.delta >= 1 / self.num_examples:
-            notes.append(f"delta = {self.delta:g} is not below 1/num_examples = {1 / self.num_examples:g}: a "
-                         "mechanism that publishes a random example verbatim meets it; use delta << 1/N")
+            notes.append(
+                f"delta = {self.delta:g} is not below 1/num_examples = {1 / self.num_examples:g}: a "
+                "mechanism that publishes a random example verbatim meets it; use delta << 1/N"
+            )
         if self.sampling != "poisson":
-            notes.append(f"sampling {self.sampling!r} is accounted as Poisson sampling at the same rate; that "
-                         f"epsilon is not a proven guarantee for {self.sampling!r} batches")
+            notes.append(
+                f"sampling {self.sampling!r} is accounted as Poisson sampling at the same rate; that "
+                f"epsilon is not a proven guarantee for {self.sampling!r} batches"
+            )
         return tuple(notes)
 
     def ledger(self, *, steps_done: int, not_covered: tuple[str, ...] = ()) -> Ledger:
@@ -310,13 +418,22 @@ class PrivacyPlan:
 
         ``not_covered`` names what the run reports that epsilon does not cover (e.g. held-out rows).
         """
-        return Ledger(private=self.private, accountant=self.accountant if self.private else "none",
-                      sampling=self.sampling if self.private else None, exact_accounting=self.private and self.exact,
-                      sampling_rate=self.sampling_rate if self.private else None,
-                      batch_capacity=self.capacity,
-                      noise_multiplier=self.noise_multiplier, releases=self.releases, planned_steps=self.steps,
-                      steps_done=steps_done, delta=self.delta, epsilon_spent=self.epsilon(steps_done),
-                      epsilon_bound=self.epsilon_bound(steps_done), not_covered=tuple(not_covered))
+        return Ledger(
+            private=self.private,
+            accountant=self.accountant if self.private else "none",
+            sampling=self.sampling if self.private else None,
+            exact_accounting=self.private and self.exact,
+            sampling_rate=self.sampling_rate if self.private else None,
+            batch_capacity=self.capacity,
+            noise_multiplier=self.noise_multiplier,
+            releases=self.releases,
+            planned_steps=self.steps,
+            steps_done=steps_done,
+            delta=self.delta,
+            epsilon_spent=self.epsilon(steps_done),
+            epsilon_bound=self.epsilon_bound(steps_done),
+            not_covered=tuple(not_covered),
+        )
 
     # -- what runs ------------------------------------------------------------------------
 
@@ -324,14 +441,33 @@ class PrivacyPlan:
         """The batch selection of this plan, in ``layout(microbatch_size, multiple=multiple)`` at every step
         (a shuffled sampler warns that it is not accounted exactly). A non-private plan samples the same way."""
         if self.sampling == "poisson":
-            return self.parts.poisson_sampler(num_examples=self.num_examples, expected_batch_size=self.batch_size,
-                                  capacity=self.capacity, microbatch_size=microbatch_size, seed=seed,
-                                  multiple=multiple)
-        return ShuffledSampler(num_examples=self.num_examples, batch_size=self.batch_size,
-                               microbatch_size=microbatch_size, seed=seed, multiple=multiple)
+            return self.parts.poisson_sampler(
+                num_examples=self.num_examples,
+                expected_batch_size=self.batch_size,
+                capacity=self.capacity,
+                microbatch_size=microbatch_size,
+                seed=seed,
+                multiple=multiple,
+            )
+        return ShuffledSampler(
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            microbatch_size=microbatch_size,
+            seed=seed,
+            multiple=multiple,
+        )
 
-    def dp_step(self, loss_fn: LossFn, *, seed: int, clip_norm: float, optimizer: optax.GradientTransformation,
-                ema_decay: float, clipped_sum_fn: ClippedSumFn | None = None, mesh: Any = None) -> DpsgdStep:
+    def dp_step(
+        self,
+        loss_fn: LossFn,
+        *,
+        seed: int,
+        clip_norm: float,
+        optimizer: optax.GradientTransformation,
+        ema_decay: float,
+        clipped_sum_fn: ClippedSumFn | None = None,
+        mesh: Any = None,
+    ) -> DpsgdStep:
         """The update of this plan (a ``parts.step``): clipped sums of ``clipped_sum_fn`` (default:
         ``vmap`` per-example gradients clipped to ``clip_norm``) plus noise sigma, divided by B, then
         ``optimizer`` and the EMA; a non-private plan sums plain gradients.
@@ -346,8 +482,15 @@ class PrivacyPlan:
         elif clipped_sum_fn is None:
             clipped_sum_fn = make_clipped_sum_fn(loss_fn, clip_norm=clip_norm)
         step = self.parts.step or DpsgdStep
-        return step(clipped_sum_fn, noise_multiplier=self.noise_multiplier, expected_batch_size=self.batch_size,
-                    seed=seed, optimizer=optimizer, ema_decay=ema_decay, mesh=mesh)
+        return step(
+            clipped_sum_fn,
+            noise_multiplier=self.noise_multiplier,
+            expected_batch_size=self.batch_size,
+            seed=seed,
+            optimizer=optimizer,
+            ema_decay=ema_decay,
+            mesh=mesh,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """What a run records of its plan (``PrivacyPlan(**to_json())`` rebuilds it).
@@ -356,8 +499,9 @@ class PrivacyPlan:
         evaluated run would silently get the standard parts back.
         """
         if not self.parts.standard:
-            raise InvalidConfigError("a plan with substituted parts (an audit's broken step or sampler) "
-                                     "cannot be recorded as a run")
+            raise InvalidConfigError(
+                "a plan with substituted parts (an audit's broken step or sampler) cannot be recorded as a run"
+            )
         payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "parts"}
         return payload | {"releases": list(self.releases)}
 
@@ -375,11 +519,21 @@ def composed_epsilon(plans: Sequence[PrivacyPlan], *, delta: float, accountant: 
     if not all(plan.private for plan in plans):
         return math.inf
     counts = collections.Counter(plans)  # repeats of one setting compose by self-composition (faster)
-    event = dp_accounting.ComposedDpEvent([
-        dp_accounting.SelfComposedDpEvent(dp_event(noise_multiplier=p.noise_multiplier, sampling_rate=p.sampling_rate,
-                                                   steps=p.steps, releases=p.releases, truncation=p.truncation),
-                                          count)
-        for p, count in counts.items()])
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_event(
+                    noise_multiplier=p.noise_multiplier,
+                    sampling_rate=p.sampling_rate,
+                    steps=p.steps,
+                    releases=p.releases,
+                    truncation=p.truncation,
+                ),
+                count,
+            )
+            for p, count in counts.items()
+        ]
+    )
     bounds = []
     with quiet_rdp_warnings():  # the smallest bound, as for one plan
         for name in bounds_for(accountant, delta):
@@ -394,8 +548,12 @@ def _composed_rdp_epsilon(counts: collections.Counter, delta: float) -> float:
     """RDP epsilon of every plan's releases and steps, ``count`` times each (RDP adds per order)."""
     parts = []
     for plan, count in counts.items():
-        one = RdpParts.of(noise_multiplier=plan.noise_multiplier, sampling_rate=plan.sampling_rate,
-                          releases=plan.releases, truncation=plan.truncation)
+        one = RdpParts.of(
+            noise_multiplier=plan.noise_multiplier,
+            sampling_rate=plan.sampling_rate,
+            releases=plan.releases,
+            truncation=plan.truncation,
+        )
         parts += [(one, plan.steps)] * count
     return rdp_epsilon(parts, delta)
 
@@ -420,11 +578,22 @@ class PlanReport:
 
     @classmethod
     def of(cls, plan: PrivacyPlan, **extra: Any) -> Any:
-        return cls(epsilon=plan.epsilon(), delta=plan.delta, accountant=plan.accountant,
-                   epsilon_bound=plan.epsilon_bound(),
-                   noise_multiplier=plan.noise_multiplier, steps=plan.steps, batch_size=plan.batch_size,
-                   num_examples=plan.num_examples, sampling_rate=plan.sampling_rate, sampling=plan.sampling,
-                   exact=plan.exact, warnings=plan.warnings, batch_capacity=plan.capacity, **extra)
+        return cls(
+            epsilon=plan.epsilon(),
+            delta=plan.delta,
+            accountant=plan.accountant,
+            epsilon_bound=plan.epsilon_bound(),
+            noise_multiplier=plan.noise_multiplier,
+            steps=plan.steps,
+            batch_size=plan.batch_size,
+            num_examples=plan.num_examples,
+            sampling_rate=plan.sampling_rate,
+            sampling=plan.sampling,
+            exact=plan.exact,
+            warnings=plan.warnings,
+            batch_capacity=plan.capacity,
+            **extra,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"warnings": list(self.warnings)}
@@ -469,4 +638,3 @@ class Ledger:
         values["not_covered"] = tuple(values.get("not_covered", ()))
         values["epsilon_spent"] = float(values["epsilon_spent"])
         return cls(**values)
-

@@ -49,15 +49,21 @@ SPLIT_BLOCK = 1024
 MAX_DISCRETIZATION = 500.0
 
 
-def step_loss_span(noise_multiplier: float, sampling_rate: float = 1.0, *,
-                   truncation: tuple[int, int] | None = None) -> tuple[float, float]:
+def step_loss_span(
+    noise_multiplier: float, sampling_rate: float = 1.0, *, truncation: tuple[int, int] | None = None
+) -> tuple[float, float]:
     """(width, highest loss) of one (subsampled) Gaussian step's grid, the wider of its two directions.
 
     With ``truncation`` (dataset size, capacity), the wider of the two parts dp-accounting mixes
     (``truncated_parts``): the Poisson step, and the replace-one step at half the noise.
     """
-    parts = [(noise_multiplier, sampling_rate, (privacy_loss_mechanism.AdjacencyType.REMOVE,
-                                                privacy_loss_mechanism.AdjacencyType.ADD))]
+    parts = [
+        (
+            noise_multiplier,
+            sampling_rate,
+            (privacy_loss_mechanism.AdjacencyType.REMOVE, privacy_loss_mechanism.AdjacencyType.ADD),
+        )
+    ]
     if truncation is not None:
         truncated = truncated_parts(noise_multiplier, sampling_rate, *truncation)
         if truncated is not None:
@@ -66,14 +72,16 @@ def step_loss_span(noise_multiplier: float, sampling_rate: float = 1.0, *,
     for sigma, rate, adjacencies in parts:
         for adjacency in adjacencies:
             bounds = privacy_loss_mechanism.GaussianPrivacyLoss(
-                sigma, sampling_prob=rate, adjacency_type=adjacency).connect_dots_bounds()
+                sigma, sampling_prob=rate, adjacency_type=adjacency
+            ).connect_dots_bounds()
             width = max(width, bounds.epsilon_upper - bounds.epsilon_lower)
             high = max(high, bounds.epsilon_upper)
     return width, high
 
 
-def truncated_parts(noise_multiplier: float, sampling_rate: float, dataset_size: int,
-                    capacity: int) -> tuple[float, float] | None:
+def truncated_parts(
+    noise_multiplier: float, sampling_rate: float, dataset_size: int, capacity: int
+) -> tuple[float, float] | None:
     """(truncation probability, sampling rate of the replace-one part) as dp-accounting computes them
     for a truncated-Poisson step (``from_truncated_subsampled_gaussian_mechanism``); None: never truncated."""
     del noise_multiplier
@@ -84,8 +92,7 @@ def truncated_parts(noise_multiplier: float, sampling_rate: float, dataset_size:
     return float(probability), float(min(1.0, rate))
 
 
-def discretization(*, step_span: float, composed_span: float,
-                   base: float = DEFAULT_DISCRETIZATION) -> float | None:
+def discretization(*, step_span: float, composed_span: float, base: float = DEFAULT_DISCRETIZATION) -> float | None:
     """The finest grid, ``base`` times a power of two, on which both spans fit their point budgets.
 
     Powers of two keep the number of distinct grids (and so of one-step distributions built)
@@ -106,15 +113,23 @@ class BoundedPld:
     grid and cached.
     """
 
-    def __init__(self, *, noise_multiplier: float, sampling_rate: float, releases: tuple[float, ...],
-                 delta: float, base: float = DEFAULT_DISCRETIZATION,
-                 truncation: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        noise_multiplier: float,
+        sampling_rate: float,
+        releases: tuple[float, ...],
+        delta: float,
+        base: float = DEFAULT_DISCRETIZATION,
+        truncation: tuple[int, int] | None = None,
+    ) -> None:
         self.noise_multiplier, self.sampling_rate, self.releases = noise_multiplier, sampling_rate, releases
         self.truncation = truncation  # (dataset size, capacity) of truncated Poisson sampling, or None
         self.delta, self.base = delta, base
         self.tail = TAIL_MASS
-        spans = ([step_loss_span(noise_multiplier, sampling_rate, truncation=truncation)]
-                 + [step_loss_span(s) for s in releases])
+        spans = [step_loss_span(noise_multiplier, sampling_rate, truncation=truncation)] + [
+            step_loss_span(s) for s in releases
+        ]
         self.step_span = max(width for width, _ in spans)
         self.step_high = max(high for _, high in spans)
         self._built: dict[float, tuple[object, object]] = {}
@@ -128,19 +143,31 @@ class BoundedPld:
         if interval not in self._built:
             if self.truncation is None:
                 step = privacy_loss_distribution.from_gaussian_mechanism(
-                    standard_deviation=self.noise_multiplier, sampling_prob=self.sampling_rate,
-                    value_discretization_interval=interval, neighboring_relation=NEIGHBORING_RELATION)
+                    standard_deviation=self.noise_multiplier,
+                    sampling_prob=self.sampling_rate,
+                    value_discretization_interval=interval,
+                    neighboring_relation=NEIGHBORING_RELATION,
+                )
             else:
                 dataset_size, capacity = self.truncation
                 step = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
-                    dataset_size=dataset_size, sampling_probability=self.sampling_rate,
-                    truncated_batch_size=capacity, noise_multiplier=self.noise_multiplier,
-                    value_discretization_interval=interval, neighboring_relation=NEIGHBORING_RELATION)
+                    dataset_size=dataset_size,
+                    sampling_probability=self.sampling_rate,
+                    truncated_batch_size=capacity,
+                    noise_multiplier=self.noise_multiplier,
+                    value_discretization_interval=interval,
+                    neighboring_relation=NEIGHBORING_RELATION,
+                )
             released = privacy_loss_distribution.identity(value_discretization_interval=interval)
             for sigma in self.releases:
-                released = released.compose(privacy_loss_distribution.from_gaussian_mechanism(
-                    standard_deviation=sigma, value_discretization_interval=interval,
-                    neighboring_relation=NEIGHBORING_RELATION), tail_mass_truncation=self.tail)
+                released = released.compose(
+                    privacy_loss_distribution.from_gaussian_mechanism(
+                        standard_deviation=sigma,
+                        value_discretization_interval=interval,
+                        neighboring_relation=NEIGHBORING_RELATION,
+                    ),
+                    tail_mass_truncation=self.tail,
+                )
             self._built[interval] = (step, released)
         return self._built[interval]
 
@@ -173,13 +200,21 @@ class BoundedPld:
         block = step.self_compose(SPLIT_BLOCK, tail_mass_truncation=self.tail / blocks)
         composed = block.self_compose(blocks, tail_mass_truncation=self.tail)
         if steps % SPLIT_BLOCK:
-            composed = composed.compose(step.self_compose(steps % SPLIT_BLOCK, tail_mass_truncation=self.tail),
-                                        tail_mass_truncation=self.tail)
+            composed = composed.compose(
+                step.self_compose(steps % SPLIT_BLOCK, tail_mass_truncation=self.tail), tail_mass_truncation=self.tail
+            )
         return composed
 
 
-def privacy_profile(*, noise_multiplier: float, sampling_rate: float, steps: int, epsilons: Sequence[float],
-                    truncation: tuple[int, int] | None = None, discretization: float = 1e-2) -> np.ndarray:
+def privacy_profile(
+    *,
+    noise_multiplier: float,
+    sampling_rate: float,
+    steps: int,
+    epsilons: Sequence[float],
+    truncation: tuple[int, int] | None = None,
+    discretization: float = 1e-2,
+) -> np.ndarray:
     """delta(eps) of ``steps`` (truncated) Poisson-subsampled Gaussian steps at each of ``epsilons``.
 
     dp-accounting's pessimistic PLD on a grid of ``discretization``: each value is an upper
@@ -189,12 +224,19 @@ def privacy_profile(*, noise_multiplier: float, sampling_rate: float, steps: int
     """
     if truncation is None:
         step = privacy_loss_distribution.from_gaussian_mechanism(
-            standard_deviation=noise_multiplier, sampling_prob=sampling_rate,
-            value_discretization_interval=discretization, neighboring_relation=NEIGHBORING_RELATION)
+            standard_deviation=noise_multiplier,
+            sampling_prob=sampling_rate,
+            value_discretization_interval=discretization,
+            neighboring_relation=NEIGHBORING_RELATION,
+        )
     else:
         step = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
-            dataset_size=truncation[0], sampling_probability=sampling_rate, truncated_batch_size=truncation[1],
-            noise_multiplier=noise_multiplier, value_discretization_interval=discretization,
-            neighboring_relation=NEIGHBORING_RELATION)
+            dataset_size=truncation[0],
+            sampling_probability=sampling_rate,
+            truncated_batch_size=truncation[1],
+            noise_multiplier=noise_multiplier,
+            value_discretization_interval=discretization,
+            neighboring_relation=NEIGHBORING_RELATION,
+        )
     composed = step.self_compose(steps, tail_mass_truncation=TAIL_MASS)
     return np.asarray(composed.get_delta_for_epsilon(np.asarray(epsilons, dtype=float)), dtype=float)

@@ -121,8 +121,9 @@ class ClipPrecision:
 
 def contract(fmt: Format, subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """``einsum(subscripts, a, b)`` in float32 with the products of format ``fmt``."""
-    return jnp.einsum(subscripts, fmt.round(a), fmt.round(b), precision=fmt.lax_precision,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        subscripts, fmt.round(a), fmt.round(b), precision=fmt.lax_precision, preferred_element_type=jnp.float32
+    )
 
 
 def underflow(products: int, *norms: jax.Array) -> jax.Array:
@@ -149,7 +150,7 @@ def blocked_sum(x: jax.Array, axis: int = -1) -> tuple[jax.Array, int]:
         blocks = -(-n // BLOCK)
         if blocks * BLOCK != n:  # zeros add exactly
             x = jnp.pad(x, [(0, blocks * BLOCK - n if i == axis else 0) for i in range(x.ndim)])
-        x = x.reshape(x.shape[:axis] + (blocks, BLOCK) + x.shape[axis + 1:])
+        x = x.reshape(x.shape[:axis] + (blocks, BLOCK) + x.shape[axis + 1 :])
         x = jax.lax.optimization_barrier(jnp.sum(x, axis=axis + 1))
     return jnp.sum(x, axis=axis), depth
 

@@ -73,8 +73,10 @@ class Layout:
     @classmethod
     def of(cls, capacity: int, *, microbatch_size: int, multiple: int = 1) -> Layout:
         if capacity <= 0 or microbatch_size <= 0 or multiple <= 0:
-            raise InvalidConfigError(f"capacity, micro-batch size and multiple must be positive, got "
-                                     f"{capacity}, {microbatch_size}, {multiple}")
+            raise InvalidConfigError(
+                f"capacity, micro-batch size and multiple must be positive, got "
+                f"{capacity}, {microbatch_size}, {multiple}"
+            )
         count = math.ceil(capacity / microbatch_size)
         size = multiple * math.ceil(math.ceil(capacity / count) / multiple)
         return cls(num_microbatches=count, microbatch_size=max(size, 1))
@@ -124,8 +126,16 @@ def _check_sizes(num_examples: int, batch_size: float, microbatch_size: int) -> 
 class PoissonSampler:
     """Poisson sampling at rate ``expected_batch_size / num_examples``, truncated to ``capacity``."""
 
-    def __init__(self, *, num_examples: int, expected_batch_size: float, microbatch_size: int, seed: int,
-                 capacity: int | None = None, multiple: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        num_examples: int,
+        expected_batch_size: float,
+        microbatch_size: int,
+        seed: int,
+        capacity: int | None = None,
+        multiple: int = 1,
+    ) -> None:
         _check_sizes(num_examples, expected_batch_size, microbatch_size)
         self.num_examples = num_examples
         self.expected_batch_size = float(expected_batch_size)
@@ -161,8 +171,9 @@ class ShuffledSampler:
 
     exact_accounting = False
 
-    def __init__(self, *, num_examples: int, batch_size: int, microbatch_size: int, seed: int,
-                 multiple: int = 1) -> None:
+    def __init__(
+        self, *, num_examples: int, batch_size: int, microbatch_size: int, seed: int, multiple: int = 1
+    ) -> None:
         _check_sizes(num_examples, batch_size, microbatch_size)
         message = (
             "Shuffled fixed-size batches are not Poisson sampling: the epsilon reported by "
@@ -192,8 +203,9 @@ class ShuffledSampler:
         return pad_into(chosen, self.layout)
 
 
-def truncated_poisson_slots(key: jax.Array, sampling_rate: float, eligible: jax.Array,
-                            capacity: int) -> tuple[jax.Array, jax.Array]:
+def truncated_poisson_slots(
+    key: jax.Array, sampling_rate: float, eligible: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array]:
     """``PoissonSampler``'s distribution inside ``jit``/``vmap``: (indices, mask) of ``capacity`` slots.
 
     Every eligible row (a boolean ``[rows]``: the data set of this model) joins with

@@ -41,8 +41,11 @@ ThreatModel = Literal["black-box", "white-box", "sampler"]
 THREAT_MODELS: tuple[str, ...] = get_args(ThreatModel)
 CANARIES: tuple[str, ...] = get_args(CanaryKind)
 PER_EXAMPLE: tuple[str, ...] = get_args(PerExample)
-MODELS_BY_THREAT: dict[str, tuple[str, ...]] = {"black-box": ("linear", "mlp"), "white-box": ("linear", "cnn"),
-                                                "sampler": ("linear",)}
+MODELS_BY_THREAT: dict[str, tuple[str, ...]] = {
+    "black-box": ("linear", "mlp"),
+    "white-box": ("linear", "cnn"),
+    "sampler": ("linear",),
+}
 MODELS: tuple[str, ...] = tuple(dict.fromkeys(m for models in MODELS_BY_THREAT.values() for m in models))
 
 _log = logging.getLogger(__name__)
@@ -101,15 +104,18 @@ class AuditConfig:
         if self.model not in models:
             raise InvalidConfigError(f"the {self.threat_model} audit supports models {models}, got {self.model!r}")
         if self.threat_model == "white-box" and self.batch_size not in (None, self.num_examples):
-            raise InvalidConfigError("the white-box audit uses full batches: --batch-size must be |D| "
-                                     f"({self.num_examples}) or left out")
+            raise InvalidConfigError(
+                f"the white-box audit uses full batches: --batch-size must be |D| ({self.num_examples}) or left out"
+            )
         if self.devices != 1 and self.threat_model != "white-box":
             raise InvalidConfigError("only the white-box audit runs on several devices (--devices)")
         if self.threat_model != "black-box" and self.one_run_canaries:
             raise InvalidConfigError("the one-run audit is black-box only")
         if self.threat_model == "sampler" and not 1 <= self.effective_batch_size <= self.num_examples:
-            raise InvalidConfigError("the sampler audit needs q < 1: --batch-size at most |D| (the plan samples "
-                                     f"|D| + 1 rows, D and the canary's slot); got {self.batch_size}")
+            raise InvalidConfigError(
+                "the sampler audit needs q < 1: --batch-size at most |D| (the plan samples "
+                f"|D| + 1 rows, D and the canary's slot); got {self.batch_size}"
+            )
 
     @property
     def effective_batch_size(self) -> int:
@@ -147,15 +153,26 @@ def run(config: AuditConfig) -> AuditResult:
     seed = resolve_seed(config.seed, purpose="audit")
     rng = stream_rng(seed, Stream.AUDIT_DATA)
     canaries = max(1, config.one_run_canaries)
-    data, _ = load_data(config.data, split=config.split, num_examples=config.num_examples, kind=config.canary,
-                        canaries=canaries, rng=rng)
+    data, _ = load_data(
+        config.data,
+        split=config.split,
+        num_examples=config.num_examples,
+        kind=config.canary,
+        canaries=canaries,
+        rng=rng,
+    )
     rows = []
     for epsilon in config.epsilons:
         sampled = config.num_examples + (config.threat_model == "sampler")  # the sampler's rows: D and a slot
         plan = dataclasses.replace(
-            PrivacyPlan.calibrate(PrivacyTarget(epsilon, config.delta), num_examples=sampled,
-                                  batch_size=config.effective_batch_size, steps=config.effective_steps),
-            parts=config.parts)
+            PrivacyPlan.calibrate(
+                PrivacyTarget(epsilon, config.delta),
+                num_examples=sampled,
+                batch_size=config.effective_batch_size,
+                steps=config.effective_steps,
+            ),
+            parts=config.parts,
+        )
         nominal = plan.epsilon()
         if config.threat_model == "white-box":
             rows.append(_white_box(config, data, plan, nominal, seed))
@@ -163,17 +180,36 @@ def run(config: AuditConfig) -> AuditResult:
         if config.threat_model == "sampler":
             rows.append(_sampler(config, data, plan, nominal, seed))
             continue
-        setup = TrainingSetup(plan=plan, learning_rate=config.learning_rate, clip_norm=config.clip_norm,
-                              model=config.model, hidden=config.hidden)
+        setup = TrainingSetup(
+            plan=plan,
+            learning_rate=config.learning_rate,
+            clip_norm=config.clip_norm,
+            model=config.model,
+            hidden=config.hidden,
+        )
         with progress_bar(f"audit eps={epsilon:g}", total=config.num_models, enabled=config.show_progress) as bar:
             row = audit_setting(
-                data, setup, nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
-                confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
-                chunk_size=config.chunk_size, bar=bar,
+                data,
+                setup,
+                nominal_epsilon=nominal,
+                delta=config.delta,
+                num_models=config.num_models,
+                confidence=config.confidence,
+                holdout_fraction=config.holdout_fraction,
+                seed=seed,
+                chunk_size=config.chunk_size,
+                bar=bar,
             )
         if config.one_run_canaries:
-            row |= one_run(data, setup, delta=config.delta, confidence=config.confidence,
-                           guess_fraction=config.one_run_guess_fraction, seed=seed, rng=rng)
+            row |= one_run(
+                data,
+                setup,
+                delta=config.delta,
+                confidence=config.confidence,
+                guess_fraction=config.one_run_guess_fraction,
+                seed=seed,
+                rng=rng,
+            )
             row["estimators"]["one-run"] = row["one_run_epsilon_lower_bound"]
             row["violation"] |= row["one_run_epsilon_lower_bound"] > nominal
         if row["violation"]:
@@ -186,33 +222,66 @@ def run(config: AuditConfig) -> AuditResult:
 
 
 def _sampler(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: float, seed: int) -> dict:
-    setup = SamplerAuditSetup(plan=plan, learning_rate=config.learning_rate, clip_norm=config.clip_norm,
-                              canary_norm=config.canary_norm)
+    setup = SamplerAuditSetup(
+        plan=plan, learning_rate=config.learning_rate, clip_norm=config.clip_norm, canary_norm=config.canary_norm
+    )
     n = config.num_examples
-    with progress_bar(f"sampler audit eps={plan.epsilon():.3g}", total=config.num_models,
-                      enabled=config.show_progress) as bar:
-        row = sampler_row(data.features[:n], data.labels[:n], int(data.labels.max()) + 1, setup=setup,
-                          nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
-                          confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
-                          chunk_size=config.chunk_size, bar=bar)
+    with progress_bar(
+        f"sampler audit eps={plan.epsilon():.3g}", total=config.num_models, enabled=config.show_progress
+    ) as bar:
+        row = sampler_row(
+            data.features[:n],
+            data.labels[:n],
+            int(data.labels.max()) + 1,
+            setup=setup,
+            nominal_epsilon=nominal,
+            delta=config.delta,
+            num_models=config.num_models,
+            confidence=config.confidence,
+            holdout_fraction=config.holdout_fraction,
+            seed=seed,
+            chunk_size=config.chunk_size,
+            bar=bar,
+        )
     if row["violation"]:
-        _log.error("AUDIT VIOLATION: the sampler includes the canary more often than accounted (nominal epsilon "
-                   "%.3f): %s", nominal, row)
+        _log.error(
+            "AUDIT VIOLATION: the sampler includes the canary more often than accounted (nominal epsilon %.3f): %s",
+            nominal,
+            row,
+        )
     return row
 
 
 def _white_box(config: AuditConfig, data: Data, plan: PrivacyPlan, nominal: float, seed: int) -> dict:
-    setup = WhiteBoxSetup(plan=plan, model=config.model, per_example=config.per_example,
-                          learning_rate=config.learning_rate, clip_norm=config.clip_norm,
-                          microbatches=config.microbatches, canary_norm=config.canary_norm)
+    setup = WhiteBoxSetup(
+        plan=plan,
+        model=config.model,
+        per_example=config.per_example,
+        learning_rate=config.learning_rate,
+        clip_norm=config.clip_norm,
+        microbatches=config.microbatches,
+        canary_norm=config.canary_norm,
+    )
     n = config.num_examples
-    with progress_bar(f"white-box audit eps={plan.epsilon():.3g}", total=config.num_models,
-                      enabled=config.show_progress) as bar:
-        row = white_box_row(data.features[:n], data.labels[:n], int(data.labels.max()) + 1, setup=setup,
-                            nominal_epsilon=nominal, delta=config.delta, num_models=config.num_models,
-                            confidence=config.confidence, holdout_fraction=config.holdout_fraction, seed=seed,
-                            image_shape=data.image_shape, chunk_size=config.chunk_size,
-                            bar=bar, mesh=None if config.devices == 1 else distributed.training_mesh(config.devices))
+    with progress_bar(
+        f"white-box audit eps={plan.epsilon():.3g}", total=config.num_models, enabled=config.show_progress
+    ) as bar:
+        row = white_box_row(
+            data.features[:n],
+            data.labels[:n],
+            int(data.labels.max()) + 1,
+            setup=setup,
+            nominal_epsilon=nominal,
+            delta=config.delta,
+            num_models=config.num_models,
+            confidence=config.confidence,
+            holdout_fraction=config.holdout_fraction,
+            seed=seed,
+            image_shape=data.image_shape,
+            chunk_size=config.chunk_size,
+            bar=bar,
+            mesh=None if config.devices == 1 else distributed.training_mesh(config.devices),
+        )
     if row["violation"]:
         _log.error("AUDIT VIOLATION: lower bound above the nominal epsilon %.3f: %s", nominal, row)
     return row

@@ -13,7 +13,11 @@ import time
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy import calibration
-from dpscale.privacy.checks import ACCOUNTANTS, Accountant, check_releases  # ACCOUNTANTS: --accountant's choices
+from dpscale.privacy.checks import (  # ACCOUNTANTS: --accountant's choices, read by the CLI  # noqa: F401
+    ACCOUNTANTS,
+    Accountant,
+    check_releases,
+)
 from dpscale.privacy.plan import PlanReport, PrivacyPlan, PrivacyTarget, knob_to_solve
 from dpscale.progress import status
 
@@ -48,8 +52,12 @@ class CalibrateConfig:
 
     @property
     def solve_for(self) -> str:
-        return knob_to_solve(num_examples=self.num_examples, batch_size=self.batch_size, steps=self.steps,
-                             noise_multiplier=self.noise_multiplier)
+        return knob_to_solve(
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            steps=self.steps,
+            noise_multiplier=self.noise_multiplier,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +74,15 @@ def run(config: CalibrateConfig) -> CalibrateResult:
     started = time.perf_counter()
     what = f"calibrate: solving for the {config.solve_for.replace('_', ' ')} ({config.accountant.upper()} accountant)"
     with status(what, enabled=config.show_progress):
-        plan = PrivacyPlan.calibrate(config.target, num_examples=config.num_examples, batch_size=config.batch_size,
-                                     steps=config.steps, noise_multiplier=config.noise_multiplier,
-                                     releases=tuple(config.releases), rtol=config.rtol)
-    return CalibrateResult.of(plan, target_epsilon=config.epsilon, solved_for=config.solve_for,
-                              seconds=time.perf_counter() - started)
+        plan = PrivacyPlan.calibrate(
+            config.target,
+            num_examples=config.num_examples,
+            batch_size=config.batch_size,
+            steps=config.steps,
+            noise_multiplier=config.noise_multiplier,
+            releases=tuple(config.releases),
+            rtol=config.rtol,
+        )
+    return CalibrateResult.of(
+        plan, target_epsilon=config.epsilon, solved_for=config.solve_for, seconds=time.perf_counter() - started
+    )

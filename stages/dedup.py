@@ -38,10 +38,10 @@ from dpscale.dedup.planning import (
     shard_ranges,
     verify_blocks,
 )
-from dpscale.dedup.verify import COARSE_CUT  # the upper bound of --threshold, for the command line
+from dpscale.dedup.verify import COARSE_CUT  # the upper bound of --threshold, for the CLI  # noqa: F401
 from dpscale.errors import DataError, InvalidConfigError
-from dpscale.training import release
 from dpscale.files import owner_only
+from dpscale.training import release
 
 log = logging.getLogger(__name__)
 WORK = "_dedup_work"  # descriptor files of a running dedup, inside the output directory
@@ -86,19 +86,28 @@ class DedupConfig:
         if norm(self.output_dir) in (norm(self.public), norm(self.private)):
             raise InvalidConfigError("the output must be a different path from both inputs")
         if norm(self.public) == norm(self.private) and (
-                not self.public_splits or not self.private_splits
-                or set(self.public_splits) & set(self.private_splits)):
-            raise InvalidConfigError("public and private are the same dataset: give disjoint "
-                                     "--public-split and --private-split")
+            not self.public_splits or not self.private_splits or set(self.public_splits) & set(self.private_splits)
+        ):
+            raise InvalidConfigError(
+                "public and private are the same dataset: give disjoint --public-split and --private-split"
+            )
 
     @property
     def method(self) -> Method:
-        return Method(k=self.k, min_similarity=self.min_similarity, threshold=self.threshold,
-                      max_pages=self.max_pages, crowded_fraction=self.crowded_fraction,
-                      refine=self.refine,
-                      copy=None if self.copy_model is None else CopySettings(
-                          **({} if self.copy_cut is None else {"cut": self.copy_cut}),
-                          **({} if self.copy_local_weight is None else {"local_weight": self.copy_local_weight})))
+        return Method(
+            k=self.k,
+            min_similarity=self.min_similarity,
+            threshold=self.threshold,
+            max_pages=self.max_pages,
+            crowded_fraction=self.crowded_fraction,
+            refine=self.refine,
+            copy=None
+            if self.copy_model is None
+            else CopySettings(
+                **({} if self.copy_cut is None else {"cut": self.copy_cut}),
+                **({} if self.copy_local_weight is None else {"local_weight": self.copy_local_weight}),
+            ),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +150,9 @@ def run(config: DedupConfig) -> DedupResult:
     private_splits = select_splits(private, config.private_splits)
     num_public = sum(public.num_examples(s) for s in public_splits)
     num_private = sum(private.num_examples(s) for s in private_splits)
-    tasks = (read_tasks(public, PUBLIC, config.examples_per_task, public_splits)
-             + read_tasks(private, PRIVATE, config.examples_per_task, private_splits))
+    tasks = read_tasks(public, PUBLIC, config.examples_per_task, public_splits) + read_tasks(
+        private, PRIVATE, config.examples_per_task, private_splits
+    )
     pairs = knn_tasks(tasks)
     copy_model = None
     if config.copy_model is not None:
@@ -150,36 +160,64 @@ def run(config: DedupConfig) -> DedupResult:
 
         copy_model = copy_decision.open_model(config.copy_model, public, public_splits, private, private_splits)
     shards.prepare_output(config.output_dir, overwrite=config.overwrite, extra_files=(REPORT,))
-    copy = None if copy_model is None else copy_decision.decide(
-        public, public_splits, private, private_splits, copy_model, config.method.copy)
+    copy = (
+        None
+        if copy_model is None
+        else copy_decision.decide(public, public_splits, private, private_splits, copy_model, config.method.copy)
+    )
     work_dir = shards.join(config.output_dir, WORK)
     _remove_work(work_dir)
     if shards.is_local(work_dir):
         os.makedirs(work_dir, mode=0o700)  # private images' descriptors: owner-only
-    log.info("dedup: %d public vs %d private examples (%s vs %s), %d read tasks, %d "
-             "neighbour tasks", num_public, num_private, ",".join(public_splits),
-             ",".join(private_splits), len(tasks), len(pairs))
+    log.info(
+        "dedup: %d public vs %d private examples (%s vs %s), %d read tasks, %d neighbour tasks",
+        num_public,
+        num_private,
+        ",".join(public_splits),
+        ",".join(private_splits),
+        len(tasks),
+        len(pairs),
+    )
     log.info("dedup: %s", graph.progress_units(num_public, num_private, config.method.k))
 
     def build(pipeline: object, progress_dir: str | None) -> None:
-        graph.build(pipeline, graph.GraphSettings(
-            public=config.public, private=config.private, output_dir=config.output_dir,
-            work_dir=work_dir, method=config.method, tasks=tuple(tasks), knn_tasks=tuple(pairs),
-            shard_ranges=shard_ranges(public, public_splits), num_public=num_public,
-            num_private=num_private, num_classes=public.num_classes,
-            image_shape=public.image_shape, public_splits=tuple(public_splits),
-            private_splits=tuple(private_splits), progress_dir=progress_dir,
-            public_positions=public_positions(tasks),
-            verify_blocks=tuple(verify_blocks(private, private_splits, PRIVATE_PER_VERIFY_TASK)),
-            private_per_block=PRIVATE_PER_VERIFY_TASK), copy=copy)
+        graph.build(
+            pipeline,
+            graph.GraphSettings(
+                public=config.public,
+                private=config.private,
+                output_dir=config.output_dir,
+                work_dir=work_dir,
+                method=config.method,
+                tasks=tuple(tasks),
+                knn_tasks=tuple(pairs),
+                shard_ranges=shard_ranges(public, public_splits),
+                num_public=num_public,
+                num_private=num_private,
+                num_classes=public.num_classes,
+                image_shape=public.image_shape,
+                public_splits=tuple(public_splits),
+                private_splits=tuple(private_splits),
+                progress_dir=progress_dir,
+                public_positions=public_positions(tasks),
+                verify_blocks=tuple(verify_blocks(private, private_splits, PRIVATE_PER_VERIFY_TASK)),
+                private_per_block=PRIVATE_PER_VERIFY_TASK,
+            ),
+            copy=copy,
+        )
 
     try:
-        run_pipeline(build, args=config.pipeline_args,
-                     parallel=graph.parallel(num_public, num_private),
-                     progress_total=graph.progress_total(num_public, num_private, config.method.k),
-                     progress_label=graph.PROGRESS_LABEL, log=log,
-                     verbose=config.verbose, writes_to=config.output_dir,
-                     rerun="run the command again with --overwrite")
+        run_pipeline(
+            build,
+            args=config.pipeline_args,
+            parallel=graph.parallel(num_public, num_private),
+            progress_total=graph.progress_total(num_public, num_private, config.method.k),
+            progress_label=graph.PROGRESS_LABEL,
+            log=log,
+            verbose=config.verbose,
+            writes_to=config.output_dir,
+            rerun="run the command again with --overwrite",
+        )
     finally:
         _remove_work(work_dir)
     manifest = shards.read_manifest(config.output_dir)

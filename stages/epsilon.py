@@ -12,7 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.checks import ACCOUNTANTS, Accountant, SamplingScheme  # ACCOUNTANTS: --accountant's choices
+from dpscale.privacy.checks import (  # ACCOUNTANTS: --accountant's choices, read by the CLI  # noqa: F401
+    ACCOUNTANTS,
+    Accountant,
+    SamplingScheme,
+)
 from dpscale.privacy.plan import PlanReport, PrivacyPlan
 
 
@@ -35,9 +39,16 @@ class EpsilonConfig:
             raise InvalidConfigError(f"noise multiplier must be positive, got {self.noise_multiplier}")
 
     def plan(self) -> PrivacyPlan:
-        return PrivacyPlan(num_examples=self.num_examples, batch_size=self.batch_size, steps=self.steps,
-                           noise_multiplier=self.noise_multiplier, delta=self.delta, accountant=self.accountant,
-                           sampling=self.sampling, batch_capacity=self.batch_capacity)
+        return PrivacyPlan(
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            steps=self.steps,
+            noise_multiplier=self.noise_multiplier,
+            delta=self.delta,
+            accountant=self.accountant,
+            sampling=self.sampling,
+            batch_capacity=self.batch_capacity,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

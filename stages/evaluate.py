@@ -38,14 +38,22 @@ class EvaluateResult(Scores):
         privacy: the reader is told so."""
         notes = () if self.covered_by_epsilon else (release.warning(self.path),)
         if self.simulated:
-            notes += (f"{release.SIMULATION_NOTE}: the run is a TAN simulation (sweep --simulate-batch), with less "
-                      f"noise per example than its target; its scores are covered only by its own epsilon "
-                      f"({self.epsilon:.4g})",)
+            notes += (
+                f"{release.SIMULATION_NOTE}: the run is a TAN simulation (sweep --simulate-batch), with less "
+                f"noise per example than its target; its scores are covered only by its own epsilon "
+                f"({self.epsilon:.4g})",
+            )
         return notes
 
 
 def run(config: EvaluateConfig) -> EvaluateResult:
-    scores, path = score_run(config.run_dir, split=config.split, data=config.data, batch_size=config.batch_size,
-                             private_diagnostics=config.private_diagnostics,
-                             force_other_data=config.force_other_data, save=config.save)
+    scores, path = score_run(
+        config.run_dir,
+        split=config.split,
+        data=config.data,
+        batch_size=config.batch_size,
+        private_diagnostics=config.private_diagnostics,
+        force_other_data=config.force_other_data,
+        save=config.save,
+    )
     return EvaluateResult(**dataclasses.asdict(scores), path=path)

@@ -64,11 +64,12 @@ def _model_and_preprocessing(spec: RunSpec) -> tuple[str, int, pretrained.Prepro
         return meta.model, num_classes, meta.preprocessing
     height, width, channels = dataset.image_shape
     if height != width or channels not in (1, 3):
-        raise DataError(f"the run trained on {height}x{width}x{channels} images; a backbone "
-                        "needs square images with 1 or 3 channels")
+        raise DataError(
+            f"the run trained on {height}x{width}x{channels} images; a backbone "
+            "needs square images with 1 or 3 channels"
+        )
     # data.image_data.normalize is (x - PIXEL_MEAN) / PIXEL_STD, at the data's own size
-    prep = pretrained.Preprocessing(resolution=height, mean=(PIXEL_MEAN,) * channels,
-                                    std=(PIXEL_STD,) * channels)
+    prep = pretrained.Preprocessing(resolution=height, mean=(PIXEL_MEAN,) * channels, std=(PIXEL_STD,) * channels)
     return settings.model, num_classes, prep
 
 
@@ -92,36 +93,51 @@ def _progress(run_dir: RunDirectory, planned: int) -> str:
         latest = checkpoints.latest_step()
     finally:
         checkpoints.close()
-    return f"its last checkpoint is at step {latest} of {planned}" if latest else f"no checkpoint yet of {planned} steps"
+    return (
+        f"its last checkpoint is at step {latest} of {planned}" if latest else f"no checkpoint yet of {planned} steps"
+    )
 
 
 def run(config: ExportBackboneConfig) -> ExportBackboneResult:
     """Export the parameters of the finished image run ``config.run_dir`` as a backbone."""
     run_dir = RunDirectory.existing(config.run_dir)
     if run_dir.simulated:
-        raise DataError(f"{config.run_dir!r} is a TAN simulation (sweep --simulate-batch; {SIMULATION_NOTE}), not a "
-                        "private result: train the setting with `dpscale train` and export that run")
+        raise DataError(
+            f"{config.run_dir!r} is a TAN simulation (sweep --simulate-batch; {SIMULATION_NOTE}), not a "
+            "private result: train the setting with `dpscale train` and export that run"
+        )
     spec = run_dir.read_spec()
     if spec.training.mode == "features":
-        raise DataError(f"{config.run_dir!r} is a features-mode run: it holds only a classifier "
-                        "over cached features, not an image backbone")
+        raise DataError(
+            f"{config.run_dir!r} is a features-mode run: it holds only a classifier "
+            "over cached features, not an image backbone"
+        )
     ledger = run_dir.read_ledger()
     if not ledger.finished or not run_dir.has_params:
-        raise DataError(f"{config.run_dir!r} is not finished ({_progress(run_dir, ledger.planned_steps)}); "
-                        f"finish it with `dpscale train --resume {config.run_dir}` first")
+        raise DataError(
+            f"{config.run_dir!r} is not finished ({_progress(run_dir, ledger.planned_steps)}); "
+            f"finish it with `dpscale train --resume {config.run_dir}` first"
+        )
     name, num_classes, prep = _model_and_preprocessing(spec)
     trained = run_dir.load_params()
     params = trained["ema_params" if config.parameters == "ema" else "params"]
     variables = {"params": params, **(trained.get("model_state") or {})}
     _check_fits(name, num_classes, prep, variables)
     epsilon = ledger.epsilon_spent if ledger.private else math.inf
-    guarantee = (f"({epsilon:.4g}, {ledger.delta:g})-DP for its training data" if ledger.private
-                 else "NON-PRIVATE: no guarantee for its training data")
+    guarantee = (
+        f"({epsilon:.4g}, {ledger.delta:g})-DP for its training data"
+        if ledger.private
+        else "NON-PRIVATE: no guarantee for its training data"
+    )
     source = f"dpscale run {run_dir.path}: {config.parameters} parameters after {ledger.steps_done} steps; {guarantee}"
-    with storage_faults(path=config.output_dir, stopped="the backbone was not exported",
-                        then="export it again"):
-        metadata = pretrained.save_pretrained(config.output_dir, variables, model=name,
-                                              num_classes=num_classes, preprocessing=prep,
-                                              source=source, force=config.force)
-    return ExportBackboneResult(config.output_dir, metadata, config.parameters, ledger.private, epsilon,
-                                ledger.delta)
+    with storage_faults(path=config.output_dir, stopped="the backbone was not exported", then="export it again"):
+        metadata = pretrained.save_pretrained(
+            config.output_dir,
+            variables,
+            model=name,
+            num_classes=num_classes,
+            preprocessing=prep,
+            source=source,
+            force=config.force,
+        )
+    return ExportBackboneResult(config.output_dir, metadata, config.parameters, ledger.private, epsilon, ledger.delta)

@@ -80,9 +80,14 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     start = time.monotonic()  # also the start of the progress bar's throughput: images/s is the result's
     cache_dir = config.cache_dir or fstore.default_cache_dir()
     dataset = IngestedDataset(config.data)
-    key, meta = featurizer.feature_key(dataset, config.backbone, cache_dir=cache_dir,
-                                       resolution=config.resolution, resize_method=config.resize_method,
-                                       flip_average=config.flip_average)
+    key, meta = featurizer.feature_key(
+        dataset,
+        config.backbone,
+        cache_dir=cache_dir,
+        resolution=config.resolution,
+        resize_method=config.resize_method,
+        flip_average=config.flip_average,
+    )
     path = fstore.entry_path(cache_dir, key)
     sizes = {s: dataset.num_examples(s) for s in dataset.splits}
     with contextlib.suppress(DataError):
@@ -90,21 +95,33 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
         log.info("featurize: cache hit %s", path)
         return FeaturizeResult(path, key.digest, True, 0, 0, sizes, time.monotonic() - start)
     layout = fstore.EntryLayout(
-        key=key, feature_dim=featurizer.feature_dim(meta, key), class_names=tuple(dataset.class_names),
+        key=key,
+        feature_dim=featurizer.feature_dim(meta, key),
+        class_names=tuple(dataset.class_names),
         splits={s: fstore.SplitLayout(n, config.chunk_rows) for s, n in sizes.items()},
-        source=_absolute(config.data), backbone=_absolute(config.backbone, only_if_exists=True))
+        source=_absolute(config.data),
+        backbone=_absolute(config.backbone, only_if_exists=True),
+    )
     store = fstore.FeatureStore.create(cache_dir, layout)
     for damage in store.invalidate_damaged():
         log.warning("featurize: %s: recomputing it", damage.describe())
     missing = store.missing_chunks()
     total = len(store.all_chunks())
-    log.info("featurize %s with %s at %d px%s: %d of %d chunks to compute -> %s", config.data,
-             meta.model, key.resolution, ", flip-averaged" if key.flip_average else "", len(missing),
-             total, path)
+    log.info(
+        "featurize %s with %s at %d px%s: %d of %d chunks to compute -> %s",
+        config.data,
+        meta.model,
+        key.resolution,
+        ", flip-averaged" if key.flip_average else "",
+        len(missing),
+        total,
+        path,
+    )
     rows = _run_pipeline(config, store, missing, since=start) if missing else 0
     store.finalize()
-    return FeaturizeResult(path, key.digest, False, len(missing), total, sizes,
-                           time.monotonic() - start, images_computed=rows)
+    return FeaturizeResult(
+        path, key.digest, False, len(missing), total, sizes, time.monotonic() - start, images_computed=rows
+    )
 
 
 def _absolute(path: str, *, only_if_exists: bool = False) -> str:
@@ -114,22 +131,38 @@ def _absolute(path: str, *, only_if_exists: bool = False) -> str:
     return os.path.abspath(path)
 
 
-def _run_pipeline(config: FeaturizeConfig, store: fstore.FeatureStore,
-                  chunks: list[tuple[str, int]], *, since: float) -> int:
+def _run_pipeline(
+    config: FeaturizeConfig, store: fstore.FeatureStore, chunks: list[tuple[str, int]], *, since: float
+) -> int:
     from dpscale.pipelines import featurize as graph
     from dpscale.pipelines.runner import run_pipeline
 
-    rows = sum(store.layout.splits[s].rows(c)[1] - store.layout.splits[s].rows(c)[0]
-               for s, c in chunks)
+    rows = sum(store.layout.splits[s].rows(c)[1] - store.layout.splits[s].rows(c)[0] for s, c in chunks)
 
     def build(pipeline: object, progress_dir: str | None) -> None:
-        graph.build(pipeline, chunks, graph.WorkerSettings(
-            data=config.data, backbone=config.backbone, entry=store.path,
-            batch_size=config.batch_size, progress_dir=progress_dir))
+        graph.build(
+            pipeline,
+            chunks,
+            graph.WorkerSettings(
+                data=config.data,
+                backbone=config.backbone,
+                entry=store.path,
+                batch_size=config.batch_size,
+                progress_dir=progress_dir,
+            ),
+        )
 
-    run_pipeline(build, args=config.pipeline_args,
-                 parallel=graph.parallel(len(chunks)),
-                 progress_total=rows, progress_label="featurize", log=log, progress_unit="images",
-                 progress_since=since, verbose=config.verbose, writes_to=store.path,
-                 rerun="run the command again (it computes only the missing chunks)")
+    run_pipeline(
+        build,
+        args=config.pipeline_args,
+        parallel=graph.parallel(len(chunks)),
+        progress_total=rows,
+        progress_label="featurize",
+        log=log,
+        progress_unit="images",
+        progress_since=since,
+        verbose=config.verbose,
+        writes_to=store.path,
+        rerun="run the command again (it computes only the missing chunks)",
+    )
     return rows

@@ -45,13 +45,11 @@ class IngestConfig:
         if len(set(self.classes)) != len(self.classes) or not all(self.classes):
             raise InvalidConfigError(f"classes must be distinct non-empty names, got {self.classes}")
         if not 0.0 <= self.validation_fraction < 1.0:
-            raise InvalidConfigError(
-                f"validation fraction must be in [0, 1), got {self.validation_fraction}")
+            raise InvalidConfigError(f"validation fraction must be in [0, 1), got {self.validation_fraction}")
         if self.examples_per_shard < 1:
             raise InvalidConfigError("examples per shard must be at least 1")
         if self.image_encoding not in ENCODINGS:
-            raise InvalidConfigError(
-                f"image encoding must be one of {sorted(ENCODINGS)}, got {self.image_encoding!r}")
+            raise InvalidConfigError(f"image encoding must be one of {sorted(ENCODINGS)}, got {self.image_encoding!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,37 +85,64 @@ def run(config: IngestConfig) -> IngestResult:
     shards.check_output(config.output_dir, overwrite=config.overwrite)  # before any work
     plan = plan_source(parse_source(config.source), tfds_data_dir=config.tfds_data_dir)
     if config.validation_fraction > 0 and "validation" in plan.split_sizes:
-        raise InvalidConfigError("the source already has a validation split; "
-                                 "drop --validation-fraction")
-    kept, label_map = (select_classes(plan.class_names, config.classes) if config.classes
-                       else (None, None))
+        raise InvalidConfigError("the source already has a validation split; drop --validation-fraction")
+    kept, label_map = select_classes(plan.class_names, config.classes) if config.classes else (None, None)
     total = sum(plan.split_sizes.values())
     if not total:  # a dataset with no split would only fail later, as "has no split 'train'"
         raise DataError(f"{config.source!r} holds no images to ingest (splits: {dict(plan.split_sizes) or 'none'})")
-    log.info("ingest %s: %d inputs in splits %s, %d classes%s, %d read tasks", config.source,
-             total, plan.split_sizes, len(plan.class_names),
-             f" (keeping {len(kept)})" if kept else "", len(plan.tasks))
+    log.info(
+        "ingest %s: %d inputs in splits %s, %d classes%s, %d read tasks",
+        config.source,
+        total,
+        plan.split_sizes,
+        len(plan.class_names),
+        f" (keeping {len(kept)})" if kept else "",
+        len(plan.tasks),
+    )
     shards.prepare_output(config.output_dir, overwrite=config.overwrite)
 
     def build(pipeline: object, progress_dir: str | None) -> None:
-        graph.build(pipeline, plan, graph.GraphSettings(
-            output_dir=config.output_dir, validation_fraction=config.validation_fraction,
-            shards_per_split=graph.shards_per_split(
-                plan.split_sizes, validation_fraction=config.validation_fraction,
-                examples_per_shard=config.examples_per_shard),
-            encoding=config.image_encoding, num_inputs=total, progress_dir=progress_dir,
-            class_names=kept, label_map=label_map))
+        graph.build(
+            pipeline,
+            plan,
+            graph.GraphSettings(
+                output_dir=config.output_dir,
+                validation_fraction=config.validation_fraction,
+                shards_per_split=graph.shards_per_split(
+                    plan.split_sizes,
+                    validation_fraction=config.validation_fraction,
+                    examples_per_shard=config.examples_per_shard,
+                ),
+                encoding=config.image_encoding,
+                num_inputs=total,
+                progress_dir=progress_dir,
+                class_names=kept,
+                label_map=label_map,
+            ),
+        )
 
-    run_pipeline(build, args=config.pipeline_args, parallel=graph.parallel(total),
-                 progress_total=total, progress_label="ingest: read+decode", log=log, progress_unit="images",
-                 progress_since=start,
-                 verbose=config.verbose, writes_to=config.output_dir,
-                 rerun="run the command again with --overwrite")
+    run_pipeline(
+        build,
+        args=config.pipeline_args,
+        parallel=graph.parallel(total),
+        progress_total=total,
+        progress_label="ingest: read+decode",
+        log=log,
+        progress_unit="images",
+        progress_since=start,
+        verbose=config.verbose,
+        writes_to=config.output_dir,
+        rerun="run the command again with --overwrite",
+    )
     manifest = shards.read_manifest(config.output_dir)
     seconds = time.monotonic() - start
     for split, entry in manifest.splits.items():
         log.info("ingest %s: %d examples in %d shards", split, entry.num_examples, len(entry.shards))
     if manifest.num_rejected:
-        log.warning("ingest: %d inputs rejected %s, listed in %s", manifest.num_rejected,
-                    manifest.rejected_by_reason, shards.join(config.output_dir, shards.REPORT))
+        log.warning(
+            "ingest: %d inputs rejected %s, listed in %s",
+            manifest.num_rejected,
+            manifest.rejected_by_reason,
+            shards.join(config.output_dir, shards.REPORT),
+        )
     return IngestResult(config.output_dir, manifest, seconds)

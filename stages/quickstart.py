@@ -50,12 +50,20 @@ _VALIDATION_FRACTION = 0.2  # carved from train when the source has no held-out 
 _PRETRAIN_FILE = "quickstart_pretrain.json"
 
 #: Non-private pre-training on the public classes (digits are not mirror-symmetric: no flips).
-PRETRAIN = TrainingConfig(mode="images", target=PrivacyTarget(epsilon=math.inf), batch_size=128, steps=200,
-                          learning_rate=0.03, momentum=0.9, microbatch_size=128,
-                          images=ImageSettings(model="cnn-small", augmult=1, augment_flip=False))
+PRETRAIN = TrainingConfig(
+    mode="images",
+    target=PrivacyTarget(epsilon=math.inf),
+    batch_size=128,
+    steps=200,
+    learning_rate=0.03,
+    momentum=0.9,
+    microbatch_size=128,
+    images=ImageSettings(model="cnn-small", augmult=1, augment_flip=False),
+)
 #: DP training of the last layer on the private classes' features.
-PRIVATE = TrainingConfig(mode="features", target=PrivacyTarget(epsilon=8.0, delta=1e-5), batch_size=512,
-                         steps=1000, learning_rate=1.0)
+PRIVATE = TrainingConfig(
+    mode="features", target=PrivacyTarget(epsilon=8.0, delta=1e-5), batch_size=512, steps=1000, learning_rate=1.0
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,24 +82,59 @@ class QuickstartConfig:
         if not self.private.private:
             raise InvalidConfigError("the quickstart trains the private data with DP: give a finite epsilon")
         if self.private.mode != "features" or self.pretrain.mode != "images":
-            raise InvalidConfigError("the quickstart pre-trains on images and trains the private last layer on features")
+            raise InvalidConfigError(
+                "the quickstart pre-trains on images and trains the private last layer on features"
+            )
         if self.pretrain.batch_size is None or self.pretrain.steps is None:
             raise InvalidConfigError("the quickstart's pre-training needs a batch size and a number of steps")
 
     @classmethod
-    def from_options(cls, *, data: str, work_dir: str, public_classes: tuple[str, ...], dedup: bool,
-                     private_diagnostics: bool, model: str, pretrain_steps: int, pretrain_batch_size: int,
-                     pretrain_learning_rate: float, epsilon: float, delta: float, batch_size: int, steps: int,
-                     learning_rate: float, seed: int | None) -> QuickstartConfig:
+    def from_options(
+        cls,
+        *,
+        data: str,
+        work_dir: str,
+        public_classes: tuple[str, ...],
+        dedup: bool,
+        private_diagnostics: bool,
+        model: str,
+        pretrain_steps: int,
+        pretrain_batch_size: int,
+        pretrain_learning_rate: float,
+        epsilon: float,
+        delta: float,
+        batch_size: int,
+        steps: int,
+        learning_rate: float,
+        seed: int | None,
+    ) -> QuickstartConfig:
         """A quickstart from flat options: ``model`` and ``pretrain_*`` change ``PRETRAIN``, the privacy
         target and the other knobs change ``PRIVATE``, and ``seed`` (debugging only) fixes both runs."""
-        pretrain = dataclasses.replace(PRETRAIN, steps=pretrain_steps, batch_size=pretrain_batch_size,
-                                       learning_rate=pretrain_learning_rate, seed=seed,
-                                       images=dataclasses.replace(PRETRAIN.images, model=model))
-        private = dataclasses.replace(PRIVATE, target=PrivacyTarget(epsilon=epsilon, delta=delta),
-                                      batch_size=batch_size, steps=steps, learning_rate=learning_rate, seed=seed)
-        return cls(data=data, work_dir=work_dir, public_classes=public_classes, dedup=dedup, pretrain=pretrain,
-                   private=private, private_diagnostics=private_diagnostics)
+        pretrain = dataclasses.replace(
+            PRETRAIN,
+            steps=pretrain_steps,
+            batch_size=pretrain_batch_size,
+            learning_rate=pretrain_learning_rate,
+            seed=seed,
+            images=dataclasses.replace(PRETRAIN.images, model=model),
+        )
+        private = dataclasses.replace(
+            PRIVATE,
+            target=PrivacyTarget(epsilon=epsilon, delta=delta),
+            batch_size=batch_size,
+            steps=steps,
+            learning_rate=learning_rate,
+            seed=seed,
+        )
+        return cls(
+            data=data,
+            work_dir=work_dir,
+            public_classes=public_classes,
+            dedup=dedup,
+            pretrain=pretrain,
+            private=private,
+            private_diagnostics=private_diagnostics,
+        )
 
 
 def _safe(text: str) -> str:
@@ -119,8 +162,10 @@ def _split_classes(config: QuickstartConfig, names: tuple[str, ...]) -> tuple[tu
         public = names[: len(names) // 2]
     private = tuple(n for n in names if n not in public)
     if len(public) < 2 or len(private) < 2:
-        raise DataError(f"the quickstart needs at least 2 public and 2 private classes; {config.data!r} "
-                        f"gives {len(public)} public and {len(private)} private of {len(names)}")
+        raise DataError(
+            f"the quickstart needs at least 2 public and 2 private classes; {config.data!r} "
+            f"gives {len(public)} public and {len(private)} private of {len(names)}"
+        )
     return public, private
 
 
@@ -129,13 +174,19 @@ def _ingested(config: QuickstartConfig, name: str, classes: tuple[str, ...], val
     data_dir = files.join(config.work_dir, "data", f"{_safe(config.data)}-{name}")
     try:
         manifest = IngestedDataset(data_dir).manifest
-        if (manifest.source == config.data and manifest.class_names == classes
-                and manifest.validation_fraction == validation):
+        if (
+            manifest.source == config.data
+            and manifest.class_names == classes
+            and manifest.validation_fraction == validation
+        ):
             return data_dir
     except DpscaleError:  # nothing there yet, or an unreadable earlier attempt
         pass
-    ingest.run(ingest.IngestConfig(source=config.data, output_dir=data_dir, classes=classes,
-                                   validation_fraction=validation, overwrite=True))
+    ingest.run(
+        ingest.IngestConfig(
+            source=config.data, output_dir=data_dir, classes=classes, validation_fraction=validation, overwrite=True
+        )
+    )
     return data_dir
 
 
@@ -158,12 +209,17 @@ def _pretrained_backbone(config: QuickstartConfig, public: str, runs: str) -> tu
     """Pre-train on ``public`` (non-private), export the backbone; reuse a matching earlier one."""
     dataset = IngestedDataset(public)
     training = dataclasses.replace(
-        config.pretrain, checkpoint_every=config.pretrain.steps,  # minutes-long runs: a checkpoint at the end only
-        images=dataclasses.replace(config.pretrain.images,
-                                   augment_pad=1 if dataset.image_shape[0] <= 16 else config.pretrain.images.augment_pad))
+        config.pretrain,
+        checkpoint_every=config.pretrain.steps,  # minutes-long runs: a checkpoint at the end only
+        images=dataclasses.replace(
+            config.pretrain.images,
+            augment_pad=1 if dataset.image_shape[0] <= 16 else config.pretrain.images.augment_pad,
+        ),
+    )
     settings = {"data": dataset.content_hash, "training": dataclasses.replace(training, show_progress=True).to_json()}
-    backbone = files.join(config.work_dir, "backbones",
-                          f"{_safe(training.images.model)}-{_keyed_name(config, settings)}")
+    backbone = files.join(
+        config.work_dir, "backbones", f"{_safe(training.images.model)}-{_keyed_name(config, settings)}"
+    )
     info_path = files.join(backbone, _PRETRAIN_FILE)
     if pretrained.is_complete(backbone):
         try:
@@ -246,27 +302,46 @@ def run(config: QuickstartConfig) -> QuickstartResult:
     runs = _run_dir(config)
     backbone, pretrain = _pretrained_backbone(config, public, runs)
     now = lap("pretrain", now)
-    features = featurize.run(featurize.FeaturizeConfig(
-        data=private, backbone=backbone, cache_dir=files.join(config.work_dir, "cache")))
+    features = featurize.run(
+        featurize.FeaturizeConfig(data=private, backbone=backbone, cache_dir=files.join(config.work_dir, "cache"))
+    )
     now = lap("featurize", now)
     run_dir = files.join(runs, "private")
     private = config.private
     if private.microbatch_size is None and private.batch_size is not None:  # one micro-batch per step, as a rule
         private = dataclasses.replace(private, microbatch_size=64 * math.ceil(1.25 * private.batch_size / 64))
-    trained = train.run(train.TrainConfig(data=features.path, run_dir=run_dir, training=dataclasses.replace(
-        private, checkpoint_every=private.checkpoint_every or private.steps)))
+    trained = train.run(
+        train.TrainConfig(
+            data=features.path,
+            run_dir=run_dir,
+            training=dataclasses.replace(private, checkpoint_every=private.checkpoint_every or private.steps),
+        )
+    )
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=held_out))
     lap("private training", now)
     return QuickstartResult(
-        data=config.data, model=config.pretrain.images.model, public_classes=list(public_classes),
+        data=config.data,
+        model=config.pretrain.images.model,
+        public_classes=list(public_classes),
         private_classes=list(private_classes),
         public_removed_by_dedup=removed if config.dedup and config.private_diagnostics else None,
-        public_test_accuracy=pretrain["public_test_accuracy"], pretrain_run_dir=pretrain["run_dir"],
-        pretrain_reused=pretrain["reused"], backbone=files.absolute(backbone),
-        features=files.absolute(features.path), epsilon=trained.epsilon, delta=trained.delta,
-        noise_multiplier=trained.noise_multiplier, batch_size=trained.batch_size, steps=trained.steps,
-        test_split=held_out, test_accuracy=scores.ema_top1, test_accuracy_last=scores.top1,
-        test_examples=scores.num_examples, run_dir=files.absolute(run_dir), stage_seconds=seconds,
+        public_test_accuracy=pretrain["public_test_accuracy"],
+        pretrain_run_dir=pretrain["run_dir"],
+        pretrain_reused=pretrain["reused"],
+        backbone=files.absolute(backbone),
+        features=files.absolute(features.path),
+        epsilon=trained.epsilon,
+        delta=trained.delta,
+        noise_multiplier=trained.noise_multiplier,
+        batch_size=trained.batch_size,
+        steps=trained.steps,
+        test_split=held_out,
+        test_accuracy=scores.ema_top1,
+        test_accuracy_last=scores.top1,
+        test_examples=scores.num_examples,
+        run_dir=files.absolute(run_dir),
+        stage_seconds=seconds,
         seconds=round(time.perf_counter() - started, 1),
-        warnings=trained.warnings + ((release.warning("public_removed_by_dedup"),) if config.dedup
-                                     and config.private_diagnostics else ()))
+        warnings=trained.warnings
+        + ((release.warning("public_removed_by_dedup"),) if config.dedup and config.private_diagnostics else ()),
+    )

@@ -50,18 +50,33 @@ from dpscale import files
 from dpscale.errors import InvalidConfigError
 from dpscale.stages import evaluate, train
 from dpscale.training import release, sweep_report
-from dpscale.training.sweep_progress import SweepProgress
 from dpscale.training.config import Mode, TrainingConfig, training_config
 from dpscale.training.grid import SIMULATION_NOTE, Axis, GridPoint, Simulation, check_axes, flag, grid_points, simulate
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model, detect_mode
 from dpscale.training.run_directory import CONFIG, RunDirectory
 from dpscale.training.sweep_directory import BASELINE_DIR, PRIVACY_JSON, RECORD, RUNS, SweepDirectory, finite
+from dpscale.training.sweep_progress import SweepProgress
 from dpscale.training.trainer import plan_for
 
-__all__ = ["BASELINE_DIR", "PLOT", "PRIVACY_JSON", "RECORD", "RUNS", "RUNS_CSV", "SUMMARY_CSV", "SUMMARY_MD",
-           "SweepConfig", "SweepResult", "run"]
-RUNS_CSV, SUMMARY_CSV, SUMMARY_MD, PLOT = (sweep_report.RUNS_CSV, sweep_report.SUMMARY_CSV, sweep_report.SUMMARY_MD,
-                                           sweep_report.PLOT)
+__all__ = [
+    "BASELINE_DIR",
+    "PLOT",
+    "PRIVACY_JSON",
+    "RECORD",
+    "RUNS",
+    "RUNS_CSV",
+    "SUMMARY_CSV",
+    "SUMMARY_MD",
+    "SweepConfig",
+    "SweepResult",
+    "run",
+]
+RUNS_CSV, SUMMARY_CSV, SUMMARY_MD, PLOT = (
+    sweep_report.RUNS_CSV,
+    sweep_report.SUMMARY_CSV,
+    sweep_report.SUMMARY_MD,
+    sweep_report.PLOT,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,18 +116,33 @@ class SweepConfig:
         if self.simulate_batch is not None and self.simulate_batch < 1:
             raise InvalidConfigError(f"--simulate-batch must be >= 1, got {self.simulate_batch}")
         if self.training.noise_multiplier is not None:
-            raise InvalidConfigError("a sweep calibrates the noise multiplier for each epsilon; drop --noise-multiplier")
+            raise InvalidConfigError(
+                "a sweep calibrates the noise multiplier for each epsilon; drop --noise-multiplier"
+            )
         if self.training.holdout and not self.training.private_diagnostics:
             raise InvalidConfigError(
                 f"scoring split {HOLDOUT_SPLIT!r} (private training rows) makes the sweep's tables private "
-                "diagnostics that epsilon does not cover; pass --private-diagnostics to run it anyway")
+                "diagnostics that epsilon does not cover; pass --private-diagnostics to run it anyway"
+            )
 
     @classmethod
-    def from_options(cls, data: str, out_dir: str, *, epsilons: tuple[float, ...] | None = None,
-                     learning_rates: tuple[float, ...] = (), grid: tuple[Axis, ...] = (), repeats: int = 3,
-                     baseline: bool = False, baseline_learning_rate: float = 0.5, baseline_momentum: float = 0.9,
-                     simulate_batch: int | None = None, print_private_diagnostics: bool = False,
-                     mode: Mode | None = None, **options: Any) -> SweepConfig:
+    def from_options(
+        cls,
+        data: str,
+        out_dir: str,
+        *,
+        epsilons: tuple[float, ...] | None = None,
+        learning_rates: tuple[float, ...] = (),
+        grid: tuple[Axis, ...] = (),
+        repeats: int = 3,
+        baseline: bool = False,
+        baseline_learning_rate: float = 0.5,
+        baseline_momentum: float = 0.9,
+        simulate_batch: int | None = None,
+        print_private_diagnostics: bool = False,
+        mode: Mode | None = None,
+        **options: Any,
+    ) -> SweepConfig:
         """A sweep from flat options: the grid's, then every run's as ``train`` takes them.
 
         ``grid`` may name epsilon and the learning rate too (the same as ``epsilons`` and
@@ -124,8 +154,9 @@ class SweepConfig:
             raise InvalidConfigError("an option is given to --grid more than once")
         for name, given in (("epsilon", epsilons), ("learning_rate", learning_rates)):
             if name in axes and given:
-                raise InvalidConfigError(f"give the {flag(name)} values once: --grid {flag(name)}=... or "
-                                         f"--{flag(name)}s")
+                raise InvalidConfigError(
+                    f"give the {flag(name)} values once: --grid {flag(name)}=... or --{flag(name)}s"
+                )
         epsilons = tuple(axes.pop("epsilon", epsilons or cls.epsilons))
         learning_rates = tuple(axes.pop("learning_rate", learning_rates))
         if learning_rates:
@@ -134,10 +165,20 @@ class SweepConfig:
             if name in axes and options.get(name) is None and axes[name]:
                 options[name] = axes[name][0]
         training = training_config(mode or detect_mode(data), epsilon=math.inf, **options)
-        return cls(data=data, out_dir=out_dir, training=training, epsilons=epsilons, learning_rates=learning_rates,
-                   grid=tuple(axes.items()), repeats=repeats, baseline=baseline,
-                   baseline_learning_rate=baseline_learning_rate, baseline_momentum=baseline_momentum,
-                   simulate_batch=simulate_batch, print_private_diagnostics=print_private_diagnostics)
+        return cls(
+            data=data,
+            out_dir=out_dir,
+            training=training,
+            epsilons=epsilons,
+            learning_rates=learning_rates,
+            grid=tuple(axes.items()),
+            repeats=repeats,
+            baseline=baseline,
+            baseline_learning_rate=baseline_learning_rate,
+            baseline_momentum=baseline_momentum,
+            simulate_batch=simulate_batch,
+            print_private_diagnostics=print_private_diagnostics,
+        )
 
     @property
     def grid_learning_rates(self) -> tuple[float, ...]:
@@ -189,13 +230,17 @@ class SweepResult:
 
     def report(self) -> list[str]:
         """A few lines for the reader (stderr): what ran, where the tables are; no score (those are in them)."""
-        return sweep_report.finished_lines(self.out_dir, self.files, trained=self.runs_trained,
-                                           reused=self.runs_reused, seconds=self.seconds)
+        return sweep_report.finished_lines(
+            self.out_dir, self.files, trained=self.runs_trained, reused=self.runs_reused, seconds=self.seconds
+        )
 
     def line(self) -> dict[str, Any]:
         """What the command prints: no per-run rows, and the private fields only when asked for, named either way."""
-        payload = {k: v for k, v in self.as_dict().items()
-                   if k not in ("rows", "private_fields", "private_files", "print_private")}
+        payload = {
+            k: v
+            for k, v in self.as_dict().items()
+            if k not in ("rows", "private_fields", "private_files", "print_private")
+        }
         if not self.private_fields:
             return payload
         what = {"fields": list(self.private_fields), "files": list(self.private_files)}
@@ -206,10 +251,14 @@ class SweepResult:
         return payload | {"withheld": what | {"note": _WITHHELD}}
 
 
-_WITHHELD = ("left out: they depend on held-out training rows or on the non-private baseline, which epsilon does "
-             "NOT cover; they are in the owner-only files named (print them with --print-private-diagnostics)")
-_PRINTED = ("printed as asked (--print-private-diagnostics): held-out or baseline scores, private diagnostics that "
-            "epsilon does NOT cover; keep this output to yourself")
+_WITHHELD = (
+    "left out: they depend on held-out training rows or on the non-private baseline, which epsilon does "
+    "NOT cover; they are in the owner-only files named (print them with --print-private-diagnostics)"
+)
+_PRINTED = (
+    "printed as asked (--print-private-diagnostics): held-out or baseline scores, private diagnostics that "
+    "epsilon does NOT cover; keep this output to yourself"
+)
 
 
 # -- which runs, and whether OUT_DIR may hold them -------------------------------------------
@@ -223,8 +272,9 @@ def _check_point(point: GridPoint) -> None:
 def _points(config: SweepConfig) -> tuple[list[GridPoint], dict[str, Simulation]]:
     """Every run of the sweep, checked before anything is written, and the simulations by run name."""
     kind = "simulated" if config.simulate_batch else "private"
-    points = grid_points(config.training, config.axes, repeats=config.repeats, kind=kind,
-                         simulate_batch=config.simulate_batch)
+    points = grid_points(
+        config.training, config.axes, repeats=config.repeats, kind=kind, simulate_batch=config.simulate_batch
+    )
     simulations: dict[str, Simulation] = {}
     models: dict[str, Any] = {}
     for i, point in enumerate(points):
@@ -239,8 +289,13 @@ def _points(config: SweepConfig) -> tuple[list[GridPoint], dict[str, Simulation]
             points[i] = dataclasses.replace(point, training=simulations[point.name].training)
     if config.baseline:
         axes = (("epsilon", (math.inf,)), ("learning_rate", (config.baseline_learning_rate,)), *config.grid)
-        baseline = grid_points(config.training, axes, repeats=config.repeats, kind="baseline",
-                               overrides={"momentum": config.baseline_momentum})
+        baseline = grid_points(
+            config.training,
+            axes,
+            repeats=config.repeats,
+            kind="baseline",
+            overrides={"momentum": config.baseline_momentum},
+        )
         for point in baseline:
             _check_point(point)
         points += baseline
@@ -258,14 +313,18 @@ def _score(config: SweepConfig, run_dir: str, split: str, *, private: bool) -> d
     diagnostic = private and split in (HOLDOUT_SPLIT, config.training.train_split)
     scores = _scores(run, split, diagnostic=diagnostic)
     if scores is None:
-        evaluate.run(evaluate.EvaluateConfig(run_dir=run_dir, split=split,
-                                             private_diagnostics=config.training.private_diagnostics))
+        evaluate.run(
+            evaluate.EvaluateConfig(
+                run_dir=run_dir, split=split, private_diagnostics=config.training.private_diagnostics
+            )
+        )
         scores = _scores(run, split, diagnostic=diagnostic)
     return scores
 
 
-def _one(config: SweepConfig, directory: SweepDirectory, point: GridPoint,
-         simulation: Simulation | None) -> dict[str, Any]:
+def _one(
+    config: SweepConfig, directory: SweepDirectory, point: GridPoint, simulation: Simulation | None
+) -> dict[str, Any]:
     run_dir = directory.run_dir(point)
     run = RunDirectory(files.absolute(run_dir))
     if simulation is not None:
@@ -283,10 +342,16 @@ def _one(config: SweepConfig, directory: SweepDirectory, point: GridPoint,
     ledger = run.read_ledger()
     scores = _score(config, run_dir, split, private=ledger.private)
     return dict(point.values) | {
-        "repeat": point.repeat, "kind": point.kind, "private": ledger.private,
-        "achieved_epsilon": finite(ledger.epsilon_spent), "noise_multiplier": ledger.noise_multiplier,
-        "batch_size": run.read_spec().plan.batch_size, "split": split, "top1": scores["top1"],
-        "ema_top1": scores["ema_top1"], "run_dir": run_dir,
+        "repeat": point.repeat,
+        "kind": point.kind,
+        "private": ledger.private,
+        "achieved_epsilon": finite(ledger.epsilon_spent),
+        "noise_multiplier": ledger.noise_multiplier,
+        "batch_size": run.read_spec().plan.batch_size,
+        "split": split,
+        "top1": scores["top1"],
+        "ema_top1": scores["ema_top1"],
+        "run_dir": run_dir,
     }
 
 
@@ -297,16 +362,27 @@ def _choose(config: SweepConfig, rows: list[dict[str, Any]], summary: list[dict[
     chosen = []
     for best in sweep_report.choose(summary, config.options):
         setting = {o: best[o] for o in config.options}
-        entry = {"epsilon": best["epsilon"], **setting, "chosen_on": HOLDOUT_SPLIT, "repeats": best["repeats"],
-                 "holdout_median_top1": best["median_top1"]}
+        entry = {
+            "epsilon": best["epsilon"],
+            **setting,
+            "chosen_on": HOLDOUT_SPLIT,
+            "repeats": best["repeats"],
+            "holdout_median_top1": best["median_top1"],
+        }
         if not config.simulate_batch:  # the test split is read now, for the chosen runs only
-            members = [r for r in rows
-                       if r["epsilon"] == best["epsilon"] and all(r[o] == v for o, v in setting.items())]
+            members = [
+                r for r in rows if r["epsilon"] == best["epsilon"] and all(r[o] == v for o, v in setting.items())
+            ]
             # Scored, never saved: a metrics.json in the chosen runs only would tell anyone the choice.
-            tests = [evaluate.run(evaluate.EvaluateConfig(run_dir=r["run_dir"], split="test", save=False)).ema_top1
-                     for r in members]
-            entry |= {"test_median_top1": statistics.median(tests), "test_min_top1": min(tests),
-                      "test_max_top1": max(tests)}
+            tests = [
+                evaluate.run(evaluate.EvaluateConfig(run_dir=r["run_dir"], split="test", save=False)).ema_top1
+                for r in members
+            ]
+            entry |= {
+                "test_median_top1": statistics.median(tests),
+                "test_min_top1": min(tests),
+                "test_max_top1": max(tests),
+            }
         chosen.append(entry)
     return chosen
 
@@ -314,8 +390,10 @@ def _choose(config: SweepConfig, rows: list[dict[str, Any]], summary: list[dict[
 def _selection(config: SweepConfig) -> str:
     if config.split != HOLDOUT_SPLIT:
         return sweep_report.NO_CHOICE
-    what = ("best setting per epsilon by its median held-out top-1 (EMA) over repeats, chosen on the last "
-            f"{config.training.holdout} training rows (split {HOLDOUT_SPLIT!r}, never the test split)")
+    what = (
+        "best setting per epsilon by its median held-out top-1 (EMA) over repeats, chosen on the last "
+        f"{config.training.holdout} training rows (split {HOLDOUT_SPLIT!r}, never the test split)"
+    )
     if config.simulate_batch:
         return f"{what}; train the chosen setting at the full batch with `dpscale train` (the private run)"
     return f"{what}; the test split was read afterwards, for the chosen runs only"
@@ -324,24 +402,40 @@ def _selection(config: SweepConfig) -> str:
 # -- the whole sweep -------------------------------------------------------------------------------
 
 
-def _simulation_summary(config: SweepConfig, simulations: dict[str, Simulation],
-                        rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _simulation_summary(
+    config: SweepConfig, simulations: dict[str, Simulation], rows: list[dict[str, Any]]
+) -> dict[str, Any]:
     """What each simulated run stands for, and what it actually spent (its ledger's epsilon and sigma)."""
     spent = {r["run_dir"].rstrip("/").rsplit("/", 1)[-1]: r for r in rows}
-    return {"batch_size": config.simulate_batch, "note": SIMULATION_NOTE, "runs": [
-        s.as_dict() | {"run": name, "noise_multiplier": spent[name]["noise_multiplier"],
-                       "epsilon": spent[name]["achieved_epsilon"]}
-        for name, s in simulations.items()]}
+    return {
+        "batch_size": config.simulate_batch,
+        "note": SIMULATION_NOTE,
+        "runs": [
+            s.as_dict()
+            | {
+                "run": name,
+                "noise_multiplier": spent[name]["noise_multiplier"],
+                "epsilon": spent[name]["achieved_epsilon"],
+            }
+            for name, s in simulations.items()
+        ],
+    }
 
 
 def _head(config: SweepConfig, record: dict[str, Any], selection: str) -> list[str]:
     """The opening lines of summary.md: what was released, warnings, how settings were chosen."""
-    head = [record["note"], *(f"Warning: {w}" for w in record["warnings"]), "",
-            f"How settings were chosen: {selection}."]
+    head = [
+        record["note"],
+        *(f"Warning: {w}" for w in record["warnings"]),
+        "",
+        f"How settings were chosen: {selection}.",
+    ]
     if config.simulate_batch:
-        head.append(f"Simulated runs at batch {config.simulate_batch} ({SIMULATION_NOTE}): each ran with less noise "
-                    "per example than its target epsilon allows; the first column is the target it simulates, "
-                    f"{release.diagnostic_name(RUNS_CSV)}'s achieved_epsilon what it spent.")
+        head.append(
+            f"Simulated runs at batch {config.simulate_batch} ({SIMULATION_NOTE}): each ran with less noise "
+            "per example than its target epsilon allows; the first column is the target it simulates, "
+            f"{release.diagnostic_name(RUNS_CSV)}'s achieved_epsilon what it spent."
+        )
     return head
 
 
@@ -367,13 +461,18 @@ def run(config: SweepConfig) -> SweepResult:
     delta = config.training.target.delta
     record = directory.privacy_record(delta=delta, accountant=config.training.target.accountant)
     if diagnostic:
-        what = (f"{config.split} scores, exact statistics of private rows, and the choice made from them"
-                if config.scores_private_rows else "scores of simulated runs, covered by their own epsilons only")
+        what = (
+            f"{config.split} scores, exact statistics of private rows, and the choice made from them"
+            if config.scores_private_rows
+            else "scores of simulated runs, covered by their own epsilons only"
+        )
         record["not_covered"].append(f"the tables and plot named *.{release.NOT_PRIVATE}.* ({what})")
     simulation = _simulation_summary(config, simulations, rows) if config.simulate_batch else None
-    record |= {"scores_private_rows": config.scores_private_rows, "selection": selection,
-               "simulation": None if simulation is None else {"batch_size": config.simulate_batch,
-                                                               "note": SIMULATION_NOTE}}
+    record |= {
+        "scores_private_rows": config.scores_private_rows,
+        "selection": selection,
+        "simulation": None if simulation is None else {"batch_size": config.simulate_batch, "note": SIMULATION_NOTE},
+    }
     record["note"] = sweep_report.privacy_note(record)
     directory.write_privacy(record)
 
@@ -381,34 +480,61 @@ def run(config: SweepConfig) -> SweepResult:
     baseline_summary = sweep_report.summarize(baseline_rows, config.options) if baseline_rows else []
     simulated = config.simulate_batch
     written = sweep_report.write_all(
-        config.out_dir, directory.file(BASELINE_DIR) if baseline_rows else None, options=config.options,
-        rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows], summary=summary, chosen=chosen,
-        plotted=[] if simulated else chosen, head=_head(config, record, selection), diagnostic=diagnostic,
-        owner_only=bool(closed), epsilon_label="target epsilon" if simulated else "epsilon",
+        config.out_dir,
+        directory.file(BASELINE_DIR) if baseline_rows else None,
+        options=config.options,
+        rows=[{k: v for k, v in r.items() if k != "kind"} for r in rows],
+        summary=summary,
+        chosen=chosen,
+        plotted=[] if simulated else chosen,
+        head=_head(config, record, selection),
+        diagnostic=diagnostic,
+        owner_only=bool(closed),
+        epsilon_label="target epsilon" if simulated else "epsilon",
         title=sweep_report.title(config.options, chosen=bool(chosen), simulate_batch=simulated, split=config.split),
         baseline_rows=[{k: v for k, v in r.items() if k != "kind"} for r in baseline_rows],
-        baseline_summary=baseline_summary, make_baseline_dir=directory.make_baseline_dir)
+        baseline_summary=baseline_summary,
+        make_baseline_dir=directory.make_baseline_dir,
+    )
     warnings = list(record["warnings"])
     if closed:
-        warnings.append(f"replaced the owner-only tables of an earlier sweep in {config.out_dir!r} "
-                        f"({', '.join(closed)}): this sweep's tables are owner-only (mode 0600) too")
+        warnings.append(
+            f"replaced the owner-only tables of an earlier sweep in {config.out_dir!r} "
+            f"({', '.join(closed)}): this sweep's tables are owner-only (mode 0600) too"
+        )
     if config.scores_private_rows:
         warnings.append(release.warning(f"the sweep's tables and plot in {config.out_dir!r} ({config.split} scores)"))
     if config.simulate_batch:
-        warnings.append(f"{SIMULATION_NOTE}: the runs in {config.out_dir!r} ran at batch {config.simulate_batch} with "
-                        "less noise per example than their target epsilons; each spent its own epsilon (privacy.json)")
+        warnings.append(
+            f"{SIMULATION_NOTE}: the runs in {config.out_dir!r} ran at batch {config.simulate_batch} with "
+            "less noise per example than their target epsilons; each spent its own epsilon (privacy.json)"
+        )
     if baseline_rows:
         warnings.append(release.warning(f"the non-private baseline in {directory.file(BASELINE_DIR)!r}"))
     private_fields, private_files = _private_outputs(config, bool(baseline_rows))
     if private_fields and config.print_private_diagnostics:
         warnings.append(f"the JSON line's {', '.join(private_fields)} {_PRINTED}")
-    return SweepResult(out_dir=config.out_dir, rows=tuple(rows), summary=tuple(summary),
-                       composed_epsilon=record["composed_epsilon"], delta=delta, covered_by_epsilon=not diagnostic,
-                       warnings=tuple(warnings), chosen=tuple(chosen), selection=selection,
-                       private_runs=record["private_runs"], simulation=simulation, baseline=tuple(baseline_summary),
-                       private_fields=private_fields, private_files=private_files,
-                       print_private=config.print_private_diagnostics, files=tuple(written),
-                       runs_trained=progress.trained, runs_reused=progress.reused, seconds=round(progress.seconds, 1))
+    return SweepResult(
+        out_dir=config.out_dir,
+        rows=tuple(rows),
+        summary=tuple(summary),
+        composed_epsilon=record["composed_epsilon"],
+        delta=delta,
+        covered_by_epsilon=not diagnostic,
+        warnings=tuple(warnings),
+        chosen=tuple(chosen),
+        selection=selection,
+        private_runs=record["private_runs"],
+        simulation=simulation,
+        baseline=tuple(baseline_summary),
+        private_fields=private_fields,
+        private_files=private_files,
+        print_private=config.print_private_diagnostics,
+        files=tuple(written),
+        runs_trained=progress.trained,
+        runs_reused=progress.reused,
+        seconds=round(progress.seconds, 1),
+    )
 
 
 def _private_outputs(config: SweepConfig, baseline: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:

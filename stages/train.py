@@ -27,8 +27,18 @@ from dpscale.training.release import SIMULATION_NOTE
 from dpscale.training.run_directory import CONFIG, RunDirectory
 from dpscale.training.trainer import TrainResult
 
-__all__ = ["ACCOUNTANTS", "FEATURE_NORMALIZATIONS", "MODES", "SAMPLING_SCHEMES", "ResumeConfig", "TrainConfig",
-           "TrainResult", "initialize_distributed", "run", "started"]
+__all__ = [
+    "ACCOUNTANTS",
+    "FEATURE_NORMALIZATIONS",
+    "MODES",
+    "SAMPLING_SCHEMES",
+    "ResumeConfig",
+    "TrainConfig",
+    "TrainResult",
+    "initialize_distributed",
+    "run",
+    "started",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +72,13 @@ def run(config: TrainConfig | ResumeConfig) -> TrainResult:
     if isinstance(config, ResumeConfig):
         result = trainer.resume(config.run_dir, show_progress=config.show_progress)
         if RunDirectory.existing(config.run_dir).simulated:  # its files say so; its result line too
-            result = dataclasses.replace(result, warnings=(*result.warnings, f"{SIMULATION_NOTE}: {config.run_dir!r} "
-                                         "is a TAN simulation (sweep --simulate-batch), DP only at its own epsilon"))
+            result = dataclasses.replace(
+                result,
+                warnings=(
+                    *result.warnings,
+                    f"{SIMULATION_NOTE}: {config.run_dir!r} "
+                    "is a TAN simulation (sweep --simulate-batch), DP only at its own epsilon",
+                ),
+            )
         return result
     return trainer.start(config.data, config.run_dir, config.training)

@@ -71,30 +71,42 @@ def run(config: TrainCopyModelConfig) -> TrainCopyModelResult:
     splits = select_splits(public, config.splits)
     sizes = [public.num_examples(s) for s in splits]
     if sum(sizes) < config.batch:
-        raise DataError(f"{config.public!r} ({','.join(splits)}) holds {sum(sizes)} images, fewer than "
-                        f"one training batch of {config.batch}; lower --batch")
+        raise DataError(
+            f"{config.public!r} ({','.join(splits)}) holds {sum(sizes)} images, fewer than "
+            f"one training batch of {config.batch}; lower --batch"
+        )
     start = time.perf_counter()
     # read and shrink a chunk at a time: only 32x32 thumbnails (3 KB each) are held for training
-    images = np.concatenate([copy_model.thumbnails(public.get(s, np.arange(lo, min(n, lo + READ_CHUNK)))[0])
-                             for s, n in zip(splits, sizes) for lo in range(0, n, READ_CHUNK)])
+    images = np.concatenate(
+        [
+            copy_model.thumbnails(public.get(s, np.arange(lo, min(n, lo + READ_CHUNK)))[0])
+            for s, n in zip(splits, sizes)
+            for lo in range(0, n, READ_CHUNK)
+        ]
+    )
     work = os.path.join(config.output_dir, WORK)
     os.makedirs(work, exist_ok=True)
     log.info("train-copy-model: %d public images (%s), %d epochs", len(images), ",".join(splits), config.epochs)
     steps = config.epochs * (len(images) // config.batch)
     with progress_bar("copy model", total=steps, enabled=config.show_progress, fields=("loss",)) as bar:
+
         def progress(step: int, total: int, loss: float) -> None:
             bar.update(completed=step, loss=f"loss {loss:.3f}")
 
         try:
             params, info = copy_model.train(images, config.settings, progress=progress, work_dir=work)
         except FloatingPointError as exc:
-            raise DataError(f"{exc}: try another --seed or a larger --batch; if it repeats, look at the "
-                            "public images (the ingest report lists what was rejected)") from None
+            raise DataError(
+                f"{exc}: try another --seed or a larger --batch; if it repeats, look at the "
+                "public images (the ingest report lists what was rejected)"
+            ) from None
     # what it saw, by example id: dedup refuses a model that saw private images (whatever their path)
     trained_on = np.concatenate([public.ids(s) for s in splits])
-    info = {**info, "public": {"path": config.public, "content_hash": public.content_hash,
-                               "splits": list(splits)},
-            "seconds": round(time.perf_counter() - start, 1)}
+    info = {
+        **info,
+        "public": {"path": config.public, "content_hash": public.content_hash, "splits": list(splits)},
+        "seconds": round(time.perf_counter() - start, 1),
+    }
     copy_model.save(config.output_dir, params, info, trained_on)
     shutil.rmtree(work, ignore_errors=True)
     return TrainCopyModelResult(config.output_dir, info)

@@ -37,9 +37,15 @@ from dpscale.cache.feature_store import EntryLayout, FeatureStore, SplitLayout  
 from dpscale.cache.keys import FeatureKey  # noqa: E402
 
 
-def write_feature_cache(root: str, splits: dict[str, tuple[np.ndarray, np.ndarray]], *, chunk_rows: int,
-                        data_hash_char: str, class_names: tuple[str, ...] = ("a", "b", "c"),
-                        **key_parts) -> str:
+def write_feature_cache(
+    root: str,
+    splits: dict[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    chunk_rows: int,
+    data_hash_char: str,
+    class_names: tuple[str, ...] = ("a", "b", "c"),
+    **key_parts,
+) -> str:
     """A real, complete cache entry holding ``splits`` (name -> (features [n, d], labels [n])).
 
     ``key_parts`` override the synthetic key's backbone/preprocessing (e.g. ``resolution=16``).
@@ -47,8 +53,12 @@ def write_feature_cache(root: str, splits: dict[str, tuple[np.ndarray, np.ndarra
     dim = next(iter(splits.values()))[0].shape[1]
     parts = dict(weights_sha256="w" * 64, model="synthetic", resolution=8, mean=(0.0,), std=(1.0,)) | key_parts
     key = FeatureKey(data_identity=data_hash_char * 64, **parts)
-    layout = EntryLayout(key=key, feature_dim=dim, class_names=class_names,
-                         splits={s: SplitLayout(num_examples=len(y), chunk_rows=chunk_rows) for s, (_, y) in splits.items()})
+    layout = EntryLayout(
+        key=key,
+        feature_dim=dim,
+        class_names=class_names,
+        splits={s: SplitLayout(num_examples=len(y), chunk_rows=chunk_rows) for s, (_, y) in splits.items()},
+    )
     store = FeatureStore.create(root, layout)
     for split, (feats, labels) in splits.items():
         rows = layout.splits[split]
@@ -60,8 +70,9 @@ def write_feature_cache(root: str, splits: dict[str, tuple[np.ndarray, np.ndarra
     return store.path
 
 
-def write_synthetic_feature_cache(root: str, *, seed: int, sizes: dict[str, int], chunk_rows: int,
-                                  data_hash_char: str, **key_parts) -> str:
+def write_synthetic_feature_cache(
+    root: str, *, seed: int, sizes: dict[str, int], chunk_rows: int, data_hash_char: str, **key_parts
+) -> str:
     """A separable 3-class problem in 16 dimensions, stored as a real, complete cache entry."""
     rng = np.random.default_rng(seed)
     centers = rng.normal(size=(3, 16)) * 3
@@ -143,6 +154,9 @@ def readable_by_others(root: str) -> list[str]:
         if not os.stat(folder).st_mode & 0o005 == 0o005:  # others can neither list nor enter it: nothing below
             dirs[:] = []
             continue
-        found += [os.path.relpath(os.path.join(folder, n), root) for n in names
-                  if os.stat(os.path.join(folder, n)).st_mode & 0o004]
+        found += [
+            os.path.relpath(os.path.join(folder, n), root)
+            for n in names
+            if os.stat(os.path.join(folder, n)).st_mode & 0o004
+        ]
     return sorted(found)

@@ -74,8 +74,9 @@ def _package(module: str) -> str:
     return module.split(".")[1] if module.count(".") else "dpscale"
 
 
-GRAPH = {module: {_resolve(name) for name in _imports(path)} - {None, module, "dpscale"}
-         for module, path in MODULES.items()}
+GRAPH = {
+    module: {_resolve(name) for name in _imports(path)} - {None, module, "dpscale"} for module, path in MODULES.items()
+}
 
 
 def test_every_package_has_a_layer():
@@ -101,7 +102,7 @@ def test_no_import_cycles_between_modules():
         state[module] = 1
         for other in sorted(GRAPH[module]):
             if state.get(other) == 1:
-                cycles.append(" -> ".join(path[path.index(other):] + [other]))
+                cycles.append(" -> ".join(path[path.index(other) :] + [other]))
             elif other not in state:
                 visit(other, path + [other])
         state[module] = 2
@@ -154,10 +155,18 @@ def test_the_command_line_imports_only_stages_errors_and_its_own_helpers():
     cli_modules = sorted(m for m in MODULES if _package(m) in CLI_PACKAGES)
     assert "dpscale.cli" in cli_modules
     allowed = {"dpscale.stages", "dpscale.errors", *cli_modules}
-    wrong = [f"{module} -> {other}" for module in cli_modules for other in sorted(GRAPH[module])
-             if other not in allowed and not other.startswith("dpscale.stages.")]
-    wrong += [f"{module} -> import_module({name!r}...)" for module in cli_modules
-              for name in _imports_by_name(MODULES[module]) if not name.startswith("dpscale.stages.")]
+    wrong = [
+        f"{module} -> {other}"
+        for module in cli_modules
+        for other in sorted(GRAPH[module])
+        if other not in allowed and not other.startswith("dpscale.stages.")
+    ]
+    wrong += [
+        f"{module} -> import_module({name!r}...)"
+        for module in cli_modules
+        for name in _imports_by_name(MODULES[module])
+        if not name.startswith("dpscale.stages.")
+    ]
     assert not wrong, "the command line reaches past the stages:\n" + "\n".join(wrong)
 
 
@@ -183,20 +192,32 @@ def _code_lines(*, benchmarks: bool):
                 yield path.relative_to(ROOT).as_posix(), number, code
 
 
-@pytest.mark.parametrize("pattern, allowed, benchmarks", [
-    # The DP step and the samplers are built by the privacy plan only, benchmarks included, from
-    # its parts (a deliberately broken step is a plan with other parts: audit.broken_steps).
-    (r"\b(DpsgdStep|PoissonSampler|ShuffledSampler)\(", {"privacy/plan.py"}, True),
-    (r"\bparts\.(step|poisson_sampler)\(", {"privacy/plan.py"}, True),
-    # Every clipped sum states its sensitivity when it is made (privacy.clipping.ClippedSumFn).
-    (r"\bClippedSumFn\(", {"privacy/clipping.py", "privacy/linear.py", "privacy/bookkeeping.py",
-                           "privacy/ghost.py", "audit/whitebox.py"}, True),
-    # DP noise is drawn in one module, and random streams of the secret seed are derived in one.
-    # (dedup's copy model draws pixel noise as one of its copy edits: augmentation of public
-    # images for a contrastive model, never part of a DP step.)
-    (r"random\.normal\(|\berf_inv\(|\brng_bit_generator\(", {"privacy/noise.py", "dedup/copy_model.py"}, False),
-    (r"\bkey_from_seed\(|_STREAM\b|default_rng\(\[", {"privacy/noise.py", "privacy/streams.py"}, False),
-])
+@pytest.mark.parametrize(
+    "pattern, allowed, benchmarks",
+    [
+        # The DP step and the samplers are built by the privacy plan only, benchmarks included, from
+        # its parts (a deliberately broken step is a plan with other parts: audit.broken_steps).
+        (r"\b(DpsgdStep|PoissonSampler|ShuffledSampler)\(", {"privacy/plan.py"}, True),
+        (r"\bparts\.(step|poisson_sampler)\(", {"privacy/plan.py"}, True),
+        # Every clipped sum states its sensitivity when it is made (privacy.clipping.ClippedSumFn).
+        (
+            r"\bClippedSumFn\(",
+            {
+                "privacy/clipping.py",
+                "privacy/linear.py",
+                "privacy/bookkeeping.py",
+                "privacy/ghost.py",
+                "audit/whitebox.py",
+            },
+            True,
+        ),
+        # DP noise is drawn in one module, and random streams of the secret seed are derived in one.
+        # (dedup's copy model draws pixel noise as one of its copy edits: augmentation of public
+        # images for a contrastive model, never part of a DP step.)
+        (r"random\.normal\(|\berf_inv\(|\brng_bit_generator\(", {"privacy/noise.py", "dedup/copy_model.py"}, False),
+        (r"\bkey_from_seed\(|_STREAM\b|default_rng\(\[", {"privacy/noise.py", "privacy/streams.py"}, False),
+    ],
+)
 def test_the_mechanism_is_assembled_in_one_place(pattern, allowed, benchmarks):
     found = {(path, number) for path, number, code in _code_lines(benchmarks=benchmarks) if re.search(pattern, code)}
     outside = sorted(f"{path}:{number}" for path, number in found if path not in allowed)
@@ -220,11 +241,19 @@ def test_no_module_attribute_is_reassigned():
         for node in ast.walk(tree):
             targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
             for target in targets:
-                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                        and target.value.id in aliases):
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id in aliases
+                ):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {target.value.id}.{target.attr}")
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args
-                    and isinstance(node.args[0], ast.Name) and node.args[0].id in aliases):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "setattr"
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in aliases
+            ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} setattr({node.args[0].id}, ...)")
     assert not found, f"module attributes reassigned: {found}"
 
@@ -232,10 +261,13 @@ def test_no_module_attribute_is_reassigned():
 def test_no_signature_takes_a_step_class():
     """A broken step reaches an audit as a plan with other parts (``audit.broken_steps.with_parts``)."""
     paths = [*_source_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]
-    found = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path in paths
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-             and "step_class" in {a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]}]
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for path in paths
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and "step_class" in {a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]}
+    ]
     assert not found, f"step_class parameters: {found}"
 
 

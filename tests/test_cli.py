@@ -13,7 +13,7 @@ import sys
 import pytest
 
 HEAVY = ("jax", "flax", "optax", "apache_beam", "orbax", "tensorflow_datasets", "zarr")
-RUN_AND_LIST = '''
+RUN_AND_LIST = """
 import json, sys
 from dpscale.cli import cli
 try:
@@ -21,7 +21,7 @@ try:
 except SystemExit as exc:
     code = exc.code
 print(json.dumps({"code": code, "modules": sorted(sys.modules)}), file=sys.stderr)
-'''
+"""
 
 
 def _imported(*args: str) -> set[str]:
@@ -31,14 +31,29 @@ def _imported(*args: str) -> set[str]:
     return {name.split(".")[0] for name in report["modules"]}
 
 
-@pytest.mark.parametrize("args", [
-    ["--help"],
-    ["models"],
-    ["models", "--json"],
-    ["epsilon", "--noise-multiplier", "1", "--steps", "100", "--batch-size", "100", "--num-examples", "10000"],
-    ["calibrate", "--epsilon", "8", "--num-examples", "10000", "--batch-size", "100", "--steps", "100",
-     "--accountant", "rdp"],
-], ids=" ".join)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["models"],
+        ["models", "--json"],
+        ["epsilon", "--noise-multiplier", "1", "--steps", "100", "--batch-size", "100", "--num-examples", "10000"],
+        [
+            "calibrate",
+            "--epsilon",
+            "8",
+            "--num-examples",
+            "10000",
+            "--batch-size",
+            "100",
+            "--steps",
+            "100",
+            "--accountant",
+            "rdp",
+        ],
+    ],
+    ids=" ".join,
+)
 def test_commands_that_need_no_model_import_no_jax_and_no_beam(args):
     heavy = _imported(*args) & set(HEAVY)
     assert not heavy, f"`dpscale {' '.join(args)}` imported {sorted(heavy)}"

@@ -7,7 +7,7 @@ import sys
 
 # A plain install (no gcp extra): the google.cloud namespace is there (other google packages bring it) and its
 # storage client is not, so importing Beam's GCSFileSystem fails with an ImportError that Beam logs as a warning.
-WITHOUT_STORAGE = '''
+WITHOUT_STORAGE = """
 import sys
 
 
@@ -18,13 +18,14 @@ class NoStorage:
 
 
 sys.meta_path.insert(0, NoStorage())
-'''
+"""
 WARNING = "Failed to import GCSFileSystem"
 
 
 def _python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WITHOUT_STORAGE + code, *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_STORAGE + code, *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def test_beam_warns_about_its_gcs_file_system_on_a_plain_install():
@@ -33,7 +34,12 @@ def test_beam_warns_about_its_gcs_file_system_on_a_plain_install():
 
 
 def test_a_beam_stage_on_a_plain_install_prints_no_warning_about_file_systems_it_does_not_use(tmp_path):
-    done = _python("from dpscale.cli import main\nsys.argv[0] = 'dpscale'\nmain()", "ingest", "digits",
-                   str(tmp_path / "digits"), cwd=tmp_path)
+    done = _python(
+        "from dpscale.cli import main\nsys.argv[0] = 'dpscale'\nmain()",
+        "ingest",
+        "digits",
+        str(tmp_path / "digits"),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert WARNING not in done.stderr and "Failed to import" not in done.stderr, done.stderr

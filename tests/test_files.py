@@ -4,6 +4,7 @@ import os
 import stat
 
 import pytest
+
 from dpscale.files import open_for_writing, write_atomic, write_json_atomic
 
 

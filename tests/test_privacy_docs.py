@@ -22,8 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _privacy_text() -> str:
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## What is private"):]
-    section = section[:section.index("\n## ", 1)]
+    section = readme[readme.index("## What is private") :]
+    section = section[: section.index("\n## ", 1)]
     return section + (ROOT / "docs" / "privacy.md").read_text()
 
 
@@ -44,10 +44,15 @@ def test_every_flag_the_privacy_docs_name_exists():
 
 def test_every_not_private_file_the_privacy_docs_name_is_one_dpscale_writes():
     run = RunDirectory("run")
-    written = {release.DIAGNOSTICS_FILE, release.SIMULATION_FILE, BASELINE_DIR, DEDUP_REPORT,
-               *(release.diagnostic_name(name) for name in sweep_report.TABLES),
-               *(run.scores_file(split, diagnostic=True) for split in ("holdout", "train")),
-               run_name((("epsilon", 1.0), ("learning_rate", 2.0)), 0, kind="simulated", simulate_batch=32)}
+    written = {
+        release.DIAGNOSTICS_FILE,
+        release.SIMULATION_FILE,
+        BASELINE_DIR,
+        DEDUP_REPORT,
+        *(release.diagnostic_name(name) for name in sweep_report.TABLES),
+        *(run.scores_file(split, diagnostic=True) for split in ("holdout", "train")),
+        run_name((("epsilon", 1.0), ("learning_rate", 2.0)), 0, kind="simulated", simulate_batch=32),
+    }
     named = set(re.findall(r"`([^`\s]*NOT-PRIVATE[^`\s]*)`", _privacy_text())) - {release.NOT_PRIVATE}
     assert {"chosen.NOT-PRIVATE.csv", "simulation.NOT-PRIVATE.json", "metrics.holdout.NOT-PRIVATE.json"} <= named
     for name in named:

@@ -27,9 +27,7 @@ def _one_view(key: jax.Array, image: jax.Array, *, pad: int, flip: bool) -> jax.
 
 
 @functools.partial(jax.jit, static_argnames=("views", "pad", "flip"))
-def augment_views(
-    key: jax.Array, images: jax.Array, *, views: int, pad: int = 4, flip: bool = True
-) -> jax.Array:
+def augment_views(key: jax.Array, images: jax.Array, *, views: int, pad: int = 4, flip: bool = True) -> jax.Array:
     """``[b, H, W, C] -> [b, views, H, W, C]`` random crop-and-flip views.
 
     With ``pad=0`` and ``flip=False`` every view is the image itself.

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
 from dpscale import files
 from dpscale.errors import DataError
 from dpscale.files import write_json_atomic
@@ -29,8 +30,9 @@ class Checkpoints:
 
     def __init__(self, directory: str, *, every: int) -> None:
         self.every = max(1, every)
-        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False,
-                                               cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=2, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True
+        )
         self._manager = ocp.CheckpointManager(directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -51,8 +53,7 @@ class Checkpoints:
         self._manager.close()
 
 
-def save_with_digests(directory: str, *, digests_file: str, annotations: Mapping[str, Any] = {},
-                      **trees: Any) -> None:
+def save_with_digests(directory: str, *, digests_file: str, annotations: Mapping[str, Any] = {}, **trees: Any) -> None:
     """Save the trees (every process: orbax coordinates them), then the sha256 of each file
     (and ``annotations``, e.g. a simulated run's stamp, beside them in the digests file)."""
     with ocp.StandardCheckpointer() as checkpointer:
@@ -79,8 +80,9 @@ def check_digests(directory: str, recorded: Mapping[str, str], *, run: str) -> N
     for name, digest in recorded.items():
         if found.get(name) != digest:
             problem = "missing" if name not in found else "corrupt (its sha256 differs from the one saved)"
-            raise DataError(f"{run!r}: its saved parameters are damaged: {os.path.basename(directory)}/{name} is "
-                            f"{problem}")
+            raise DataError(
+                f"{run!r}: its saved parameters are damaged: {os.path.basename(directory)}/{name} is {problem}"
+            )
 
 
 def restore_on_first_device(directory: str, *, run: str) -> dict[str, Any]:
@@ -96,10 +98,10 @@ def restore_on_first_device(directory: str, *, run: str) -> dict[str, Any]:
             if metadata is None:
                 raise ValueError("no readable checkpoint metadata")
             saved = metadata.item_metadata.tree
-            target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                                            saved)
+            target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
             return checkpointer.restore(directory, target)
     except Exception as exc:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
         reason = " ".join(str(exc).split())[:120] or type(exc).__name__
-        raise DataError(f"{run!r}: its saved parameters ({os.path.basename(directory)}/) are damaged "
-                        f"({reason})") from None
+        raise DataError(
+            f"{run!r}: its saved parameters ({os.path.basename(directory)}/) are damaged ({reason})"
+        ) from None

@@ -50,8 +50,10 @@ class ImageSettings:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.augmult, int) and self.augmult >= 1, f"augmult must be >= 1, got {self.augmult}")
-        _check(isinstance(self.augment_pad, int) and self.augment_pad >= 0,
-               f"augment pad must be >= 0, got {self.augment_pad}")
+        _check(
+            isinstance(self.augment_pad, int) and self.augment_pad >= 0,
+            f"augment pad must be >= 0, got {self.augment_pad}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +65,14 @@ class FeatureSettings:
     scale: float = 1.0  # l2 / center-l2: the norm of the normalised rows
 
     def __post_init__(self) -> None:
-        _check(self.normalization in FEATURE_NORMALIZATIONS,
-               f"feature normalization must be one of {FEATURE_NORMALIZATIONS}, got {self.normalization!r}")
-        _check(_finite_positive(self.mean_noise_multiplier),
-               f"the feature mean's noise multiplier must be positive, got {self.mean_noise_multiplier}")
+        _check(
+            self.normalization in FEATURE_NORMALIZATIONS,
+            f"feature normalization must be one of {FEATURE_NORMALIZATIONS}, got {self.normalization!r}",
+        )
+        _check(
+            _finite_positive(self.mean_noise_multiplier),
+            f"the feature mean's noise multiplier must be positive, got {self.mean_noise_multiplier}",
+        )
         _check(_finite_positive(self.scale), f"the feature scale must be positive, got {self.scale}")
 
 
@@ -104,15 +110,21 @@ class TrainingConfig:
         check_ema_decay(self.ema_decay)
         for name in ("microbatch_size", "checkpoint_every", "devices"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value >= 1),
-                   f"{name.replace('_', ' ')} must be a positive integer, got {value}")
-        _check(isinstance(self.holdout, int) and not isinstance(self.holdout, bool) and self.holdout >= 0,
-               f"holdout must be in [0, N), got {self.holdout}")
+            _check(
+                value is None or (isinstance(value, int) and value >= 1),
+                f"{name.replace('_', ' ')} must be a positive integer, got {value}",
+            )
+        _check(
+            isinstance(self.holdout, int) and not isinstance(self.holdout, bool) and self.holdout >= 0,
+            f"holdout must be in [0, N), got {self.holdout}",
+        )
         if self.mode != "features":
             _check(self.features == FeatureSettings(), "feature normalization applies to features mode only")
         if not self.private:
-            _check(self.batch_size is not None and self.steps is not None,
-                   "a non-private run (epsilon=inf) needs --batch-size and --steps")
+            _check(
+                self.batch_size is not None and self.steps is not None,
+                "a non-private run (epsilon=inf) needs --batch-size and --steps",
+            )
         elif self.momentum or self.weight_decay:
             _log.warning("momentum/weight decay under DP: allowed (post-processing), but not the recipe's")
 
@@ -185,30 +197,56 @@ def training_config(
     way round) changes nothing.
     """
     target = PrivacyTarget(epsilon=epsilon, delta=delta, accountant=accountant, sampling=sampling)
-    images = ImageSettings(model=model, backbone=backbone, augmult=augmult, augment_pad=augment_pad,
-                           augment_flip=augment_flip)
-    features = FeatureSettings(normalization=feature_normalization,
-                               mean_noise_multiplier=feature_mean_noise_multiplier, scale=feature_scale)
+    images = ImageSettings(
+        model=model, backbone=backbone, augmult=augmult, augment_pad=augment_pad, augment_flip=augment_flip
+    )
+    features = FeatureSettings(
+        normalization=feature_normalization, mean_noise_multiplier=feature_mean_noise_multiplier, scale=feature_scale
+    )
     return TrainingConfig(
-        mode=mode, target=target, batch_size=batch_size, steps=steps, noise_multiplier=noise_multiplier,
-        clip_norm=clip_norm, learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
-        microbatch_size=microbatch_size, ema_decay=ema_decay, seed=seed, checkpoint_every=checkpoint_every,
-        devices=devices, private_diagnostics=private_diagnostics, holdout=holdout,
+        mode=mode,
+        target=target,
+        batch_size=batch_size,
+        steps=steps,
+        noise_multiplier=noise_multiplier,
+        clip_norm=clip_norm,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        microbatch_size=microbatch_size,
+        ema_decay=ema_decay,
+        seed=seed,
+        checkpoint_every=checkpoint_every,
+        devices=devices,
+        private_diagnostics=private_diagnostics,
+        holdout=holdout,
         images=images if mode == "images" else ImageSettings(),
-        features=features if mode == "features" else FeatureSettings())
+        features=features if mode == "features" else FeatureSettings(),
+    )
 
 
 def options_of(config: TrainingConfig) -> dict[str, Any]:
     """The flat options of ``config``, as ``training_config`` takes them (its inverse, but the mode)."""
     target, images, features = config.target, config.images, config.features
-    flat = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if f.name not in ("mode", "target", "images", "features", "train_split", "show_progress")}
+    flat = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name not in ("mode", "target", "images", "features", "train_split", "show_progress")
+    }
     return flat | {
-        "epsilon": target.epsilon, "delta": target.delta, "accountant": target.accountant,
-        "sampling": target.sampling, "model": images.model, "backbone": images.backbone,
-        "augmult": images.augmult, "augment_pad": images.augment_pad, "augment_flip": images.augment_flip,
+        "epsilon": target.epsilon,
+        "delta": target.delta,
+        "accountant": target.accountant,
+        "sampling": target.sampling,
+        "model": images.model,
+        "backbone": images.backbone,
+        "augmult": images.augmult,
+        "augment_pad": images.augment_pad,
+        "augment_flip": images.augment_flip,
         "feature_normalization": features.normalization,
-        "feature_mean_noise_multiplier": features.mean_noise_multiplier, "feature_scale": features.scale}
+        "feature_mean_noise_multiplier": features.mean_noise_multiplier,
+        "feature_scale": features.scale,
+    }
 
 
 def with_options(config: TrainingConfig, **options: Any) -> TrainingConfig:

@@ -24,7 +24,6 @@ import numpy as np
 
 from dpscale.data import shards
 from dpscale.errors import DataError, InvalidConfigError, storage_faults
-from dpscale.training import release
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model
 from dpscale.training.run_directory import RunDirectory, RunSpec
 
@@ -94,26 +93,38 @@ def _brief(value: Any) -> str:
     return str(value)
 
 
-def _check_made_alike(data: str, trained: dict[str, Any], given: dict[str, Any], *, images: bool = False,
-                      backbone: str | None = None) -> None:
+def _check_made_alike(
+    data: str, trained: dict[str, Any], given: dict[str, Any], *, images: bool = False, backbone: str | None = None
+) -> None:
     """Refuse ``data`` whose inputs differ from the run's in anything the run recorded."""
     shared = set(trained) & set(given)  # an older run recorded less
     differ = sorted(_differences({k: trained[k] for k in shared}, {k: given[k] for k in shared}))
     if not differ:
         return
     if {"class_names", "image_shape"} & set(differ):
-        shown = "; ".join(f"{name} {_brief(given.get(name))} instead of {_brief(trained.get(name))}"
-                          for name in ("class_names", "image_shape") if name in differ)
-        raise DataError(f"{data!r} is not made like the data the run trained on ({shown}); evaluate the run "
-                        "on data of its own classes and image shape")
+        shown = "; ".join(
+            f"{name} {_brief(given.get(name))} instead of {_brief(trained.get(name))}"
+            for name in ("class_names", "image_shape")
+            if name in differ
+        )
+        raise DataError(
+            f"{data!r} is not made like the data the run trained on ({shown}); evaluate the run "
+            "on data of its own classes and image shape"
+        )
     if images and backbone:  # the preprocessing and frozen statistics come from the run's backbone
-        raise DataError(f"the run's backbone {backbone!r} is not the one it trained with ({', '.join(differ)} "
-                        "differ): restore that backbone directory to evaluate the run")
+        raise DataError(
+            f"the run's backbone {backbone!r} is not the one it trained with ({', '.join(differ)} "
+            "differ): restore that backbone directory to evaluate the run"
+        )
     if images:
-        raise DataError(f"the run was trained with another preprocessing than this dpscale's ({', '.join(differ)} "
-                        "differ): evaluate it with the dpscale version that trained it")
-    raise DataError(f"{data!r} is not made like the data the run trained on ({', '.join(differ)} differ: other "
-                    "backbone or preprocessing); featurize it with the run's backbone and preprocessing")
+        raise DataError(
+            f"the run was trained with another preprocessing than this dpscale's ({', '.join(differ)} "
+            "differ): evaluate it with the dpscale version that trained it"
+        )
+    raise DataError(
+        f"{data!r} is not made like the data the run trained on ({', '.join(differ)} differ: other "
+        "backbone or preprocessing); featurize it with the run's backbone and preprocessing"
+    )
 
 
 def _identity(data: str, mode: str) -> str:
@@ -144,9 +155,16 @@ def other_data_name(data: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "_", name)[:64]
 
 
-def score_run(run_dir: str, *, split: str = "test", data: str | None = None, batch_size: int = 256,
-              private_diagnostics: bool = False, force_other_data: bool = False,
-              save: bool = True) -> tuple[Scores, str]:
+def score_run(
+    run_dir: str,
+    *,
+    split: str = "test",
+    data: str | None = None,
+    batch_size: int = 256,
+    private_diagnostics: bool = False,
+    force_other_data: bool = False,
+    save: bool = True,
+) -> tuple[Scores, str]:
     """Score the run in ``run_dir`` on ``split`` of its data (or of ``data``); save the scores in the run.
 
     Returns the scores and the file they were saved to (``""`` with ``save`` False: nothing is
@@ -162,40 +180,59 @@ def score_run(run_dir: str, *, split: str = "test", data: str | None = None, bat
     if diagnostic and not private_diagnostics:
         raise InvalidConfigError(
             f"split {split!r} is the run's private training data: its scores are exact statistics that "
-            "epsilon does not cover; pass --private-diagnostics to compute them anyway (kept to a 0600 file)")
+            "epsilon does not cover; pass --private-diagnostics to compute them anyway (kept to a 0600 file)"
+        )
     path = spec.data_path(data)
     trained = _stored_inputs(spec)
     if spec.training.mode == "images":  # before building a model for images it cannot take
         manifest = shards.read_manifest(path)
-        _check_made_alike(path, trained, {"class_names": list(manifest.class_names),
-                                          "image_shape": list(manifest.image_shape or ())})
+        _check_made_alike(
+            path, trained, {"class_names": list(manifest.class_names), "image_shape": list(manifest.image_shape or ())}
+        )
     other = data is not None and not _is_runs_data(spec, data)
     name = other_data_name(path) if other else None
     model = build_train_model(path, spec.training)
-    _check_made_alike(path, trained, model.inputs, images=spec.training.mode == "images",
-                      backbone=spec.training.images.backbone)
+    _check_made_alike(
+        path, trained, model.inputs, images=spec.training.mode == "images", backbone=spec.training.images.backbone
+    )
     if other and not force_other_data:  # data not made alike is refused above, even when forced
-        raise DataError(f"{data!r} is not the data the run trained on ({spec.data!r}), so its scores are not the "
-                        f"run's scores; pass --force-other-data to score it anyway (saved to "
-                        f"{run.scores_file(split, diagnostic=diagnostic, other_data=name)}, metrics.json kept)")
+        raise DataError(
+            f"{data!r} is not the data the run trained on ({spec.data!r}), so its scores are not the "
+            f"run's scores; pass --force-other-data to score it anyway (saved to "
+            f"{run.scores_file(split, diagnostic=diagnostic, other_data=name)}, metrics.json kept)"
+        )
     trained_params = run.load_params()
     state = trained_params.get("model_state", {})
     inputs, labels = model.eval_inputs(split, state)  # transformed as in training (e.g. the saved mean)
     forward = jax.jit(model.logits_fn)
 
     def logits_of(params: Any) -> np.ndarray:
-        out = [np.asarray(forward(params, state, jnp.asarray(inputs[start:start + batch_size])))
-               for start in range(0, len(labels), batch_size)]
+        out = [
+            np.asarray(forward(params, state, jnp.asarray(inputs[start : start + batch_size])))
+            for start in range(0, len(labels), batch_size)
+        ]
         return np.concatenate(out)
 
     top1, top5 = accuracies(logits_of(trained_params["params"]), labels)
     ema_top1, ema_top5 = accuracies(logits_of(trained_params["ema_params"]), labels)
     ledger = run.read_ledger()
-    scores = Scores(split, len(labels), top1, top5, ema_top1, ema_top5, covered_by_epsilon=not diagnostic,
-                    data=_absolute(path), other_data=other, epsilon=ledger.epsilon_spent, delta=ledger.delta,
-                    simulated=run.simulated)
+    scores = Scores(
+        split,
+        len(labels),
+        top1,
+        top5,
+        ema_top1,
+        ema_top5,
+        covered_by_epsilon=not diagnostic,
+        data=_absolute(path),
+        other_data=other,
+        epsilon=ledger.epsilon_spent,
+        delta=ledger.delta,
+        simulated=run.simulated,
+    )
     if not save:
         return scores, ""
-    with storage_faults(stopped="the scores were not saved",
-                        then="evaluate the run again (or a copy of it in a writable directory)"):
+    with storage_faults(
+        stopped="the scores were not saved", then="evaluate the run again (or a copy of it in a writable directory)"
+    ):
         return scores, run.write_scores(scores.as_dict(), diagnostic=diagnostic, other_data=name)

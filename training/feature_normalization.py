@@ -75,8 +75,9 @@ def feature_mean(x: np.ndarray, *, noise_multiplier: float | None, seed: int) ->
     return (total / x.shape[0]).astype(np.float32)
 
 
-def apply(x: np.ndarray | jax.Array, kind: str, mean: np.ndarray | jax.Array | None = None,
-          scale: float = 1.0) -> np.ndarray:
+def apply(
+    x: np.ndarray | jax.Array, kind: str, mean: np.ndarray | jax.Array | None = None, scale: float = 1.0
+) -> np.ndarray:
     """The transformed rows (float32, norm ``scale``); ``center-l2`` needs the (released) ``mean``."""
     if kind == "none":
         return np.asarray(x, np.float32)

@@ -19,7 +19,8 @@ one a single process would make.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -72,9 +73,14 @@ class ImageFeed:
             images, labels = self.split.take(batch.indices[m][rows])
             labels = np.repeat(labels[:, None], self.augmult, axis=1)
             images, labels, mask = self.placement.put(
-                (np.asarray(self.normalize_fn(images)), labels, batch.mask[m][rows]), size)
+                (np.asarray(self.normalize_fn(images)), labels, batch.mask[m][rows]), size
+            )
             views = augment_views(
-                jax.random.fold_in(step_key, m), images, views=self.augmult, pad=self.pad, flip=self.flip,
+                jax.random.fold_in(step_key, m),
+                images,
+                views=self.augmult,
+                pad=self.pad,
+                flip=self.flip,
             )
             views = resize_views(views, self.resolution)
             out.append(({"image": views, "label": labels}, mask))
@@ -113,5 +119,7 @@ class FeatureFeed:
         del step
         size = batch.indices.shape[1]
         rows = self.placement.rows(size)
-        return [self.placement.put((self.take(batch.indices[m][rows]), batch.mask[m][rows]), size)
-                for m in range(batch.num_microbatches)]
+        return [
+            self.placement.put((self.take(batch.indices[m][rows]), batch.mask[m][rows]), size)
+            for m in range(batch.num_microbatches)
+        ]

@@ -67,8 +67,10 @@ def check_axes(axes: tuple[Axis, ...]) -> None:
     names = [name for name, _ in axes]
     for name, values in axes:
         if name not in known:
-            raise InvalidConfigError(f"--grid {flag(name)}: not a training option (any option of `dpscale train` "
-                                     f"that takes a value, e.g. augmult, batch-size, ema-decay)")
+            raise InvalidConfigError(
+                f"--grid {flag(name)}: not a training option (any option of `dpscale train` "
+                f"that takes a value, e.g. augmult, batch-size, ema-decay)"
+            )
         if name in NOT_GRIDDED:
             raise InvalidConfigError(f"--grid {flag(name)}: not a grid option ({NOT_GRIDDED[name]})")
         if not values:
@@ -118,8 +120,15 @@ def run_name(values: tuple[tuple[str, Any], ...], repeat: int, *, kind: Kind, si
     return name
 
 
-def grid_points(base: TrainingConfig, axes: tuple[Axis, ...], *, repeats: int, kind: Kind = "private",
-                overrides: dict[str, Any] | None = None, simulate_batch: int | None = None) -> list[GridPoint]:
+def grid_points(
+    base: TrainingConfig,
+    axes: tuple[Axis, ...],
+    *,
+    repeats: int,
+    kind: Kind = "private",
+    overrides: dict[str, Any] | None = None,
+    simulate_batch: int | None = None,
+) -> list[GridPoint]:
     """Every point of the grid (axes in order, the last varying fastest, then repeats).
 
     ``overrides`` replace options on every point unless the grid sets them (a baseline's momentum).
@@ -137,14 +146,18 @@ def grid_points(base: TrainingConfig, axes: tuple[Axis, ...], *, repeats: int, k
             if applied[option] != value:
                 raise InvalidConfigError(f"--grid {flag(option)}: does not apply to {base.mode} mode")
         if repr(training) in settings:
-            raise InvalidConfigError(f"grid points {dict(settings[repr(training)])} and {dict(values)} are the same "
-                                     "run; an option does not apply to this mode")
+            raise InvalidConfigError(
+                f"grid points {dict(settings[repr(training)])} and {dict(values)} are the same "
+                "run; an option does not apply to this mode"
+            )
         settings[repr(training)] = values
         for repeat in range(repeats):
             name = run_name(values, repeat, kind=kind, simulate_batch=simulate_batch)
             if name in names:
-                raise InvalidConfigError(f"grid points {dict(names[name])} and {dict(values)} both get the run "
-                                         f"name {name!r}; give values that differ in their text")
+                raise InvalidConfigError(
+                    f"grid points {dict(names[name])} and {dict(values)} both get the run "
+                    f"name {name!r}; give values that differ in their text"
+                )
             names[name] = values
             points.append(GridPoint(values=values, repeat=repeat, training=training, name=name, kind=kind))
     return points
@@ -160,10 +173,16 @@ class Simulation:
 
     def as_dict(self) -> dict[str, Any]:
         """What is simulated (the target) and how (batch, scaled noise); the run's own spend is in its ledger."""
-        return {"note": SIMULATION_NOTE, "target_batch_size": self.target.batch_size,
-                "target_noise_multiplier": self.target.noise_multiplier, "target_epsilon": self.target.epsilon(),
-                "batch_size": self.plan.batch_size, "scaled_noise_multiplier": self.plan.noise_multiplier,
-                "steps": self.plan.steps, "delta": self.plan.delta}
+        return {
+            "note": SIMULATION_NOTE,
+            "target_batch_size": self.target.batch_size,
+            "target_noise_multiplier": self.target.noise_multiplier,
+            "target_epsilon": self.target.epsilon(),
+            "batch_size": self.plan.batch_size,
+            "scaled_noise_multiplier": self.plan.noise_multiplier,
+            "steps": self.plan.steps,
+            "delta": self.plan.delta,
+        }
 
 
 def simulate(training: TrainingConfig, target: PrivacyPlan, *, batch_size: int) -> Simulation:
@@ -176,10 +195,12 @@ def simulate(training: TrainingConfig, target: PrivacyPlan, *, batch_size: int) 
     if not target.private:
         raise InvalidConfigError("a simulation needs a private target")
     if not 1 <= batch_size < target.batch_size:
-        raise InvalidConfigError(f"--simulate-batch {batch_size} must be below the batch size it simulates "
-                                 f"({target.batch_size})")
-    plan = dataclasses.replace(target, batch_size=batch_size,
-                               noise_multiplier=target.noise_multiplier * batch_size / target.batch_size)
+        raise InvalidConfigError(
+            f"--simulate-batch {batch_size} must be below the batch size it simulates ({target.batch_size})"
+        )
+    plan = dataclasses.replace(
+        target, batch_size=batch_size, noise_multiplier=target.noise_multiplier * batch_size / target.batch_size
+    )
     spent = plan.epsilon()
     if not math.isfinite(spent):
         raise InvalidConfigError(f"--simulate-batch {batch_size}: the simulation's own epsilon is not finite")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -46,8 +47,11 @@ class MemoryEstimate:
 
 
 def _nbytes(avals: Any) -> int:
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-               for a in jax.tree_util.tree_leaves(avals) if hasattr(a, "shape"))
+    return sum(
+        int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        for a in jax.tree_util.tree_leaves(avals)
+        if hasattr(a, "shape")
+    )
 
 
 def _input_dependent_bytes(jaxpr: Any, tainted: list[bool]) -> int:
@@ -61,16 +65,27 @@ def _input_dependent_bytes(jaxpr: Any, tainted: list[bool]) -> int:
     return total
 
 
-def estimate(loss_fn: Callable[..., Any], abstract_params: Any, model_state: Any, views: dict[str, Any], *,
-             examples: int, momentum: bool) -> MemoryEstimate:
+def estimate(
+    loss_fn: Callable[..., Any],
+    abstract_params: Any,
+    model_state: Any,
+    views: dict[str, Any],
+    *,
+    examples: int,
+    momentum: bool,
+) -> MemoryEstimate:
     """The estimate for micro-batches of ``examples`` examples whose views look like ``views`` (one example)."""
     params = _nbytes(abstract_params)
     closed = jax.make_jaxpr(loss_fn)(abstract_params, model_state, views)
-    flags = ([False] * len(jax.tree_util.tree_leaves((abstract_params, model_state)))
-             + [True] * len(jax.tree_util.tree_leaves(views)))
+    flags = [False] * len(jax.tree_util.tree_leaves((abstract_params, model_state))) + [True] * len(
+        jax.tree_util.tree_leaves(views)
+    )
     activations = _input_dependent_bytes(closed.jaxpr, flags)
-    return MemoryEstimate(state_bytes=params * (STATE_COPIES + int(momentum)),
-                          per_example_bytes=max(2 * params, params + activations), examples=examples)
+    return MemoryEstimate(
+        state_bytes=params * (STATE_COPIES + int(momentum)),
+        per_example_bytes=max(2 * params, params + activations),
+        examples=examples,
+    )
 
 
 def available_bytes() -> tuple[int, str]:
@@ -88,19 +103,29 @@ def available_bytes() -> tuple[int, str]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM"
 
 
-def check_fits(estimate_: MemoryEstimate, *, model: str, microbatch_size: int, devices: int,
-               available: tuple[int, str] | None = None) -> None:
+def check_fits(
+    estimate_: MemoryEstimate,
+    *,
+    model: str,
+    microbatch_size: int,
+    devices: int,
+    available: tuple[int, str] | None = None,
+) -> None:
     """Refuse (one line, the flags to change) a run whose estimate exceeds the memory it has."""
     limit, what = available or available_bytes()
     need = estimate_.total_bytes
     if need <= limit:
         return
     largest = estimate_.largest_microbatch(limit) * (devices if estimate_.examples < microbatch_size else 1)
-    hint = (f"use --microbatch-size {largest} or less" if largest >= devices
-            else "a smaller --model (or fewer --augmult views) is needed")
-    gib = 2 ** 30
+    hint = (
+        f"use --microbatch-size {largest} or less"
+        if largest >= devices
+        else "a smaller --model (or fewer --augmult views) is needed"
+    )
+    gib = 2**30
     raise InvalidConfigError(
         f"{model} with --microbatch-size {microbatch_size} needs about {need / gib:.1f} GiB "
         f"({estimate_.state_bytes / gib:.1f} GiB of parameter copies + {estimate_.examples} x "
         f"{estimate_.per_example_bytes / gib:.2f} GiB per example), more than the {limit / gib:.1f} GiB of {what}: "
-        f"{hint}")
+        f"{hint}"
+    )

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,8 +41,8 @@ from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
 from dpscale.privacy.bookkeeping import UnsupportedModelError
-from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
 from dpscale.privacy.clipping import ClippedSumFn
+from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
 from dpscale.training import feature_normalization, memory
@@ -91,13 +90,17 @@ def _registry_model(config: ImageSettings, dataset: IngestedDataset) -> tuple[An
     abstract = jax.eval_shape(model.init, jax.random.key(0), sample)
     validate_dp_model(model, image_shape, variables=abstract)
     if any(k != "params" for k in abstract):
-        raise DataError(f"model {config.model!r} has non-trainable state {sorted(abstract)}; "
-                        "fine-tune it from a pretrained backbone (--backbone) instead")
+        raise DataError(
+            f"model {config.model!r} has non-trainable state {sorted(abstract)}; "
+            "fine-tune it from a pretrained backbone (--backbone) instead"
+        )
     init = jax.jit(model.init)  # one compilation instead of hundreds of op-by-op ones
     return model, lambda seed: init(stream_key(seed, Stream.INIT), sample)["params"], {}
 
 
-def _backbone_model(config: ImageSettings, dataset: IngestedDataset) -> tuple[Any, Callable[[int], PyTree], PyTree, Any]:
+def _backbone_model(
+    config: ImageSettings, dataset: IngestedDataset
+) -> tuple[Any, Callable[[int], PyTree], PyTree, Any]:
     """A pretrained backbone with a zero classifier; its frozen statistics are model state."""
     model, variables, prep = pretrained.load_pretrained(config.backbone, num_classes=len(dataset.class_names))
     channels = len(prep.mean)
@@ -113,8 +116,10 @@ def _check_training_split(data: str, split: str, splits: Sequence[str], num_exam
     if split not in splits:
         raise DataError(f"{data!r} has no split {split!r} (has {splits})")
     if not num_examples(split):
-        raise DataError(f"{data!r}: split {split!r} holds no examples, nothing to train on "
-                        "(a dedup output is empty when every public image was a near duplicate of a private one)")
+        raise DataError(
+            f"{data!r}: split {split!r} holds no examples, nothing to train on "
+            "(a dedup output is empty when every public image was a near duplicate of a private one)"
+        )
 
 
 HOLDOUT_SPLIT = "holdout"
@@ -168,8 +173,13 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         resolution = prep.resolution
         input_shape = (resolution, resolution, channels)
         meta = pretrained.read_metadata(pretrained.resolve_backbone(settings.backbone))
-        inputs = image_inputs(dataset, resolution=resolution, mean=prep.mean, std=prep.std,
-                              backbone={"model": meta.model, "weights_sha256": meta.weights_sha256})
+        inputs = image_inputs(
+            dataset,
+            resolution=resolution,
+            mean=prep.mean,
+            std=prep.std,
+            backbone={"model": meta.model, "weights_sha256": meta.weights_sha256},
+        )
     else:
         model, init_params, model_state = _registry_model(settings, dataset)
         normalize_fn, resolution = normalize, None
@@ -190,16 +200,26 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
 
     def make_feed(key: jax.Array, placement: Any = None, state: PyTree = None) -> ImageFeed:  # reads the training split
         train = _LeadingRows(InMemorySplit.load(dataset, config.train_split), trained_rows)
-        return ImageFeed(train, augmult=settings.augmult, pad=settings.augment_pad, flip=settings.augment_flip,
-                         key=key, normalize_fn=normalize_fn, resolution=resolution, placement=placement)
+        return ImageFeed(
+            train,
+            augmult=settings.augmult,
+            pad=settings.augment_pad,
+            flip=settings.augment_flip,
+            key=key,
+            normalize_fn=normalize_fn,
+            resolution=resolution,
+            placement=placement,
+        )
 
     def layerwise_clipped_sum(clip_norm: float) -> ClippedSumFn | None:
         """Per-layer norms (ghost or book-keeping) when every parameter has a rule, else None (vmap).
 
         The example has one device's micro-batch: on a GPU or TPU each layer's path is timed there."""
         examples = _examples_per_device(config)
-        batch = {"image": jax.ShapeDtypeStruct((examples, settings.augmult, *input_shape), jnp.float32),
-                 "label": jax.ShapeDtypeStruct((examples, settings.augmult), jnp.int32)}
+        batch = {
+            "image": jax.ShapeDtypeStruct((examples, settings.augmult, *input_shape), jnp.float32),
+            "label": jax.ShapeDtypeStruct((examples, settings.augmult), jnp.int32),
+        }
         example = (jax.eval_shape(lambda: init_params(0)), model_state, batch)
         try:
             fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example)
@@ -233,19 +253,36 @@ def _examples_per_device(config: TrainingConfig) -> int:
     return max(1, config.effective_microbatch_size // (config.devices or jax.device_count()))
 
 
-def _check_memory(config: TrainingConfig, loss_fn: Callable[..., jax.Array], init_params: Callable[[int], PyTree],
-                  model_state: PyTree, input_shape: tuple[int, ...]) -> None:
+def _check_memory(
+    config: TrainingConfig,
+    loss_fn: Callable[..., jax.Array],
+    init_params: Callable[[int], PyTree],
+    model_state: PyTree,
+    input_shape: tuple[int, ...],
+) -> None:
     """Refuse, before anything compiles, a network and micro-batch whose estimate exceeds the memory."""
     settings = config.images
-    views = {"image": jax.ShapeDtypeStruct((settings.augmult, *input_shape), jnp.float32),
-             "label": jax.ShapeDtypeStruct((settings.augmult,), jnp.int32)}
+    views = {
+        "image": jax.ShapeDtypeStruct((settings.augmult, *input_shape), jnp.float32),
+        "label": jax.ShapeDtypeStruct((settings.augmult,), jnp.int32),
+    }
     on_cpu = jax.local_devices()[0].platform == "cpu"  # host devices share one RAM
     devices = config.devices or jax.device_count()
     examples = config.effective_microbatch_size if on_cpu else _examples_per_device(config)
-    found = memory.estimate(loss_fn, jax.eval_shape(lambda: init_params(0)), model_state, views,
-                            examples=examples, momentum=bool(config.momentum))
-    memory.check_fits(found, model=settings.backbone or settings.model, microbatch_size=config.effective_microbatch_size,
-                      devices=1 if on_cpu else devices)
+    found = memory.estimate(
+        loss_fn,
+        jax.eval_shape(lambda: init_params(0)),
+        model_state,
+        views,
+        examples=examples,
+        momentum=bool(config.momentum),
+    )
+    memory.check_fits(
+        found,
+        model=settings.backbone or settings.model,
+        microbatch_size=config.effective_microbatch_size,
+        devices=1 if on_cpu else devices,
+    )
 
 
 def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
@@ -271,8 +308,10 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
         """Rows of a split as stored; the training split without, ``holdout`` only its last rows."""
         source, rows = _rows_of(split, train_split=config.train_split, total=total, holdout=holdout)
         if source not in store.splits:
-            raise DataError(f"the feature cache has no split {split!r} (has {store.splits}"
-                            + (f" and {HOLDOUT_SPLIT!r})" if holdout else ")"))
+            raise DataError(
+                f"the feature cache has no split {split!r} (has {store.splits}"
+                + (f" and {HOLDOUT_SPLIT!r})" if holdout else ")")
+            )
         return np.asarray(store.features(source)[rows], np.float32), np.asarray(store.labels(source)[rows], np.int32)
 
     def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
@@ -285,7 +324,9 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
         """The mean of the unit training rows: released with DP (exact for a non-private run)."""
         x, _ = raw(config.train_split)
         noise = sigma_mean if private else None
-        return {feature_normalization.MEAN_KEY: feature_normalization.feature_mean(x, noise_multiplier=noise, seed=seed)}
+        return {
+            feature_normalization.MEAN_KEY: feature_normalization.feature_mean(x, noise_multiplier=noise, seed=seed)
+        }
 
     return TrainModel(
         num_examples=trained_rows,
@@ -295,8 +336,9 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
         init_params=lambda seed: {"kernel": jnp.zeros((dim, classes)), "bias": jnp.zeros((classes,))},
         model_state={},
         # The features are read only when a feed is made (training), not for evaluation.
-        make_feed=lambda key, placement=None, state=None: FeatureFeed(*eval_inputs(config.train_split, state),
-                                                                      placement),
+        make_feed=lambda key, placement=None, state=None: FeatureFeed(
+            *eval_inputs(config.train_split, state), placement
+        ),
         logits_fn=logits_fn,
         eval_inputs=eval_inputs,
         clipped_sum_fn=lambda clip_norm: softmax_regression_clipped_sum(clip_norm=clip_norm),

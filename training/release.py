@@ -42,8 +42,10 @@ def diagnostic_name(name: str) -> str:
 
 def warning(what: str) -> str:
     """The one-line warning printed when a private diagnostic is written or shown."""
-    return (f"{what} holds statistics of the private training data that epsilon does NOT cover "
-            "(private diagnostics); keep it to yourself (written with mode 0600)")
+    return (
+        f"{what} holds statistics of the private training data that epsilon does NOT cover "
+        "(private diagnostics); keep it to yourself (written with mode 0600)"
+    )
 
 
 def split_step_metrics(metrics: dict[str, Any], *, private: bool) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -58,6 +58,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+
 from dpscale import files
 from dpscale.data import key_store
 from dpscale.errors import DataError, DpscaleError
@@ -103,21 +104,30 @@ class RunSpec:
         """The spec of a new run, with its data (and a backbone directory) as absolute paths."""
         backbone = training.images.backbone
         if backbone and os.path.exists(backbone):
-            training = dataclasses.replace(training, images=dataclasses.replace(training.images,
-                                                                                 backbone=files.absolute(backbone)))
+            training = dataclasses.replace(
+                training, images=dataclasses.replace(training.images, backbone=files.absolute(backbone))
+            )
         return cls(data=files.absolute(data), training=training, plan=plan, inputs=dict(inputs))
 
     def to_json(self) -> dict[str, Any]:
-        return {"data": self.data, "training": self.training.to_json(), "plan": self.plan.to_json(),
-                "inputs": self.inputs}
+        return {
+            "data": self.data,
+            "training": self.training.to_json(),
+            "plan": self.plan.to_json(),
+            "inputs": self.inputs,
+        }
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> RunSpec:
         unknown = sorted(set(payload) - {"data", "training", "plan", "inputs", *_STAMP})
         if unknown:
             raise DataError(f"unknown keys {unknown}")
-        return cls(data=str(payload["data"]), training=TrainingConfig.from_json(payload["training"]),
-                   plan=PrivacyPlan(**payload["plan"]), inputs=dict(payload.get("inputs") or {}))
+        return cls(
+            data=str(payload["data"]),
+            training=TrainingConfig.from_json(payload["training"]),
+            plan=PrivacyPlan(**payload["plan"]),
+            inputs=dict(payload.get("inputs") or {}),
+        )
 
     def data_path(self, override: str | None = None) -> str:
         """The data to read: ``override`` if given, else the run's own, which must still be there."""
@@ -126,9 +136,11 @@ class RunSpec:
         if "://" in self.data or os.path.exists(self.data):
             return self.data
         if not os.path.isabs(self.data):
-            raise DataError(f"the run's data {self.data!r} is a relative path (stored by an older dpscale) and "
-                            f"does not exist from {os.getcwd()!r}: run the command from the directory the run "
-                            "was started in")
+            raise DataError(
+                f"the run's data {self.data!r} is a relative path (stored by an older dpscale) and "
+                f"does not exist from {os.getcwd()!r}: run the command from the directory the run "
+                "was started in"
+            )
         raise DataError(f"the run's data {self.data!r} does not exist (moved or deleted?)")
 
 
@@ -254,8 +266,10 @@ class RunDirectory:
         if not self.has_secrets:
             if self.has_params:
                 raise DataError(f"{self.path!r} is a finished run: there is nothing to resume")
-            raise DataError(f"{self.path!r}: its secrets are not in this user's key store "
-                            f"({key_store.store_dir()}; ${key_store.ENV}); a run resumes only where it started")
+            raise DataError(
+                f"{self.path!r}: its secrets are not in this user's key store "
+                f"({key_store.store_dir()}; ${key_store.ENV}); a run resumes only where it started"
+            )
         try:
             with open(self.secrets_file) as f:
                 return RunSecrets(**json.load(f))
@@ -304,7 +318,7 @@ class RunDirectory:
         if not files.exists(self.file(name)) and not self._pending.get(name):
             return []
         records = []
-        with (files.open(self.file(name), "r") if files.exists(self.file(name)) else io.StringIO()) as f:
+        with files.open(self.file(name), "r") if files.exists(self.file(name)) else io.StringIO() as f:
             for line in [*f, *self._pending.get(name, [])]:
                 try:
                     records.append(json.loads(line))
@@ -317,8 +331,11 @@ class RunDirectory:
         for diagnostic, name in ((False, METRICS), (True, DIAGNOSTICS_FILE)):
             if not files.exists(self.file(name)):
                 continue
-            kept = [json.dumps(r, sort_keys=True) + "\n" for r in self.read_metrics(diagnostic=diagnostic)
-                    if r.get("step", 0) <= after_step]
+            kept = [
+                json.dumps(r, sort_keys=True) + "\n"
+                for r in self.read_metrics(diagnostic=diagnostic)
+                if r.get("step", 0) <= after_step
+            ]
             write_atomic(self.file(name), lambda f, lines=kept: f.writelines(lines), private=diagnostic)
 
     def checkpoints(self, *, every: int) -> Checkpoints:
@@ -332,22 +349,27 @@ class RunDirectory:
 
     def save_params(self, **trees: Any) -> None:
         """Save the trees (every process: orbax coordinates them), then the sha256 of each file."""
-        save_with_digests(self.file(PARAMS), digests_file=self.file(PARAMS_DIGESTS),
-                          annotations=self._stamped({}), **trees)
+        save_with_digests(
+            self.file(PARAMS), digests_file=self.file(PARAMS_DIGESTS), annotations=self._stamped({}), **trees
+        )
 
     def _check_params(self) -> None:
         """Refuse damaged parameters before orbax reads them (its failures are tracebacks from threads)."""
         if not files.exists(self.file(PARAMS_DIGESTS)):
             return  # saved by an older dpscale: orbax's own errors are all there is
-        recorded = self._read(PARAMS_DIGESTS, lambda payload: {str(k): str(v) for k, v in payload.items()
-                                                              if k not in _STAMP})
+        recorded = self._read(
+            PARAMS_DIGESTS, lambda payload: {str(k): str(v) for k, v in payload.items() if k not in _STAMP}
+        )
         check_digests(self.file(PARAMS), recorded, run=self.path)
 
     def load_params(self) -> dict[str, Any]:
         """The saved trees, on this process's first device (``checkpoints.restore_on_first_device``)."""
         if not self.has_params:
-            resume = (f": its training did not finish; continue it with `dpscale train --resume {self.path}`"
-                      if self.has_secrets else "")
+            resume = (
+                f": its training did not finish; continue it with `dpscale train --resume {self.path}`"
+                if self.has_secrets
+                else ""
+            )
             raise DataError(f"{self.path!r} has no saved parameters ({PARAMS}/){resume}")
         self._check_params()
         return restore_on_first_device(self.file(PARAMS), run=self.path)

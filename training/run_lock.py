@@ -37,8 +37,10 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(self._fd, 64).decode(errors="replace").strip() or "?"
             self.release()
-            raise DataError(f"{os.path.dirname(path)!r} is in use: another process (pid {holder}) is training in "
-                            "it; wait for it to finish or stop it") from None
+            raise DataError(
+                f"{os.path.dirname(path)!r} is in use: another process (pid {holder}) is training in "
+                "it; wait for it to finish or stop it"
+            ) from None
         os.ftruncate(self._fd, 0)
         os.write(self._fd, f"{os.getpid()}\n".encode())
 
@@ -63,8 +65,10 @@ class RunLock:
         else:
             holder = {}
         where = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
-        raise DataError(f"{self.path.rsplit('/', 1)[0]!r} is in use: another process ({where}) is training in it; "
-                        f"wait for it to finish or stop it (if it was killed on another host, delete {self.path})")
+        raise DataError(
+            f"{self.path.rsplit('/', 1)[0]!r} is in use: another process ({where}) is training in it; "
+            f"wait for it to finish or stop it (if it was killed on another host, delete {self.path})"
+        )
 
     def release(self) -> None:
         if self._fd is not None:

@@ -20,10 +20,10 @@ import math
 import os
 from typing import Any
 
+from dpscale import files
 from dpscale.data.identity import keyed_identity
 from dpscale.data.key_store import directory_secret
 from dpscale.errors import DataError
-from dpscale import files
 from dpscale.files import write_json_atomic
 from dpscale.privacy.plan import composed_epsilon
 from dpscale.training import release
@@ -42,7 +42,7 @@ _NEW_DIR = "use a new OUT_DIR"
 def _relative(path: str, base: str) -> str:
     """``path`` below ``base``, as a name to show (URLs too)."""
     if files.is_url(path):
-        return path[len(base.rstrip("/")) + 1:]
+        return path[len(base.rstrip("/")) + 1 :]
     return os.path.relpath(path, base)
 
 
@@ -79,26 +79,40 @@ class SweepDirectory:
     def check_data(self, data: str, training: TrainingConfig) -> None:
         """Runs here are of ``data`` only: recorded on first use, and other data refused afterwards."""
         files.makedirs(self.path)
-        record = {"data": files.absolute(data), "mode": training.mode, "train_split": training.train_split,
-                  "data_identity": keyed_identity(directory_secret(self.path), data_hash(data, training))}
+        record = {
+            "data": files.absolute(data),
+            "mode": training.mode,
+            "train_split": training.train_split,
+            "data_identity": keyed_identity(directory_secret(self.path), data_hash(data, training)),
+        }
         hint = f"{_NEW_DIR} (or give the data and settings of the sweep it holds to continue it)"
         if files.exists(self.file(RECORD)):
             try:
                 found = json.loads(files.read_text(self.file(RECORD)))
             except (OSError, ValueError) as error:
                 raise DataError(f"{self.file(RECORD)!r} is unreadable ({error}); {hint}") from None
-            for key, what in (("data", "other data"), ("mode", "another mode"), ("train_split", "another split"),
-                              ("data_identity", "other data (at the same path, other content)")):
+            for key, what in (
+                ("data", "other data"),
+                ("mode", "another mode"),
+                ("train_split", "another split"),
+                ("data_identity", "other data (at the same path, other content)"),
+            ):
                 if found.get(key) != record[key]:
                     shown = "" if key == "data_identity" else f": {found.get(key)}"
-                    raise DataError(f"{self.path!r} holds a sweep on {what}{shown}; its results are not those of "
-                                    f"{data!r}: {hint}")
+                    raise DataError(
+                        f"{self.path!r} holds a sweep on {what}{shown}; its results are not those of {data!r}: {hint}"
+                    )
             return
-        started = [d for d in (self.file(RUNS), files.join(self.file(BASELINE_DIR), RUNS))
-                   if files.isdir(d) and files.listdir(d)]
+        started = [
+            d
+            for d in (self.file(RUNS), files.join(self.file(BASELINE_DIR), RUNS))
+            if files.isdir(d) and files.listdir(d)
+        ]
         if started:
-            raise DataError(f"{self.path!r} holds runs without a record of their data ({RECORD}: made by an older "
-                            f"dpscale): they cannot be checked against {data!r}; {_NEW_DIR}")
+            raise DataError(
+                f"{self.path!r} holds runs without a record of their data ({RECORD}: made by an older "
+                f"dpscale): they cannot be checked against {data!r}; {_NEW_DIR}"
+            )
         write_json_atomic(self.file(RECORD), record)
 
     def check_reusable(self, point: GridPoint, data: str) -> None:
@@ -108,8 +122,10 @@ class SweepDirectory:
             return
         if run.simulated != (point.kind == "simulated"):
             found = "a TAN simulation" if run.simulated else "not a simulation"
-            raise DataError(f"{run.path!r} holds a run that is {found}, unlike this sweep's run of that name: its "
-                            f"results are not this sweep's; {_NEW_DIR}")
+            raise DataError(
+                f"{run.path!r} holds a run that is {found}, unlike this sweep's run of that name: its "
+                f"results are not this sweep's; {_NEW_DIR}"
+            )
         spec = run.read_spec()
         asked = RunSpec.new(data, point.training, spec.plan, {})
         found = dataclasses.replace(spec.training, show_progress=asked.training.show_progress)
@@ -117,9 +133,11 @@ class SweepDirectory:
         if spec.data != asked.data:
             differ.insert(0, f"data {spec.data} there, {asked.data} asked")
         if differ or found != asked.training:
-            raise DataError(f"{run.path!r} holds a run with other settings than this sweep asks for "
-                            f"({'; '.join(differ) or 'settings differ'}): its results are not this sweep's; "
-                            f"{_NEW_DIR} (or repeat the command that made it to continue that sweep)")
+            raise DataError(
+                f"{run.path!r} holds a run with other settings than this sweep asks for "
+                f"({'; '.join(differ) or 'settings differ'}): its results are not this sweep's; "
+                f"{_NEW_DIR} (or repeat the command that made it to continue that sweep)"
+            )
 
     @staticmethod
     def finished(run: RunDirectory) -> bool:
@@ -137,9 +155,11 @@ class SweepDirectory:
         if any(note.startswith(SIMULATION_NOTE) for note in ledger.not_covered):
             return
         target, plan = simulation.target, simulation.plan
-        note = (f"{SIMULATION_NOTE}: a TAN simulation of batch {target.batch_size} at noise multiplier "
-                f"{target.noise_multiplier:.4g} (epsilon {target.epsilon():.4g}), run at batch {plan.batch_size} "
-                f"with the noise scaled by {plan.batch_size}/{target.batch_size}; its own epsilon is epsilon_spent")
+        note = (
+            f"{SIMULATION_NOTE}: a TAN simulation of batch {target.batch_size} at noise multiplier "
+            f"{target.noise_multiplier:.4g} (epsilon {target.epsilon():.4g}), run at batch {plan.batch_size} "
+            f"with the noise scaled by {plan.batch_size}/{target.batch_size}; its own epsilon is epsilon_spent"
+        )
         run.write_ledger(dataclasses.replace(ledger, not_covered=(*ledger.not_covered, note)))
 
     # -- what was released ------------------------------------------------------------------------
@@ -149,9 +169,11 @@ class SweepDirectory:
         found = []
         for directory in (self.file(RUNS), files.join(self.file(BASELINE_DIR), RUNS)):
             if files.isdir(directory):
-                found += [RunDirectory(files.join(files.absolute(directory), name))
-                          for name in sorted(files.listdir(directory))
-                          if files.isfile(files.join(directory, name, CONFIG))]
+                found += [
+                    RunDirectory(files.join(files.absolute(directory), name))
+                    for name in sorted(files.listdir(directory))
+                    if files.isfile(files.join(directory, name, CONFIG))
+                ]
         return found
 
     def privacy_record(self, *, delta: float, accountant: str) -> dict[str, Any]:
@@ -165,25 +187,43 @@ class SweepDirectory:
             try:
                 plan = run.read_spec().plan
             except DataError as error:  # a run we cannot account for: no record rather than a short one
-                raise DataError(f"{error}; privacy.json must compose every run in {self.path!r}: repair or remove "
-                                "that run") from None
-            runs.append({"run_dir": _relative(run.path, files.absolute(self.path)), "private": plan.private,
-                         "epsilon": finite(plan.epsilon()), "simulated": run.simulated})
+                raise DataError(
+                    f"{error}; privacy.json must compose every run in {self.path!r}: repair or remove that run"
+                ) from None
+            runs.append(
+                {
+                    "run_dir": _relative(run.path, files.absolute(self.path)),
+                    "private": plan.private,
+                    "epsilon": finite(plan.epsilon()),
+                    "simulated": run.simulated,
+                }
+            )
             if plan.private:
                 plans.append(plan)
                 warnings += plan.warnings
         not_covered = []
         if any(r["simulated"] for r in runs):
-            not_covered.append(f"the simulated runs (sim-*.{release.NOT_PRIVATE}, with {SIMULATION_FILE}): "
-                               f"{SIMULATION_NOTE}; each spent the epsilon of its row (composed here), not its "
-                               "target's")
+            not_covered.append(
+                f"the simulated runs (sim-*.{release.NOT_PRIVATE}, with {SIMULATION_FILE}): "
+                f"{SIMULATION_NOTE}; each spent the epsilon of its row (composed here), not its "
+                "target's"
+            )
         non_private = [r["run_dir"] for r in runs if not r["private"]]
         if non_private:
-            not_covered.append(f"the non-private baseline runs ({BASELINE_DIR}/): trained on the same data without "
-                               "any guarantee; the composed guarantee holds only if their results are not released")
-        return {"composed_epsilon": composed_epsilon(plans, delta=delta, accountant=accountant), "delta": delta,
-                "accountant": accountant, "private_runs": len(plans), "runs": runs, "non_private_runs": non_private,
-                "not_covered": not_covered, "warnings": list(dict.fromkeys(warnings))}
+            not_covered.append(
+                f"the non-private baseline runs ({BASELINE_DIR}/): trained on the same data without "
+                "any guarantee; the composed guarantee holds only if their results are not released"
+            )
+        return {
+            "composed_epsilon": composed_epsilon(plans, delta=delta, accountant=accountant),
+            "delta": delta,
+            "accountant": accountant,
+            "private_runs": len(plans),
+            "runs": runs,
+            "non_private_runs": non_private,
+            "not_covered": not_covered,
+            "warnings": list(dict.fromkeys(warnings)),
+        }
 
     def write_privacy(self, record: dict[str, Any]) -> None:
         write_json_atomic(self.file(PRIVACY_JSON), record)

@@ -23,9 +23,16 @@ from dpscale.training.grid import flag, value_text
 
 BASELINE_GID = "baseline"  # the gid of the baseline's artists (what the tests look for)
 # (dx, dy) in points, alignment: above-left first (clear of a line that rises with epsilon), then around
-_OFFSETS = ((-5, 5, "right", "bottom"), (0, 7, "center", "bottom"), (5, 5, "left", "bottom"),
-            (5, -6, "left", "top"), (0, -9, "center", "top"), (-5, -6, "right", "top"),
-            (0, 20, "center", "bottom"), (0, -22, "center", "top"))
+_OFFSETS = (
+    (-5, 5, "right", "bottom"),
+    (0, 7, "center", "bottom"),
+    (5, 5, "left", "bottom"),
+    (5, -6, "left", "top"),
+    (0, -9, "center", "top"),
+    (-5, -6, "right", "top"),
+    (0, 20, "center", "bottom"),
+    (0, -22, "center", "top"),
+)
 
 
 def setting_label(setting: Sequence[tuple[str, Any]]) -> str:
@@ -34,8 +41,15 @@ def setting_label(setting: Sequence[tuple[str, Any]]) -> str:
     return ", ".join(f"{short.get(k, flag(k))} {value_text(v)}" for k, v in setting) or "-"
 
 
-def figure(*, summary: Sequence[dict[str, Any]], chosen: Sequence[dict[str, Any]], options: Sequence[str],
-           title: str, epsilon_label: str = "epsilon", baseline: Sequence[dict[str, Any]] = ()) -> Any:
+def figure(
+    *,
+    summary: Sequence[dict[str, Any]],
+    chosen: Sequence[dict[str, Any]],
+    options: Sequence[str],
+    title: str,
+    epsilon_label: str = "epsilon",
+    baseline: Sequence[dict[str, Any]] = (),
+) -> Any:
     """The plot as a matplotlib figure (``save`` writes it); ``baseline``: the baseline's summary rows."""
     import matplotlib
 
@@ -50,8 +64,10 @@ def figure(*, summary: Sequence[dict[str, Any]], chosen: Sequence[dict[str, Any]
     if chosen:
         eps = [c["epsilon"] for c in chosen]
         med = [100 * c["test_median_top1"] for c in chosen]
-        err = [[m - 100 * c["test_min_top1"] for m, c in zip(med, chosen)],
-               [100 * c["test_max_top1"] - m for m, c in zip(med, chosen)]]
+        err = [
+            [m - 100 * c["test_min_top1"] for m, c in zip(med, chosen)],
+            [100 * c["test_max_top1"] - m for m, c in zip(med, chosen)],
+        ]
         ax.errorbar(eps, med, yerr=err, marker="o", capsize=3, label="chosen on held-out rows (median, min-max)")
         labels = [(e, m, setting_label([(o, c[o]) for o in others])) for e, m, c in zip(eps, med, chosen)]
         ylabel = "test top-1 (%, EMA)"
@@ -62,17 +78,25 @@ def figure(*, summary: Sequence[dict[str, Any]], chosen: Sequence[dict[str, Any]
         for key, points in lines.items():
             points = sorted(points, key=lambda s: s["epsilon"])
             med = [100 * s["median_top1"] for s in points]
-            err = [[m - 100 * s["min_top1"] for m, s in zip(med, points)],
-                   [100 * s["max_top1"] - m for m, s in zip(med, points)]]
-            ax.errorbar([s["epsilon"] for s in points], med, yerr=err, marker="o", capsize=3,
-                        label=setting_label(list(zip(others, key))))
+            err = [
+                [m - 100 * s["min_top1"] for m, s in zip(med, points)],
+                [100 * s["max_top1"] - m for m, s in zip(med, points)],
+            ]
+            ax.errorbar(
+                [s["epsilon"] for s in points],
+                med,
+                yerr=err,
+                marker="o",
+                capsize=3,
+                label=setting_label(list(zip(others, key))),
+            )
         eps = sorted({s["epsilon"] for s in summary})
         ylabel = f"{summary[0]['split'] if summary else 'test'} top-1 (%, EMA, median and min-max)"
     _draw_baseline(ax, baseline, others)
     ax.set_xscale("log", base=2)
     if eps:
         ax.set_xticks(eps, [f"{e:g}" for e in eps])
-        ax.set_xlim(min(eps) / 2 ** 0.6, max(eps) * 2 ** 0.6)  # room for the extreme points' labels
+        ax.set_xlim(min(eps) / 2**0.6, max(eps) * 2**0.6)  # room for the extreme points' labels
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel(epsilon_label)
     ax.set_ylabel(ylabel)
@@ -105,8 +129,13 @@ def _draw_baseline(ax: Any, baseline: Sequence[dict[str, Any]], others: Sequence
     styles = ("--", "-.", ":")
     for i, row in enumerate(baseline):
         setting = setting_label([(o, row[o]) for o in others if o in row])
-        line = ax.axhline(100 * row["median_top1"], color="0.25", linestyle=styles[i % len(styles)], linewidth=1.2,
-                          label=f"non-private baseline, NOT private ({setting}; {row['split']} top-1)")
+        line = ax.axhline(
+            100 * row["median_top1"],
+            color="0.25",
+            linestyle=styles[i % len(styles)],
+            linewidth=1.2,
+            label=f"non-private baseline, NOT private ({setting}; {row['split']} top-1)",
+        )
         band = ax.axhspan(100 * row["min_top1"], 100 * row["max_top1"], color="0.5", alpha=0.12, linewidth=0)
         line.set_gid(BASELINE_GID)
         band.set_gid(BASELINE_GID)
@@ -123,18 +152,27 @@ def _place(fig: Any, ax: Any, labels: Sequence[tuple[float, float, str]]) -> Non
         for dx, dy, ha, va in _OFFSETS:
             if annotation is not None:
                 annotation.remove()
-            annotation = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
-                                     fontsize=7)
+            annotation = ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, fontsize=7
+            )
             annotation.set_in_layout(False)  # placed inside the axes: the layout need not make room
             box = annotation.get_window_extent(renderer)
-            inside = (box.x0 >= frame.x0 and box.x1 <= frame.x1 and box.y0 >= frame.y0 and box.y1 <= frame.y1)
+            inside = box.x0 >= frame.x0 and box.x1 <= frame.x1 and box.y0 >= frame.y0 and box.y1 <= frame.y1
             if inside and not any(box.overlaps(other) for other in placed):
                 break
         else:  # nowhere free: above the point, cut to the axes
             annotation.remove()
             dx, dy, ha, va = _OFFSETS[1]
-            annotation = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
-                                     fontsize=7, annotation_clip=True)
+            annotation = ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                ha=ha,
+                va=va,
+                fontsize=7,
+                annotation_clip=True,
+            )
             annotation.set_in_layout(False)
             annotation.set_clip_on(True)
         placed.append(annotation.get_window_extent(renderer))

@@ -41,8 +41,10 @@ SUMMARY_MD = "summary.md"
 CHOSEN_CSV = "chosen.csv"
 PLOT = "accuracy_vs_epsilon.png"
 TABLES = (RUNS_CSV, SUMMARY_CSV, SUMMARY_MD, CHOSEN_CSV, PLOT)
-NO_CHOICE = ("no setting was chosen: every grid point is reported (choose settings with --holdout N, on held-out "
-             "training rows, never on the test split)")
+NO_CHOICE = (
+    "no setting was chosen: every grid point is reported (choose settings with --holdout N, on held-out "
+    "training rows, never on the test split)"
+)
 
 
 def summarize(rows: Sequence[dict[str, Any]], options: Sequence[str]) -> list[dict[str, Any]]:
@@ -53,9 +55,17 @@ def summarize(rows: Sequence[dict[str, Any]], options: Sequence[str]) -> list[di
     out = []
     for key, members in groups.items():  # in grid order (dicts keep it)
         accs = [r["ema_top1"] for r in members]
-        out.append(dict(zip(("epsilon", *options), key)) | {
-            "private": members[0]["private"], "split": members[0]["split"], "repeats": len(accs),
-            "median_top1": statistics.median(accs), "min_top1": min(accs), "max_top1": max(accs)})
+        out.append(
+            dict(zip(("epsilon", *options), key))
+            | {
+                "private": members[0]["private"],
+                "split": members[0]["split"],
+                "repeats": len(accs),
+                "median_top1": statistics.median(accs),
+                "min_top1": min(accs),
+                "max_top1": max(accs),
+            }
+        )
     return out
 
 
@@ -84,8 +94,9 @@ def _path(out_dir: str, name: str, *, diagnostic: bool) -> str:
 
 def _open(out_dir: str, name: str, *, diagnostic: bool, owner_only: bool = False, binary: bool = False) -> Any:
     """A table file; private diagnostics get their name, and they (or ``owner_only``) mode 0600."""
-    return open_for_writing(_path(out_dir, name, diagnostic=diagnostic), private=diagnostic or owner_only,
-                            binary=binary)
+    return open_for_writing(
+        _path(out_dir, name, diagnostic=diagnostic), private=diagnostic or owner_only, binary=binary
+    )
 
 
 def _is_owner_only(path: str) -> bool:
@@ -112,8 +123,7 @@ def remove_stale_tables(out_dir: str) -> list[str]:
     return closed
 
 
-def _csv(out_dir: str, name: str, table: Sequence[dict[str, Any]], *, diagnostic: bool,
-         owner_only: bool) -> list[str]:
+def _csv(out_dir: str, name: str, table: Sequence[dict[str, Any]], *, diagnostic: bool, owner_only: bool) -> list[str]:
     if not table:
         return []
     with _open(out_dir, name, diagnostic=diagnostic, owner_only=owner_only) as f:
@@ -123,9 +133,18 @@ def _csv(out_dir: str, name: str, table: Sequence[dict[str, Any]], *, diagnostic
     return [_path(out_dir, name, diagnostic=diagnostic)]
 
 
-def write_tables(out_dir: str, *, rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]],
-                 chosen: Sequence[dict[str, Any]], options: Sequence[str], head: Sequence[str],
-                 diagnostic: bool, owner_only: bool = False, epsilon_label: str = "epsilon") -> list[str]:
+def write_tables(
+    out_dir: str,
+    *,
+    rows: Sequence[dict[str, Any]],
+    summary: Sequence[dict[str, Any]],
+    chosen: Sequence[dict[str, Any]],
+    options: Sequence[str],
+    head: Sequence[str],
+    diagnostic: bool,
+    owner_only: bool = False,
+    epsilon_label: str = "epsilon",
+) -> list[str]:
     """runs.csv, summary.csv, summary.md and (after a choice) chosen.csv; ``head`` opens summary.md.
 
     ``diagnostic``: named ``*.NOT-PRIVATE.*`` and owner-only; ``owner_only``: owner-only whatever they hold.
@@ -138,35 +157,57 @@ def write_tables(out_dir: str, *, rows: Sequence[dict[str, Any]], summary: Seque
     columns = [epsilon_label, *(flag(o) for o in options), "repeats", f"median {split} top-1 (EMA)", "min", "max"]
     lines = [*head, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for s in summary:
-        cells = [f"{s['epsilon']:g}", *(value_text(s[o]) for o in options), str(s["repeats"]),
-                 _percent(s["median_top1"]), _percent(s["min_top1"]), _percent(s["max_top1"])]
+        cells = [
+            f"{s['epsilon']:g}",
+            *(value_text(s[o]) for o in options),
+            str(s["repeats"]),
+            _percent(s["median_top1"]),
+            _percent(s["min_top1"]),
+            _percent(s["max_top1"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     if chosen:
         tested = "test_median_top1" in chosen[0]
-        lines += ["", "Chosen on held-out training rows (best median per epsilon)"
-                  + ("; then scored on the test split:" if tested else " (the test split was not read):"), "",
-                  f"| {epsilon_label} | setting | median holdout top-1 | median test top-1 (EMA) | min | max |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "Chosen on held-out training rows (best median per epsilon)"
+            + ("; then scored on the test split:" if tested else " (the test split was not read):"),
+            "",
+            f"| {epsilon_label} | setting | median holdout top-1 | median test top-1 (EMA) | min | max |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for c in chosen:
             test = [_percent(c[k]) if tested else "-" for k in ("test_median_top1", "test_min_top1", "test_max_top1")]
-            lines.append(f"| {c['epsilon']:g} | {setting_label([(o, c[o]) for o in options])} "
-                         f"| {_percent(c['holdout_median_top1'])} | {' | '.join(test)} |")
+            lines.append(
+                f"| {c['epsilon']:g} | {setting_label([(o, c[o]) for o in options])} "
+                f"| {_percent(c['holdout_median_top1'])} | {' | '.join(test)} |"
+            )
     with _open(out_dir, SUMMARY_MD, diagnostic=diagnostic, owner_only=owner_only) as f:
         f.write("\n".join(lines) + "\n")
     return written
 
 
-def plot(out_dir: str, *, summary: Sequence[dict[str, Any]], chosen: Sequence[dict[str, Any]],
-         options: Sequence[str], title: str, diagnostic: bool, owner_only: bool = False,
-         epsilon_label: str = "epsilon", baseline: Sequence[dict[str, Any]] = ()) -> str:
+def plot(
+    out_dir: str,
+    *,
+    summary: Sequence[dict[str, Any]],
+    chosen: Sequence[dict[str, Any]],
+    options: Sequence[str],
+    title: str,
+    diagnostic: bool,
+    owner_only: bool = False,
+    epsilon_label: str = "epsilon",
+    baseline: Sequence[dict[str, Any]] = (),
+) -> str:
     """Accuracy vs epsilon (``training.sweep_plot``); returns the path written.
 
     ``baseline`` (the non-private baseline's summary) only into a diagnostic plot: it is NOT private.
     """
     if baseline and not diagnostic:
         raise ValueError("the non-private baseline drawn into a plot that epsilon covers")
-    fig = sweep_plot.figure(summary=summary, chosen=chosen, options=options, title=title,
-                            epsilon_label=epsilon_label, baseline=baseline)
+    fig = sweep_plot.figure(
+        summary=summary, chosen=chosen, options=options, title=title, epsilon_label=epsilon_label, baseline=baseline
+    )
     with _open(out_dir, PLOT, diagnostic=diagnostic, owner_only=owner_only, binary=True) as f:  # 0600 before any pixel
         sweep_plot.save(fig, f)
     return _path(out_dir, PLOT, diagnostic=diagnostic)
@@ -176,47 +217,101 @@ def title(options: Sequence[str], *, chosen: bool, simulate_batch: int | None, s
     """The plot's title: what its points are."""
     names = ", ".join(flag(o).replace("learning-rate", "learning rate") for o in options)
     if simulate_batch:
-        return f"TAN simulation at batch {simulate_batch}, NOT private at these epsilons: every setting ({split} scores)"
+        return (
+            f"TAN simulation at batch {simulate_batch}, NOT private at these epsilons: every setting ({split} scores)"
+        )
     if chosen:
         return f"best {names} per epsilon, chosen on held-out training rows; test scores of the chosen runs"
     return "every grid point; none chosen (no --holdout): test scores"
 
 
-def write_all(out_dir: str, baseline_dir: str | None, *, options: Sequence[str], rows: Sequence[dict[str, Any]],
-              summary: Sequence[dict[str, Any]], chosen: Sequence[dict[str, Any]], plotted: Sequence[dict[str, Any]],
-              head: Sequence[str], title: str, diagnostic: bool, owner_only: bool, epsilon_label: str,
-              baseline_rows: Sequence[dict[str, Any]], baseline_summary: Sequence[dict[str, Any]],
-              make_baseline_dir: Callable[[], str]) -> list[str]:
+def write_all(
+    out_dir: str,
+    baseline_dir: str | None,
+    *,
+    options: Sequence[str],
+    rows: Sequence[dict[str, Any]],
+    summary: Sequence[dict[str, Any]],
+    chosen: Sequence[dict[str, Any]],
+    plotted: Sequence[dict[str, Any]],
+    head: Sequence[str],
+    title: str,
+    diagnostic: bool,
+    owner_only: bool,
+    epsilon_label: str,
+    baseline_rows: Sequence[dict[str, Any]],
+    baseline_summary: Sequence[dict[str, Any]],
+    make_baseline_dir: Callable[[], str],
+) -> list[str]:
     """A sweep's tables and plot in ``out_dir``, then the baseline's in ``baseline_dir``; the paths written.
 
     The baseline is drawn only into plots that are private diagnostics: ``out_dir``'s when its tables
     are (held-out or simulated scores), and always the one in the baseline's directory, beside the DP runs.
     """
-    written = write_tables(out_dir, rows=rows, summary=summary, chosen=chosen, options=options, head=head,
-                           diagnostic=diagnostic, owner_only=owner_only, epsilon_label=epsilon_label)
-    written.append(plot(out_dir, summary=summary, chosen=plotted, options=options, title=title, diagnostic=diagnostic,
-                        owner_only=owner_only, epsilon_label=epsilon_label,
-                        baseline=baseline_summary if diagnostic else ()))
+    written = write_tables(
+        out_dir,
+        rows=rows,
+        summary=summary,
+        chosen=chosen,
+        options=options,
+        head=head,
+        diagnostic=diagnostic,
+        owner_only=owner_only,
+        epsilon_label=epsilon_label,
+    )
+    written.append(
+        plot(
+            out_dir,
+            summary=summary,
+            chosen=plotted,
+            options=options,
+            title=title,
+            diagnostic=diagnostic,
+            owner_only=owner_only,
+            epsilon_label=epsilon_label,
+            baseline=baseline_summary if diagnostic else (),
+        )
+    )
     if baseline_dir is None:
         return written
     make_baseline_dir()
     remove_stale_tables(baseline_dir)
-    written += write_tables(baseline_dir, rows=baseline_rows, summary=baseline_summary, chosen=[], options=options,
-                            diagnostic=True, head=[BASELINE_HEAD])
-    written.append(plot(baseline_dir, summary=summary, chosen=plotted, options=options, diagnostic=True,
-                        title=f"{title}; with the non-private baseline (NOT private)", epsilon_label=epsilon_label,
-                        baseline=baseline_summary))
+    written += write_tables(
+        baseline_dir,
+        rows=baseline_rows,
+        summary=baseline_summary,
+        chosen=[],
+        options=options,
+        diagnostic=True,
+        head=[BASELINE_HEAD],
+    )
+    written.append(
+        plot(
+            baseline_dir,
+            summary=summary,
+            chosen=plotted,
+            options=options,
+            diagnostic=True,
+            title=f"{title}; with the non-private baseline (NOT private)",
+            epsilon_label=epsilon_label,
+            baseline=baseline_summary,
+        )
+    )
     return written
 
 
-BASELINE_HEAD = ("Non-private baseline: NOT private. Trained on the same private data without any guarantee; keep "
-                 "these results to yourself.")
+BASELINE_HEAD = (
+    "Non-private baseline: NOT private. Trained on the same private data without any guarantee; keep "
+    "these results to yourself."
+)
 
 
 def finished_lines(out_dir: str, written: Sequence[str], *, trained: int, reused: int, seconds: float) -> list[str]:
     """What a finished sweep tells its reader on stderr: what ran and where its tables are (no score)."""
-    lines = [f"sweep finished: {trained + reused} runs ({trained} trained, {reused} reused) in {clock(seconds)}; "
-             f"each run in {files.join(out_dir, RUNS)}/NAME"]
+    lines = [
+        f"sweep finished: {trained + reused} runs ({trained} trained, {reused} reused) in {clock(seconds)}; "
+        f"each run in {files.join(out_dir, RUNS)}/NAME"
+    ]
     apart = files.join(out_dir, BASELINE_DIR)
     tables = [f for f in written if not f.startswith(apart)]
     baseline = [f for f in written if f.startswith(apart)]
@@ -228,11 +323,15 @@ def finished_lines(out_dir: str, written: Sequence[str], *, trained: int, reused
 
 
 def privacy_note(record: dict[str, Any]) -> str:
-    note = (f"Releasing all {record['private_runs']} DP results in this sweep's directory together is "
-            f"({record['composed_epsilon']:.4g}, {record['delta']:g})-DP ({record['accountant'].upper()} "
-            "composition of every private run it holds, from every invocation); each run alone is the epsilon "
-            "of its row.")
+    note = (
+        f"Releasing all {record['private_runs']} DP results in this sweep's directory together is "
+        f"({record['composed_epsilon']:.4g}, {record['delta']:g})-DP ({record['accountant'].upper()} "
+        "composition of every private run it holds, from every invocation); each run alone is the epsilon "
+        "of its row."
+    )
     if record["non_private_runs"]:
-        note += (" The non-private baseline trained on the same data without any guarantee: its scores are "
-                 "NOT private, and the composed guarantee holds only if they are not released.")
+        note += (
+            " The non-private baseline trained on the same data without any guarantee: its scores are "
+            "NOT private, and the composed guarantee holds only if they are not released."
+        )
     return note

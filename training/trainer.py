@@ -32,10 +32,10 @@ from dpscale.privacy.plan import PrivacyPlan, knob_to_solve
 from dpscale.privacy.seeds import resolve_seed
 from dpscale.privacy.streams import Stream, stream_key
 from dpscale.progress import progress_bar, status
-from dpscale.training.config import TrainingConfig
 from dpscale.training import release
-from dpscale.training.model import HOLDOUT_SPLIT, TrainModel, build_train_model
 from dpscale.training.checkpoints import Checkpoints
+from dpscale.training.config import TrainingConfig
+from dpscale.training.model import HOLDOUT_SPLIT, TrainModel, build_train_model
 from dpscale.training.run_directory import RunDirectory, RunSecrets, RunSpec, noise_versions
 from dpscale.training.run_lock import RunLock
 
@@ -63,13 +63,22 @@ def plan_for(config: TrainingConfig, model: TrainModel, *, show_progress: bool =
     """
     what = ""
     if config.target.private:
-        knob = knob_to_solve(num_examples=model.num_examples, batch_size=config.batch_size, steps=config.steps,
-                             noise_multiplier=config.noise_multiplier)
+        knob = knob_to_solve(
+            num_examples=model.num_examples,
+            batch_size=config.batch_size,
+            steps=config.steps,
+            noise_multiplier=config.noise_multiplier,
+        )
         what = f"calibrating the {knob.replace('_', ' ')} for epsilon {config.target.epsilon:g}"
     with status(f"train: {what}", enabled=show_progress and bool(what)):
-        return PrivacyPlan.calibrate(config.target, num_examples=model.num_examples, batch_size=config.batch_size,
-                                     steps=config.steps, noise_multiplier=config.noise_multiplier,
-                                     releases=tuple(model.releases)).resolved()  # the capacity recorded
+        return PrivacyPlan.calibrate(
+            config.target,
+            num_examples=model.num_examples,
+            batch_size=config.batch_size,
+            steps=config.steps,
+            noise_multiplier=config.noise_multiplier,
+            releases=tuple(model.releases),
+        ).resolved()  # the capacity recorded
 
 
 class Trainer:
@@ -86,10 +95,14 @@ class Trainer:
         count = mesh.devices.size
         if config.effective_microbatch_size % count:
             processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
-            below, above = config.effective_microbatch_size // count * count, (config.effective_microbatch_size // count + 1) * count
+            below, above = (
+                config.effective_microbatch_size // count * count,
+                (config.effective_microbatch_size // count + 1) * count,
+            )
             raise InvalidConfigError(
                 f"--microbatch-size {config.effective_microbatch_size} must be divisible by the {count} devices{processes}: "
-                f"give {f'{below} or ' if below else ''}{above} (or set --devices)")
+                f"give {f'{below} or ' if below else ''}{above} (or set --devices)"
+            )
         self.sampler = plan.sampler(seed=seed, microbatch_size=config.effective_microbatch_size, multiple=count)
         optimizer = optax.chain(
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
@@ -97,10 +110,18 @@ class Trainer:
         )
         clipped_sum_fn = model.clipped_sum_fn(config.clip_norm) if plan.private else None
         self.clip_layers = clipped_sum_fn.layers if clipped_sum_fn is not None else ()
-        self.step = plan.dp_step(model.loss_fn, seed=seed, clip_norm=config.clip_norm, clipped_sum_fn=clipped_sum_fn,
-                                 optimizer=optimizer, mesh=mesh, ema_decay=config.ema_decay)
-        self.feed = model.make_feed(stream_key(seed, Stream.AUGMENTATION), distributed.BatchPlacement(mesh),
-                                    self.model_state)
+        self.step = plan.dp_step(
+            model.loss_fn,
+            seed=seed,
+            clip_norm=config.clip_norm,
+            clipped_sum_fn=clipped_sum_fn,
+            optimizer=optimizer,
+            mesh=mesh,
+            ema_decay=config.ema_decay,
+        )
+        self.feed = model.make_feed(
+            stream_key(seed, Stream.AUGMENTATION), distributed.BatchPlacement(mesh), self.model_state
+        )
         self._every = config.checkpoint_every or max(1, math.ceil(plan.steps / 20))
         self._checkpoints: Checkpoints | None = None
 
@@ -122,9 +143,11 @@ class Trainer:
         holdout = self.config.holdout
         if holdout and self.plan.private:
             first = self.plan.num_examples
-            notes.append(f"rows {first}-{first + holdout - 1} of split {self.config.train_split!r} are held out "
-                         f"(--holdout {holdout}): not trained on, and their scores (evaluate --split "
-                         f"{HOLDOUT_SPLIT}) are private diagnostics")
+            notes.append(
+                f"rows {first}-{first + holdout - 1} of split {self.config.train_split!r} are held out "
+                f"(--holdout {holdout}): not trained on, and their scores (evaluate --split "
+                f"{HOLDOUT_SPLIT}) are private diagnostics"
+            )
         if self.diagnostics:
             notes.append(f"{release.DIAGNOSTICS_FILE}: per-step statistics of the private batches")
         return tuple(notes)
@@ -153,15 +176,23 @@ class Trainer:
         self.steps_run = total - start
         # examples/s: the expected batch size x steps since the loop began over its time, as the result's
         # examples_per_second; the time left: from the steps after the first (which compiles)
-        with progress_bar("train", total=total, completed=start, enabled=show, fields=("epsilon", "shown"),
-                          unit=("examples", self.plan.batch_size),
-                          starting="compiling the DP step" if self.plan.private else "compiling the step") as bar:
+        with progress_bar(
+            "train",
+            total=total,
+            completed=start,
+            enabled=show,
+            fields=("epsilon", "shown"),
+            unit=("examples", self.plan.batch_size),
+            starting="compiling the DP step" if self.plan.private else "compiling the step",
+        ) as bar:
             for step in range(start, total):
                 batch = self.sampler.sample(step)
                 state, step_metrics = self.step.update(state, self.feed.microbatches(batch, step))
                 done = step + 1
                 everything = {k: float(v) for k, v in step_metrics.items()} | {
-                    "step": done, "seconds": round(time.perf_counter() - started, 3)}
+                    "step": done,
+                    "seconds": round(time.perf_counter() - started, 3),
+                }
                 if done == total or done % log_every == 0:
                     everything["epsilon_spent"] = self.plan.epsilon(done)
                 metrics, diagnostic = release.split_step_metrics(everything, private=self.plan.private)
@@ -173,8 +204,11 @@ class Trainer:
                     self.write_ledger(done)  # first: a saved checkpoint is never ahead of what the ledger counts
                     self.checkpoints.save(done, state)  # every process: orbax coordinates them
                 # Only what epsilon covers: the noisy update's norm (a non-private run shows its loss).
-                fields = {"shown": f"loss {metrics['loss']:.3f}" if "loss" in metrics
-                          else f"|update| {metrics['update_norm']:.3g}"}
+                fields = {
+                    "shown": f"loss {metrics['loss']:.3f}"
+                    if "loss" in metrics
+                    else f"|update| {metrics['update_norm']:.3g}"
+                }
                 if "epsilon_spent" in metrics:
                     fields["epsilon"] = f"eps {metrics['epsilon_spent']:.3f}"
                 bar.advance(**fields)
@@ -188,6 +222,7 @@ class Trainer:
         complete checkpoint; a resume redoes the steps since, with the same noise
         (``training.run_directory``).
         """
+
         def where() -> str:
             try:
                 latest = self.checkpoints.latest_step()
@@ -196,29 +231,40 @@ class Trainer:
             at = f"its checkpoint of step {latest} of {self.plan.steps}" if latest else "its start (no checkpoint yet)"
             return f"training stopped, the run is intact at {at}"
 
-        return storage_faults(path=self.run.path, stopped=where,
-                              then=f"continue it with `dpscale train --resume {self.run.path}`")
+        return storage_faults(
+            path=self.run.path, stopped=where, then=f"continue it with `dpscale train --resume {self.run.path}`"
+        )
 
     def finish(self, state: TrainState, metrics: dict[str, float], seconds: float) -> TrainResult:
         self.run.save_params(params=state.params, ema_params=state.ema_params, model_state=state.model_state)
         self.checkpoints.close()
         if self.primary:
             self.run.delete_secrets()  # a finished run needs no resume
-        return TrainResult(run_dir=self.run.path, epsilon=self.plan.epsilon(), delta=self.plan.delta,
-                           noise_multiplier=self.plan.noise_multiplier, steps=self.plan.steps,
-                           batch_size=self.plan.batch_size, train_seconds=seconds, final_metrics=metrics,
-                           warnings=self.warnings(),
-                           examples_per_second=round(self.steps_run * self.plan.batch_size / seconds, 1)
-                           if seconds > 0 else 0.0)
+        return TrainResult(
+            run_dir=self.run.path,
+            epsilon=self.plan.epsilon(),
+            delta=self.plan.delta,
+            noise_multiplier=self.plan.noise_multiplier,
+            steps=self.plan.steps,
+            batch_size=self.plan.batch_size,
+            train_seconds=seconds,
+            final_metrics=metrics,
+            warnings=self.warnings(),
+            examples_per_second=round(self.steps_run * self.plan.batch_size / seconds, 1) if seconds > 0 else 0.0,
+        )
 
 
 def _check_processes_agree(spec: RunSpec, model: TrainModel) -> None:
     """With several processes: the same configuration, plan and data everywhere (else refuse)."""
     training = dataclasses.replace(spec.training, show_progress=True, seed=None)  # the seed is broadcast
     distributed.check_same_everywhere(
-        json.dumps({"spec": dataclasses.replace(spec, training=training).to_json(), "data": model.data_hash},
-                   sort_keys=True, default=str),
-        "the training configuration or data")
+        json.dumps(
+            {"spec": dataclasses.replace(spec, training=training).to_json(), "data": model.data_hash},
+            sort_keys=True,
+            default=str,
+        ),
+        "the training configuration or data",
+    )
 
 
 def _locked(lock: RunLock | None) -> contextlib.AbstractContextManager:
@@ -239,8 +285,9 @@ def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
     _check_processes_agree(spec, model)
     seed = distributed.agree_on_seed(resolve_seed(config.seed))  # process 0's seed everywhere
     trainer = Trainer(run, spec, seed, model)
-    secrets = RunSecrets(seed=seed, data_identity=keyed_identity(seed_secret(seed), model.data_hash),
-                         versions=noise_versions())
+    secrets = RunSecrets(
+        seed=seed, data_identity=keyed_identity(seed_secret(seed), model.data_hash), versions=noise_versions()
+    )
     with _locked(distributed.run_on_primary(lambda: run.begin(spec, secrets))):
         state = trainer.step.init(model.init_params(seed), trainer.model_state)
         trainer.write_ledger(0)
@@ -263,7 +310,8 @@ def _check_redone_steps_keep_their_noise(run: RunDirectory, first: int) -> None:
             f"{run.path!r}: steps {first + 1}-{max(redone)} were logged before the crash and are redone from the "
             f"checkpoint at step {first}; under {noise_versions()} their noise could differ from the first attempt "
             f"({recorded or 'versions not recorded'}), an uncounted second release. Resume with the versions the "
-            "run started with, or start a new run")
+            "run started with, or start a new run"
+        )
 
 
 def resume(run_dir: str, *, show_progress: bool = True) -> TrainResult:
@@ -281,10 +329,14 @@ def _resume(run: RunDirectory, *, show_progress: bool) -> TrainResult:
 
     def read_secrets() -> int:  # process 0 only
         secrets = run.read_secrets()
-        if (model.num_examples != spec.plan.num_examples
-                or keyed_identity(seed_secret(secrets.seed), model.data_hash) != secrets.data_identity):
-            raise DataError(f"the data at {spec.data!r} changed since the run started; resuming would train "
-                            "on other data than the plan accounts for (start a new run)")
+        if (
+            model.num_examples != spec.plan.num_examples
+            or keyed_identity(seed_secret(secrets.seed), model.data_hash) != secrets.data_identity
+        ):
+            raise DataError(
+                f"the data at {spec.data!r} changed since the run started; resuming would train "
+                "on other data than the plan accounts for (start a new run)"
+            )
         return secrets.seed
 
     seed = distributed.run_on_primary(read_secrets)

@@ -25,7 +25,8 @@ model carries from step to step and what is kept at the end is the caller's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -86,8 +87,14 @@ def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int) -> tuple[
         return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
 
     clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=setup.clip_norm) if setup.model == "linear" else None
-    step = setup.plan.dp_step(loss, seed=seed, clip_norm=setup.clip_norm, clipped_sum_fn=clipped_sum_fn,
-                              optimizer=optax.sgd(setup.learning_rate), ema_decay=setup.ema_decay)
+    step = setup.plan.dp_step(
+        loss,
+        seed=seed,
+        clip_norm=setup.clip_norm,
+        clipped_sum_fn=clipped_sum_fn,
+        optimizer=optax.sgd(setup.learning_rate),
+        ema_decay=setup.ema_decay,
+    )
     return model, step
 
 
@@ -121,6 +128,7 @@ def run_models(
     chunk. ``sequential`` runs a chunk's models one after another (``lax.map``) instead of
     ``vmap``, for steps JAX cannot batch.
     """
+
     def one_model(model_index: jax.Array, row: PyTree) -> Carry:
         keys = model_keys(seed, model_index)
         carry, _ = jax.lax.scan(lambda c, t: (step(c, keys, row, t), None), start(keys, row), jnp.arange(steps))
@@ -185,8 +193,16 @@ def train_models(
         state, _ = dp_step.apply_pure(state, total, keys.noise)
         return state
 
-    return run_models(present, seed=seed, steps=setup.plan.steps, start=start, step=one_step,
-                      finish=lambda states: read_out(model, states), chunk_size=chunk_size, on_chunk=on_chunk)
+    return run_models(
+        present,
+        seed=seed,
+        steps=setup.plan.steps,
+        start=start,
+        step=one_step,
+        finish=lambda states: read_out(model, states),
+        chunk_size=chunk_size,
+        on_chunk=on_chunk,
+    )
 
 
 def train_and_score(
@@ -212,6 +228,7 @@ def train_and_score(
         logits = jax.vmap(lambda p: model.apply({"params": p}, score_x))(states.params)
         return margin(logits, score_y)
 
-    chunks = train_models(features, labels, present, setup=setup, seed=seed, read_out=read_out,
-                          chunk_size=chunk_size, on_chunk=on_chunk)
+    chunks = train_models(
+        features, labels, present, setup=setup, seed=seed, read_out=read_out, chunk_size=chunk_size, on_chunk=on_chunk
+    )
     return np.concatenate(chunks).astype(np.float32)

@@ -57,9 +57,13 @@ def test_lower_bound_of_a_gaussian_mechanism_stays_below_its_epsilon():
         out_s, in_s = rng.normal(size=2000), rng.normal(mu, size=2000)
         t = ab.best_threshold(in_s[:1000], out_s[:1000], delta=delta, confidence=0.95)
         bound = ab.epsilon_lower_bound(
-            false_positives=int(np.sum(out_s[1000:] >= t)), negatives=1000,
-            false_negatives=int(np.sum(in_s[1000:] < t)), positives=1000,
-            delta=delta, confidence=0.95)
+            false_positives=int(np.sum(out_s[1000:] >= t)),
+            negatives=1000,
+            false_negatives=int(np.sum(in_s[1000:] < t)),
+            positives=1000,
+            delta=delta,
+            confidence=0.95,
+        )
         bounds.append(bound)
     assert max(bounds) <= eps
     assert min(bounds) > 0.5 * eps  # and it has power
@@ -68,8 +72,7 @@ def test_lower_bound_of_a_gaussian_mechanism_stays_below_its_epsilon():
 def test_one_run_p_value_closed_forms():
     # delta = 0 and all guesses right: P[Bin(r, p) >= r] = p^r.
     p = 1 / (1 + math.exp(-1.0))
-    assert ab.one_run_p_value(canaries=100, guesses=20, correct=20, epsilon=1.0, delta=0.0) == (
-        pytest.approx(p**20))
+    assert ab.one_run_p_value(canaries=100, guesses=20, correct=20, epsilon=1.0, delta=0.0) == (pytest.approx(p**20))
     # delta only adds: the p-value grows with delta and with epsilon.
     base = ab.one_run_p_value(canaries=1000, guesses=100, correct=80, epsilon=1.0, delta=0.0)
     more = ab.one_run_p_value(canaries=1000, guesses=100, correct=80, epsilon=1.0, delta=1e-5)
@@ -78,12 +81,10 @@ def test_one_run_p_value_closed_forms():
 
 
 def test_one_run_bound_inverts_the_p_value():
-    eps = ab.one_run_epsilon_lower_bound(canaries=100, guesses=20, correct=20, delta=0.0,
-                                         confidence=0.95)
+    eps = ab.one_run_epsilon_lower_bound(canaries=100, guesses=20, correct=20, delta=0.0, confidence=0.95)
     # p^20 = 0.05 at the bound.
     assert 1 / (1 + math.exp(-eps)) == pytest.approx(0.05 ** (1 / 20), rel=1e-3)
-    assert ab.one_run_epsilon_lower_bound(canaries=100, guesses=20, correct=10, delta=0.0,
-                                          confidence=0.95) == 0.0
+    assert ab.one_run_epsilon_lower_bound(canaries=100, guesses=20, correct=10, delta=0.0, confidence=0.95) == 0.0
 
 
 def test_one_run_bound_is_sound_and_powerful_on_randomised_response():
@@ -93,8 +94,9 @@ def test_one_run_bound_is_sound_and_powerful_on_randomised_response():
     bounds = []
     for _ in range(20):
         correct = int(rng.binomial(m, 1 / (1 + math.exp(-eps))))
-        bounds.append(ab.one_run_epsilon_lower_bound(canaries=m, guesses=m, correct=correct,
-                                                     delta=0.0, confidence=0.95))
+        bounds.append(
+            ab.one_run_epsilon_lower_bound(canaries=m, guesses=m, correct=correct, delta=0.0, confidence=0.95)
+        )
     assert max(bounds) <= eps
     assert np.median(bounds) > 1.5
 
@@ -113,8 +115,10 @@ def test_mu_lower_bound_covers_the_true_mu_at_its_confidence():
     from dpscale.audit.bounds import mu_lower_bound
 
     rng = np.random.default_rng(0)
-    misses = sum(mu_lower_bound(rng.normal(0.7, 2.0, 300) + 5, rng.normal(0.0, 2.0, 300) + 5, confidence=0.9)
-                 > 0.35 for _ in range(400))
+    misses = sum(
+        mu_lower_bound(rng.normal(0.7, 2.0, 300) + 5, rng.normal(0.0, 2.0, 300) + 5, confidence=0.9) > 0.35
+        for _ in range(400)
+    )
     assert 20 <= misses <= 62  # 10% of 400 is 40; mu = 0.7 / 2 = 0.35
 
 
@@ -123,8 +127,12 @@ def test_cp_ceiling_is_the_bound_of_a_perfect_test():
 
     ceiling = cp_max_certifiable_epsilon(positives=500, negatives=500, delta=1e-5, confidence=0.999)
     assert ceiling == pytest.approx(4.18, abs=0.01)
-    assert epsilon_lower_bound(false_positives=1, negatives=500, false_negatives=0, positives=500, delta=1e-5,
-                               confidence=0.999) < ceiling
+    assert (
+        epsilon_lower_bound(
+            false_positives=1, negatives=500, false_negatives=0, positives=500, delta=1e-5, confidence=0.999
+        )
+        < ceiling
+    )
 
 
 def test_gdp_rates_bound_is_below_the_true_mu_and_above_cp_for_a_separable_test():

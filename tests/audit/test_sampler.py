@@ -23,8 +23,18 @@ def data():
 def _audit(data, seed=1, plan=PLAN):
     features, labels = data
     setup = SamplerAuditSetup(plan=plan, learning_rate=1.0)
-    return sampler_row(features, labels, 3, setup=setup, nominal_epsilon=PLAN.epsilon(),
-                       delta=1e-5, num_models=MODELS, confidence=0.95, holdout_fraction=0.5, seed=seed)
+    return sampler_row(
+        features,
+        labels,
+        3,
+        setup=setup,
+        nominal_epsilon=PLAN.epsilon(),
+        delta=1e-5,
+        num_models=MODELS,
+        confidence=0.95,
+        holdout_fraction=0.5,
+        seed=seed,
+    )
 
 
 def test_the_real_sampler_is_not_flagged_and_comes_close_to_its_rate(data):
@@ -54,5 +64,4 @@ def test_the_statistic_is_the_accounted_likelihood_ratio():
 
 def test_a_full_batch_plan_is_refused():
     with pytest.raises(InvalidConfigError, match="q < 1"):
-        SamplerAuditSetup(plan=PrivacyPlan(num_examples=10, batch_size=10, steps=1, noise_multiplier=1.0,
-                                           delta=1e-5))
+        SamplerAuditSetup(plan=PrivacyPlan(num_examples=10, batch_size=10, steps=1, noise_multiplier=1.0, delta=1e-5))

@@ -68,9 +68,19 @@ def _row(tiny, epsilon, seed=11, mesh=None, step=DpsgdStep):
     plan = PrivacyPlan.calibrate(PrivacyTarget(epsilon, DELTA), num_examples=N, batch_size=N, steps=STEPS)
     plan = with_parts(plan, step=step)
     setup = WhiteBoxSetup(plan=plan, clip_norm=2.0, learning_rate=0.5, microbatches=MICRO)
-    return white_box_row(*tiny, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(), delta=DELTA,
-                         num_models=MODELS, confidence=CONFIDENCE, holdout_fraction=0.5, seed=seed,
-                         chunk_size=MODELS, mesh=mesh)
+    return white_box_row(
+        *tiny,
+        CLASSES,
+        setup=setup,
+        nominal_epsilon=plan.epsilon(),
+        delta=DELTA,
+        num_models=MODELS,
+        confidence=CONFIDENCE,
+        holdout_fraction=0.5,
+        seed=seed,
+        chunk_size=MODELS,
+        mesh=mesh,
+    )
 
 
 @pytest.mark.parametrize("epsilon", [2.0, 4.0])
@@ -111,12 +121,30 @@ def test_cnn_step_with_per_layer_ghost_norms_has_teeth(bug):
     images = rng.normal(size=(N, 8, 8, 1)).astype(np.float32)
     labels = rng.integers(0, CLASSES, N).astype(np.int32)
     plan = PrivacyPlan.calibrate(PrivacyTarget(4.0, DELTA), num_examples=N, batch_size=N, steps=3)
-    setup = WhiteBoxSetup(plan=with_parts(plan, step=HalfNoise if bug == "half-noise" else DpsgdStep), model="cnn",
-                          clip_norm=2.0, learning_rate=0.5, microbatches=MICRO, channels=(4,), num_groups=2,
-                          per_example="ghost")
-    row = white_box_row(images.reshape(N, -1), labels, CLASSES, setup=setup, nominal_epsilon=plan.epsilon(),
-                        delta=DELTA, num_models=2_000, confidence=CONFIDENCE, holdout_fraction=0.5, seed=11,
-                        chunk_size=2_000, image_shape=(8, 8, 1))
+    setup = WhiteBoxSetup(
+        plan=with_parts(plan, step=HalfNoise if bug == "half-noise" else DpsgdStep),
+        model="cnn",
+        clip_norm=2.0,
+        learning_rate=0.5,
+        microbatches=MICRO,
+        channels=(4,),
+        num_groups=2,
+        per_example="ghost",
+    )
+    row = white_box_row(
+        images.reshape(N, -1),
+        labels,
+        CLASSES,
+        setup=setup,
+        nominal_epsilon=plan.epsilon(),
+        delta=DELTA,
+        num_models=2_000,
+        confidence=CONFIDENCE,
+        holdout_fraction=0.5,
+        seed=11,
+        chunk_size=2_000,
+        image_shape=(8, 8, 1),
+    )
     assert row["violation"] == (bug == "half-noise"), row
     if bug == "none":
         assert 0.5 * row["nominal_epsilon"] <= row["gdp_epsilon_lower_bound"] <= row["nominal_epsilon"]

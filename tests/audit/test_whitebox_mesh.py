@@ -21,12 +21,21 @@ def test_four_device_scores_equal_one_device_scores(model):
     else:
         features, image_shape = rng.normal(size=(N, 8, 8, 1)).astype(np.float32), (8, 8, 1)
     plan = PrivacyPlan.calibrate(PrivacyTarget(4.0, 1e-5), num_examples=N, batch_size=N, steps=3)
-    setup = WhiteBoxSetup(plan=plan, model=model, clip_norm=2.0, learning_rate=0.5, microbatches=2,
-                          channels=(4,), num_groups=2)
+    setup = WhiteBoxSetup(
+        plan=plan, model=model, clip_norm=2.0, learning_rate=0.5, microbatches=2, channels=(4,), num_groups=2
+    )
     member = np.arange(6) % 2 == 0
     one = white_box_scores(features, labels, CLASSES, member, setup=setup, seed=3, image_shape=image_shape)
-    four = white_box_scores(features, labels, CLASSES, member, setup=setup, seed=3, image_shape=image_shape,
-                            mesh=data_mesh(jax.devices()[:4]))
+    four = white_box_scores(
+        features,
+        labels,
+        CLASSES,
+        member,
+        setup=setup,
+        seed=3,
+        image_shape=image_shape,
+        mesh=data_mesh(jax.devices()[:4]),
+    )
     assert len(jax.devices()) >= 4
     np.testing.assert_allclose(four, one, rtol=1e-5, atol=1e-4)
     assert np.ptp(one) > 1.0  # the models differ: each has its own keys

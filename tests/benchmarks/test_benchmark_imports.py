@@ -43,15 +43,19 @@ def _violations(tree: ast.Module) -> list[str]:
                 if alias.name.split(".")[0] == "dpscale":
                     library_names.add(alias.asname or alias.name.split(".")[0])
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and node.value.id in library_names:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in library_names:
             if _private(node.attr):
                 found.append(f"line {node.lineno}: uses private {node.value.id}.{node.attr}")
             if isinstance(node.ctx, (ast.Store, ast.Del)):
                 found.append(f"line {node.lineno}: patches {node.value.id}.{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in ("setattr", "delattr") and node.args \
-                and isinstance(node.args[0], ast.Name) and node.args[0].id in library_names:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id in library_names
+        ):
             found.append(f"line {node.lineno}: {node.func.id} on {node.args[0].id}")
     return found
 
@@ -62,20 +66,21 @@ def test_a_benchmark_uses_the_library_through_its_public_names(path):
     assert [v for v in found if v.split(": ", 1)[1] not in KNOWN.get(path.name, ())] == []
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from dpscale.benchmarks.dedup_census import montage", "use benchmarks.*"),
-    ("import dpscale.benchmarks.dedup_census", "use benchmarks.*"),
-    ("from dpscale.dedup.verify import _blur", "imports private"),
-    ("from dpscale.dedup import verify\nverify._blur(3, 32)", "uses private verify._blur"),
-    ("from dpscale.dedup import verify\nverify.DETAIL_SIGMA = 2.0", "patches verify.DETAIL_SIGMA"),
-    ("from dpscale.dedup import verify\nsetattr(verify, 'alignment_grid', None)", "setattr on verify"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from dpscale.benchmarks.dedup_census import montage", "use benchmarks.*"),
+        ("import dpscale.benchmarks.dedup_census", "use benchmarks.*"),
+        ("from dpscale.dedup.verify import _blur", "imports private"),
+        ("from dpscale.dedup import verify\nverify._blur(3, 32)", "uses private verify._blur"),
+        ("from dpscale.dedup import verify\nverify.DETAIL_SIGMA = 2.0", "patches verify.DETAIL_SIGMA"),
+        ("from dpscale.dedup import verify\nsetattr(verify, 'alignment_grid', None)", "setattr on verify"),
+    ],
+)
 def test_the_check_catches_each_way_research_scripts_used_to_reach_in(source, expected):
     assert any(expected in v for v in _violations(ast.parse(source)))
 
 
 def test_the_check_lets_the_one_way_through():
-    source = ("from benchmarks.peers_measure import emit\n"
-              "from dpscale.dedup import refine\n"
-              "cut = 1 - refine.MIN_RANK\n")
+    source = "from benchmarks.peers_measure import emit\nfrom dpscale.dedup import refine\ncut = 1 - refine.MIN_RANK\n"
     assert _violations(ast.parse(source)) == []

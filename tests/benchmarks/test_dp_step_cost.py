@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root holds benchmarks/
 
-from benchmarks.dp_step_cost import compare, per_step_seconds, summarize  # noqa: E402
+from benchmarks.dp_step_cost import compare, per_step_seconds, summarize
 
 
 def _write(path: Path, records: list[dict]) -> None:
@@ -16,10 +16,18 @@ def _write(path: Path, records: list[dict]) -> None:
 
 
 def test_per_step_seconds_come_from_both_record_files_and_skip_steps_after_an_epsilon_log(tmp_path):
-    _write(tmp_path / "metrics.jsonl", [{"step": 1, "update_norm": 1.0, "epsilon_spent": 0.1},
-                                        {"step": 2, "update_norm": 1.0}, {"step": 3, "update_norm": 1.0}])
-    _write(tmp_path / "diagnostics.NOT-PRIVATE.jsonl", [{"step": 1, "seconds": 10.0}, {"step": 2, "seconds": 13.0},
-                                                        {"step": 3, "seconds": 14.5}])
+    _write(
+        tmp_path / "metrics.jsonl",
+        [
+            {"step": 1, "update_norm": 1.0, "epsilon_spent": 0.1},
+            {"step": 2, "update_norm": 1.0},
+            {"step": 3, "update_norm": 1.0},
+        ],
+    )
+    _write(
+        tmp_path / "diagnostics.NOT-PRIVATE.jsonl",
+        [{"step": 1, "seconds": 10.0}, {"step": 2, "seconds": 13.0}, {"step": 3, "seconds": 14.5}],
+    )
     assert per_step_seconds(tmp_path) == {3: 1.5}  # step 2 follows the log of step 1
 
 
@@ -47,4 +55,3 @@ def test_a_slower_non_private_step_is_flagged_even_when_the_ratio_looks_better()
     assert not any("SLOWER" in line for line in same)
     other_batch = then | {"batch": 256}
     assert compare(now, [other_batch], tolerance=0.2) == ["wrn-16-4:64:1 B=64: nothing earlier to compare with"]
-

@@ -11,15 +11,19 @@ from dpscale.cache import feature_store as fstore
 from dpscale.cache.keys import FeatureKey
 from dpscale.errors import DataError
 
-KEY = FeatureKey(data_identity="a" * 64, weights_sha256="b" * 64, model="cnn-small",
-                 resolution=16, mean=(8.0,), std=(4.0,))
+KEY = FeatureKey(
+    data_identity="a" * 64, weights_sha256="b" * 64, model="cnn-small", resolution=16, mean=(8.0,), std=(4.0,)
+)
 DIM = 5
 
 
 def layout(key=KEY, chunk_rows=4):
-    return fstore.EntryLayout(key=key, feature_dim=DIM, class_names=("x", "y", "z"),
-                              splits={"train": fstore.SplitLayout(10, chunk_rows),
-                                      "test": fstore.SplitLayout(3, chunk_rows)})
+    return fstore.EntryLayout(
+        key=key,
+        feature_dim=DIM,
+        class_names=("x", "y", "z"),
+        splits={"train": fstore.SplitLayout(10, chunk_rows), "test": fstore.SplitLayout(3, chunk_rows)},
+    )
 
 
 def rows(split, start, stop):
@@ -32,7 +36,7 @@ def rows(split, start, stop):
 
 
 def write(store, chunks=None):
-    for split, chunk in (store.all_chunks() if chunks is None else chunks):
+    for split, chunk in store.all_chunks() if chunks is None else chunks:
         start, stop = store.layout.splits[split].rows(chunk)
         store.write_chunk(split, chunk, *rows(split, start, stop))
 
@@ -93,8 +97,7 @@ def test_partial_entry_is_refused_and_resumes_missing_chunks_only(tmp_path):
     assert again.missing_chunks() == [("train", 1), ("train", 2)]
     write(again, again.missing_chunks())
     again.finalize()
-    np.testing.assert_array_equal(fstore.open_features(store.path).features("train")[:],
-                                  rows("train", 0, 10)[0])
+    np.testing.assert_array_equal(fstore.open_features(store.path).features("train")[:], rows("train", 0, 10)[0])
 
 
 def test_chunk_data_without_its_marker_does_not_count(complete):

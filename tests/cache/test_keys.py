@@ -7,8 +7,14 @@ import pytest
 from dpscale.cache.keys import FEATURE_FORMAT_VERSION, FeatureKey
 from dpscale.errors import DataError
 
-BASE = FeatureKey(data_identity="a" * 64, weights_sha256="b" * 64, model="efficientnet-lite0",
-                  resolution=224, mean=(127.0, 127.0, 127.0), std=(128.0, 128.0, 128.0))
+BASE = FeatureKey(
+    data_identity="a" * 64,
+    weights_sha256="b" * 64,
+    model="efficientnet-lite0",
+    resolution=224,
+    mean=(127.0, 127.0, 127.0),
+    std=(128.0, 128.0, 128.0),
+)
 
 
 def test_digest_is_stable_and_survives_a_round_trip():
@@ -21,11 +27,20 @@ def test_digest_is_stable_and_survives_a_round_trip():
     assert dataclasses.replace(BASE, mean=(127, 127, 127)).digest == BASE.digest
 
 
-@pytest.mark.parametrize("change", [
-    {"data_identity": "c" * 64}, {"weights_sha256": "d" * 64}, {"resolution": 128},
-    {"mean": (127.0, 127.0, 127.5)}, {"std": (128.0, 128.0, 127.0)},
-    {"resize_method": "nearest"}, {"format_version": FEATURE_FORMAT_VERSION + 1},
-    {"model": "efficientnet-lite1"}, {"flip_average": True}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"data_identity": "c" * 64},
+        {"weights_sha256": "d" * 64},
+        {"resolution": 128},
+        {"mean": (127.0, 127.0, 127.5)},
+        {"std": (128.0, 128.0, 127.0)},
+        {"resize_method": "nearest"},
+        {"format_version": FEATURE_FORMAT_VERSION + 1},
+        {"model": "efficientnet-lite1"},
+        {"flip_average": True},
+    ],
+)
 def test_every_part_changes_the_digest(change):
     assert dataclasses.replace(BASE, **change).digest != BASE.digest
 

@@ -56,10 +56,27 @@ def gcs(tmp_path_factory):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(root.parent / "fake-gcs-server.log", "wb")
-    server = subprocess.Popen([str(_server_binary()), "-scheme", "http", "-backend", "filesystem",
-                               "-filesystem-root", str(root), "-host", "127.0.0.1", "-port", str(port),
-                               "-external-url", url, "-log-level", "error"],
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            str(_server_binary()),
+            "-scheme",
+            "http",
+            "-backend",
+            "filesystem",
+            "-filesystem-root",
+            str(root),
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-external-url",
+            url,
+            "-log-level",
+            "error",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -84,9 +101,16 @@ def gcs(tmp_path_factory):
 
 def point_clients_at(url: str, mp: pytest.MonkeyPatch) -> None:
     """Every Cloud Storage client dpscale uses, pointed at ``url`` with anonymous credentials (undone by ``mp``)."""
-    env = {"STORAGE_EMULATOR_HOST": url, "CLOUD_STORAGE_EMULATOR_ENDPOINT": url, "TENSORSTORE_GCS_HTTP_URL": url,
-           "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anonymous", "FSSPEC_GS_TOKEN": "anon",
-           "GCE_METADATA_HOST": CLOSED_PORT, "GCE_METADATA_IP": CLOSED_PORT, "NO_GCE_CHECK": "True"}
+    env = {
+        "STORAGE_EMULATOR_HOST": url,
+        "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anonymous",
+        "FSSPEC_GS_TOKEN": "anon",
+        "GCE_METADATA_HOST": CLOSED_PORT,
+        "GCE_METADATA_IP": CLOSED_PORT,
+        "NO_GCE_CHECK": "True",
+    }
     for name, value in env.items():
         mp.setenv(name, value)
     mp.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
@@ -185,8 +209,14 @@ def dask_scheduler():
     try:
         from dask.distributed import LocalCluster
 
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                               dashboard_address=":0", worker_dashboard_address=None)
+        cluster = LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=":0",
+            worker_dashboard_address=None,
+        )
     finally:
         sys.path[:] = saved
     try:

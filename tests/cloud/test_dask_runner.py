@@ -64,12 +64,28 @@ def test_featurize_on_dask_gives_the_local_runner_s_features(dask_scheduler, tmp
     model = pretrained.build_model("cnn-small", num_classes=10)
     variables = model.init(jax.random.key(1), jnp.zeros((1, 8, 8, 1), jnp.float32))
     backbone = str(tmp_path / "backbone")
-    pretrained.save_pretrained(backbone, variables, model="cnn-small", num_classes=10,
-                               preprocessing=pretrained.Preprocessing(resolution=8, mean=(127.5,), std=(127.5,)))
+    pretrained.save_pretrained(
+        backbone,
+        variables,
+        model="cnn-small",
+        num_classes=10,
+        preprocessing=pretrained.Preprocessing(resolution=8, mean=(127.5,), std=(127.5,)),
+    )
     entries = {}
     for where, scheduler in (("local", None), ("dask", dask_scheduler)):
-        result = _run(["featurize", str(tmp_path / "digits"), "--backbone", backbone, "--cache-dir",
-                       str(tmp_path / where), "--chunk-rows", "512"], scheduler)
+        result = _run(
+            [
+                "featurize",
+                str(tmp_path / "digits"),
+                "--backbone",
+                backbone,
+                "--cache-dir",
+                str(tmp_path / where),
+                "--chunk-rows",
+                "512",
+            ],
+            scheduler,
+        )
         entries[where] = open_features(json.loads(result.stdout.strip().splitlines()[-1])["path"])
     local, dask = entries["local"], entries["dask"]
     assert local.splits == dask.splits == ["test", "train"]

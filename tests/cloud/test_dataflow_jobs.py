@@ -27,16 +27,33 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def wheel(tmp_path_factory):
     """dpscale as the workers would install it (built here, offline, from this checkout)."""
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
     [built] = out.glob("dpscale-*.whl")
     return built
 
 
 def _dataflow(gcs, wheel, job):
-    return ["--", "--runner", "DataflowRunner", "--project", "dpscale-test", "--region", "europe-west4",
-            "--temp_location", f"{gcs}/dataflow-tmp", "--extra_package", str(wheel),
-            "--dry_run", "True", "--dataflow_job_file", str(job)]
+    return [
+        "--",
+        "--runner",
+        "DataflowRunner",
+        "--project",
+        "dpscale-test",
+        "--region",
+        "europe-west4",
+        "--temp_location",
+        f"{gcs}/dataflow-tmp",
+        "--extra_package",
+        str(wheel),
+        "--dry_run",
+        "True",
+        "--dataflow_job_file",
+        str(job),
+    ]
 
 
 def _built_job(args, job):
@@ -48,8 +65,12 @@ def _built_job(args, job):
     transforms = {t["uniqueName"] for t in described["pipeline"]["components"]["transforms"].values()}
     environments = described["pipeline"]["components"]["environments"].values()
     # each staged artifact: where it is read from and the name it is staged as (protobuf payloads)
-    staged = " ".join(base64.b64decode(d.get(k, "")).decode("utf-8", "replace") for e in environments
-                      for d in e.get("dependencies", []) for k in ("typePayload", "rolePayload"))
+    staged = " ".join(
+        base64.b64decode(d.get(k, "")).decode("utf-8", "replace")
+        for e in environments
+        for d in e.get("dependencies", [])
+        for k in ("typePayload", "rolePayload")
+    )
     return described["options"], transforms, staged
 
 
@@ -73,26 +94,57 @@ def test_ingest_dedup_and_featurize_build_their_dataflow_jobs(gcs, gs_dir, wheel
         result = CliRunner().invoke(cli, ["ingest", "digits", f"{gs_dir}/{name}", "--classes", classes])
         assert result.exit_code == 0, result.output
     job = tmp_path / "dedup.json"
-    options, transforms, staged = _built_job(["dedup", f"{gs_dir}/public", f"{gs_dir}/private", f"{gs_dir}/dedup",
-                                              *_dataflow(gcs, wheel, job)], job)
+    options, transforms, staged = _built_job(
+        ["dedup", f"{gs_dir}/public", f"{gs_dir}/private", f"{gs_dir}/dedup", *_dataflow(gcs, wheel, job)], job
+    )
     _check_options(options, gcs, wheel)
     assert {"Describe", "Neighbours", "Verify", "WriteShards", "WriteReport"} <= transforms and wheel.name in staged
 
     model = pretrained.build_model("cnn-small", num_classes=5)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1), jnp.float32))
     backbone = f"{gs_dir}/backbone"
-    pretrained.save_pretrained(backbone, variables, model="cnn-small", num_classes=5,
-                               preprocessing=pretrained.Preprocessing(resolution=8, mean=(127.5,), std=(127.5,)))
+    pretrained.save_pretrained(
+        backbone,
+        variables,
+        model="cnn-small",
+        num_classes=5,
+        preprocessing=pretrained.Preprocessing(resolution=8, mean=(127.5,), std=(127.5,)),
+    )
     job = tmp_path / "featurize.json"
-    options, transforms, staged = _built_job(["featurize", f"{gs_dir}/private", "--backbone", backbone,
-                                              "--cache-dir", f"{gs_dir}/cache", *_dataflow(gcs, wheel, job)], job)
+    options, transforms, staged = _built_job(
+        [
+            "featurize",
+            f"{gs_dir}/private",
+            "--backbone",
+            backbone,
+            "--cache-dir",
+            f"{gs_dir}/cache",
+            *_dataflow(gcs, wheel, job),
+        ],
+        job,
+    )
     _check_options(options, gcs, wheel)
     assert "FeaturizeChunks" in transforms and wheel.name in staged
 
 
 def test_a_dataflow_job_without_dpscale_for_its_workers_is_refused_in_one_line(gs_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["ingest", "digits", f"{gs_dir}/digits", "--", "--runner", "DataflowRunner",
-                                      "--project", "p", "--region", "r", "--temp_location", f"{gs_dir}/tmp"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ingest",
+            "digits",
+            f"{gs_dir}/digits",
+            "--",
+            "--runner",
+            "DataflowRunner",
+            "--project",
+            "p",
+            "--region",
+            "r",
+            "--temp_location",
+            f"{gs_dir}/tmp",
+        ],
+    )
     assert result.exit_code == 2
     [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("dpscale: error:")]
     assert "--setup_file" in line and "--extra_package" in line and "--sdk_container_image" in line

@@ -26,8 +26,19 @@ COMMANDS = {
     "resume": ["train", "--resume", f"{B}/run"],
     "evaluate": ["evaluate", f"{B}/run"],
     "export-backbone": ["export-backbone", f"{B}/run", f"{B}/backbone"],
-    "sweep": ["sweep", f"{B}/cache/entry", f"{B}/sweep", "--epsilons", "1", "--steps", "2", "--batch-size", "8",
-              "--learning-rates", "1"],
+    "sweep": [
+        "sweep",
+        f"{B}/cache/entry",
+        f"{B}/sweep",
+        "--epsilons",
+        "1",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--learning-rates",
+        "1",
+    ],
     "quickstart": ["quickstart", "--work-dir", f"{B}/qs"],
     "audit": ["audit", f"{B}/digits"],
 }
@@ -53,8 +64,9 @@ def _one_line(result, *needles: str) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_every_command_says_in_one_line_that_cloud_storage_refused_the_connection(name, storage_out_of_reach,
-                                                                                 tmp_path, monkeypatch):
+def test_every_command_says_in_one_line_that_cloud_storage_refused_the_connection(
+    name, storage_out_of_reach, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     storage_out_of_reach("refused")
     start = time.monotonic()
@@ -90,11 +102,18 @@ def test_the_command_line_gives_up_on_a_silent_server_within_its_timeout(storage
     storage_out_of_reach("silent")
     env = dict(os.environ, DPSCALE_GCS_TIMEOUT="2")
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "dpscale", "evaluate", f"{B}/run"], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpscale", "evaluate", f"{B}/run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     took = time.monotonic() - start
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"dpscale: error: '{B}/run/config.json': Cloud Storage cannot be reached: {done.stderr.split('reached: ')[1].split(' did not')[0]}"
-        " did not answer within 2 s (DPSCALE_GCS_TIMEOUT sets the wait); check the network, then run the command again"]
+        " did not answer within 2 s (DPSCALE_GCS_TIMEOUT sets the wait); check the network, then run the command again"
+    ]
     assert took < 2 + SECONDS, f"{took:.1f} s"

@@ -109,21 +109,20 @@ def test_shard_index_uses_content():
 def test_process_task_batches_by_shard_and_counts_everything(tmp_path):
     from dpscale.data.raw_items import ReadTask
 
-    good = [_encoded(_image, "PNG") for _image in
-            (np.full((3, 3, 3), v, np.uint8) for v in range(6))]
+    good = [_encoded(_image, "PNG") for _image in (np.full((3, 3, 3), v, np.uint8) for v in range(6))]
     for i, data in enumerate(good):
         (tmp_path / f"{i}.png").write_bytes(data)
     (tmp_path / "bad.png").write_bytes(b"nope")
     members = tuple(("train", "x", f"{i}.png") for i in range(6)) + (("train", "x", "bad.png"),)
     task = ReadTask("files", path=str(tmp_path), members=members)
-    out = ex.process_task(task, ["x"], validation_fraction=0.5,
-                          shards_per_split={"train": 2, "validation": 1}, encoding="raw")
+    out = ex.process_task(
+        task, ["x"], validation_fraction=0.5, shards_per_split={"train": 2, "validation": 1}, encoding="raw"
+    )
     assert out.shape_counts == {(3, 3, 3): 6}
     assert [r.key for r in out.rejections] == ["bad.png"]
     flat = [e for batch in out.batches.values() for e in batch]
     assert len(flat) == 6 and {e.split for e in flat} <= {"train", "validation"}
     for (split, shard), batch in out.batches.items():
-        assert all(e.split == split and ex.shard_index(e, 2 if split == "train" else 1) == shard
-                   for e in batch)
+        assert all(e.split == split and ex.shard_index(e, 2 if split == "train" else 1) == shard for e in batch)
     back = ex.decode_record(flat[0].record)
     assert back.digest == flat[0].digest and back.shape == (3, 3, 3)

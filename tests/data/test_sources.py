@@ -28,7 +28,7 @@ def write_idx(path, array: np.ndarray, *, compress: bool) -> None:
     """Write an IDX file of unsigned bytes (MNIST format)."""
     header = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, ">u4").tobytes()
     data = header + array.astype(np.uint8).tobytes()
-    with (gzip.open(path, "wb") if compress else open(path, "wb")) as f:
+    with gzip.open(path, "wb") if compress else open(path, "wb") as f:
         f.write(data)
 
 
@@ -60,9 +60,15 @@ def test_every_kind_is_one_row_of_the_table():
 
 
 def testsplit_layout_with_wrapper_dir_and_stray_file():
-    members, classes = sources.split_layout([
-        "cifar/train/cat/1.png", "cifar/train/dog/2.png", "cifar/test/cat/3.png",
-        "cifar/val/bird/4.png", "cifar/train/README"])
+    members, classes = sources.split_layout(
+        [
+            "cifar/train/cat/1.png",
+            "cifar/train/dog/2.png",
+            "cifar/test/cat/3.png",
+            "cifar/val/bird/4.png",
+            "cifar/train/README",
+        ]
+    )
     assert classes == ["cat", "dog"]
     assert ("validation", "bird", "cifar/val/bird/4.png") in members
     assert ("train", "", "cifar/train/README") in members  # reported later, not dropped
@@ -135,18 +141,15 @@ def test_idx_source(tmp_path, compress):
     train = rng.integers(0, 256, (5, 3, 2), dtype=np.uint8)
     test = rng.integers(0, 256, (3, 3, 2), dtype=np.uint8)
     write_idx(tmp_path / f"train-images-idx3-ubyte{suffix}", train, compress=compress)
-    write_idx(tmp_path / f"train-labels-idx1-ubyte{suffix}", np.array([0, 1, 2, 1, 0]),
-              compress=compress)
+    write_idx(tmp_path / f"train-labels-idx1-ubyte{suffix}", np.array([0, 1, 2, 1, 0]), compress=compress)
     write_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", test, compress=compress)
-    write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", np.array([2, 7, 0]),
-              compress=compress)
+    write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", np.array([2, 7, 0]), compress=compress)
     plan = plan_source(parse_source(f"idx:{tmp_path}"), chunk_size=2)
     assert plan.class_names == ("0", "1", "2")
     assert plan.split_sizes == {"train": 5, "test": 3}
     items = {(i.split, i.key): i for i in _read_all(plan)}
     assert len(items) == 8
-    np.testing.assert_array_equal(
-        items[("train", f"train-images-idx3-ubyte{suffix}[3]")].payload, train[3][..., None])
+    np.testing.assert_array_equal(items[("train", f"train-images-idx3-ubyte{suffix}[3]")].payload, train[3][..., None])
     assert items[("test", f"t10k-images-idx3-ubyte{suffix}[1]")].label == UNKNOWN_LABEL
 
 

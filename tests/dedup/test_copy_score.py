@@ -33,11 +33,11 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 def test_decide_accepts_a_twin_but_not_a_look_alike_of_a_crowded_scene():
     rng = np.random.default_rng(0)
-    spread = _unit(rng.normal(size=(200, 32)))           # unrelated public images
+    spread = _unit(rng.normal(size=(200, 32)))  # unrelated public images
     scene = rng.normal(size=32)
     crowd = _unit(scene + 0.08 * rng.normal(size=(30, 32)))  # 30 public look-alikes of one scene
     public = np.concatenate([spread, crowd])
-    twin = _unit(spread[7:8] + 0.05 * rng.normal(size=(1, 32)))   # a copy of public 7
+    twin = _unit(spread[7:8] + 0.05 * rng.normal(size=(1, 32)))  # a copy of public 7
     look_alike = _unit(scene[None] + 0.08 * rng.normal(size=(1, 32)))
     mirrored_copy = _unit(spread[11:12] + 0.05 * rng.normal(size=(1, 32)))
     private = np.concatenate([twin, look_alike, _unit(rng.normal(size=(1, 32)))])
@@ -45,8 +45,9 @@ def test_decide_accepts_a_twin_but_not_a_look_alike_of_a_crowded_scene():
     cos_twin = float(twin[0] @ spread[7])
     cos_look_alike = float((public @ look_alike[0]).max())
     assert cos_look_alike > cos_twin  # the raw cosine prefers the look-alike ...
-    pairs = decide(public, public, private, private_mirror,
-                   CopySettings(cut=0.5, k=5, beta=1.0, candidates=10, local_weight=0.0))
+    pairs = decide(
+        public, public, private, private_mirror, CopySettings(cut=0.5, k=5, beta=1.0, candidates=10, local_weight=0.0)
+    )
     accepted = {(int(a), int(b)) for a, b in zip(pairs.private, pairs.public)}
     assert accepted == {(0, 7), (2, 11)}  # ... the normalised score does
     assert pairs.mirrored[list(pairs.private).index(2)] and not pairs.mirrored[list(pairs.private).index(0)]
@@ -60,8 +61,9 @@ def test_the_candidates_widen_while_every_one_is_accepted():
     photo = rng.normal(size=32)
     public = np.concatenate([spread[:100], _unit(photo + 0.05 * rng.normal(size=(30, 32))), spread[100:]])
     private = _unit(np.concatenate([photo[None] + 0.05 * rng.normal(size=(1, 32)), spread[5:6]]))
-    pairs = decide(public, public, private, private,
-                   CopySettings(cut=0.9, k=5, beta=0.0, candidates=10, local_weight=0.0))
+    pairs = decide(
+        public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.0, candidates=10, local_weight=0.0)
+    )
     assert sorted(pairs.public[pairs.private == 0].tolist()) == list(range(100, 130))
     assert pairs.public[pairs.private == 1].tolist() == [5] and pairs.private.tolist() == sorted(pairs.private)
     assert (np.diff(-pairs.cosine[pairs.private == 0]) >= 0).all()  # nearest first
@@ -98,15 +100,23 @@ def test_the_local_agreement_relative_to_the_candidates_decides_between_close_co
         out[(rows == 0)[:, None] & (index == 104)] = 0.7  # private 0's cells match public 104's
         return out
 
-    plain = decide(public, public, private, private,
-                   CopySettings(cut=0.9, k=5, beta=0.5, candidates=10, local_weight=0.0))
+    plain = decide(
+        public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.5, candidates=10, local_weight=0.0)
+    )
     assert len(plain.public) == 0
-    pairs = decide(public, public, private, private, CopySettings(cut=0.9, k=5, beta=0.5, local_weight=2.0,
-                                                                   candidates=10), local_agreement=local)
+    pairs = decide(
+        public,
+        public,
+        private,
+        private,
+        CopySettings(cut=0.9, k=5, beta=0.5, local_weight=2.0, candidates=10),
+        local_agreement=local,
+    )
     assert pairs.private.tolist() == [0] and pairs.public.tolist() == [104]
     # score = normalised + 2 x (0.7 - the median of private 0's agreements, 0.3)
-    every = decide(public, public, private, private,
-                   CopySettings(cut=-1.9, k=5, beta=0.5, candidates=10, local_weight=0.0))
+    every = decide(
+        public, public, private, private, CopySettings(cut=-1.9, k=5, beta=0.5, candidates=10, local_weight=0.0)
+    )
     normalised_104 = every.score[(every.private == 0) & (every.public == 104)]
     assert pairs.score[0] == pytest.approx(normalised_104[0] + 0.8, abs=1e-5) and pairs.best_public[0] == 104
     assert pairs.best_score[1] == pytest.approx(plain.best_score[1], abs=1e-5)  # no lift for private 1
@@ -114,8 +124,14 @@ def test_the_local_agreement_relative_to_the_candidates_decides_between_close_co
     with pytest.raises(ValueError, match="local agreement"):
         decide(public, public, private, private, CopySettings(local_weight=1.0))
     with pytest.raises(ValueError, match="shape"):
-        decide(public, public, private, private, CopySettings(local_weight=1.0, k=5, candidates=10),
-               local_agreement=lambda rows, index, mirrored: np.zeros(len(rows)))
+        decide(
+            public,
+            public,
+            private,
+            private,
+            CopySettings(local_weight=1.0, k=5, candidates=10),
+            local_agreement=lambda rows, index, mirrored: np.zeros(len(rows)),
+        )
 
 
 def test_a_widened_search_keeps_each_private_images_first_background():

@@ -20,8 +20,9 @@ def thumbs():
     rng = np.random.default_rng(0)
     # smooth random images (upsampled 8x8 noise): cells differ from each other, as in photographs
     coarse = rng.integers(0, 256, (6, 8, 8, 3)).astype(np.float32)
-    return cm.thumbnails(np.clip(np.kron(coarse, np.ones((1, 4, 4, 1))) + rng.normal(0, 8, (6, 32, 32, 3)), 0, 255)
-                         .astype(np.uint8))
+    return cm.thumbnails(
+        np.clip(np.kron(coarse, np.ones((1, 4, 4, 1))) + rng.normal(0, 8, (6, 32, 32, 3)), 0, 255).astype(np.uint8)
+    )
 
 
 def test_local_features_are_the_copy_models_own_early_blocks(params, thumbs):
@@ -62,8 +63,9 @@ def test_agreement_takes_each_candidates_mirror_state_and_equals_pairwise_matchi
     for r in range(2):
         for j in range(3):
             b = private[r][:, ::-1] if mirrored[r, j] else private[r]
-            want = local_match.mutual_fraction(local_match.cells(p, public[index[r, j]][None]),
-                                               local_match.cells(p, b[None]))[0]
+            want = local_match.mutual_fraction(
+                local_match.cells(p, public[index[r, j]][None]), local_match.cells(p, b[None])
+            )[0]
             assert got[r, j] == pytest.approx(want)
     # the same image unmirrored is no longer a one-to-one match
     assert agreement(np.array([0]), np.array([[2]]), np.array([[False]]))[0, 0] < 1.0

@@ -13,14 +13,14 @@ def _smooth(seed: int) -> np.ndarray:
 
 def _shift(im: np.ndarray, dx: int, dy: int) -> np.ndarray:
     padded = np.pad(im, ((2, 2), (2, 2), (0, 0)), mode="edge")
-    return padded[2 - dy:2 - dy + 32, 2 - dx:2 - dx + 32].copy()
+    return padded[2 - dy : 2 - dy + 32, 2 - dx : 2 - dx + 32].copy()
 
 
 def test_descriptor_tolerates_shift_brightness_and_a_mirror_view_catches_flips():
     im = _smooth(0)
-    d = descriptor.describe(np.stack([im, _shift(im, 1, 0), _shift(im, 2, -1),
-                                      np.clip(im * 0.8 + 20, 0, 255).astype(np.uint8),
-                                      _smooth(1)]))
+    d = descriptor.describe(
+        np.stack([im, _shift(im, 1, 0), _shift(im, 2, -1), np.clip(im * 0.8 + 20, 0, 255).astype(np.uint8), _smooth(1)])
+    )
     assert d.shape == (5, descriptor.DIM)
     np.testing.assert_allclose(np.linalg.norm(d, axis=1), 1, atol=1e-5)
     assert d[0] @ d[1] > 0.95 and d[0] @ d[2] > 0.8 and d[0] @ d[3] > 0.99
@@ -49,7 +49,6 @@ def test_verification_separates_a_shifted_recoloured_copy_from_a_lookalike():
     im = _smooth(3)
     copy = np.clip(_shift(im, -1, 2) * np.array([1.1, 0.9, 1.0]) + 10, 0, 255).astype(np.uint8)
     other = _smooth(4)
-    coarse, fine = verify.distances(np.stack([copy, other]), np.stack([im, im]),
-                                    np.array([False, False]))
+    coarse, fine = verify.distances(np.stack([copy, other]), np.stack([im, im]), np.array([False, False]))
     assert fine[0] < verify.THRESHOLD < coarse[1]
     assert np.isinf(fine[1]) or fine[1] > verify.THRESHOLD

@@ -20,7 +20,7 @@ def scene(seed: int, size: int = 96, octaves=(4, 8, 16, 32, 64)) -> np.ndarray:
 
 def view(image: np.ndarray, left: int, top: int, side: int) -> np.ndarray:
     """The square ``side`` at (left, top), downsampled to 32x32 (how CIFAR-10 images were made)."""
-    crop = Image.fromarray(image[top:top + side, left:left + side])
+    crop = Image.fromarray(image[top : top + side, left : left + side])
     return np.asarray(crop.resize((32, 32), Image.Resampling.BILINEAR))
 
 
@@ -68,8 +68,11 @@ def test_a_look_alike_with_the_same_layout_but_other_detail_is_rejected_by_detai
 
 def test_a_strongly_sheared_copy_is_not_a_re_crop():
     s = view(scene(20), 16, 16, 64)
-    sheared = np.asarray(Image.fromarray(s).transform(
-        (32, 32), Image.Transform.AFFINE, (1.0, 0.6, -9.0, 0.0, 1.0, 0.0), Image.Resampling.BILINEAR))
+    sheared = np.asarray(
+        Image.fromarray(s).transform(
+            (32, 32), Image.Transform.AFFINE, (1.0, 0.6, -9.0, 0.0, 1.0, 0.0), Image.Resampling.BILINEAR
+        )
+    )
     r = decide(s, sheared)
     assert r.anisotropy[0] > refine.MAX_ANISOTROPY and not r.accepted[0]
 
@@ -77,8 +80,12 @@ def test_a_strongly_sheared_copy_is_not_a_re_crop():
 def test_each_cut_alone_rejects_a_pair_that_passes_the_others():
     ok = dict(ecc_distance=0.01, rank_distance=0.01, detail_distance=0.05, scale=1.1, anisotropy=1.1)
     lo, hi = refine.SCALE_RANGE
-    breaks = {"rank_distance": 1 - refine.MIN_RANK + 0.01, "detail_distance": 1 - refine.MIN_DETAIL + 0.01,
-              "anisotropy": refine.MAX_ANISOTROPY + 0.01, "scale": (lo - 0.01, hi + 0.01)}
+    breaks = {
+        "rank_distance": 1 - refine.MIN_RANK + 0.01,
+        "detail_distance": 1 - refine.MIN_DETAIL + 0.01,
+        "anisotropy": refine.MAX_ANISOTROPY + 0.01,
+        "scale": (lo - 0.01, hi + 0.01),
+    }
     rows = [ok]
     for field, bad in breaks.items():
         for value in bad if isinstance(bad, tuple) else (bad,):
@@ -141,19 +148,22 @@ def test_verification_refines_only_what_the_grid_rejects_and_says_which_check_de
     public = _Images([view(s, 16, 16, 64), view(s, 16, 16, 64), view(other, 16, 16, 64)])
     private = _Images([view(s, 17, 16, 62), view(s, 27, 22, 48), view(s, 27, 22, 48)[:, ::-1]])
     mirrored_view = descriptor.NUM_VIEWS // 2  # the whole image, mirrored
-    cands = [Candidate("train", 0, 0, "test", 0, 0, 0.9), Candidate("train", 1, 0, "test", 1, 0, 0.9),
-             Candidate("train", 2, 0, "test", 1, 0, 0.85),
-             Candidate("train", 1, 0, "test", 2, mirrored_view, 0.9),  # the zoomed copy, flipped
-             Candidate("train", 1, 0, "test", 2, 0, 0.9)]  # the same pair in the wrong mirror state
+    cands = [
+        Candidate("train", 0, 0, "test", 0, 0, 0.9),
+        Candidate("train", 1, 0, "test", 1, 0, 0.9),
+        Candidate("train", 2, 0, "test", 1, 0, 0.85),
+        Candidate("train", 1, 0, "test", 2, mirrored_view, 0.9),  # the zoomed copy, flipped
+        Candidate("train", 1, 0, "test", 2, 0, 0.9),
+    ]  # the same pair in the wrong mirror state
     plain, zoomed, unrelated, flipped, wrong_state = verify_candidates(
-        cands, public, private, threshold=verify.THRESHOLD)
+        cands, public, private, threshold=verify.THRESHOLD
+    )
     assert flipped.accepted and flipped.decided_by == "refined" and not wrong_state.accepted
     assert plain.accepted and plain.decided_by == "grid" and plain.ecc_distance == float("inf")
     assert zoomed.accepted and zoomed.decided_by == "refined"
     assert zoomed.fine_distance > verify.THRESHOLD and zoomed.detail_distance <= 1 - refine.MIN_DETAIL
     assert not unrelated.accepted and unrelated.decided_by == ""
-    _, zoomed_off, *_ = verify_candidates(cands, public, private, threshold=verify.THRESHOLD,
-                                          refine_rejected=False)
+    _, zoomed_off, *_ = verify_candidates(cands, public, private, threshold=verify.THRESHOLD, refine_rejected=False)
     assert not zoomed_off.accepted and zoomed_off.ecc_distance == float("inf")
 
 

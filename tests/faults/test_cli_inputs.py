@@ -46,8 +46,11 @@ class _Completed:
 
 def _dpscale(*args, cwd=None):
     """The console command in a fresh process (what a user runs, logging set-up included)."""
-    return _Completed(subprocess.run([sys.executable, "-m", "dpscale", *map(str, args)], capture_output=True,
-                                     text=True, cwd=cwd, timeout=300))
+    return _Completed(
+        subprocess.run(
+            [sys.executable, "-m", "dpscale", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
+        )
+    )
 
 
 # --- every numeric flag is checked at the door -------------------------------------------------
@@ -93,10 +96,17 @@ BAD_FLAGS = [
     ("epsilon", ["--num-examples", "0"], "--num-examples"),
     ("calibrate", ["--rtol", "0"], "--rtol"),
 ]
-ARGUMENTS = {"train": ["data", "run"], "sweep": ["data", "out"], "audit": ["data"], "quickstart": [],
-             "ingest": ["digits", "out"], "dedup": ["a", "b", "c"], "featurize": ["data", "--backbone", "x"],
-             "epsilon": ["--noise-multiplier", "1", "--steps", "10", "--batch-size", "10", "--num-examples", "100"],
-             "calibrate": ["--epsilon", "1", "--num-examples", "100", "--batch-size", "10"]}
+ARGUMENTS = {
+    "train": ["data", "run"],
+    "sweep": ["data", "out"],
+    "audit": ["data"],
+    "quickstart": [],
+    "ingest": ["digits", "out"],
+    "dedup": ["a", "b", "c"],
+    "featurize": ["data", "--backbone", "x"],
+    "epsilon": ["--noise-multiplier", "1", "--steps", "10", "--batch-size", "10", "--num-examples", "100"],
+    "calibrate": ["--epsilon", "1", "--num-examples", "100", "--batch-size", "10"],
+}
 
 
 @pytest.mark.parametrize("command, bad, flag", BAD_FLAGS, ids=[f"{c} {' '.join(b)}" for c, b, _ in BAD_FLAGS])
@@ -107,7 +117,8 @@ def test_a_bad_flag_is_one_line_naming_the_flag(command, bad, flag):
 def _numeric(param):
     kind = param.type
     return isinstance(kind, (click.types.FloatParamType, click.types.IntParamType)) or (
-        hasattr(kind, "item") and isinstance(kind.item, (click.types.FloatParamType, click.types.IntParamType)))
+        hasattr(kind, "item") and isinstance(kind.item, (click.types.FloatParamType, click.types.IntParamType))
+    )
 
 
 def test_every_numeric_flag_of_every_command_has_a_range_that_refuses_nan():
@@ -140,8 +151,10 @@ def test_lists_take_commas_or_repeats_and_the_old_spellings_still_work(monkeypat
     for args in (["--epsilons", "1,2", "--epsilons", "4"], ["--epsilon", "1", "--epsilon", "2", "--epsilon", "4"]):
         _refused(runner.invoke(cli, ["audit", "data", *args]), "stop here")
         assert seen.pop("config").epsilons == (1.0, 2.0, 4.0)
-    for args in (["--public-splits", "train", "--private-splits", "test,validation"],
-                 ["--public-split", "train", "--private-split", "test", "--private-split", "validation"]):
+    for args in (
+        ["--public-splits", "train", "--private-splits", "test,validation"],
+        ["--public-split", "train", "--private-split", "test", "--private-split", "validation"],
+    ):
         _refused(runner.invoke(cli, ["dedup", "data", "data", "out", *args]), "stop here")
         config = seen.pop("config")
         assert config.public_splits == ("train",) and config.private_splits == ("test", "validation")
@@ -171,15 +184,18 @@ def test_a_choice_flag_offers_the_list_its_setting_is_checked_against():
 
 
 def test_rejecting_a_flag_imports_no_heavy_library():
-    code = ("import sys\nfrom dpscale.cli import cli\n"
-            "try:\n    cli.main(['train', 'data', 'run', '--clip-norm', '0'], prog_name='dpscale')\n"
-            "except SystemExit as e:\n"
-            "    print(e.code, sorted(m for m in ('jax', 'flax', 'apache_beam', 'dpscale.stages') if m in sys.modules))")
+    code = (
+        "import sys\nfrom dpscale.cli import cli\n"
+        "try:\n    cli.main(['train', 'data', 'run', '--clip-norm', '0'], prog_name='dpscale')\n"
+        "except SystemExit as e:\n"
+        "    print(e.code, sorted(m for m in ('jax', 'flax', 'apache_beam', 'dpscale.stages') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "2 []", done.stdout + done.stderr
 
 
 # --- data: IDX and tar files that are empty, corrupt or cut short ------------------------------
+
 
 def _idx(path, array):
     array = np.asarray(array, np.uint8)
@@ -236,18 +252,23 @@ def test_a_tar_cut_at_a_member_boundary_is_refused_and_a_complete_one_is_ingeste
     assert result["num_examples"] == {"train": 40} and result["num_classes"] == 4
 
 
-@pytest.mark.parametrize("case, words", [
-    ("label file without dimensions", ["label file has 1 dimension"]),
-    ("no examples", ["0 labels"]),
-    ("one label 255", ["0..255", "classes.txt"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("label file without dimensions", ["label file has 1 dimension"]),
+        ("no examples", ["0 labels"]),
+        ("one label 255", ["0..255", "classes.txt"]),
+    ],
+)
 def test_broken_idx_files_are_one_line(case, words, tmp_path):
     rng = np.random.default_rng(1)
     labels = np.arange(40) % 4
     labels[7] = 255
-    images, labels = {"label file without dimensions": (rng.integers(0, 255, (5, 8, 8)), None),
-                      "no examples": (np.zeros((0, 8, 8)), np.zeros((0,))),
-                      "one label 255": (rng.integers(0, 255, (40, 8, 8)), labels)}[case]
+    images, labels = {
+        "label file without dimensions": (rng.integers(0, 255, (5, 8, 8)), None),
+        "no examples": (np.zeros((0, 8, 8)), np.zeros((0,))),
+        "one label 255": (rng.integers(0, 255, (40, 8, 8)), labels),
+    }[case]
     directory = _idx_dir(tmp_path, "idx", images, labels)
     _refused(_dpscale("ingest", f"idx:{directory}", tmp_path / "out"), *words)
 
@@ -270,8 +291,13 @@ def test_a_label_outside_named_classes_is_rejected_reported_and_summarised(tmp_p
 def test_an_output_that_is_a_file_or_holds_other_files_is_refused(tmp_path):
     (tmp_path / "a-file").write_text("keep me")
     _refused(_dpscale("ingest", "digits", tmp_path / "a-file"), "existing file")
-    for command in (["featurize", "data", "--backbone", "x", "--cache-dir"], ["quickstart", "--work-dir"],
-                    ["audit", "data", "--out-dir"], ["sweep", "data"], ["train", "data"]):
+    for command in (
+        ["featurize", "data", "--backbone", "x", "--cache-dir"],
+        ["quickstart", "--work-dir"],
+        ["audit", "data", "--out-dir"],
+        ["sweep", "data"],
+        ["train", "data"],
+    ):
         _refused(CliRunner().invoke(cli, [*command, str(tmp_path / "a-file")]), "is a file")
     other = tmp_path / "other"
     other.mkdir()
@@ -281,6 +307,7 @@ def test_an_output_that_is_a_file_or_holds_other_files_is_refused(tmp_path):
 
 
 # --- commands that run: only the JSON result on stdout; a network too big is refused first ----
+
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
@@ -303,22 +330,59 @@ def test_stdout_is_one_json_line_for_every_command_that_runs(digits, tmp_path):
     # (train's stdout is checked in tests/training/test_release.py, audit's in tests/stages/test_audit.py)
     entry = _json_only(["featurize", digits, "--backbone", "scatternet-linear", "--cache-dir", str(tmp_path / "c")])
     assert entry["images_per_second"] > 0
-    sweep = _json_only(["sweep", entry["path"], str(tmp_path / "sweep"), "--epsilons", "2", "--learning-rates", "1",
-                        "--repeats", "1", "--no-baseline", "--accountant", "rdp", "--batch-size", "64", "--steps", "2"])
+    sweep = _json_only(
+        [
+            "sweep",
+            entry["path"],
+            str(tmp_path / "sweep"),
+            "--epsilons",
+            "2",
+            "--learning-rates",
+            "1",
+            "--repeats",
+            "1",
+            "--no-baseline",
+            "--accountant",
+            "rdp",
+            "--batch-size",
+            "64",
+            "--steps",
+            "2",
+        ]
+    )
     assert [row["epsilon"] for row in sweep["summary"]] == [2.0]
     (run,) = os.listdir(tmp_path / "sweep" / "runs")
     scores = _json_only(["evaluate", str(tmp_path / "sweep" / "runs" / run)])
     assert "ema" in json.dumps(scores) and 0 < scores["epsilon"] <= 2 and 0 < scores["delta"] < 1  # the run's own
-    dedup = _json_only(["dedup", digits, digits, str(tmp_path / "dedup"), "--public-splits", "train",
-                        "--private-splits", "test"])
+    dedup = _json_only(
+        ["dedup", digits, digits, str(tmp_path / "dedup"), "--public-splits", "train", "--private-splits", "test"]
+    )
     assert os.path.isfile(os.path.join(dedup["output_dir"], "manifest.json"))
 
 
 def test_a_network_too_big_for_the_memory_is_refused_before_compiling(digits, tmp_path):
     # NFNet-F0 keeps a 0.5 GiB gradient per example: 4096 of them fit in no machine's memory.
-    line = _refused(CliRunner().invoke(cli, ["train", digits, str(tmp_path / "run"), "--model", "nfnet-f0",
-                                             "--batch-size", "64", "--steps", "2", "--microbatch-size", "4096"]),
-                    "nfnet-f0", "GiB", "--microbatch-size")
+    line = _refused(
+        CliRunner().invoke(
+            cli,
+            [
+                "train",
+                digits,
+                str(tmp_path / "run"),
+                "--model",
+                "nfnet-f0",
+                "--batch-size",
+                "64",
+                "--steps",
+                "2",
+                "--microbatch-size",
+                "4096",
+            ],
+        ),
+        "nfnet-f0",
+        "GiB",
+        "--microbatch-size",
+    )
     need = float(line.split("needs about ")[1].split(" GiB")[0])
     assert math.isfinite(need) and need > 1000
     assert not (tmp_path / "run").exists()

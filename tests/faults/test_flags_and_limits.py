@@ -27,8 +27,9 @@ def snapshot(directory) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, synthetic_feature_cache):
-    return synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=64,
-                                   data_hash_char="e")
+    return synthetic_feature_cache(
+        str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=64, data_hash_char="e"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,18 @@ def finished(cache, tmp_path_factory):
 
 # --- --resume continues with the settings the run started with -----------------------------------
 
-@pytest.mark.parametrize("extra", [["--steps", "900"], ["--learning-rate", "0.5"], ["--epsilon", "2"],
-                                   ["--seed", "1"], ["--devices", "2"], ["--batch-size", "32", "--delta", "1e-6"]])
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--steps", "900"],
+        ["--learning-rate", "0.5"],
+        ["--epsilon", "2"],
+        ["--seed", "1"],
+        ["--devices", "2"],
+        ["--batch-size", "32", "--delta", "1e-6"],
+    ],
+)
 def test_resume_refuses_a_training_option_instead_of_ignoring_it(finished, capfd, extra):
     before = snapshot(finished)
     line = refused(capfd, "train", "--resume", finished, *extra, saying=("--resume continues the run", extra[0]))
@@ -64,20 +75,37 @@ def test_resume_takes_no_data_or_run_arguments(finished, capfd):
 
 # --- device counts explained ----------------------------------------------------------------------
 
+
 def test_more_devices_than_exist_is_one_line_saying_how_to_get_more(cache, tmp_path, capfd):
-    line = refused(capfd, "train", cache, tmp_path / "r", *TRAIN, "--devices", 9,
-                   saying=("--devices 9", "4 cpu devices", "give 1 to 4",
-                           "XLA_FLAGS=--xla_force_host_platform_device_count=N"))
+    line = refused(
+        capfd,
+        "train",
+        cache,
+        tmp_path / "r",
+        *TRAIN,
+        "--devices",
+        9,
+        saying=("--devices 9", "4 cpu devices", "give 1 to 4", "XLA_FLAGS=--xla_force_host_platform_device_count=N"),
+    )
     assert line and not (tmp_path / "r" / "config.json").exists()
 
 
 def test_a_micro_batch_the_devices_cannot_share_is_one_line(cache, tmp_path, capfd):
-    refused(capfd, "train", cache, tmp_path / "r", *TRAIN, "--microbatch-size", 6,
-            saying=("--microbatch-size 6", "divisible by the 4 devices: give 4 or 8", "--devices"))
+    refused(
+        capfd,
+        "train",
+        cache,
+        tmp_path / "r",
+        *TRAIN,
+        "--microbatch-size",
+        6,
+        saying=("--microbatch-size 6", "divisible by the 4 devices: give 4 or 8", "--devices"),
+    )
     assert not (tmp_path / "r" / "config.json").exists()
 
 
 # --- warnings in one format -----------------------------------------------------------------------
+
 
 def test_the_fixed_seed_warning_reads_like_every_other_warning(cache, tmp_path, capfd):
     code, out, err = dpscale(capfd, "train", cache, tmp_path / "r", *TRAIN, "--seed", 3)
@@ -88,6 +116,7 @@ def test_the_fixed_seed_warning_reads_like_every_other_warning(cache, tmp_path, 
 
 
 # --- throughput ---------------------------------------------------------------------------------
+
 
 def test_training_shows_examples_per_second_in_its_progress_and_its_result(cache, tmp_path, capfd):
     code, out, err = dpscale(capfd, "train", cache, tmp_path / "r", *TRAIN)
@@ -118,20 +147,36 @@ def test_ingest_shows_the_images_per_second_of_its_result(tmp_path, capfd):
 PLAN = ["--noise-multiplier", "1.0", "--batch-size", "256", "--num-examples", "50000"]
 
 
-@pytest.mark.parametrize("command", [["epsilon", *PLAN, "--steps", "1000000000000"],
-                                     ["epsilon", *PLAN, "--steps", "100000001", "--accountant", "rdp"],
-                                     ["calibrate", "--epsilon", "8", "--num-examples", "50000", "--batch-size",
-                                      "256", "--steps", "1000000000000"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["epsilon", *PLAN, "--steps", "1000000000000"],
+        ["epsilon", *PLAN, "--steps", "100000001", "--accountant", "rdp"],
+        ["calibrate", "--epsilon", "8", "--num-examples", "50000", "--batch-size", "256", "--steps", "1000000000000"],
+    ],
+)
 def test_an_epsilon_that_would_take_too_long_is_refused_at_once(command, capfd):
     started = time.perf_counter()
-    refused(capfd, *command, saying=("steps: epsilon is computed for at most 100,000,000 steps",
-                                     "no training run needs as many"))
+    refused(
+        capfd,
+        *command,
+        saying=("steps: epsilon is computed for at most 100,000,000 steps", "no training run needs as many"),
+    )
     assert time.perf_counter() - started < 10
 
 
 def test_a_run_whose_epsilon_would_take_too_long_is_refused_before_it_starts(cache, tmp_path, capfd):
-    refused(capfd, "train", cache, tmp_path / "r", "--batch-size", "64", "--steps", "200000000",
-            saying="at most 100,000,000 steps")
+    refused(
+        capfd,
+        "train",
+        cache,
+        tmp_path / "r",
+        "--batch-size",
+        "64",
+        "--steps",
+        "200000000",
+        saying="at most 100,000,000 steps",
+    )
     assert not (tmp_path / "r" / "config.json").exists()
 
 

@@ -40,12 +40,14 @@ def _start(*args: str, cache: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ)
     if cache is not None:
         env |= {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    return subprocess.Popen([sys.executable, "-m", "dpscale", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpscale", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
-def _interrupt_when(process: subprocess.Popen, ready: Callable[[], bool], *, poll: float = 0.005,
-                    limit: float = 300.0) -> tuple[str, float, set[int]]:
+def _interrupt_when(
+    process: subprocess.Popen, ready: Callable[[], bool], *, poll: float = 0.005, limit: float = 300.0
+) -> tuple[str, float, set[int]]:
     """SIGINT once ``ready()``; (stderr, seconds from the signal to the exit, pids of its children then)."""
     deadline = time.monotonic() + limit
     while not ready():
@@ -100,8 +102,24 @@ def test_ctrl_c_while_importing_is_one_line_and_leaves_nothing_to_resume(digits,
 
 def test_ctrl_c_while_compiling_after_a_step_and_in_a_checkpoint_then_resume_finishes_the_run(digits, tmp_path):
     run, cache = tmp_path / "run", tmp_path / "jax-cache"  # the first compilation is a real one
-    process = _start("train", digits, str(run), "--model", "cnn-small", "--steps", str(STEPS), "--batch-size", "32",
-                     "--microbatch-size", "32", "--checkpoint-every", "1", "--accountant", "rdp", cache=cache)
+    process = _start(
+        "train",
+        digits,
+        str(run),
+        "--model",
+        "cnn-small",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "32",
+        "--microbatch-size",
+        "32",
+        "--checkpoint-every",
+        "1",
+        "--accountant",
+        "rdp",
+        cache=cache,
+    )
     compiling = lambda: (run / "ledger.json").exists() and not (run / "metrics.jsonl").exists()  # noqa: E731
     err, seconds, _ = _interrupt_when(process, compiling, poll=0.001)
     _one_line(process, err, seconds, resume=str(run))
@@ -125,8 +143,14 @@ def test_ctrl_c_while_compiling_after_a_step_and_in_a_checkpoint_then_resume_fin
 
 
 def test_ctrl_c_during_a_beam_pipeline_stops_its_worker_processes_too(tmp_path):
-    process = _start("ingest", "digits", str(tmp_path / "out"), "--",
-                     "--direct_num_workers=2", "--direct_running_mode=multi_processing")
+    process = _start(
+        "ingest",
+        "digits",
+        str(tmp_path / "out"),
+        "--",
+        "--direct_num_workers=2",
+        "--direct_running_mode=multi_processing",
+    )
     workers = lambda: len(psutil.Process(process.pid).children(recursive=True)) >= 2  # noqa: E731
     err, seconds, children = _interrupt_when(process, workers, poll=0.01)
     _one_line(process, err, seconds, resume=None)

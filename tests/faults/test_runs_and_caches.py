@@ -65,8 +65,9 @@ def refused(capfd, *args, saying=()):
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A pristine synthetic cache entry (copied by each test that damages it)."""
-    return write_synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES,
-                                         chunk_rows=64, data_hash_char="f")
+    return write_synthetic_feature_cache(
+        str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=64, data_hash_char="f"
+    )
 
 
 @pytest.fixture
@@ -112,10 +113,17 @@ def flip_byte(path, at=20):
 
 # --- 1. the feature cache ------------------------------------------------------------------
 
+
 def test_a_deleted_features_chunk_is_refused_naming_it_and_the_repair(entry, tmp_path, capfd):
     os.remove(chunk_file(entry, "train", "features", 2))
-    refused(capfd, "train", entry, tmp_path / "r", *TRAIN,
-            saying=("chunk 2 of train/features (rows 128-191) is missing", "dpscale featurize"))
+    refused(
+        capfd,
+        "train",
+        entry,
+        tmp_path / "r",
+        *TRAIN,
+        saying=("chunk 2 of train/features (rows 128-191) is missing", "dpscale featurize"),
+    )
     assert not os.path.exists(tmp_path / "r" / CONFIG)
 
 
@@ -127,8 +135,14 @@ def test_a_deleted_labels_chunk_is_refused_not_read_as_minus_one(entry, tmp_path
 def test_corrupt_bytes_fail_their_checksum_instead_of_decoding(entry, run, capfd):
     flip_byte(chunk_file(entry, "test", "features", 1))
     scores = (run / SCORES).read_text() if (run / SCORES).exists() else None
-    refused(capfd, "evaluate", run, "--data", entry,
-            saying=("chunk 1 of test/features (rows 64-99) is corrupt", "CRC32C", "dpscale featurize"))
+    refused(
+        capfd,
+        "evaluate",
+        run,
+        "--data",
+        entry,
+        saying=("chunk 1 of test/features (rows 64-99) is corrupt", "CRC32C", "dpscale featurize"),
+    )
     assert ((run / SCORES).read_text() if (run / SCORES).exists() else None) == scores
 
 
@@ -159,15 +173,30 @@ def digits(tmp_path_factory):
     ingest.run(ingest.IngestConfig("digits", str(root / "digits"), pipeline_args=IN_MEMORY))
     model = registry.get_model("cnn-small", num_classes=10)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 12, 12, 1)))
-    pretrained.save_pretrained(str(root / "bb"), variables, model="cnn-small", num_classes=10,
-                               preprocessing=pretrained.Preprocessing(resolution=12, mean=(8.0,), std=(4.0,)))
+    pretrained.save_pretrained(
+        str(root / "bb"),
+        variables,
+        model="cnn-small",
+        num_classes=10,
+        preprocessing=pretrained.Preprocessing(resolution=12, mean=(8.0,), std=(4.0,)),
+    )
     return str(root / "digits"), str(root / "bb")
 
 
 def test_featurize_repairs_only_the_damaged_chunks_and_is_no_cache_hit_on_damage(digits, tmp_path, capfd):
     data, backbone = digits
-    args = ["featurize", data, "--backbone", backbone, "--cache-dir", tmp_path / "c", "--chunk-rows", 512,
-            "--", *IN_MEMORY]
+    args = [
+        "featurize",
+        data,
+        "--backbone",
+        backbone,
+        "--cache-dir",
+        tmp_path / "c",
+        "--chunk-rows",
+        512,
+        "--",
+        *IN_MEMORY,
+    ]
     path = featurized(capfd, *args)["path"]
     whole = fstore.open_features(path)
     before = {s: (whole.features(s)[:], whole.labels(s)) for s in whole.splits}
@@ -188,13 +217,21 @@ def test_featurize_repairs_only_the_damaged_chunks_and_is_no_cache_hit_on_damage
 
 # --- 2. evaluate on features made otherwise ---------------------------------------------------
 
+
 @pytest.mark.parametrize("other", [{"weights_sha256": "v" * 64}, {"resolution": 16}])
 def test_evaluate_refuses_features_of_another_backbone_or_preprocessing(run, tmp_path, other, capfd):
-    elsewhere = write_synthetic_feature_cache(str(tmp_path / "other"), seed=0, sizes=SIZES, chunk_rows=64,
-                                              data_hash_char="f", **other)
+    elsewhere = write_synthetic_feature_cache(
+        str(tmp_path / "other"), seed=0, sizes=SIZES, chunk_rows=64, data_hash_char="f", **other
+    )
     scores = (run / SCORES).read_bytes() if (run / SCORES).exists() else None
-    refused(capfd, "evaluate", run, "--data", elsewhere, saying=("not made like the data the run trained on",
-                                                                 next(iter(other))))
+    refused(
+        capfd,
+        "evaluate",
+        run,
+        "--data",
+        elsewhere,
+        saying=("not made like the data the run trained on", next(iter(other))),
+    )
     assert ((run / SCORES).read_bytes() if (run / SCORES).exists() else None) == scores
     # the same backbone and preprocessing on other rows is scored when asked to, never into metrics.json
     same = write_synthetic_feature_cache(str(tmp_path / "same"), seed=5, sizes=SIZES, chunk_rows=64, data_hash_char="g")
@@ -204,6 +241,7 @@ def test_evaluate_refuses_features_of_another_backbone_or_preprocessing(run, tmp
 
 
 # --- 3. relocatable run directories, 4. the lock, 6. the resume hint --------------------------
+
 
 def interrupt_after_first_checkpoint(monkeypatch):
     """Make the next training raise KeyboardInterrupt (Ctrl-C) right after its first checkpoint."""
@@ -259,10 +297,18 @@ def test_a_second_process_is_refused_while_one_trains(run, capfd):
 def test_the_lock_is_released_when_its_process_is_killed(run, tmp_path):
     from dpscale.training.run_directory import RunDirectory
 
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\nfrom dpscale.training.run_directory import RunDirectory\n"
-        f"lock = RunDirectory({str(run)!r}).lock()\nprint('locked', flush=True)\ntime.sleep(600)\n")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\nfrom dpscale.training.run_directory import RunDirectory\n"
+                f"lock = RunDirectory({str(run)!r}).lock()\nprint('locked', flush=True)\ntime.sleep(600)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(fstore.DataError, match=f"pid {holder.pid}"):
@@ -275,6 +321,7 @@ def test_the_lock_is_released_when_its_process_is_killed(run, tmp_path):
 
 # --- 5. a start that fails validation leaves nothing behind ------------------------------------
 
+
 @pytest.mark.parametrize("bad", [["--clip-norm", "0"], ["--microbatch-size", "3"]])  # 3 rows on 4 devices
 def test_a_start_that_fails_validation_leaves_no_run_behind(cache, tmp_path, bad, capfd):
     target = tmp_path / "r"
@@ -284,6 +331,7 @@ def test_a_start_that_fails_validation_leaves_no_run_behind(cache, tmp_path, bad
 
 
 # --- 6. evaluate on a damaged run -----------------------------------------------------------
+
 
 def _truncate(run):
     (run / CONFIG).write_text((run / CONFIG).read_text()[:100])
@@ -342,10 +390,24 @@ def test_a_run_without_parameters_suggests_resuming_it(run, capfd):
 
 # --- 7. accounting answers in bounded time ------------------------------------------------------
 
+
 def test_epsilon_at_a_tiny_noise_multiplier_answers_in_seconds(capfd):
     started = time.perf_counter()
-    out = ok(capfd, "epsilon", "--noise-multiplier", "1e-3", "--steps", "1000", "--batch-size", "256",
-             "--num-examples", "50000", "--delta", "1e-5", "--json")
+    out = ok(
+        capfd,
+        "epsilon",
+        "--noise-multiplier",
+        "1e-3",
+        "--steps",
+        "1000",
+        "--batch-size",
+        "256",
+        "--num-examples",
+        "50000",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
     assert time.perf_counter() - started < 30  # ~2 s unloaded; generous for a shared machine
     assert np.isfinite(json.loads(out)["epsilon"])
 
@@ -353,8 +415,22 @@ def test_epsilon_at_a_tiny_noise_multiplier_answers_in_seconds(capfd):
 def test_export_backbone_of_a_moved_image_run_from_another_directory(digits, tmp_path, monkeypatch, capfd):
     data, _ = digits
     monkeypatch.chdir(os.path.dirname(data))
-    ok(capfd, "train", os.path.basename(data), tmp_path / "img", "--epsilon", 4, "--batch-size", 64, "--steps", 2,
-       "--microbatch-size", 32, "--augment-pad", 1)
+    ok(
+        capfd,
+        "train",
+        os.path.basename(data),
+        tmp_path / "img",
+        "--epsilon",
+        4,
+        "--batch-size",
+        64,
+        "--steps",
+        2,
+        "--microbatch-size",
+        32,
+        "--augment-pad",
+        1,
+    )
     (tmp_path / "img").rename(tmp_path / "moved")
     monkeypatch.chdir(tmp_path)
     out = ok(capfd, "export-backbone", "moved", "bb")

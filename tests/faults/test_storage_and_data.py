@@ -25,8 +25,9 @@ IMAGES = ["--epsilon", "4", "--batch-size", "64", "--steps", "2", "--microbatch-
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, synthetic_feature_cache):
-    return synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=64,
-                                   data_hash_char="d")
+    return synthetic_feature_cache(
+        str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=64, data_hash_char="d"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,10 @@ def digits(tmp_path_factory):
     from dpscale.cli import cli
 
     root = tmp_path_factory.mktemp("digits")
-    for args in (["ingest", "digits", root / "digits", "--", *IN_MEMORY],
-                 ["train", root / "digits", root / "run", *IMAGES]):
+    for args in (
+        ["ingest", "digits", root / "digits", "--", *IN_MEMORY],
+        ["train", root / "digits", root / "run", *IMAGES],
+    ):
         with pytest.raises(SystemExit) as info:
             cli.main([str(a) for a in args], prog_name="dpscale")
         assert info.value.code == 0
@@ -90,10 +93,18 @@ def read_only(monkeypatch, root) -> None:
 
 # --- read-only outputs: one line per stage, nothing written -----------------------------------
 
+
 def test_ingest_into_a_read_only_directory_is_one_line(tmp_path, monkeypatch, capfd):
     read_only(monkeypatch, tmp_path)
-    refused_after_progress(capfd, "ingest", "digits", tmp_path / "out", "--", *IN_MEMORY,
-            saying=(str(tmp_path), "permission denied", "fix the permissions"))
+    refused_after_progress(
+        capfd,
+        "ingest",
+        "digits",
+        tmp_path / "out",
+        "--",
+        *IN_MEMORY,
+        saying=(str(tmp_path), "permission denied", "fix the permissions"),
+    )
     monkeypatch.undo()
     assert not (tmp_path / "out").exists() or snapshot(tmp_path / "out") == {}
 
@@ -108,8 +119,18 @@ def test_train_into_a_read_only_directory_is_one_line(cache, tmp_path, monkeypat
 def test_featurize_into_a_read_only_cache_is_one_line(digits, tmp_path, monkeypatch, capfd):
     data, _ = digits
     read_only(monkeypatch, tmp_path)
-    refused_after_progress(capfd, "featurize", data, "--backbone", "scatternet-linear", "--cache-dir", tmp_path / "c",
-            "--", *IN_MEMORY, saying=(str(tmp_path), "permission denied"))
+    refused_after_progress(
+        capfd,
+        "featurize",
+        data,
+        "--backbone",
+        "scatternet-linear",
+        "--cache-dir",
+        tmp_path / "c",
+        "--",
+        *IN_MEMORY,
+        saying=(str(tmp_path), "permission denied"),
+    )
     monkeypatch.undo()
     assert snapshot(tmp_path) == {}
 
@@ -127,8 +148,8 @@ def test_evaluate_in_a_read_only_run_is_one_line_and_keeps_its_scores(cache, tmp
 
 # --- a full disk during training: stopped at a checkpoint, resumable ------------------------------
 
-def test_a_full_disk_stops_training_at_its_last_checkpoint_and_says_how_to_resume(cache, tmp_path, monkeypatch,
-                                                                                   capfd):
+
+def test_a_full_disk_stops_training_at_its_last_checkpoint_and_says_how_to_resume(cache, tmp_path, monkeypatch, capfd):
     save = Checkpoints.save
 
     def save_until_full(self, step, state):
@@ -138,9 +159,21 @@ def test_a_full_disk_stops_training_at_its_last_checkpoint_and_says_how_to_resum
 
     monkeypatch.setattr(Checkpoints, "save", save_until_full)
     run = tmp_path / "run"
-    refused(capfd, "train", cache, run, *TRAIN, "--checkpoint-every", 2,
-            saying=("no space left on device", "its checkpoint of step 2 of 6", "free some space",
-                    f"`dpscale train --resume {run}`"))
+    refused(
+        capfd,
+        "train",
+        cache,
+        run,
+        *TRAIN,
+        "--checkpoint-every",
+        2,
+        saying=(
+            "no space left on device",
+            "its checkpoint of step 2 of 6",
+            "free some space",
+            f"`dpscale train --resume {run}`",
+        ),
+    )
     monkeypatch.undo()
     assert (run / CONFIG).is_file()
     result = json.loads(ok(capfd, "train", "--resume", run))
@@ -148,6 +181,7 @@ def test_a_full_disk_stops_training_at_its_last_checkpoint_and_says_how_to_resum
 
 
 # --- damaged ingested shards: the shard and the command that rebuilds it ------------------------
+
 
 def _first_train_shard(data) -> str:
     manifest = json.loads((data / "manifest.json").read_text())
@@ -171,24 +205,38 @@ def test_a_damaged_shard_is_one_line_naming_it_and_the_rebuild(digits, tmp_path,
     with open(shard, "wb") as f:
         f.write(content)
     before = snapshot(data)
-    args = (["train", data, tmp_path / "run", *IMAGES] if command == "train" else
-            ["featurize", data, "--backbone", "scatternet-linear", "--cache-dir", tmp_path / "c", "--", *IN_MEMORY])
-    refused_after_progress(capfd, *args, saying=(os.path.basename(shard), "damaged", f"`dpscale ingest digits {data}", "--overwrite`"))
+    args = (
+        ["train", data, tmp_path / "run", *IMAGES]
+        if command == "train"
+        else ["featurize", data, "--backbone", "scatternet-linear", "--cache-dir", tmp_path / "c", "--", *IN_MEMORY]
+    )
+    refused_after_progress(
+        capfd, *args, saying=(os.path.basename(shard), "damaged", f"`dpscale ingest digits {data}", "--overwrite`")
+    )
     assert snapshot(data) == before
     assert not (tmp_path / "run" / CONFIG).exists()
 
 
 # --- a TFDS dataset that is not prepared ----------------------------------------------------------
 
+
 def test_an_unprepared_tfds_dataset_is_one_line_and_writes_nothing(tmp_path, capfd):
     pytest.importorskip("tensorflow_datasets")
     (tmp_path / "tfds").mkdir()
-    refused_after_progress(capfd, "ingest", "tfds:mnist", tmp_path / "out", "--tfds-data-dir", tmp_path / "tfds",
-            saying=("'mnist' is not prepared", "never downloads", "tfds build mnist"))
+    refused_after_progress(
+        capfd,
+        "ingest",
+        "tfds:mnist",
+        tmp_path / "out",
+        "--tfds-data-dir",
+        tmp_path / "tfds",
+        saying=("'mnist' is not prepared", "never downloads", "tfds build mnist"),
+    )
     assert not (tmp_path / "out").exists() and snapshot(tmp_path / "tfds") == {}
 
 
 # --- evaluate --data on an images run -------------------------------------------------------------
+
 
 def test_evaluate_refuses_images_of_other_classes_and_keeps_the_runs_scores(digits, tmp_path, capfd):
     data, trained = digits
@@ -214,8 +262,14 @@ def test_evaluate_scores_other_data_only_when_forced_and_never_into_metrics_json
     other = tmp_path / "again"  # the same source ingested with another validation split: other rows
     ok(capfd, "ingest", "digits", other, "--validation-fraction", "0.2", "--", *IN_MEMORY)
     before = snapshot(run)
-    refused(capfd, "evaluate", run, "--data", other, saying=("is not the data the run trained on",
-                                                              "--force-other-data", "metrics.json kept"))
+    refused(
+        capfd,
+        "evaluate",
+        run,
+        "--data",
+        other,
+        saying=("is not the data the run trained on", "--force-other-data", "metrics.json kept"),
+    )
     assert snapshot(run) == before
     result = json.loads(ok(capfd, "evaluate", run, "--data", other, "--force-other-data"))
     assert result["other_data"] and result["data"] == os.path.realpath(other)

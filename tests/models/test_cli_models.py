@@ -28,7 +28,7 @@ def test_models_table_has_a_header_one_line_per_model_and_says_what_its_columns_
     assert result.exit_code == 0, result.output
     header, *rest = result.output.splitlines()
     assert header.split() == ["model", "parameters", "input", "classes", "weights"]
-    rows, legend = rest[:len(list_models())], rest[len(list_models()):]
+    rows, legend = rest[: len(list_models())], rest[len(list_models()) :]
     assert [row.split()[0] for row in rows] == list_models()
     assert rows[0].split()[-1] == "-" and "- = none published" in "\n".join(legend)
     assert "ImageNet = published weights" in "\n".join(legend)

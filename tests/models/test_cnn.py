@@ -10,8 +10,7 @@ from dpscale.models.cnn import small_cnn
 
 def test_param_count_in_budget_and_no_batch_statistics():
     model = small_cnn(num_classes=10)
-    variables = jax.eval_shape(model.init, jax.random.key(0),
-                               jax.ShapeDtypeStruct((1, 28, 28, 1), jnp.float32))
+    variables = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 28, 28, 1), jnp.float32))
     count = sum(leaf.size for leaf in jax.tree.leaves(variables["params"]))
     assert 80_000 <= count <= 300_000
     assert set(variables) == {"params"}

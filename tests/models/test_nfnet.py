@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models.registry import param_count
 from dpscale.models.nf_resnet import NFResBlock, block_betas, nf_resnet
 from dpscale.models.nfnet import NFBlock, nfnet
+from dpscale.models.registry import param_count
 
 # Brock, De, Smith & Simonyan 2021, "High-Performance Large-Scale Image Recognition Without
 # Normalization", parameter column of its ImageNet results table (1000 classes).
@@ -38,8 +38,7 @@ def test_nf_resnet_param_count_matches_published(depth):
 
 @pytest.mark.parametrize("model", [nfnet("F0"), nf_resnet(50)], ids=["nfnet-f0", "nf-resnet-50"])
 def test_nf_models_keep_no_normalisation_statistics(model):
-    variables = jax.eval_shape(model.init, jax.random.key(0),
-                               jax.ShapeDtypeStruct((1, 192, 192, 3), jnp.float32))
+    variables = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 192, 192, 3), jnp.float32))
     assert set(variables) == {"params"}
 
 
@@ -47,16 +46,22 @@ def test_nfnet_feature_and_logit_shapes():
     model = nfnet("F0", num_classes=11)
     logits, feats = jax.eval_shape(
         lambda k, x: model.init_with_output(k, x, return_features=True)[0],
-        jax.random.key(0), jax.ShapeDtypeStruct((2, 192, 192, 3), jnp.float32))
+        jax.random.key(0),
+        jax.ShapeDtypeStruct((2, 192, 192, 3), jnp.float32),
+    )
     assert logits.shape == (2, 11) and feats.shape == (2, 3072)
 
 
 def test_block_betas_track_expected_variance():
     betas = block_betas((2, 3), alpha=0.2)
     var_after_transition = 1.0 + 0.04
-    expected = [1.0, var_after_transition ** -0.5,  # stage 1: transition, then one plain block
-                (var_after_transition + 0.04) ** -0.5,  # stage 2 transition sees the grown variance
-                var_after_transition ** -0.5, (var_after_transition + 0.04) ** -0.5]
+    expected = [
+        1.0,
+        var_after_transition**-0.5,  # stage 1: transition, then one plain block
+        (var_after_transition + 0.04) ** -0.5,  # stage 2 transition sees the grown variance
+        var_after_transition**-0.5,
+        (var_after_transition + 0.04) ** -0.5,
+    ]
     np.testing.assert_allclose(betas, expected)
 
 

@@ -10,10 +10,22 @@ import pytest
 
 from dpscale.errors import InvalidConfigError
 from dpscale.models import registry
-from dpscale.models.registry import ModelSpec, get_model, get_spec, list_models, param_count
+from dpscale.models.registry import get_model, get_spec, list_models, param_count
 
-REQUIRED = ["wrn-16-4", "wrn-40-4", "wrn-28-10", "nf-resnet-50", "nf-resnet-101", "nf-resnet-152",
-            "nf-resnet-200", "nfnet-f0", "nfnet-f1", "nfnet-f2", "nfnet-f3", "cnn-small"]
+REQUIRED = [
+    "wrn-16-4",
+    "wrn-40-4",
+    "wrn-28-10",
+    "nf-resnet-50",
+    "nf-resnet-101",
+    "nf-resnet-152",
+    "nf-resnet-200",
+    "nfnet-f0",
+    "nfnet-f1",
+    "nfnet-f2",
+    "nfnet-f3",
+    "cnn-small",
+]
 
 
 def test_all_required_names_are_listed():
@@ -28,7 +40,9 @@ def test_spec_matches_the_model(name):
     model = get_model(name, num_classes=13)
     logits, feats = jax.eval_shape(
         lambda k, x: model.init_with_output(k, x, return_features=True)[0],
-        jax.random.key(0), jax.ShapeDtypeStruct((2, *spec.input_shape), jnp.float32))
+        jax.random.key(0),
+        jax.ShapeDtypeStruct((2, *spec.input_shape), jnp.float32),
+    )
     assert logits.shape == (2, 13)
     assert feats.shape == (2, spec.feature_dim)
 
@@ -82,8 +96,11 @@ def test_every_family_is_listed_by_the_registry_and_no_model_module_imports_it()
     families = {spec.name.split("-")[0] for spec in map(get_spec, list_models())}
     assert families == {"wrn", "nf", "nfnet", "cnn", "scatternet", "efficientnet"}
     models_dir = pathlib.Path(registry.__file__).parent
-    importers = sorted(path.name for path in models_dir.glob("*.py")
-                       if path.name not in ("registry.py", "pretrained.py") and "registry" in _imported(path))
+    importers = sorted(
+        path.name
+        for path in models_dir.glob("*.py")
+        if path.name not in ("registry.py", "pretrained.py") and "registry" in _imported(path)
+    )
     assert not importers, f"model modules importing the registry: {importers}"
 
 

@@ -60,7 +60,10 @@ def test_registered_models_build_and_the_linear_backbone_is_parameter_free():
     assert jax.tree.leaves(linear.init(jax.random.key(0), x, method="features")) == []
     assert registry.get_spec("scatternet-linear").parameter_free_backbone
     variables = linear.init(jax.random.key(0), x)
-    assert linear.apply(variables, x, method="features").shape == (2, registry.get_spec("scatternet-linear").feature_dim)
+    assert linear.apply(variables, x, method="features").shape == (
+        2,
+        registry.get_spec("scatternet-linear").feature_dim,
+    )
     cnn = registry.get_model("scatternet-cnn")
     cnn_vars = cnn.init(jax.random.key(0), x)
     assert cnn.apply(cnn_vars, x).shape == (2, 10)
@@ -83,9 +86,9 @@ def test_parameter_free_backbone_is_built_on_first_use_only(tmp_path, monkeypatc
     assert (prep.resolution, prep.mean, prep.std) == (28, (127.5,), (127.5,))
     images = np.random.default_rng(0).integers(0, 256, (2, 28, 28, 1)).astype(np.uint8)
     expected = registry.get_model("scatternet-linear").apply(
-        {}, (images.astype(np.float32) - 127.5) / 127.5, method="features")
-    np.testing.assert_allclose(model.apply(variables, prep(images), method="features"), expected,
-                               rtol=1e-5, atol=1e-5)
+        {}, (images.astype(np.float32) - 127.5) / 127.5, method="features"
+    )
+    np.testing.assert_allclose(model.apply(variables, prep(images), method="features"), expected, rtol=1e-5, atol=1e-5)
     # a model with trained backbone weights is never invented
     with pytest.raises(Exception, match="not a dpscale backbone"):
         pretrained.read_metadata(pretrained.resolve_backbone("cnn-small"))

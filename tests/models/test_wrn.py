@@ -49,8 +49,11 @@ def test_layout_of_wrn_16_4():
 
 def test_spatial_downsampling_and_output_shape():
     model = wide_resnet(10, 1, num_classes=5)
-    out = jax.eval_shape(lambda k, x: model.init_with_output(k, x, return_features=True)[0],
-                         jax.random.key(0), jax.ShapeDtypeStruct((3, 32, 32, 3), jnp.float32))
+    out = jax.eval_shape(
+        lambda k, x: model.init_with_output(k, x, return_features=True)[0],
+        jax.random.key(0),
+        jax.ShapeDtypeStruct((3, 32, 32, 3), jnp.float32),
+    )
     logits, feats = out
     assert logits.shape == (3, 5) and feats.shape == (3, 64)
 

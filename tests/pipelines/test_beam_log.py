@@ -13,7 +13,8 @@ def test_a_worker_error_found_only_in_beams_log_is_raised_as_its_own_line(tmp_pa
         "Traceback (most recent call last):\n"
         '  File "x.py", line 1, in fail\n'
         "dpscale.errors.DataError: shard 'x' is damaged; rebuild it [while running 'Map(fail)']\n"
-        "Worker: severity: ERROR message: \"Traceback ...\\ndpscale.errors.StorageError: shard \\'x\\'\\n\"\n")
+        "Worker: severity: ERROR message: \"Traceback ...\\ndpscale.errors.StorageError: shard \\'x\\'\\n\"\n"
+    )
     error = logged_failure(str(log))
     assert isinstance(error, DataError) and str(error) == "shard 'x' is damaged; rebuild it"
     log.write_text("Traceback (most recent call last):\nValueError: bad element 7 [while running 'Map(fail)']\n")
@@ -41,8 +42,9 @@ def test_a_worker_error_beam_raised_is_the_workers_own_line():
 
 
 def test_one_line_is_the_last_exception_line_of_beams_message_and_short():
-    wrapped = RuntimeError("Traceback (most recent call last):\n  File \"x.py\"\nValueError: bad element 7\n"
-                           "  while processing bundle 3")
+    wrapped = RuntimeError(
+        'Traceback (most recent call last):\n  File "x.py"\nValueError: bad element 7\n  while processing bundle 3'
+    )
     assert one_line(wrapped) == "ValueError: bad element 7"
     assert one_line(RuntimeError("no exception named\n  here")) == "here"
     assert one_line(RuntimeError()) == "RuntimeError"

@@ -13,9 +13,24 @@ def test_two_workers_only_when_there_is_enough_work():
 
 
 def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
-    config = config_from_cli(stage, [
-        "featurize", str(tmp_path), "--backbone", "efficientnet-lite0", "--resolution", "128",
-        "--runner", "DataflowRunner", "--project", "p", "--", "--temp_location", "gs://b/t"])
+    config = config_from_cli(
+        stage,
+        [
+            "featurize",
+            str(tmp_path),
+            "--backbone",
+            "efficientnet-lite0",
+            "--resolution",
+            "128",
+            "--runner",
+            "DataflowRunner",
+            "--project",
+            "p",
+            "--",
+            "--temp_location",
+            "gs://b/t",
+        ],
+    )
     assert (config.resolution, config.backbone, config.chunk_rows) == (128, "efficientnet-lite0", 1024)
     options = pipeline_options(config.pipeline_args, parallel=True)
     assert options.view_as(StandardOptions).runner == "DataflowRunner"
@@ -26,8 +41,9 @@ def test_cli_forwards_beam_options_to_the_stage(config_from_cli, tmp_path):
 def test_graph_builds_for_remote_paths_without_running():
     """Building the graph touches no files: gs:// data and cache need no credentials here."""
     pipeline = beam.Pipeline(options=pipeline_options([], parallel=False))
-    settings = graph.WorkerSettings(data="gs://b/data", backbone="gs://b/backbone",
-                                    entry="gs://b/cache/abc", batch_size=32)
+    settings = graph.WorkerSettings(
+        data="gs://b/data", backbone="gs://b/backbone", entry="gs://b/cache/abc", batch_size=32
+    )
     graph.build(pipeline, [("train", 0), ("train", 1), ("test", 0)], settings)
     labels = {t.unique_name for t in pipeline.to_runner_api().components.transforms.values()}
     assert {"Chunks", "SpreadChunks", "FeaturizeChunks"} <= labels

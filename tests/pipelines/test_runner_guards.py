@@ -42,12 +42,18 @@ def test_multi_processing_delivers_every_row(tmp_path):
     path = str(tmp_path / "count")
 
     def build(pipeline, _):
-        _ = (pipeline | beam.Create(list(range(8))) | beam.Reshuffle()
-             | beam.FlatMap(_emit) | beam.GroupByKey() | beam.Map(_slow_count)
-             | beam.CombineGlobally(sum) | beam.Map(_write, path=path))
+        _ = (
+            pipeline
+            | beam.Create(list(range(8)))
+            | beam.Reshuffle()
+            | beam.FlatMap(_emit)
+            | beam.GroupByKey()
+            | beam.Map(_slow_count)
+            | beam.CombineGlobally(sum)
+            | beam.Map(_write, path=path)
+        )
 
-    run_pipeline(build, args=TWO, parallel=True, progress_total=1, progress_label="test",
-                 log=logging.getLogger("test"))
+    run_pipeline(build, args=TWO, parallel=True, progress_total=1, progress_label="test", log=logging.getLogger("test"))
     assert int(open(path).read()) == ELEMENTS * ROWS
 
 
@@ -59,14 +65,16 @@ def test_a_failing_pipeline_is_one_error_naming_the_cause_and_what_to_try():
         _ = pipeline | beam.Create([1]) | beam.Map(fail)
 
     with pytest.raises(PipelineError) as info:
-        run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="test",
-                     log=logging.getLogger("test"))
+        run_pipeline(
+            build, args=(), parallel=False, progress_total=1, progress_label="test", log=logging.getLogger("test")
+        )
     message = str(info.value)
     assert "bad element 7" in message and "--verbose" in message and "\n" not in message
     assert "in_memory" not in message  # it ran in one process already: that hint cannot help
     with pytest.raises(PipelineError) as info:
-        run_pipeline(build, args=TWO, parallel=True, progress_total=1, progress_label="test",
-                     log=logging.getLogger("test"))
+        run_pipeline(
+            build, args=TWO, parallel=True, progress_total=1, progress_label="test", log=logging.getLogger("test")
+        )
     assert "bad element 7" in str(info.value) and "in_memory" in str(info.value)
 
 
@@ -79,8 +87,14 @@ def test_a_user_error_in_a_worker_is_its_own_line_without_beams_wrapping(capfd):
 
     for args in ((), TWO):  # in this process, and in worker processes (only the traceback's text arrives)
         with pytest.raises(DataError) as info:
-            run_pipeline(build, args=args, parallel=bool(args), progress_total=1, progress_label="test",
-                         log=logging.getLogger("test"))
+            run_pipeline(
+                build,
+                args=args,
+                parallel=bool(args),
+                progress_total=1,
+                progress_label="test",
+                log=logging.getLogger("test"),
+            )
         assert str(info.value) == "shard 'x' is damaged; rebuild it"
         assert "Traceback" not in capfd.readouterr().err  # Beam's log of the failure went to its file
 
@@ -100,8 +114,15 @@ def test_a_stalled_pipeline_is_stopped_with_a_clear_error():
     start = time.monotonic()
     try:
         with pytest.raises(PipelineStalledError, match="stalled"):
-            run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="t",
-                         log=logging.getLogger("test"), stall_seconds=3)
+            run_pipeline(
+                build,
+                args=(),
+                parallel=False,
+                progress_total=1,
+                progress_label="t",
+                log=logging.getLogger("test"),
+                stall_seconds=3,
+            )
     finally:
         _release.set()
     assert time.monotonic() - start < 30
@@ -136,8 +157,15 @@ def test_a_failure_logged_by_an_older_thread_is_not_this_pipelines():
 
     try:
         with pytest.raises(PipelineStalledError, match="stalled"):
-            run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="t",
-                         log=logging.getLogger("test"), stall_seconds=3)
+            run_pipeline(
+                build,
+                args=(),
+                parallel=False,
+                progress_total=1,
+                progress_label="t",
+                log=logging.getLogger("test"),
+                stall_seconds=3,
+            )
     finally:
         _hold.set()
     assert _logged.is_set()  # the old thread did log its failure during the run
@@ -145,14 +173,27 @@ def test_a_failure_logged_by_an_older_thread_is_not_this_pipelines():
 
 def test_beam_logging_goes_to_a_file_unless_verbose(capfd):
     def build(pipeline, _):
-        _ = pipeline | beam.Create([1]) | beam.Map(lambda x: logging.getLogger(
-            "apache_beam.test").error("beam says hello") or os.write(2, b"raw fd2 noise\n"))
+        _ = (
+            pipeline
+            | beam.Create([1])
+            | beam.Map(
+                lambda x: (
+                    logging.getLogger("apache_beam.test").error("beam says hello") or os.write(2, b"raw fd2 noise\n")
+                )
+            )
+        )
 
-    run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="t",
-                 log=logging.getLogger("test"))
+    run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="t", log=logging.getLogger("test"))
     assert "noise" not in capfd.readouterr().err
-    run_pipeline(build, args=(), parallel=False, progress_total=1, progress_label="t",
-                 log=logging.getLogger("test"), verbose=True)
+    run_pipeline(
+        build,
+        args=(),
+        parallel=False,
+        progress_total=1,
+        progress_label="t",
+        log=logging.getLogger("test"),
+        verbose=True,
+    )
     assert "noise" in capfd.readouterr().err
 
 
@@ -162,8 +203,7 @@ def _send_through_runner_data_plane(chunks: int, chunk_mb: int) -> int:
     from apache_beam.runners.worker import data_plane
 
     # what the runner's gRPC data service gives every worker connection
-    channel = data_plane._GrpcDataChannel(
-        data_buffer_time_limit_ms=worker_handlers.DATA_BUFFER_TIME_LIMIT_MS)
+    channel = data_plane._GrpcDataChannel(data_buffer_time_limit_ms=worker_handlers.DATA_BUFFER_TIME_LIMIT_MS)
     received = [0]
 
     def read():  # a worker busy with its bundle drains the stream slowly

@@ -65,8 +65,10 @@ def image_loss(model):
 def image_batch(seed: int, size: int, views: int, shape, classes: int = 10):
     """Gaussian images ``[size, views, *shape]`` with random labels."""
     rng = np.random.default_rng(seed)
-    return {"image": jnp.asarray(rng.normal(size=(size, views, *shape)), jnp.float32),
-            "label": jnp.asarray(rng.integers(0, classes, (size, views)), jnp.int32)}
+    return {
+        "image": jnp.asarray(rng.normal(size=(size, views, *shape)), jnp.float32),
+        "label": jnp.asarray(rng.integers(0, classes, (size, views)), jnp.int32),
+    }
 
 
 def random_params(model, shape, seed: int = 0):
@@ -75,8 +77,8 @@ def random_params(model, shape, seed: int = 0):
     rng = np.random.default_rng(seed)
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *shape)))["params"]
     return jax.tree_util.tree_map(
-        lambda a: jnp.asarray(rng.normal(size=a.shape) / np.sqrt(np.prod(a.shape[:-1] or (1,))), a.dtype),
-        abstract)
+        lambda a: jnp.asarray(rng.normal(size=a.shape) / np.sqrt(np.prod(a.shape[:-1] or (1,))), a.dtype), abstract
+    )
 
 
 def assert_trees_close(actual, expected, rtol: float = 1e-5):
@@ -84,8 +86,9 @@ def assert_trees_close(actual, expected, rtol: float = 1e-5):
     for (path, a), e in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree_util.tree_leaves(expected)):
         scale = float(jnp.max(jnp.abs(e)))
         assert scale > 0, f"{jax.tree_util.keystr(path)} is all zero: the test cannot tell rules apart"
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=0, atol=rtol * scale,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(e), rtol=0, atol=rtol * scale, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.fixture

@@ -12,8 +12,16 @@ from dpscale.privacy.pld import MIN_DELTA
 
 
 def _eps(sigma, q, steps, delta=1e-5, accountant="pld", releases=(), truncation=None):
-    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant,
-                   releases=releases, truncation=truncation)
+    return epsilon(
+        noise_multiplier=sigma,
+        sampling_rate=q,
+        steps=steps,
+        delta=delta,
+        accountant=accountant,
+        releases=releases,
+        truncation=truncation,
+    )
+
 
 SETTINGS = [  # (sigma, q, steps, delta)
     (1.1, 256 / 60_000, 2_000, 1e-5),
@@ -136,8 +144,9 @@ def test_delta_must_be_in_open_unit_interval(delta):
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_releases_are_composed_into_epsilon_and_the_curve(accountant):
-    assert isinstance(dp_event(noise_multiplier=2.0, sampling_rate=0.1, steps=50, releases=(5.0,)),
-                      dp_accounting.ComposedDpEvent)
+    assert isinstance(
+        dp_event(noise_multiplier=2.0, sampling_rate=0.1, steps=50, releases=(5.0,)), dp_accounting.ComposedDpEvent
+    )
     with_release = _eps(2.0, 0.1, 50, accountant=accountant, releases=(5.0,))
     assert with_release > _eps(2.0, 0.1, 50, accountant=accountant) + 1e-3  # the release costs something
     curve = EpsilonCurve(noise_multiplier=2.0, sampling_rate=0.1, delta=1e-5, accountant=accountant, releases=(5.0,))
@@ -178,8 +187,15 @@ def test_the_step_zero_ledger_shows_the_release_even_where_a_step_has_infinite_r
     from dpscale.privacy.accounting import RdpParts
 
     assert np.isinf(RdpParts.of(noise_multiplier=0.3, sampling_rate=0.5).step).any()
-    plan = PrivacyPlan(num_examples=1000, batch_size=500, steps=10, noise_multiplier=0.3, delta=1e-5,
-                       accountant=accountant, releases=(20.0,))
+    plan = PrivacyPlan(
+        num_examples=1000,
+        batch_size=500,
+        steps=10,
+        noise_multiplier=0.3,
+        delta=1e-5,
+        accountant=accountant,
+        releases=(20.0,),
+    )
     alone = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
     reference = alone.compose(dp_accounting.GaussianDpEvent(20.0)).get_epsilon(1e-5)
     assert plan.ledger(steps_done=0).epsilon_spent == pytest.approx(reference, rel=1e-3) and reference > 0.1

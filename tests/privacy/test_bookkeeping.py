@@ -12,8 +12,7 @@ from flax import linen as nn
 from dpscale.models.cnn import small_cnn
 from dpscale.models.layers import GroupNorm, ScaledWSConv, WSConv
 from dpscale.models.registry import get_model
-from dpscale.privacy.bookkeeping import (UnsupportedModelError, make_bookkeeping_clipped_sum_fn,
-                                         per_example_gradients_bk)
+from dpscale.privacy.bookkeeping import UnsupportedModelError, make_bookkeeping_clipped_sum_fn, per_example_gradients_bk
 from dpscale.privacy.clipping import clipped_sum_from_gradients, make_clipped_sum_fn, per_example_gradients
 from dpscale.privacy.dpsgd import DpsgdStep
 
@@ -79,14 +78,17 @@ def _compare_clipped_sums(nets, name, shape, size=6, views=2):
     batch["image"] = batch["image"].at[1, 1, 0, 0, 0].set(jnp.nan)  # one poisoned view
     mask = jnp.ones(size).at[size - 1].set(0.0)  # one padded slot
     losses, grads = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
-    norms = np.linalg.norm(np.concatenate(
-        [np.reshape(g, (size, -1)) for g in jax.tree_util.tree_leaves(grads)], axis=1), axis=1)
-    real = norms[:size - 1]  # the last slot is padding
+    norms = np.linalg.norm(
+        np.concatenate([np.reshape(g, (size, -1)) for g in jax.tree_util.tree_leaves(grads)], axis=1), axis=1
+    )
+    real = norms[: size - 1]  # the last slot is padding
     finite = np.sort(real[np.isfinite(real)])
     clip = float(finite[len(finite) // 2 - 1] + finite[len(finite) // 2]) / 2  # clips some, not all; no ties
 
     # What make_clipped_sum_fn returns, without compiling the vmap path a second time.
-    ref = jax.jit(lambda g, m, losses: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=losses))(grads, mask, losses)
+    ref = jax.jit(lambda g, m, losses: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=losses))(
+        grads, mask, losses
+    )
     bk_fn = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch))
     out = jax.jit(bk_fn)(params, {}, batch, mask)
     assert bk_fn.sensitivity == 1.0 and out.sensitivity == 1.0
@@ -114,7 +116,10 @@ def test_dpsgd_update_equals_default_path(nets):
     batch, mask = nets.image_batch(3, 4, 2, (12, 12, 1), classes=3), jnp.array([1.0, 1.0, 1.0, 0.0])
     results = []
     config = dict(noise_multiplier=0.7, expected_batch_size=4.0)
-    for clipped in (make_clipped_sum_fn(loss_fn, clip_norm=0.05), make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=0.05)):
+    for clipped in (
+        make_clipped_sum_fn(loss_fn, clip_norm=0.05),
+        make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=0.05),
+    ):
         step = DpsgdStep(clipped, **config, seed=11, optimizer=optax.sgd(0.5), ema_decay=0.9999)
         results.append(step.update(step.init(params), [(batch, mask)]))
     (ref_state, ref_metrics), (state, metrics) = results
@@ -154,8 +159,11 @@ class _Subclassed(nn.Module):
         return _DenseSubclass(3)(jnp.mean(x, axis=(1, 2)))
 
 
-@pytest.mark.parametrize("model", [_Scaled(), _FrozenBatchNorm(), _OwnParam(), _Subclassed()],
-                         ids=["scaled-ws-conv", "frozen-batchnorm", "own-param", "dense-subclass"])
+@pytest.mark.parametrize(
+    "model",
+    [_Scaled(), _FrozenBatchNorm(), _OwnParam(), _Subclassed()],
+    ids=["scaled-ws-conv", "frozen-batchnorm", "own-param", "dense-subclass"],
+)
 def test_refuses_models_with_uncovered_parameters(model, nets):
     variables = model.init(jax.random.key(0), jnp.zeros((1, 6, 6, 2)))
     params = variables["params"]

@@ -22,9 +22,17 @@ class Counted:
 def test_decreasing_real_boundary_is_feasible_and_within_rtol(seed):
     rng = np.random.default_rng(seed)
     power, scale, target = rng.uniform(0.5, 3), rng.uniform(0.1, 100), rng.uniform(0.05, 20)
-    eps = Counted(lambda s: scale * s ** -power + 1e-3 * math.sin(s) ** 2 / s)
-    problem = MonotoneProblem(name="noise multiplier", eps_at=eps, target=target,
-                              increasing=False, integer=False, lower=1e-3, upper=1e6, rtol=1e-3)
+    eps = Counted(lambda s: scale * s**-power + 1e-3 * math.sin(s) ** 2 / s)
+    problem = MonotoneProblem(
+        name="noise multiplier",
+        eps_at=eps,
+        target=target,
+        increasing=False,
+        integer=False,
+        lower=1e-3,
+        upper=1e6,
+        rtol=1e-3,
+    )
     sigma, _ = solve_boundary(problem, float(rng.uniform(0.1, 10)), slope=-1.0)
     assert eps.fn(sigma) <= target
     assert eps.fn(sigma * (1 - 1e-3)) > target
@@ -37,8 +45,9 @@ def test_increasing_integer_boundary_is_the_largest_feasible_integer(seed):
     power, scale = rng.uniform(0.3, 1.5), rng.uniform(1e-4, 1)
     target = scale * float(rng.integers(2, 10**6)) ** power * rng.uniform(0.9, 1.1)
     eps = Counted(lambda t: scale * t**power)
-    problem = MonotoneProblem(name="steps", eps_at=eps, target=target, increasing=True,
-                              integer=True, lower=1, upper=10**9)
+    problem = MonotoneProblem(
+        name="steps", eps_at=eps, target=target, increasing=True, integer=True, lower=1, upper=10**9
+    )
     if eps.fn(1) > target:
         with pytest.raises(InfeasiblePrivacyTargetError):
             solve_boundary(problem, 1000.0, slope=0.5)
@@ -52,28 +61,38 @@ def test_increasing_integer_boundary_is_the_largest_feasible_integer(seed):
 def test_step_function_with_flat_parts_still_converges_to_the_boundary():
     # Flat stretches break interpolation; bisection must take over.
     eps = lambda x: float(math.floor(x / 1000))  # noqa: E731
-    problem = MonotoneProblem(name="batch size", eps_at=eps, target=7.0, increasing=True,
-                              integer=True, lower=1, upper=10**6)
+    problem = MonotoneProblem(
+        name="batch size", eps_at=eps, target=7.0, increasing=True, integer=True, lower=1, upper=10**6
+    )
     found, _ = solve_boundary(problem, 10.0, slope=1.0)
     assert found == 7999
 
 
 def test_infinite_and_zero_epsilons_are_handled():
     eps = lambda s: math.inf if s < 1 else (0.0 if s > 50 else 10 / s)  # noqa: E731
-    problem = MonotoneProblem(name="noise multiplier", eps_at=eps, target=2.0, increasing=False,
-                              integer=False, lower=1e-2, upper=1e4)
+    problem = MonotoneProblem(
+        name="noise multiplier", eps_at=eps, target=2.0, increasing=False, integer=False, lower=1e-2, upper=1e4
+    )
     sigma, _ = solve_boundary(problem, 0.1, slope=-1.0)
     assert eps(sigma) <= 2.0 < eps(sigma * (1 - 1e-3))
 
 
 def test_the_free_end_is_returned_when_everything_is_feasible():
-    problem = MonotoneProblem(name="batch size", eps_at=lambda b: b / 1e9, target=1.0,
-                              increasing=True, integer=True, lower=1, upper=5000)
+    problem = MonotoneProblem(
+        name="batch size", eps_at=lambda b: b / 1e9, target=1.0, increasing=True, integer=True, lower=1, upper=5000
+    )
     assert solve_boundary(problem, 10.0, slope=1.0)[0] == 5000
 
 
 def test_nothing_feasible_raises_with_the_parameter_in_the_message():
-    problem = MonotoneProblem(name="noise multiplier", eps_at=lambda s: 5.0 / s, target=1e-6,
-                              increasing=False, integer=False, lower=1e-2, upper=1e4)
+    problem = MonotoneProblem(
+        name="noise multiplier",
+        eps_at=lambda s: 5.0 / s,
+        target=1e-6,
+        increasing=False,
+        integer=False,
+        lower=1e-2,
+        upper=1e4,
+    )
     with pytest.raises(InfeasiblePrivacyTargetError, match="noise multiplier = 10000"):
         solve_boundary(problem, 1.0, slope=-1.0)

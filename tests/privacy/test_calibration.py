@@ -8,15 +8,21 @@ import pytest
 
 from dpscale.errors import InfeasiblePrivacyTargetError, InvalidConfigError
 from dpscale.privacy.accounting import epsilon
-from dpscale.privacy.calibration import (DEFAULT_RTOL, MAX_STEPS, calibrate_batch_size,
-                                         calibrate_noise_multiplier, calibrate_steps)
+from dpscale.privacy.calibration import (
+    DEFAULT_RTOL,
+    MAX_STEPS,
+    calibrate_batch_size,
+    calibrate_noise_multiplier,
+    calibrate_steps,
+)
 
 IMAGENET = dict(num_examples=1_281_167, batch_size=16_384, steps=71_589, delta=8e-7)
 
 
 def _eps(sigma, q, steps, delta, accountant, releases=()):
-    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant,
-                   releases=releases)
+    return epsilon(
+        noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant, releases=releases
+    )
 
 
 def _random_settings(seed, count):
@@ -39,8 +45,11 @@ def _check_sigma(s, accountant):
     q = s["batch_size"] / s["num_examples"]
     try:
         result = calibrate_noise_multiplier(
-            target_epsilon=s["target"], delta=s["delta"], sampling_rate=q,
-            steps=s["steps"], accountant=accountant,
+            target_epsilon=s["target"],
+            delta=s["delta"],
+            sampling_rate=q,
+            steps=s["steps"],
+            accountant=accountant,
         )
     except InfeasiblePrivacyTargetError:
         assert _eps(1e4, q, s["steps"], s["delta"], accountant) > s["target"]
@@ -56,8 +65,11 @@ def _check_steps(s, accountant):
     q = s["batch_size"] / s["num_examples"]
     try:
         result = calibrate_steps(
-            target_epsilon=s["target"], delta=s["delta"], noise_multiplier=s["sigma"],
-            sampling_rate=q, accountant=accountant,
+            target_epsilon=s["target"],
+            delta=s["delta"],
+            noise_multiplier=s["sigma"],
+            sampling_rate=q,
+            accountant=accountant,
         )
     except InfeasiblePrivacyTargetError:
         assert _eps(s["sigma"], q, 1, s["delta"], accountant) > s["target"]
@@ -73,8 +85,12 @@ def _check_batch_size(s, accountant):
     n = s["num_examples"]
     try:
         result = calibrate_batch_size(
-            target_epsilon=s["target"], delta=s["delta"], noise_multiplier=s["sigma"],
-            steps=s["steps"], num_examples=n, accountant=accountant,
+            target_epsilon=s["target"],
+            delta=s["delta"],
+            noise_multiplier=s["sigma"],
+            steps=s["steps"],
+            num_examples=n,
+            accountant=accountant,
         )
     except InfeasiblePrivacyTargetError:
         assert _eps(s["sigma"], 1 / n, s["steps"], s["delta"], accountant) > s["target"]
@@ -118,9 +134,7 @@ def test_pld_calibration_never_overshoots_and_is_tight(setting):
 
 def test_calibrated_noise_shrinks_as_the_budget_grows():
     sigmas = [
-        calibrate_noise_multiplier(
-            target_epsilon=e, delta=1e-5, sampling_rate=0.01, steps=1000, accountant="rdp"
-        ).value
+        calibrate_noise_multiplier(target_epsilon=e, delta=1e-5, sampling_rate=0.01, steps=1000, accountant="rdp").value
         for e in (0.5, 1.0, 2.0, 8.0)
     ]
     assert sigmas == sorted(sigmas, reverse=True)
@@ -147,7 +161,10 @@ def test_round_trip_calibrated_steps_cover_the_run_that_set_sigma():
 def test_no_steps_fit_a_tiny_budget():
     with pytest.raises(InfeasiblePrivacyTargetError, match="even with steps = 1,"):
         calibrate_steps(
-            target_epsilon=0.01, delta=1e-5, noise_multiplier=0.8, sampling_rate=0.5,
+            target_epsilon=0.01,
+            delta=1e-5,
+            noise_multiplier=0.8,
+            sampling_rate=0.5,
             accountant="rdp",
         )
 
@@ -166,22 +183,28 @@ def test_pld_is_not_limited_by_the_looser_rdp_presolve():
 def test_not_even_batch_size_one_fits():
     with pytest.raises(InfeasiblePrivacyTargetError, match="even with batch size = 1,"):
         calibrate_batch_size(
-            target_epsilon=0.05, delta=1e-5, noise_multiplier=0.6, steps=10_000,
-            num_examples=1000, accountant="rdp",
+            target_epsilon=0.05,
+            delta=1e-5,
+            noise_multiplier=0.6,
+            steps=10_000,
+            num_examples=1000,
+            accountant="rdp",
         )
 
 
 def test_noise_multiplier_beyond_the_sane_bound_is_infeasible():
     with pytest.raises(InfeasiblePrivacyTargetError, match="noise multiplier"):
-        calibrate_noise_multiplier(
-            target_epsilon=1e-4, delta=1e-10, sampling_rate=1.0, steps=10**6, accountant="rdp"
-        )
+        calibrate_noise_multiplier(target_epsilon=1e-4, delta=1e-10, sampling_rate=1.0, steps=10**6, accountant="rdp")
 
 
 def test_whole_data_set_batches_when_the_budget_allows():
     result = calibrate_batch_size(
-        target_epsilon=50.0, delta=1e-5, noise_multiplier=5.0, steps=10,
-        num_examples=1000, accountant="rdp",
+        target_epsilon=50.0,
+        delta=1e-5,
+        noise_multiplier=5.0,
+        steps=10,
+        num_examples=1000,
+        accountant="rdp",
     )
     assert result.value == 1000 and result.epsilon <= 50.0
 
@@ -189,7 +212,10 @@ def test_whole_data_set_batches_when_the_budget_allows():
 def test_steps_stop_at_the_cap_when_the_budget_is_never_spent():
     # PLD composition of 2^31 steps would not finish; the search domain ends at MAX_STEPS.
     result = calibrate_steps(
-        target_epsilon=50.0, delta=1e-5, noise_multiplier=10.0, sampling_rate=1e-4,
+        target_epsilon=50.0,
+        delta=1e-5,
+        noise_multiplier=10.0,
+        sampling_rate=1e-4,
         accountant="pld",
     )
     assert result.value == MAX_STEPS and result.epsilon <= 50.0
@@ -236,8 +262,12 @@ def test_rdp_convergence_warnings_stay_quiet(caplog, absl_warnings_on):
     # ... and our calibration, which probes it, keeps quiet.
     with caplog.at_level(logging.WARNING):
         result = calibrate_batch_size(
-            target_epsilon=8.0, delta=1e-3, noise_multiplier=1.0, steps=100,
-            num_examples=1000, accountant="rdp",
+            target_epsilon=8.0,
+            delta=1e-3,
+            noise_multiplier=1.0,
+            steps=100,
+            num_examples=1000,
+            accountant="rdp",
         )
         _eps(1.0, 0.136, 100, 1e-3, "rdp")
     assert result.epsilon <= 8.0
@@ -249,8 +279,11 @@ def test_imagenet_sized_pld_calibration_takes_seconds(target):
     q = IMAGENET["batch_size"] / IMAGENET["num_examples"]
     start = time.perf_counter()
     result = calibrate_noise_multiplier(
-        target_epsilon=target, delta=IMAGENET["delta"], sampling_rate=q,
-        steps=IMAGENET["steps"], accountant="pld",
+        target_epsilon=target,
+        delta=IMAGENET["delta"],
+        sampling_rate=q,
+        steps=IMAGENET["steps"],
+        accountant="pld",
     )
     elapsed = time.perf_counter() - start
     assert elapsed < 10.0, f"calibration took {elapsed:.1f} s"
@@ -285,7 +318,9 @@ def test_the_issues_batch_size_search_builds_few_distributions_on_the_reported_g
     real = accounting.EpsilonCurve
     monkeypatch.setattr(accounting, "EpsilonCurve", lambda **kw: built.append(kw) or real(**kw))
     plan = PrivacyPlan.calibrate(PrivacyTarget(8.0, 1e-5), num_examples=50_000, noise_multiplier=1.0, steps=1000)
-    fine = [kw for kw in built if kw["accountant"] == "pld" and kw["pld_discretization"] == accounting.PLD_DISCRETIZATION]
+    fine = [
+        kw for kw in built if kw["accountant"] == "pld" and kw["pld_discretization"] == accounting.PLD_DISCRETIZATION
+    ]
     assert len(fine) <= 4, [(kw["sampling_rate"] * 50_000, kw["truncation"]) for kw in fine]  # 10 before
     count = len(built)
     assert plan.batch_size == 1897 and plan.epsilon() <= 8.0

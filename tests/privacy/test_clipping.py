@@ -7,8 +7,12 @@ import pytest
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.bookkeeping import make_bookkeeping_clipped_sum_fn
-from dpscale.privacy.clipping import (clipped_sum_from_gradients, make_clipped_sum_fn, per_example_gradients,
-                                      per_example_norms)
+from dpscale.privacy.clipping import (
+    clipped_sum_from_gradients,
+    make_clipped_sum_fn,
+    per_example_gradients,
+    per_example_norms,
+)
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 
@@ -94,10 +98,12 @@ def test_norms_are_global_across_leaves_and_never_below_the_exact_norm():
 @pytest.mark.parametrize("clip_norm", [0.0, -1.0, float("inf"), float("nan")])
 def test_every_clipped_sum_rejects_a_clip_norm_that_is_not_positive_and_finite(clip_norm):
     loss_fn = lambda params, model_state, views: jnp.sum(params["w"])  # noqa: E731
-    builders = [lambda c: make_clipped_sum_fn(loss_fn, clip_norm=c),
-                lambda c: make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=c),
-                lambda c: make_ghost_clipped_sum_fn(loss_fn, clip_norm=c),
-                lambda c: softmax_regression_clipped_sum(clip_norm=c)]
+    builders = [
+        lambda c: make_clipped_sum_fn(loss_fn, clip_norm=c),
+        lambda c: make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=c),
+        lambda c: make_ghost_clipped_sum_fn(loss_fn, clip_norm=c),
+        lambda c: softmax_regression_clipped_sum(clip_norm=c),
+    ]
     for build in builders:
         with pytest.raises(InvalidConfigError, match="clip norm must be positive and finite"):
             build(clip_norm)

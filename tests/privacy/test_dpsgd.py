@@ -14,8 +14,12 @@ from dpscale.privacy.ema import ema_decay
 
 def _step(loss_fn, *, clip_norm=1.0, optimizer=None, ema_decay=0.9999, **kwargs):
     """A step over ``vmap`` clipped sums, plain SGD at learning rate 1 unless ``optimizer`` is given."""
-    return DpsgdStep(make_clipped_sum_fn(loss_fn, clip_norm=clip_norm), optimizer=optimizer or optax.sgd(1.0),
-                     ema_decay=ema_decay, **kwargs)
+    return DpsgdStep(
+        make_clipped_sum_fn(loss_fn, clip_norm=clip_norm),
+        optimizer=optimizer or optax.sgd(1.0),
+        ema_decay=ema_decay,
+        **kwargs,
+    )
 
 
 def _accumulated_sum(step, state, batch, microbatch_size):
@@ -39,7 +43,10 @@ def test_noise_free_update_moves_at_most_one_over_b_per_example(toy, seed):
     n, views, micro, b = int(rng.integers(4, 13)), 3, 4, 16.0
     step = _step(
         toy.loss_fn,
-        noise_multiplier=0.0, expected_batch_size=b, clip_norm=float(rng.uniform(0.05, 2)), seed=seed,
+        noise_multiplier=0.0,
+        expected_batch_size=b,
+        clip_norm=float(rng.uniform(0.05, 2)),
+        seed=seed,
     )
     state = step.init(toy.init_params(seed))
     data = toy.make_batch(100 + seed, n + 1, views=views, scale=float(rng.uniform(0.5, 30)))
@@ -134,7 +141,10 @@ def test_update_is_the_same_on_one_and_four_devices(toy):
 
 def test_microbatch_must_divide_over_devices(toy):
     step = _step(
-        toy.loss_fn, noise_multiplier=1.0, expected_batch_size=4, seed=0,
+        toy.loss_fn,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
+        seed=0,
         mesh=data_mesh(jax.devices()[:4]),
     )
     state = step.init(toy.init_params(0))
@@ -144,9 +154,7 @@ def test_microbatch_must_divide_over_devices(toy):
 
 def test_ema_follows_warmup_and_ignores_microsteps(toy):
     decay = 0.9
-    step = _step(
-        toy.loss_fn, noise_multiplier=0.5, expected_batch_size=8, ema_decay=decay, seed=3
-    )
+    step = _step(toy.loss_fn, noise_multiplier=0.5, expected_batch_size=8, ema_decay=decay, seed=3)
     state = step.init(toy.init_params(4))
     data = toy.make_batch(5, 8, views=1)
     expected_ema = toy.flat(state.ema_params)
@@ -174,11 +182,16 @@ def test_step_rejects_bad_values(toy):
 def test_step_takes_only_a_clipped_sum_with_a_stated_sensitivity(toy):
     plain = make_clipped_sum_fn(toy.loss_fn, clip_norm=1.0).fn  # the function without its bound
     with pytest.raises(TypeError, match="ClippedSumFn"):
-        DpsgdStep(plain, noise_multiplier=1.0, expected_batch_size=8, seed=0, optimizer=optax.sgd(1.0),
-                  ema_decay=0.9)
+        DpsgdStep(plain, noise_multiplier=1.0, expected_batch_size=8, seed=0, optimizer=optax.sgd(1.0), ema_decay=0.9)
     with pytest.raises(InvalidConfigError, match="unbounded sensitivity"):
-        DpsgdStep(make_unclipped_sum_fn(toy.loss_fn), noise_multiplier=1.0, expected_batch_size=8, seed=0,
-                  optimizer=optax.sgd(1.0), ema_decay=0.9)
+        DpsgdStep(
+            make_unclipped_sum_fn(toy.loss_fn),
+            noise_multiplier=1.0,
+            expected_batch_size=8,
+            seed=0,
+            optimizer=optax.sgd(1.0),
+            ema_decay=0.9,
+        )
 
 
 def test_sharded_clipped_sum_of_a_conv_model_moves_no_per_example_tensors():
@@ -199,13 +212,16 @@ def test_sharded_clipped_sum_of_a_conv_model_moves_no_per_example_tensors():
         return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
 
     rng = np.random.default_rng(0)
-    batch = {"image": jnp.asarray(rng.normal(size=(8, 2, 8, 8, 1)), jnp.float32),
-             "label": jnp.asarray(rng.integers(0, 3, size=(8, 2)), jnp.int32)}
+    batch = {
+        "image": jnp.asarray(rng.normal(size=(8, 2, 8, 8, 1)), jnp.float32),
+        "label": jnp.asarray(rng.integers(0, 3, size=(8, 2)), jnp.int32),
+    }
     mask = jnp.ones(8).at[7].set(0.0)
     sums = []
     for devices in (jax.devices()[:1], jax.devices()[:4]):
-        step = _step(loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=0.1, seed=0,
-                         mesh=data_mesh(devices))
+        step = _step(
+            loss_fn, noise_multiplier=1.0, expected_batch_size=8, clip_norm=0.1, seed=0, mesh=data_mesh(devices)
+        )
         state = step.init(params)
         total = step.zero_sum(state)
         if len(devices) == 4:

@@ -32,12 +32,15 @@ GHOST_MARGIN = 3e-2
 
 def _reference(loss_fn, params, batch, mask, clip):
     losses, grads = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
-    return jax.jit(lambda g, m, losses: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=losses))(grads, mask, losses), grads
+    return jax.jit(lambda g, m, losses: clipped_sum_from_gradients(g, m, clip_norm=clip, losses=losses))(
+        grads, mask, losses
+    ), grads
 
 
 def _median_clip(grads, size):
-    norms = np.linalg.norm(np.concatenate([np.reshape(g, (size, -1)) for g in jax.tree_util.tree_leaves(grads)],
-                                          axis=1), axis=1)
+    norms = np.linalg.norm(
+        np.concatenate([np.reshape(g, (size, -1)) for g in jax.tree_util.tree_leaves(grads)], axis=1), axis=1
+    )
     finite = np.sort(norms[np.isfinite(norms)])
     return float(finite[len(finite) // 2 - 1] + finite[len(finite) // 2]) / 2  # clips some, not all
 
@@ -64,8 +67,9 @@ def test_the_registry_models_are_all_tested():
 
 
 # The wider and deeper WRNs repeat WRN-16-4's layers: one view count each keeps the suite fast.
-CASES = [(name, views) for name in FROM_SCRATCH for views in (1, 4)
-         if views == 4 or name not in ("wrn-40-4", "wrn-28-10")]
+CASES = [
+    (name, views) for name in FROM_SCRATCH for views in (1, 4) if views == 4 or name not in ("wrn-40-4", "wrn-28-10")
+]
 
 
 @pytest.mark.parametrize("name,views", CASES)
@@ -77,8 +81,9 @@ def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views, ne
     batch = nets.image_batch(1, size, views, shape)
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, *shape)))["params"]
     try:
-        plan_layers(loss_fn, abstract, {}, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                                                                  batch))
+        plan_layers(
+            loss_fn, abstract, {}, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+        )
     except UnsupportedModelError:
         # No rule covers its layers (e.g. the NF nets' scaled WS): training uses the vmap path
         # itself, which is the reference here, and says so in its log.
@@ -93,8 +98,15 @@ def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views, ne
     ref, _ = _reference(loss_fn, params, batch, mask, clip)
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch))
     assert {c.strategy for c in fn.layers} >= {"book-keeping"}
-    step = DpsgdStep(fn, noise_multiplier=1.0, expected_batch_size=size, seed=0, optimizer=optax.sgd(1.0),
-                     ema_decay=0.9999, mesh=data_mesh(jax.devices()[:4]))
+    step = DpsgdStep(
+        fn,
+        noise_multiplier=1.0,
+        expected_batch_size=size,
+        seed=0,
+        optimizer=optax.sgd(1.0),
+        ema_decay=0.9999,
+        mesh=data_mesh(jax.devices()[:4]),
+    )
     state = step.init(params)
     out = step.accumulate(state, step.zero_sum(state), batch, mask)  # shard_map: 2 examples per device
     assert int(out.num_nonfinite) == 1 and 0 < int(out.num_clipped) < size - 2
@@ -132,8 +144,7 @@ def test_each_path_equals_vmap_on_every_layer_kind(strategy, views, nets):
     ref, _ = _reference(loss_fn, params, batch, mask, clip)
     forced = {(name,): strategy for name in ("a", "b", "c", "d", "fc")}
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch), strategies=forced)
-    assert {c.path: c.strategy for c in fn.layers} == {**forced, ("n",): "book-keeping",
-                                                        ("shared",): "book-keeping"}
+    assert {c.path: c.strategy for c in fn.layers} == {**forced, ("n",): "book-keeping", ("shared",): "book-keeping"}
     out = jax.jit(fn)(params, {}, batch, mask)
     assert fn.sensitivity == out.sensitivity == 1.0
     _assert_same(out, ref, nets, margin=GHOST_MARGIN if strategy == "ghost" else MARGIN)
@@ -155,8 +166,9 @@ def test_one_example_moves_the_sum_by_at_most_one(strategy, nets):
     assert int(full.num_clipped) == size
     for i in range(size):
         without = fn(params, {}, batch, jnp.ones(size).at[i].set(0.0))
-        diff = jax.tree_util.tree_map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                                      full.value, without.value)
+        diff = jax.tree_util.tree_map(
+            lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), full.value, without.value
+        )
         assert np.sqrt(sum(np.sum(d * d) for d in jax.tree_util.tree_leaves(diff))) <= 1.0
 
 

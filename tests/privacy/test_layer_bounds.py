@@ -90,8 +90,9 @@ def _exact_norms(case, params, batch):
         return np.sqrt(np.sum(u * u, axis=(1, 2)))
     geometry = WsGeometry.of(WSConv(3, 3), params["conv"]["kernel"])
     w, s = np.asarray(geometry.w, np.float64), np.asarray(geometry.s, np.float64)
-    patches = np.asarray(shifted_windows(jnp.asarray(x.reshape(-1, *x.shape[2:])), (3, 3), (1, 1), "VALID"),
-                         np.float64).reshape(SIZE, -1, w.shape[0])
+    patches = np.asarray(
+        shifted_windows(jnp.asarray(x.reshape(-1, *x.shape[2:])), (3, 3), (1, 1), "VALID"), np.float64
+    ).reshape(SIZE, -1, w.shape[0])
     u = np.einsum("btd,btp->bdp", patches, g.reshape(SIZE, -1, w.shape[1]))
     c = u - u.mean(axis=1, keepdims=True)
     v = s * (c - w * (np.einsum("dp,bdp->bp", w, c) / w.shape[0])[:, None, :])
@@ -104,14 +105,21 @@ def _exact_norms(case, params, batch):
 @pytest.mark.parametrize("precision", list(FORMATS))
 def test_the_norm_clipped_with_bounds_the_exact_gradient(case, strategy, views, precision):
     model, path = (Conv(), ("conv",)) if case == "conv" else (Dense(), ("fc",))
-    fn = jax.jit(make_ghost_clipped_sum_fn(_loss(model), clip_norm=2.0**-60, strategies={path: strategy},
-                                           precision=ClipPrecision(norms=precision, sums=precision)))
+    fn = jax.jit(
+        make_ghost_clipped_sum_fn(
+            _loss(model),
+            clip_norm=2.0**-60,
+            strategies={path: strategy},
+            precision=ClipPrecision(norms=precision, sums=precision),
+        )
+    )
     rng = np.random.default_rng(7)
     for kind in ("natural", "aligned", "cancelling", "scales"):
         params, batch = (_conv_case if case == "conv" else _dense_case)(views, kind, rng)
         exact = _exact_norms(case, params, batch)
-        bounds = np.array([float(fn(params, {}, batch, jnp.zeros(SIZE).at[i].set(1.0)).sum_of_norms)
-                           for i in range(SIZE)])
+        bounds = np.array(
+            [float(fn(params, {}, batch, jnp.zeros(SIZE).at[i].set(1.0)).sum_of_norms) for i in range(SIZE)]
+        )
         assert np.all(bounds >= exact), (kind, bounds / exact)
         if kind == "natural" and precision == "highest":
             assert np.all(bounds <= exact * (1 + TIGHT[case, strategy])), bounds / exact - 1

@@ -16,10 +16,14 @@ def _dense_loss(params, model_state, views):
 
 def _problem(seed, b=12, d=7, c=4, scale=2.0):
     rng = np.random.default_rng(seed)
-    params = {"kernel": jnp.asarray(rng.normal(size=(d, c)), jnp.float32),
-              "bias": jnp.asarray(rng.normal(size=(c,)), jnp.float32)}
-    batch = {"features": jnp.asarray(rng.normal(size=(b, d)) * scale, jnp.float32),
-             "label": jnp.asarray(rng.integers(0, c, size=b), jnp.int32)}
+    params = {
+        "kernel": jnp.asarray(rng.normal(size=(d, c)), jnp.float32),
+        "bias": jnp.asarray(rng.normal(size=(c,)), jnp.float32),
+    }
+    batch = {
+        "features": jnp.asarray(rng.normal(size=(b, d)) * scale, jnp.float32),
+        "label": jnp.asarray(rng.integers(0, c, size=b), jnp.int32),
+    }
     return params, batch
 
 

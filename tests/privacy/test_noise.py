@@ -4,8 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dpscale.privacy.noise import add_gaussian_noise, standard_normal
 from scipy import stats
+
+from dpscale.privacy.noise import add_gaussian_noise, standard_normal
 
 
 def test_standard_normal_is_unit_gaussian():
@@ -64,7 +65,6 @@ def test_added_noise_has_the_requested_std_per_leaf():
     assert abs(float(jnp.std(noisy["b"])) - 2.5) < 0.05
     # The leaves draw different noise (each its own key).
     assert not np.allclose(np.asarray(noisy["w"]).ravel()[:1000], np.asarray(noisy["b"])[:1000] - 3.0)
-
 
 
 def test_the_four_draws_get_independent_uniform_23_bit_integers():

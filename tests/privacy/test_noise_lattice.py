@@ -54,12 +54,24 @@ def test_one_draw_noise_is_a_lattice_that_gives_the_canary_away(lattice):
 
 def _releases(canary: bool, seed: int) -> np.ndarray:
     """The privatized gradient of the real DpsgdStep at one step, per coordinate."""
-    step = DpsgdStep(make_clipped_sum_fn(lambda *_: 0.0, clip_norm=1.0), noise_multiplier=SIGMA, expected_batch_size=B,
-                     seed=seed, optimizer=optax.sgd(1.0), ema_decay=0.9)
+    step = DpsgdStep(
+        make_clipped_sum_fn(lambda *_: 0.0, clip_norm=1.0),
+        noise_multiplier=SIGMA,
+        expected_batch_size=B,
+        seed=seed,
+        optimizer=optax.sgd(1.0),
+        ema_decay=0.9,
+    )
     zero = jnp.zeros((), jnp.int32)
-    total = ClippedSum(value={"w": jnp.full((ROWS,), 1.0 if canary else 0.0, jnp.float32)}, num_examples=zero,
-                       num_clipped=zero, num_nonfinite=zero, sum_of_norms=jnp.zeros(()),
-                       sum_of_losses=jnp.zeros(()), sensitivity=1.0)
+    total = ClippedSum(
+        value={"w": jnp.full((ROWS,), 1.0 if canary else 0.0, jnp.float32)},
+        num_examples=zero,
+        num_clipped=zero,
+        num_nonfinite=zero,
+        sum_of_norms=jnp.zeros(()),
+        sum_of_losses=jnp.zeros(()),
+        sensitivity=1.0,
+    )
     return np.asarray(step.privatized_gradient(total, 3)["w"], np.float64)
 
 

@@ -91,14 +91,23 @@ def test_a_whole_micro_batch_at_once_moves_the_sum_by_at_most_one(strategy, prec
     one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
     paths = [c.path for c in plan_layers(loss_fn, params, {}, one) if type(c.module) in (WSConv, nn.Dense)]
     tuning = dataclasses.replace(GPU, choose="rule")
-    fn = jax.jit(make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.01, strategies={p: strategy for p in paths},
-                                           precision=ClipPrecision(precision, precision), tuning=tuning))
+    fn = jax.jit(
+        make_ghost_clipped_sum_fn(
+            loss_fn,
+            clip_norm=0.01,
+            strategies={p: strategy for p in paths},
+            precision=ClipPrecision(precision, precision),
+            tuning=tuning,
+        )
+    )
     full = fn(params, {}, batch, jnp.ones(size))
     assert int(full.num_clipped) == size
     for i in range(size):
         without = fn(params, {}, batch, jnp.ones(size).at[i].set(0.0))
-        diff = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
-                for a, b in zip(jax.tree_util.tree_leaves(full.value), jax.tree_util.tree_leaves(without.value))]
+        diff = [
+            np.asarray(a, np.float64) - np.asarray(b, np.float64)
+            for a, b in zip(jax.tree_util.tree_leaves(full.value), jax.tree_util.tree_leaves(without.value))
+        ]
         assert np.sqrt(sum(np.sum(d * d) for d in diff)) <= 1.0
 
 
@@ -112,6 +121,7 @@ def test_a_candidate_that_fails_is_said_and_never_chosen(nets, monkeypatch):
 
         def out_of_memory(*args):
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
         return out_of_memory
 
     monkeypatch.setattr(path_timing, "_layer_fn", ghost_fails)
@@ -144,8 +154,10 @@ def test_timings_are_kept_for_the_next_process_and_a_corrupt_file_is_timed_again
 
 
 def test_measured_summary_ranks_the_candidates():
-    measured = path_timing.Measured("explicit", ClipPrecision(), (("ghost/highest", math.inf),
-                                                                  ("explicit/highest", 0.002),
-                                                                  ("streamed/tf32", 0.003)))
+    measured = path_timing.Measured(
+        "explicit",
+        ClipPrecision(),
+        (("ghost/highest", math.inf), ("explicit/highest", 0.002), ("streamed/tf32", 0.003)),
+    )
     assert measured.summary() == "measured: explicit/highest 2.00 ms (streamed/tf32 3.00 ms, ghost/highest failed)"
     assert path_timing.candidate_name("ghost", ClipPrecision("tf32", "highest")) == "ghost/tf32+highest"

@@ -88,5 +88,6 @@ def test_calibration_at_delta_1e_15_is_no_worse_than_rdp():
 
 def test_releases_that_alone_exceed_the_target_are_refused_in_one_line():
     with pytest.raises(InfeasiblePrivacyTargetError, match="releases alone"):
-        calibration.calibrate_noise_multiplier(target_epsilon=1.0, delta=1e-5, sampling_rate=0.01, steps=100,
-                                               releases=(0.1,))
+        calibration.calibrate_noise_multiplier(
+            target_epsilon=1.0, delta=1e-5, sampling_rate=0.01, steps=100, releases=(0.1,)
+        )

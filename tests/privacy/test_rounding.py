@@ -10,23 +10,34 @@ import pytest
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import hold
-from dpscale.privacy.rounding import (BLOCK, FORMATS, ClipPrecision, blocked_depth, blocked_sum,
-                                      contract, inflate, norm_bound, upper_sum,
-                                      upper_sum_of_squares)
+from dpscale.privacy.rounding import (
+    BLOCK,
+    FORMATS,
+    ClipPrecision,
+    blocked_depth,
+    blocked_sum,
+    contract,
+    inflate,
+    norm_bound,
+    upper_sum,
+    upper_sum_of_squares,
+)
 
 
 def _vectors():
     """Rows of 2^18 floats whose squares a float32 sum gets wrong in every way it can."""
     rng = np.random.default_rng(0)
     n = 2**18
-    return np.stack([
-        np.full(n, 1 + 2.0**-12),  # every square rounds, in the same direction
-        rng.normal(size=n),
-        np.where(np.arange(n) == 0, 1e3, 1e-3),  # one large term, then many small ones
-        rng.normal(size=n) * 10.0 ** rng.uniform(-19, 19, n),  # scales from 1e-19 to 1e19
-        np.full(n, 1e-20),  # squares underflow
-        rng.normal(size=n) * 1e-40,  # subnormal inputs
-    ]).astype(np.float32)
+    return np.stack(
+        [
+            np.full(n, 1 + 2.0**-12),  # every square rounds, in the same direction
+            rng.normal(size=n),
+            np.where(np.arange(n) == 0, 1e3, 1e-3),  # one large term, then many small ones
+            rng.normal(size=n) * 10.0 ** rng.uniform(-19, 19, n),  # scales from 1e-19 to 1e19
+            np.full(n, 1e-20),  # squares underflow
+            rng.normal(size=n) * 1e-40,  # subnormal inputs
+        ]
+    ).astype(np.float32)
 
 
 def test_sums_of_squares_are_bounded_above_and_closely():
@@ -59,7 +70,9 @@ def test_upper_sum_and_inflate_round_up():
     assert np.all(np.asarray(upper_sum(jnp.asarray(x)), np.float64) >= np.sum(np.asarray(x, np.float64), axis=1))
     values = np.float32(10.0 ** rng.uniform(-37, 37, 1000))
     for rel in (0.0, 1e-7, 1e-3):
-        assert np.all(np.asarray(inflate(jnp.asarray(values), rel), np.float64) >= values.astype(np.float64) * (1 + rel))
+        assert np.all(
+            np.asarray(inflate(jnp.asarray(values), rel), np.float64) >= values.astype(np.float64) * (1 + rel)
+        )
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -88,8 +101,10 @@ def test_a_precision_names_a_known_format():
 
 def test_hold_keeps_the_values_and_the_structure():
     for size in (1, 2, 3, 6, 7):
-        tree = {"a": jnp.arange(size * 4, dtype=jnp.float32).reshape(size, 2, 2) - 3.5,
-                "b": jnp.ones((size,), jnp.float32) * 1e-30}
+        tree = {
+            "a": jnp.arange(size * 4, dtype=jnp.float32).reshape(size, 2, 2) - 3.5,
+            "b": jnp.ones((size,), jnp.float32) * 1e-30,
+        }
         held = jax.jit(hold)(tree)
         for key in tree:
             np.testing.assert_array_equal(np.asarray(held[key]), np.asarray(tree[key]))

@@ -6,8 +6,15 @@ import pytest
 from scipy import stats
 
 from dpscale.errors import InvalidConfigError
-from dpscale.privacy.sampling import (PADDING_INDEX, Layout, PoissonSampler, ShuffledSampler, batch_capacity,
-                                      pad_into, truncated_poisson_slots)
+from dpscale.privacy.sampling import (
+    PADDING_INDEX,
+    Layout,
+    PoissonSampler,
+    ShuffledSampler,
+    batch_capacity,
+    pad_into,
+    truncated_poisson_slots,
+)
 
 
 def test_poisson_batch_sizes_follow_binomial():

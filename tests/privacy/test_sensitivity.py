@@ -77,8 +77,10 @@ def _ws_kernel():
 
 def _stack(examples, views):
     """``[SIZE, views, ...]`` from SIZE per-example ``(input [views, ...], target [views, ...])``."""
-    return {"input": jnp.asarray(np.stack([x for x, _ in examples]), jnp.float32),
-            "target": jnp.asarray(np.stack([t for _, t in examples]), jnp.float32)}
+    return {
+        "input": jnp.asarray(np.stack([x for x, _ in examples]), jnp.float32),
+        "target": jnp.asarray(np.stack([t for _, t in examples]), jnp.float32),
+    }
 
 
 def _signs(views):
@@ -99,12 +101,12 @@ def ws_case(views):
 
     batches = {
         "aligned": [same(aligned * c) for c in (1.0, 3.0, 10.0, 30.0)],
-        "cancelling": [(aligned[None] * drift * c, _signs(views)[:, None, None, None] * ones)
-                       for c in (1.0, 2.0, 5.0, 9.0)],
+        "cancelling": [
+            (aligned[None] * drift * c, _signs(views)[:, None, None, None] * ones) for c in (1.0, 2.0, 5.0, 9.0)
+        ],
         "constant": [same(np.full((3, 3, 4), c)) for c in (1.0, -2.0, 5.0, 100.0)],
         "scales": [same(aligned * c) for c in SCALES],
-        "mixed": [same(aligned), same(np.full((3, 3, 4), 7.0)), same(rng.normal(size=(3, 3, 4))),
-                  same(aligned * 1e15)],
+        "mixed": [same(aligned), same(np.full((3, 3, 4), 7.0)), same(rng.normal(size=(3, 3, 4))), same(aligned * 1e15)],
     }
     return _linear_in_output(WsOnly()), params, {k: _stack(v, views) for k, v in batches.items()}
 
@@ -129,15 +131,23 @@ def dense_case(views):
 
 def biases_case(views):
     rng = np.random.default_rng(3)
-    params = {"conv": {"kernel": _ws_kernel(), "bias": jnp.asarray([0.3, -0.1], jnp.float32)},
-              "fc": {"kernel": jnp.asarray(rng.normal(size=(2, 3)) * 1e-3, jnp.float32),
-                     "bias": jnp.zeros(3, jnp.float32)}}
+    params = {
+        "conv": {"kernel": _ws_kernel(), "bias": jnp.asarray([0.3, -0.1], jnp.float32)},
+        "fc": {"kernel": jnp.asarray(rng.normal(size=(2, 3)) * 1e-3, jnp.float32), "bias": jnp.zeros(3, jnp.float32)},
+    }
     natural = rng.normal(size=(3, 3, 4))
-    images = {"scales": [natural * c for c in SCALES], "denormal": [natural * c for c in (1e-39, 1e-30, 1e-25, 1.0)],
-              "constant": [np.full((3, 3, 4), c) for c in (1.0, -2.0, 5.0, 100.0)]}
-    batches = {kind: {"input": jnp.asarray(np.repeat(np.stack(imgs)[:, None], views, axis=1), jnp.float32),
-                      "label": jnp.asarray(np.tile([[0], [1], [2], [1]], (1, views)), jnp.int32)}
-               for kind, imgs in images.items()}
+    images = {
+        "scales": [natural * c for c in SCALES],
+        "denormal": [natural * c for c in (1e-39, 1e-30, 1e-25, 1.0)],
+        "constant": [np.full((3, 3, 4), c) for c in (1.0, -2.0, 5.0, 100.0)],
+    }
+    batches = {
+        kind: {
+            "input": jnp.asarray(np.repeat(np.stack(imgs)[:, None], views, axis=1), jnp.float32),
+            "label": jnp.asarray(np.tile([[0], [1], [2], [1]], (1, views)), jnp.int32),
+        }
+        for kind, imgs in images.items()
+    }
     return _cross_entropy, params, batches
 
 

@@ -18,11 +18,14 @@ def _words(keys: jax.Array) -> np.ndarray:
 def test_no_two_keys_coincide_across_models_streams_and_steps():
     keys = jax.jit(jax.vmap(lambda m: model_keys(SEED, m)))(np.arange(MODELS, dtype=np.uint32))
     per_step = jax.jit(jax.vmap(lambda k, n: [(jax.random.fold_in(k, t), step_key(n, t)) for t in range(STEPS)]))(
-        keys.sampling, keys.noise)
+        keys.sampling, keys.noise
+    )
     seed_level = [stream_key(SEED, stream) for stream in Stream]  # shared init, audit data, base keys
     everything = np.concatenate(
         [_words(keys.init), _words(keys.sampling), _words(keys.noise)]
-        + [_words(k) for pair in per_step for k in pair] + [_words(k[None]) for k in seed_level])
+        + [_words(k) for pair in per_step for k in pair]
+        + [_words(k[None]) for k in seed_level]
+    )
     assert len(everything) == MODELS * (3 + 2 * STEPS) + len(Stream)
     assert len(np.unique(everything)) == len(everything)
 

@@ -4,37 +4,44 @@ import dp_accounting
 import numpy as np
 import pytest
 
-from dpscale.privacy import calibration
-from dpscale.privacy.accounting import (RdpParts, Truncation, epsilon, rdp_epsilon, step_event,
-                                        truncated_step_rdp)
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy import calibration
+from dpscale.privacy.accounting import RdpParts, Truncation, epsilon, rdp_epsilon, step_event, truncated_step_rdp
 from dpscale.privacy.plan import PrivacyPlan, PrivacyTarget, composed_epsilon
 from dpscale.privacy.sampling import batch_capacity
 
 
 def _eps(sigma, q, steps, *, truncation=None, accountant="pld", delta=1e-5):
-    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant,
-                   truncation=truncation)
+    return epsilon(
+        noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta, accountant=accountant, truncation=truncation
+    )
 
 
 def test_the_step_is_dp_accountings_truncated_event_on_the_larger_neighbour():
     truncation = Truncation(num_examples=1000, capacity=120)
     assert truncation.dataset_size == 1001
-    assert step_event(noise_multiplier=1.3, sampling_rate=0.1, truncation=truncation) == \
-        dp_accounting.TruncatedSubsampledGaussianDpEvent(1001, 0.1, 120, 1.3)
-    event = dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(1001, 0.1, 120, 1.3),
-                                              200)
+    assert step_event(
+        noise_multiplier=1.3, sampling_rate=0.1, truncation=truncation
+    ) == dp_accounting.TruncatedSubsampledGaussianDpEvent(1001, 0.1, 120, 1.3)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(1001, 0.1, 120, 1.3), 200
+    )
     reference = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(event)
     assert _eps(1.3, 0.1, 200, truncation=truncation) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
 
 
 def test_the_larger_neighbour_is_the_worse_one():
     """Epsilon grows with the data-set size at fixed q and capacity: N + 1 covers the removal neighbour (N - 1)."""
+
     def pld(size):
         event = dp_accounting.SelfComposedDpEvent(
-            dp_accounting.TruncatedSubsampledGaussianDpEvent(size, 0.1, 105, 1.0), 100)
-        return dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(
-            event).get_epsilon(1e-5)
+            dp_accounting.TruncatedSubsampledGaussianDpEvent(size, 0.1, 105, 1.0), 100
+        )
+        return (
+            dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+            .compose(event)
+            .get_epsilon(1e-5)
+        )
 
     values = [pld(size) for size in (999, 1000, 1001)]
     assert values == sorted(values) and values[0] < values[2]
@@ -42,10 +49,14 @@ def test_the_larger_neighbour_is_the_worse_one():
 
 def _pld(size, q, capacity, sigma, steps):
     """dp-accounting's epsilon for the pair whose larger data set has ``size`` examples."""
-    event = dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(size, q, capacity, sigma),
-                                              steps)
-    return dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(
-        event).get_epsilon(1e-5)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(size, q, capacity, sigma), steps
+    )
+    return (
+        dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        .compose(event)
+        .get_epsilon(1e-5)
+    )
 
 
 @pytest.mark.parametrize("num_examples, batch_size", [(1430, 128), (200, 100), (100, 10)])
@@ -61,12 +72,15 @@ def test_a_capacity_below_the_batch_size_is_refused_by_every_accounting_path():
     n, b, below = 1430, 128, 100
     q, truncation = b / n, Truncation(n, below)
     plan = PrivacyPlan(num_examples=n, batch_size=b, steps=200, noise_multiplier=1.0, delta=1e-5, batch_capacity=below)
-    for compute in (lambda: _eps(1.0, q, 200, truncation=truncation),
-                    lambda: _eps(1.0, q, 200, truncation=truncation, accountant="rdp"),
-                    lambda: step_event(noise_multiplier=1.0, sampling_rate=q, truncation=truncation),
-                    lambda: RdpParts.of(noise_multiplier=1.0, sampling_rate=q, truncation=truncation),
-                    plan.epsilon, lambda: plan.ledger(steps_done=1),
-                    lambda: composed_epsilon([plan], delta=1e-5)):
+    for compute in (
+        lambda: _eps(1.0, q, 200, truncation=truncation),
+        lambda: _eps(1.0, q, 200, truncation=truncation, accountant="rdp"),
+        lambda: step_event(noise_multiplier=1.0, sampling_rate=q, truncation=truncation),
+        lambda: RdpParts.of(noise_multiplier=1.0, sampling_rate=q, truncation=truncation),
+        plan.epsilon,
+        lambda: plan.ledger(steps_done=1),
+        lambda: composed_epsilon([plan], delta=1e-5),
+    ):
         with pytest.raises(InvalidConfigError, match="capacity 100 is below the expected batch size 128"):
             compute()
     Truncation(n, b).check_rate(q)  # B itself is allowed
@@ -76,8 +90,10 @@ def test_a_capacity_below_the_batch_size_is_refused_by_every_accounting_path():
 def test_truncation_costs_epsilon_and_the_cost_vanishes_as_the_capacity_grows(accountant):
     n, b, sigma, steps = 1000, 100, 1.0, 200
     untruncated = _eps(sigma, b / n, steps, accountant=accountant)
-    costs = [_eps(sigma, b / n, steps, accountant=accountant, truncation=Truncation(n, capacity)) - untruncated
-             for capacity in (100, 110, 125, 160)]
+    costs = [
+        _eps(sigma, b / n, steps, accountant=accountant, truncation=Truncation(n, capacity)) - untruncated
+        for capacity in (100, 110, 125, 160)
+    ]
     assert all(c >= -1e-6 * untruncated for c in costs)  # never below untruncated (up to the grid)
     assert costs[0] > costs[1] > costs[2] and costs[0] > 0.01 * untruncated
     assert abs(costs[-1]) < 1e-3 * untruncated
@@ -103,8 +119,12 @@ def test_truncated_rdp_lies_between_the_poisson_step_and_the_half_noise_step():
     assert parts.orders[order] == 2.0
     expected = np.log((1 - p) * np.exp(parts.untruncated[order]) + p * np.exp(half.step[order]))
     assert parts.step[order] == pytest.approx(expected, rel=1e-12)
-    assert np.array_equal(truncated_step_rdp(parts.orders, parts.untruncated, noise_multiplier=1.0,
-                                             sampling_rate=0.1, truncation=truncation), parts.step)
+    assert np.array_equal(
+        truncated_step_rdp(
+            parts.orders, parts.untruncated, noise_multiplier=1.0, sampling_rate=0.1, truncation=truncation
+        ),
+        parts.step,
+    )
 
 
 @pytest.mark.parametrize("stds", [6, 7])
@@ -115,8 +135,9 @@ def test_rdp_epsilon_is_the_smaller_of_the_mixture_and_the_delta_charge(stds):
     parts = RdpParts.of(noise_multiplier=1.0, sampling_rate=b / n, truncation=truncation)
     assert 0 < steps * parts.charge < delta
     mixture = dp_accounting.rdp.compute_epsilon(parts.orders, steps * parts.step, delta)[0]
-    charged = dp_accounting.rdp.compute_epsilon(parts.orders, steps * parts.untruncated,
-                                                delta - steps * parts.charge)[0]
+    charged = dp_accounting.rdp.compute_epsilon(parts.orders, steps * parts.untruncated, delta - steps * parts.charge)[
+        0
+    ]
     untruncated = dp_accounting.rdp.compute_epsilon(parts.orders, steps * parts.untruncated, delta)[0]
     bound = rdp_epsilon([(parts, steps)], delta)
     assert bound == min(mixture, charged) and bound >= untruncated
@@ -131,13 +152,23 @@ def test_capacity_stds_picks_the_cheapest_rung_within_the_allowed_cost():
     assert chosen <= untruncated * (1 + 2 * calibration.TRUNCATION_COST)
     lower = calibration.CAPACITY_LADDER.index(k) - 1
     if lower >= 0:  # the rung below costs more than allowed
-        cheaper = _eps(1.0, 0.01, 1000,
-                       truncation=Truncation(50_000, batch_capacity(50_000, 500, stds=calibration.CAPACITY_LADDER[lower])))
+        cheaper = _eps(
+            1.0,
+            0.01,
+            1000,
+            truncation=Truncation(50_000, batch_capacity(50_000, 500, stds=calibration.CAPACITY_LADDER[lower])),
+        )
         assert cheaper > untruncated * (1 + calibration.TRUNCATION_COST / 2)
 
 
-@pytest.mark.parametrize("knobs", [dict(batch_size=500, steps=1000), dict(noise_multiplier=1.0, steps=1000),
-                                   dict(noise_multiplier=1.0, batch_size=500)])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(batch_size=500, steps=1000),
+        dict(noise_multiplier=1.0, steps=1000),
+        dict(noise_multiplier=1.0, batch_size=500),
+    ],
+)
 def test_a_calibrated_plan_meets_the_target_with_its_truncation_and_records_its_capacity(knobs):
     plan = PrivacyPlan.calibrate(PrivacyTarget(2.0, 1e-5), num_examples=50_000, **knobs)
     assert plan.batch_capacity == plan.capacity > plan.batch_size
@@ -151,11 +182,11 @@ def test_a_calibrated_plan_meets_the_target_with_its_truncation_and_records_its_
 
 def test_a_plan_without_a_recorded_capacity_uses_the_rule_and_resolves_to_it():
     plan = PrivacyPlan(num_examples=50_000, batch_size=500, steps=1000, noise_multiplier=1.0, delta=1e-5)
-    k = calibration.capacity_stds(noise_multiplier=1.0, num_examples=50_000, batch_size=500, steps=1000,
-                                    delta=1e-5)
+    k = calibration.capacity_stds(noise_multiplier=1.0, num_examples=50_000, batch_size=500, steps=1000, delta=1e-5)
     assert plan.capacity == batch_capacity(50_000, 500, stds=k)
     resolved = plan.resolved()
     assert resolved.batch_capacity == plan.capacity and resolved.epsilon() == plan.epsilon()
-    smaller = PrivacyPlan(num_examples=50_000, batch_size=500, steps=1000, noise_multiplier=1.0, delta=1e-5,
-                          batch_capacity=510)
+    smaller = PrivacyPlan(
+        num_examples=50_000, batch_size=500, steps=1000, noise_multiplier=1.0, delta=1e-5, batch_capacity=510
+    )
     assert smaller.epsilon() > plan.epsilon()

@@ -23,8 +23,15 @@ def digits_data():
     raw = load_digits()
     rng = np.random.default_rng(0)
     order = rng.permutation(len(raw.target))[:NUM_EXAMPLES]
-    return build_data(raw.data[order] / 16.0, raw.target[order].astype(np.int32),
-                      num_examples=NUM_EXAMPLES, canaries=1, kind="ood", num_classes=10, rng=rng)
+    return build_data(
+        raw.data[order] / 16.0,
+        raw.target[order].astype(np.int32),
+        num_examples=NUM_EXAMPLES,
+        canaries=1,
+        kind="ood",
+        num_classes=10,
+        rng=rng,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +42,16 @@ def nominal():
 
 def _row(data, plan):
     setup = TrainingSetup(plan=plan, learning_rate=1.0)
-    return audit_setting(data, setup, nominal_epsilon=plan.epsilon(), delta=DELTA, num_models=400,
-                         confidence=0.999, holdout_fraction=0.25, seed=3)
+    return audit_setting(
+        data,
+        setup,
+        nominal_epsilon=plan.epsilon(),
+        delta=DELTA,
+        num_models=400,
+        confidence=0.999,
+        holdout_fraction=0.25,
+        seed=3,
+    )
 
 
 def test_broken_privatizer_is_caught(digits_data, nominal):
@@ -65,9 +80,32 @@ def ingested_digits(tmp_path_factory):
 
 def test_cli_writes_json_and_markdown_with_one_run(ingested_digits, tmp_path):
     out = tmp_path / "audit"
-    args = ["audit", ingested_digits, "--out-dir", str(out), "--epsilon", "2", "--num-examples", "150",
-            "--batch-size", "30", "--steps", "5", "--num-models", "64", "--one-run-canaries", "40",
-            "--canary", "mislabelled", "--model", "mlp", "--hidden", "8", "--seed", "0"]
+    args = [
+        "audit",
+        ingested_digits,
+        "--out-dir",
+        str(out),
+        "--epsilon",
+        "2",
+        "--num-examples",
+        "150",
+        "--batch-size",
+        "30",
+        "--steps",
+        "5",
+        "--num-models",
+        "64",
+        "--one-run-canaries",
+        "40",
+        "--canary",
+        "mislabelled",
+        "--model",
+        "mlp",
+        "--hidden",
+        "8",
+        "--seed",
+        "0",
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "audit.json").read_text())
@@ -80,8 +118,10 @@ def test_cli_writes_json_and_markdown_with_one_run(ingested_digits, tmp_path):
     table = (out / "audit.md").read_text()
     assert table.startswith("| threat model | model | |D| |") and "| black-box | mlp | 150 |" in table
     assert table in result.stderr and len(json.loads(result.stdout)["rows"]) == 1  # stdout: the JSON only
-    assert row["estimators"] == {"clopper-pearson": row["epsilon_lower_bound"],
-                                 "one-run": row["one_run_epsilon_lower_bound"]}
+    assert row["estimators"] == {
+        "clopper-pearson": row["epsilon_lower_bound"],
+        "one-run": row["one_run_epsilon_lower_bound"],
+    }
     # 64 models cannot certify epsilon 2 with Clopper-Pearson, and the row says so.
     assert row["cp_max_certifiable_epsilon"] < row["nominal_epsilon"] and row["cp_cannot_detect"]
     assert "cannot detect a violation" in table
@@ -90,8 +130,26 @@ def test_cli_writes_json_and_markdown_with_one_run(ingested_digits, tmp_path):
 @pytest.mark.parametrize("model", ["linear", "cnn"])
 def test_cli_white_box_rows_name_their_estimators(ingested_digits, tmp_path, model):
     out = tmp_path / "audit"
-    args = ["audit", ingested_digits, "--out-dir", str(out), "--threat-model", "white-box", "--model", model,
-            "--epsilon", "4", "--num-examples", "20", "--steps", "3", "--num-models", "400", "--seed", "0"]
+    args = [
+        "audit",
+        ingested_digits,
+        "--out-dir",
+        str(out),
+        "--threat-model",
+        "white-box",
+        "--model",
+        model,
+        "--epsilon",
+        "4",
+        "--num-examples",
+        "20",
+        "--steps",
+        "3",
+        "--num-models",
+        "400",
+        "--seed",
+        "0",
+    ]
     if model == "cnn":
         args += ["--per-example", "bookkeeping", "--num-models", "40"]
     else:  # the linear row runs on the 4-device sharded step
@@ -115,8 +173,9 @@ def test_cli_black_box_rejects_several_devices(ingested_digits):
 
 
 def test_cli_white_box_rejects_subsampling(ingested_digits):
-    result = CliRunner().invoke(cli, ["audit", ingested_digits, "--threat-model", "white-box",
-                                      "--num-examples", "50", "--batch-size", "10"])
+    result = CliRunner().invoke(
+        cli, ["audit", ingested_digits, "--threat-model", "white-box", "--num-examples", "50", "--batch-size", "10"]
+    )
     assert result.exit_code == 2
     assert "full batches" in result.output and "Traceback" not in result.output
 
@@ -124,17 +183,43 @@ def test_cli_white_box_rejects_subsampling(ingested_digits):
 def test_black_box_full_batch_rows_add_the_gdp_rates_bound(ingested_digits):
     from dpscale.stages import audit
 
-    config = audit.AuditConfig(data=ingested_digits, epsilons=(4.0,), num_examples=40, batch_size=40, steps=3,
-                               num_models=200, seed=0, show_progress=False)
+    config = audit.AuditConfig(
+        data=ingested_digits,
+        epsilons=(4.0,),
+        num_examples=40,
+        batch_size=40,
+        steps=3,
+        num_models=200,
+        seed=0,
+        show_progress=False,
+    )
     (row,) = audit.run(config).rows
     assert set(row["estimators"]) == {"clopper-pearson", "gdp-rates"}
     assert 0 <= row["gdp_rates_epsilon_lower_bound"] <= row["nominal_epsilon"] and not row["violation"]
 
 
 def test_the_sampler_audit_runs_from_the_command_line_on_the_real_sampler(ingested_digits):
-    result = CliRunner().invoke(cli, ["audit", ingested_digits, "--threat-model", "sampler", "--epsilons", "8",
-                                      "--num-examples", "59", "--batch-size", "6", "--num-models", "200",
-                                      "--confidence", "0.95", "--seed", "0"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "audit",
+            ingested_digits,
+            "--threat-model",
+            "sampler",
+            "--epsilons",
+            "8",
+            "--num-examples",
+            "59",
+            "--batch-size",
+            "6",
+            "--num-models",
+            "200",
+            "--confidence",
+            "0.95",
+            "--seed",
+            "0",
+        ],
+    )
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
     assert row["threat_model"] == "sampler" and row["steps"] == 10 and row["num_examples"] == 60

@@ -31,7 +31,7 @@ def shift(image: np.ndarray, dx: int, dy: int) -> np.ndarray:
     """Translate by whole pixels; the new border repeats the edge (as a re-crop would)."""
     padded = np.pad(image, ((2, 2), (2, 2), (0, 0)), mode="edge")
     h, w = image.shape[:2]
-    return padded[2 - dy:2 - dy + h, 2 - dx:2 - dx + w].copy()
+    return padded[2 - dy : 2 - dy + h, 2 - dx : 2 - dx + w].copy()
 
 
 def smooth_image(seed: int, size: int = 32) -> np.ndarray:
@@ -42,7 +42,7 @@ def smooth_image(seed: int, size: int = 32) -> np.ndarray:
 
 def crop_rescale(image: np.ndarray, *, left: int, top: int, side: int) -> np.ndarray:
     h, w = image.shape[:2]
-    crop = Image.fromarray(image[top:top + side, left:left + side])
+    crop = Image.fromarray(image[top : top + side, left : left + side])
     return np.asarray(crop.resize((w, h), Image.Resampling.BICUBIC))
 
 
@@ -51,10 +51,8 @@ PLANTED = {  # name -> transform of a private image
     "flip": lambda im: im[:, ::-1].copy(),
     "crop": lambda im: crop_rescale(im, left=3, top=1, side=27),
     "jpeg": lambda im: jpeg_roundtrip(im, 75),
-    "flip_crop_jpeg": lambda im: jpeg_roundtrip(crop_rescale(im[:, ::-1], left=1, top=2,
-                                                             side=28), 75),
-    "shift_colour": lambda im: np.clip(shift(im, 2, -1) * np.array([1.1, 0.95, 1.0]) + 12,
-                                       0, 255).astype(np.uint8),
+    "flip_crop_jpeg": lambda im: jpeg_roundtrip(crop_rescale(im[:, ::-1], left=1, top=2, side=28), 75),
+    "shift_colour": lambda im: np.clip(shift(im, 2, -1) * np.array([1.1, 0.95, 1.0]) + 12, 0, 255).astype(np.uint8),
 }
 
 
@@ -88,8 +86,12 @@ def data(tmp_path_factory):
         planted[f"train/a/planted_{name}.png"] = f"test/{'a' if i % 2 else 'b'}/p{i}.png"
     for j in range(24):
         _save(root / "public_src", "train", "b" if j % 3 else "a", f"other{j}", smooth_image(j))
-    return (_ingest(root / "public_src", root / "public"),
-            _ingest(root / "private_src", root / "private"), planted, root)
+    return (
+        _ingest(root / "public_src", root / "public"),
+        _ingest(root / "private_src", root / "private"),
+        planted,
+        root,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +126,7 @@ def test_report_is_a_private_diagnostic_listing_pairs_distances_and_views(data, 
     by_key = {p["public_key"]: p for p in report["removed"]}
     assert by_key["train/a/planted_exact.png"]["distance"] < 1e-3
     assert by_key["train/a/planted_flip.png"]["view"].endswith("mirrored")
-    ids = IngestedDataset(public).examples("train", [by_key["train/a/planted_exact.png"]
-                                                     ["public_index"]])
+    ids = IngestedDataset(public).examples("train", [by_key["train/a/planted_exact.png"]["public_index"]])
     assert ids[0].id == by_key["train/a/planted_exact.png"]["public_id"]
     for p in report["removed"]:
         if p["decided_by"] == "grid":
@@ -149,8 +150,15 @@ def test_a_refined_pair_is_reported_with_null_grid_distance_and_its_own_distance
 
     public, private, planted, _ = data
     pub, priv = IngestedDataset(public), IngestedDataset(private)
-    m = Match(Candidate("train", 0, 0, "test", 0, 6, 0.9), float("inf"), float("inf"), True,
-              ecc_distance=0.02, rank_distance=0.03, detail_distance=0.15)
+    m = Match(
+        Candidate("train", 0, 0, "test", 0, 6, 0.9),
+        float("inf"),
+        float("inf"),
+        True,
+        ecc_distance=0.02,
+        rank_distance=0.03,
+        detail_distance=0.15,
+    )
     pair = output._pair(m, pub, priv)
     assert pair["decided_by"] == "refined" and pair["distance"] is None
     assert pair["coarse_distance"] is None and pair["refined_detail_distance"] == 0.15
@@ -161,14 +169,14 @@ def test_a_refined_pair_is_reported_with_null_grid_distance_and_its_own_distance
 
 def test_no_refine_is_passed_through_to_the_verification_and_recorded(data, tmp_path):
     public, private, _, _ = data
-    res = stage.run(stage.DedupConfig(public, private, str(tmp_path / "plain"), refine=False,
-                                      pipeline_args=FAST))
+    res = stage.run(stage.DedupConfig(public, private, str(tmp_path / "plain"), refine=False, pipeline_args=FAST))
     assert res.report["settings"]["refine"] is False and "opencv" not in res.report["settings"]
     assert res.manifest.dedup.refine is False
-    assert all(p["decided_by"] == "grid" and p["refined_ecc_distance"] is None
-               for p in res.report["removed"] + res.report["near_threshold_rejected"])
-    runner = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "cli"), "--no-refine",
-                                      *FAST])
+    assert all(
+        p["decided_by"] == "grid" and p["refined_ecc_distance"] is None
+        for p in res.report["removed"] + res.report["near_threshold_rejected"]
+    )
+    runner = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "cli"), "--no-refine", *FAST])
     assert runner.exit_code == 0, runner.output
     manifest = json.loads((tmp_path / "cli" / "manifest.json").read_text())
     assert manifest["dedup"]["refine"] is False
@@ -244,16 +252,28 @@ def test_one_dataset_with_disjoint_splits(tmp_path):
     for j in range(5):
         _save(root, "train", "a", f"other{j}", smooth_image(3000 + j))
     both = _ingest(root, tmp_path / "both")
-    res = stage.run(stage.DedupConfig(both, both, str(tmp_path / "out"), public_splits=("train",),
-                                      private_splits=("test",), pipeline_args=FAST))
+    res = stage.run(
+        stage.DedupConfig(
+            both, both, str(tmp_path / "out"), public_splits=("train",), private_splits=("test",), pipeline_args=FAST
+        )
+    )
     assert [(p["public_key"], p["private_key"]) for p in res.report["removed"]] == [
-        ("train/a/copy.png", "test/a/p1.png")]
+        ("train/a/copy.png", "test/a/p1.png")
+    ]
     out = IngestedDataset(str(tmp_path / "out"))
     assert out.splits == ["train"] and out.num_examples("train") == 5
     assert res.report["private"]["num_examples"] == 3
     with pytest.raises(DataError, match="split 'valid'"):
-        stage.run(stage.DedupConfig(both, both, str(tmp_path / "o2"), public_splits=("train",),
-                                    private_splits=("valid",), pipeline_args=FAST))
+        stage.run(
+            stage.DedupConfig(
+                both,
+                both,
+                str(tmp_path / "o2"),
+                public_splits=("train",),
+                private_splits=("valid",),
+                pipeline_args=FAST,
+            )
+        )
 
 
 def test_an_output_emptied_by_dedup_is_refused_by_train_in_one_line(tmp_path):
@@ -265,11 +285,15 @@ def test_an_output_emptied_by_dedup_is_refused_by_train_in_one_line(tmp_path):
         _save(root, "test", "a", f"p{i}", image)
         _save(root, "train", "a", f"copy{i}", image)
     both = _ingest(root, tmp_path / "both")
-    res = stage.run(stage.DedupConfig(both, both, str(tmp_path / "out"), public_splits=("train",),
-                                      private_splits=("test",), pipeline_args=FAST))
+    res = stage.run(
+        stage.DedupConfig(
+            both, both, str(tmp_path / "out"), public_splits=("train",), private_splits=("test",), pipeline_args=FAST
+        )
+    )
     assert res.num_kept == 0 and IngestedDataset(str(tmp_path / "out")).num_examples("train") == 0
-    refused = CliRunner().invoke(cli, ["train", str(tmp_path / "out"), str(tmp_path / "run"), "--epsilon", "1",
-                                       "--steps", "2"])
+    refused = CliRunner().invoke(
+        cli, ["train", str(tmp_path / "out"), str(tmp_path / "run"), "--epsilon", "1", "--steps", "2"]
+    )
     assert refused.exit_code == 2, refused.output
     lines = refused.output.strip().splitlines()
     assert "Traceback" not in refused.output and "holds no examples" in lines[-1] and "'train'" in lines[-1]
@@ -295,19 +319,40 @@ def test_a_runner_that_lost_data_fails_loudly(data, tmp_path):
     from dpscale.dedup.method import Method
 
     public, private, _, _ = data
-    common = dict(public_path=public, private_path=private, output_dir=str(tmp_path),
-                  summaries=[], removed=[], matches=[], near=[], method=Method(),
-                  num_public=len(PLANTED) + 24, num_private=len(PLANTED) + 2,
-                  public_splits=["train"], private_splits=["test"])
+    common = dict(
+        public_path=public,
+        private_path=private,
+        output_dir=str(tmp_path),
+        summaries=[],
+        removed=[],
+        matches=[],
+        near=[],
+        method=Method(),
+        num_public=len(PLANTED) + 24,
+        num_private=len(PLANTED) + 2,
+        public_splits=["train"],
+        private_splits=["test"],
+    )
     with pytest.raises(RuntimeError, match="lost or duplicated"):
-        output.write_outputs(None, described={"public": len(PLANTED) + 24, "private": 0},
-                             num_candidates=0, num_verified=0, num_skipped=0, num_expanded=0,
-                             **common)
+        output.write_outputs(
+            None,
+            described={"public": len(PLANTED) + 24, "private": 0},
+            num_candidates=0,
+            num_verified=0,
+            num_skipped=0,
+            num_expanded=0,
+            **common,
+        )
     with pytest.raises(RuntimeError, match="lost or duplicated"):
-        output.write_outputs(None, described={"public": len(PLANTED) + 24,
-                                              "private": len(PLANTED) + 2},
-                             num_candidates=10, num_verified=8, num_skipped=1, num_expanded=0,
-                             **common)
+        output.write_outputs(
+            None,
+            described={"public": len(PLANTED) + 24, "private": len(PLANTED) + 2},
+            num_candidates=10,
+            num_verified=8,
+            num_skipped=1,
+            num_expanded=0,
+            **common,
+        )
     assert not (tmp_path / "manifest.json").exists()
 
 
@@ -331,8 +376,7 @@ def test_progress_covers_verification_and_counts_only_planned_rows(data, tmp_pat
     monkeypatch.setattr(runner, "LocalProgress", Recording)
     monkeypatch.setattr(stage, "PRIVATE_PER_VERIFY_TASK", 3)  # several verification blocks
     public, private, _, _ = data
-    stage.run(stage.DedupConfig(public, private, str(tmp_path / "out"), examples_per_task=4,
-                                pipeline_args=FAST))
+    stage.run(stage.DedupConfig(public, private, str(tmp_path / "out"), examples_per_task=4, pipeline_args=FAST))
     num_public, num_private = len(PLANTED) + 24, len(PLANTED) + 2
     # the total is fixed by the image counts, not by how many candidates the private data yields
     assert finished["total"] == graph.progress_total(num_public, num_private, k=10)
@@ -340,8 +384,10 @@ def test_progress_covers_verification_and_counts_only_planned_rows(data, tmp_pat
     # the unit is named: on the bar, and item by item when the run begins (the issue's "11653/11653" said neither)
     assert finished["label"] == "dedup: images described + private images searched + pairs verified"
     total = finished["total"]
-    assert (f"progress counts {total:,} items: {num_public + num_private:,} images described, {num_private:,} "
-            f"private images searched and {10 * num_private:,} candidate pairs verified") in caplog.text
+    assert (
+        f"progress counts {total:,} items: {num_public + num_private:,} images described, {num_private:,} "
+        f"private images searched and {10 * num_private:,} candidate pairs verified"
+    ) in caplog.text
 
 
 def test_verification_blocks_and_public_positions_are_planned_from_counts(data):
@@ -352,7 +398,7 @@ def test_verification_blocks_and_public_positions_are_planned_from_counts(data):
     assert blocks == [(("test", 0), 3), (("test", 1), 3), (("test", 2), 2)]
     tasks = planning.read_tasks(IngestedDataset(public), "public", 7, ["train"])
     positions = planning.public_positions(tasks)
-    assert [positions[t.name] for t in tasks] == [0, 7, 14, 21, 28][:len(tasks)]
+    assert [positions[t.name] for t in tasks] == [0, 7, 14, 21, 28][: len(tasks)]
 
 
 def test_a_photo_held_many_times_in_public_is_removed_every_time(tmp_path):
@@ -369,14 +415,23 @@ def test_a_photo_held_many_times_in_public_is_removed_every_time(tmp_path):
     both = _ingest(root, tmp_path / "both")
 
     def removed(**kw):
-        res = stage.run(stage.DedupConfig(both, both, str(tmp_path / f"out{len(kw)}"),
-                                          public_splits=("train",), private_splits=("test",),
-                                          pipeline_args=FAST, **kw))
+        res = stage.run(
+            stage.DedupConfig(
+                both,
+                both,
+                str(tmp_path / f"out{len(kw)}"),
+                public_splits=("train",),
+                private_splits=("test",),
+                pipeline_args=FAST,
+                **kw,
+            )
+        )
         return res, sorted((p["public_key"], p["private_key"]) for p in res.report["removed"])
 
     res, pairs = removed()
-    assert pairs == sorted([(f"train/a/copy{c:02d}.png", "test/a/p0.png") for c in range(25)]
-                           + [("train/a/single.png", "test/a/p1.png")])
+    assert pairs == sorted(
+        [(f"train/a/copy{c:02d}.png", "test/a/p0.png") for c in range(25)] + [("train/a/single.png", "test/a/p1.png")]
+    )
     assert res.report["num_private_expanded"] == 1
     assert res.report["num_verified_pairs"] <= res.report["num_candidate_pairs"]
     assert IngestedDataset(str(tmp_path / "out0")).num_examples("train") == 8
@@ -395,12 +450,16 @@ def test_a_private_image_whose_twin_is_credited_to_another_still_counts_as_match
     for j in range(6):
         _save(root, "train", "a", f"other{j}", smooth_image(7000 + j))
     both = _ingest(root, tmp_path / "both")
-    res = stage.run(stage.DedupConfig(both, both, str(tmp_path / "out"), public_splits=("train",),
-                                      private_splits=("test",), pipeline_args=FAST))
+    res = stage.run(
+        stage.DedupConfig(
+            both, both, str(tmp_path / "out"), public_splits=("train",), private_splits=("test",), pipeline_args=FAST
+        )
+    )
     assert [p["public_key"] for p in res.report["removed"]] == ["train/a/copy.png"]
     assert res.report["num_private_matched"] == 2
-    keys = {ex.key for p in res.report["private_matched"]
-            for ex in IngestedDataset(both).examples("test", [p["index"]])}
+    keys = {
+        ex.key for p in res.report["private_matched"] for ex in IngestedDataset(both).examples("test", [p["index"]])
+    }
     assert keys == {"test/a/p0.png", "test/a/p1.png"}
 
 
@@ -412,11 +471,27 @@ def test_a_removed_pair_missing_from_the_matched_private_images_is_refused(data,
     match = Match(Candidate("train", 0, 0, "test", 1, 0, 0.9), 0.01, 0.01, True)
     removed = [{"split": "train", "index": 0, "id": "x", "key": "k"}]
     with pytest.raises(RuntimeError, match="matched private images"):
-        output.write_outputs(None, public_path=public, private_path=private, output_dir=str(tmp_path),
-                             summaries=[], removed=removed, matches=[match], near=[],
-                             described={"public": 30, "private": 8}, num_candidates=0, num_verified=0,
-                             num_skipped=0, num_expanded=0, method=Method(), num_public=30, num_private=8,
-                             public_splits=["train"], private_splits=["test"], matched_private=[("test", 2)])
+        output.write_outputs(
+            None,
+            public_path=public,
+            private_path=private,
+            output_dir=str(tmp_path),
+            summaries=[],
+            removed=removed,
+            matches=[match],
+            near=[],
+            described={"public": 30, "private": 8},
+            num_candidates=0,
+            num_verified=0,
+            num_skipped=0,
+            num_expanded=0,
+            method=Method(),
+            num_public=30,
+            num_private=8,
+            public_splits=["train"],
+            private_splits=["test"],
+            matched_private=[("test", 2)],
+        )
 
 
 @pytest.fixture(scope="module")
@@ -433,24 +508,37 @@ def copy_models(data):
     mixed = _ingest(root / "mixed_src", root / "mixed")
     out = {}
     for name, source in (("public", public), ("private", mixed)):
-        res = train_copy_model.run(train_copy_model.TrainCopyModelConfig(
-            source, str(root / f"copy_{name}"), epochs=1, batch=8, show_progress=False))
+        res = train_copy_model.run(
+            train_copy_model.TrainCopyModelConfig(
+                source, str(root / f"copy_{name}"), epochs=1, batch=8, show_progress=False
+            )
+        )
         out[name] = res.output_dir
     return out
 
 
 def test_the_copy_decision_removes_what_it_accepts_after_the_pixel_checks(data, copy_models):
     public, private, planted, root = data
-    res = stage.run(stage.DedupConfig(public, private, str(root / "out_copy_all"), copy_model=copy_models["public"],
-                                      copy_cut=-3.9, pipeline_args=FAST))
+    res = stage.run(
+        stage.DedupConfig(
+            public,
+            private,
+            str(root / "out_copy_all"),
+            copy_model=copy_models["public"],
+            copy_cut=-3.9,
+            pipeline_args=FAST,
+        )
+    )
     by = {p["public_key"]: p["decided_by"] for p in res.report["removed"]}
     # each private image's 20 nearest public images all pass the cut: at least 20 of the 30 go;
     # the planted copies are still credited to the pixel checks (preferred), the rest to copy
     assert len(by) >= 20 and res.num_kept == 30 - len(by)
     assert {k for k, v in by.items() if v != "copy"} == set(planted)
     copy_pairs = [p for p in res.report["removed"] if p["decided_by"] == "copy"]
-    assert all(p["copy_score"] >= -3.9 and p["distance"] is None and p["view"] in ("whole", "whole mirrored")
-               for p in copy_pairs)
+    assert all(
+        p["copy_score"] >= -3.9 and p["distance"] is None and p["view"] in ("whole", "whole mirrored")
+        for p in copy_pairs
+    )
     decision = res.report["copy_decision"]
     assert decision["num_removed"] == len(by) - len(planted) and decision["model"]["public"]["content_hash"]
     assert res.manifest.dedup.copy_cut == -3.9 and len(res.manifest.dedup.copy_model_sha256) == 64
@@ -460,11 +548,26 @@ def test_the_copy_decision_removes_what_it_accepts_after_the_pixel_checks(data, 
 
 def test_the_local_weight_enters_the_copy_scores_the_report_and_the_manifest(data, copy_models):
     public, private, _, root = data
-    runs = {w: stage.run(stage.DedupConfig(public, private, str(root / f"out_copy_local{w}"), copy_cut=1.9 + w,
-                                           copy_model=copy_models["public"], copy_local_weight=w,
-                                           pipeline_args=FAST)) for w in (0.0, 2.0)}
-    near = {w: {(p["private_key"], p["public_key"]): p["copy_score"]
-                for p in r.report["copy_decision"]["near_cut_rejected"]} for w, r in runs.items()}
+    runs = {
+        w: stage.run(
+            stage.DedupConfig(
+                public,
+                private,
+                str(root / f"out_copy_local{w}"),
+                copy_cut=1.9 + w,
+                copy_model=copy_models["public"],
+                copy_local_weight=w,
+                pipeline_args=FAST,
+            )
+        )
+        for w in (0.0, 2.0)
+    }
+    near = {
+        w: {
+            (p["private_key"], p["public_key"]): p["copy_score"] for p in r.report["copy_decision"]["near_cut_rejected"]
+        }
+        for w, r in runs.items()
+    }
     # the private images' best pairs move with their local agreement: not all by one amount
     shared = sorted(set(near[0.0]) & set(near[2.0]))
     assert shared and len({round(near[2.0][p] - near[0.0][p], 4) for p in shared}) > 1
@@ -475,8 +578,16 @@ def test_the_local_weight_enters_the_copy_scores_the_report_and_the_manifest(dat
 
 def test_a_copy_cut_nothing_reaches_changes_nothing_and_lists_the_closest(data, result, copy_models):
     public, private, _, root = data
-    res = stage.run(stage.DedupConfig(public, private, str(root / "out_copy_none"), copy_model=copy_models["public"],
-                                      copy_cut=3.9, pipeline_args=FAST))
+    res = stage.run(
+        stage.DedupConfig(
+            public,
+            private,
+            str(root / "out_copy_none"),
+            copy_model=copy_models["public"],
+            copy_cut=3.9,
+            pipeline_args=FAST,
+        )
+    )
     assert [p["public_key"] for p in res.report["removed"]] == [p["public_key"] for p in result[0].report["removed"]]
     near = res.report["copy_decision"]["near_cut_rejected"]
     assert len(near) == 8 and near == sorted(near, key=lambda p: -p["copy_score"])
@@ -488,8 +599,11 @@ def test_a_copy_model_of_the_private_data_or_none_at_all_is_refused(data, copy_m
     # 8 private images re-ingested elsewhere: 7 refused; the planted exact copy is also in this
     # run's public set (dedup removes it), so having trained on it is allowed
     with pytest.raises(DataError, match="trained on 7 of the private images"):
-        stage.run(stage.DedupConfig(public, private, str(tmp_path / "o"), copy_model=copy_models["private"],
-                                    pipeline_args=FAST))
+        stage.run(
+            stage.DedupConfig(
+                public, private, str(tmp_path / "o"), copy_model=copy_models["private"], pipeline_args=FAST
+            )
+        )
     assert not (tmp_path / "o").exists()
     with pytest.raises(InvalidConfigError, match="give --copy-model too"):
         stage.DedupConfig(public, private, str(tmp_path / "o"), copy_cut=0.3)
@@ -497,8 +611,9 @@ def test_a_copy_model_of_the_private_data_or_none_at_all_is_refused(data, copy_m
         stage.DedupConfig(public, private, str(tmp_path / "o"), copy_local_weight=1.0)
     with pytest.raises(InvalidConfigError, match="copy cut"):
         stage.DedupConfig(public, private, str(tmp_path / "o"), copy_model="m", copy_cut=3.5, copy_local_weight=1.0)
-    bad = CliRunner().invoke(cli, ["dedup", public, private, str(tmp_path / "o2"), "--copy-model",
-                                   str(tmp_path / "nothing")])
+    bad = CliRunner().invoke(
+        cli, ["dedup", public, private, str(tmp_path / "o2"), "--copy-model", str(tmp_path / "nothing")]
+    )
     assert bad.exit_code == 2 and bad.output.count("\n") == 1 and "holds no copy model" in bad.output
 
 
@@ -512,8 +627,9 @@ def test_an_existing_output_is_refused_before_the_copy_decision_runs(data, resul
 
     monkeypatch.setattr(copy_decision, "decide", never)
     with pytest.raises(DataError, match="overwrite"):
-        stage.run(stage.DedupConfig(public, private, str(root / "out"), copy_model=copy_models["public"],
-                                    pipeline_args=FAST))
+        stage.run(
+            stage.DedupConfig(public, private, str(root / "out"), copy_model=copy_models["public"], pipeline_args=FAST)
+        )
 
 
 def test_the_copy_decision_maps_pairs_to_the_right_public_shard(data, copy_models, tmp_path):
@@ -522,8 +638,11 @@ def test_the_copy_decision_maps_pairs_to_the_right_public_shard(data, copy_model
     sharded = str(tmp_path / "public7")
     ingest(IngestConfig(f"folder:{root / 'public_src'}", sharded, examples_per_shard=7, pipeline_args=FAST))
     assert len(IngestedDataset(sharded).manifest.splits["train"].shards) == 5
-    res = stage.run(stage.DedupConfig(sharded, private, str(tmp_path / "out"), copy_model=copy_models["public"],
-                                      copy_cut=-3.9, pipeline_args=FAST))
+    res = stage.run(
+        stage.DedupConfig(
+            sharded, private, str(tmp_path / "out"), copy_model=copy_models["public"], copy_cut=-3.9, pipeline_args=FAST
+        )
+    )
     copied = [p for p in res.report["removed"] if p["decided_by"] == "copy"]
     assert len(copied) >= 14 and res.num_kept + res.num_removed == 30
     kept = IngestedDataset(str(tmp_path / "out"))
@@ -541,15 +660,17 @@ def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, t
     priv = IngestedDataset(private)
     # p0: the model trained on its exact copy (in the module's public set) may score it only
     # when this public set holds that copy too
-    index, target = next((i, e) for i, e in enumerate(priv.examples("test", range(priv.num_examples("test"))))
-                         if e.key == "test/b/p0.png")
+    index, target = next(
+        (i, e)
+        for i, e in enumerate(priv.examples("test", range(priv.num_examples("test"))))
+        if e.key == "test/b/p0.png"
+    )
     for j in range(6):
         _save(tmp_path / "src", "test", "x", f"other{j}", smooth_image(50 + j))
     _save(tmp_path / "src", "test", "x", "exact", target.image)
     for j in range(9):
         _save(tmp_path / "src", "train", "x", f"other{j}", smooth_image(70 + j))
-    ingest(IngestConfig(f"folder:{tmp_path / 'src'}", str(tmp_path / "pub"), examples_per_shard=4,
-                        pipeline_args=FAST))
+    ingest(IngestConfig(f"folder:{tmp_path / 'src'}", str(tmp_path / "pub"), examples_per_shard=4, pipeline_args=FAST))
     pub = IngestedDataset(str(tmp_path / "pub"))
     splits = ["train", "test"]
     copy_decision.log.addHandler(caplog.handler)  # the CLI may have stopped it from reaching the root logger
@@ -559,8 +680,11 @@ def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, t
         copy_decision.log.removeHandler(caplog.handler)
     assert "trained on 29 images that are not in this run's public data" in caplog.text
     outcome = copy_decision.decide(pub, splits, priv, ["test"], model, CopySettings(cut=-3.9), show_progress=False)
-    mine = [m.candidate for m in outcome.accepted
-            if (m.candidate.private_split, m.candidate.private_index) == ("test", index)]
+    mine = [
+        m.candidate
+        for m in outcome.accepted
+        if (m.candidate.private_split, m.candidate.private_index) == ("test", index)
+    ]
     best = max(mine, key=lambda c: c.similarity)
     assert best.similarity > 0.9999 and best.public_split == "test"
     assert pub.examples("test", [best.public_index])[0].key == "test/x/exact.png"
@@ -568,8 +692,10 @@ def test_the_copy_decision_names_the_public_image_it_scored(data, copy_models, t
     assert start <= best.public_index < end and len(pub.manifest.splits["test"].shards) >= 2
     # every accepted pair's shard holds its index
     ranges = shard_ranges(pub, splits)
-    assert all(ranges[(c.public_split, c.public_shard)][0] <= c.public_index < ranges[(c.public_split, c.public_shard)][1]
-               for c in (m.candidate for m in outcome.accepted))
+    assert all(
+        ranges[(c.public_split, c.public_shard)][0] <= c.public_index < ranges[(c.public_split, c.public_shard)][1]
+        for c in (m.candidate for m in outcome.accepted)
+    )
 
 
 def test_the_copy_decision_embeds_images_of_any_size_as_the_model_does(copy_models, tmp_path):

@@ -1,8 +1,8 @@
 """The epsilon and calibrate commands: contract, JSON fields, one-line errors."""
 
 import json
-import time
 import re
+import time
 
 import dp_accounting
 import pytest
@@ -21,8 +21,10 @@ from dpscale.stages.epsilon import run as run_epsilon
 def _eps(sigma, q, steps, accountant, capacity=None):
     """Epsilon of untruncated Poisson sampling, or truncated to ``capacity`` (of SMALL's N)."""
     truncation = None if capacity is None else Truncation(SMALL["num_examples"], capacity)
-    return epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=1e-5, accountant=accountant,
-                   truncation=truncation)
+    return epsilon(
+        noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=1e-5, accountant=accountant, truncation=truncation
+    )
+
 
 SMALL = dict(num_examples=50_000, delta=1e-5)
 
@@ -35,9 +37,7 @@ def _invoke(*args):
 
 
 def test_run_epsilon_matches_dp_accounting():
-    result = run_epsilon(
-        EpsilonConfig(noise_multiplier=1.2, steps=3000, batch_size=500, accountant="rdp", **SMALL)
-    )
+    result = run_epsilon(EpsilonConfig(noise_multiplier=1.2, steps=3000, batch_size=500, accountant="rdp", **SMALL))
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.2)), 3000
     )
@@ -50,12 +50,32 @@ def test_run_epsilon_matches_dp_accounting():
 
 def test_run_epsilon_with_a_ledgers_capacity_equals_the_runs_epsilon():
     plan = PrivacyPlan.calibrate(PrivacyTarget(2.0, 1e-5), num_examples=50_000, batch_size=500, steps=1000)
-    result = run_epsilon(EpsilonConfig(noise_multiplier=plan.noise_multiplier, steps=1000, batch_size=500,
-                                       batch_capacity=plan.ledger(steps_done=1000).batch_capacity, **SMALL))
+    result = run_epsilon(
+        EpsilonConfig(
+            noise_multiplier=plan.noise_multiplier,
+            steps=1000,
+            batch_size=500,
+            batch_capacity=plan.ledger(steps_done=1000).batch_capacity,
+            **SMALL,
+        )
+    )
     assert result.epsilon == plan.epsilon() and result.batch_capacity == plan.batch_capacity
-    out = _invoke("epsilon", "--noise-multiplier", str(plan.noise_multiplier), "--steps", "1000",
-                  "--batch-size", "500", "--num-examples", "50000", "--delta", "1e-5",
-                  "--batch-capacity", str(plan.batch_capacity), "--json")
+    out = _invoke(
+        "epsilon",
+        "--noise-multiplier",
+        str(plan.noise_multiplier),
+        "--steps",
+        "1000",
+        "--batch-size",
+        "500",
+        "--num-examples",
+        "50000",
+        "--delta",
+        "1e-5",
+        "--batch-capacity",
+        str(plan.batch_capacity),
+        "--json",
+    )
     assert out.exit_code == 0 and json.loads(out.stdout)["epsilon"] == plan.epsilon()
 
 
@@ -66,23 +86,43 @@ def test_a_capacity_below_the_batch_size_is_refused_not_understated(capfd):
     with pytest.raises(InvalidConfigError, match="batch capacity 100 is below the expected batch size 128"):
         run_epsilon(EpsilonConfig(batch_capacity=100, **case))
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["epsilon", "--noise-multiplier", "1", "--steps", "200", "--batch-size", "128", "--num-examples",
-                  "1430", "--delta", "1e-5", "--batch-capacity", "100"], prog_name="dpscale")
+        cli.main(
+            [
+                "epsilon",
+                "--noise-multiplier",
+                "1",
+                "--steps",
+                "200",
+                "--batch-size",
+                "128",
+                "--num-examples",
+                "1430",
+                "--delta",
+                "1e-5",
+                "--batch-capacity",
+                "100",
+            ],
+            prog_name="dpscale",
+        )
     out, err = capfd.readouterr()
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "below the expected batch size" in err
     # What the refusal prevents: below B the accounted pair (N, N + 1) is not the worse one.
     event = lambda size: dp_accounting.SelfComposedDpEvent(  # noqa: E731
-        dp_accounting.TruncatedSubsampledGaussianDpEvent(size, 128 / 1430, 100, 1.0), 200)
-    at_n, at_n1 = (dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE).compose(
-        event(size)).get_epsilon(1e-5) for size in (1430, 1431))
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(size, 128 / 1430, 100, 1.0), 200
+    )
+    at_n, at_n1 = (
+        dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        .compose(event(size))
+        .get_epsilon(1e-5)
+        for size in (1430, 1431)
+    )
     assert round(at_n, 3) == 39.014 and round(at_n1, 3) == 38.991
 
 
 def test_shuffled_sampling_result_is_flagged_and_warned():
     result = run_epsilon(
-        EpsilonConfig(noise_multiplier=1.2, steps=100, batch_size=500, accountant="rdp",
-                      sampling="shuffle", **SMALL)
+        EpsilonConfig(noise_multiplier=1.2, steps=100, batch_size=500, accountant="rdp", sampling="shuffle", **SMALL)
     )
     assert not result.exact
     assert any("shuffle" in w for w in result.warnings)
@@ -122,22 +162,33 @@ def test_bad_calibrate_configs_are_rejected(kwargs):
 
 def test_delta_not_below_one_over_n_warns():
     result = run_epsilon(
-        EpsilonConfig(noise_multiplier=2.0, steps=10, batch_size=10, num_examples=1000,
-                      delta=1e-3, accountant="rdp")
+        EpsilonConfig(noise_multiplier=2.0, steps=10, batch_size=10, num_examples=1000, delta=1e-3, accountant="rdp")
     )
     assert any("1/num_examples" in w for w in result.warnings)
 
 
 def test_impossible_target_raises():
     with pytest.raises(InfeasiblePrivacyTargetError):
-        run_calibrate(CalibrateConfig(epsilon=0.001, noise_multiplier=0.5, batch_size=25_000,
-                                      accountant="rdp", **SMALL))
+        run_calibrate(
+            CalibrateConfig(epsilon=0.001, noise_multiplier=0.5, batch_size=25_000, accountant="rdp", **SMALL)
+        )
 
 
 # --- CLI --------------------------------------------------------------------------
 
-EPSILON_ARGS = ["epsilon", "--noise-multiplier", "1.2", "--steps", "3000", "--batch-size", "500",
-                "--num-examples", "50000", "--delta", "1e-5"]
+EPSILON_ARGS = [
+    "epsilon",
+    "--noise-multiplier",
+    "1.2",
+    "--steps",
+    "3000",
+    "--batch-size",
+    "500",
+    "--num-examples",
+    "50000",
+    "--delta",
+    "1e-5",
+]
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
@@ -169,8 +220,19 @@ def test_cli_epsilon_text_defaults_to_pld():
     ],
 )
 def test_cli_calibrate_json(given, solved):
-    result = _invoke("calibrate", "--epsilon", "2", "--delta", "1e-5", "--num-examples", "50000",
-                     "--accountant", "rdp", "--json", *given)
+    result = _invoke(
+        "calibrate",
+        "--epsilon",
+        "2",
+        "--delta",
+        "1e-5",
+        "--num-examples",
+        "50000",
+        "--accountant",
+        "rdp",
+        "--json",
+        *given,
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     for key in ("noise_multiplier", "steps", "batch_size", "epsilon", "delta", "accountant"):
@@ -178,26 +240,68 @@ def test_cli_calibrate_json(given, solved):
     assert payload["solved_for"] == solved and payload["accountant"] == "rdp"
     assert payload["epsilon"] <= 2.0
     q = payload["batch_size"] / 50000
-    assert payload["epsilon"] == _eps(payload["noise_multiplier"], q, payload["steps"], "rdp", payload["batch_capacity"])
+    assert payload["epsilon"] == _eps(
+        payload["noise_multiplier"], q, payload["steps"], "rdp", payload["batch_capacity"]
+    )
 
 
 BAD_CALIBRATIONS = {
-    "infeasible": ["--epsilon", "0.001", "--delta", "1e-5", "--num-examples", "1000",
-                   "--batch-size", "500", "--noise-multiplier", "0.5"],
-    "q > 1": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100", "--batch-size", "500",
-              "--steps", "10"],
-    "two unknowns": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100",
-                     "--batch-size", "50"],
-    "zero unknowns": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100",
-                      "--batch-size", "5", "--steps", "3", "--noise-multiplier", "1"],
-    "negative epsilon": ["--epsilon", "-1", "--delta", "1e-5", "--num-examples", "100",
-                         "--batch-size", "5", "--steps", "3"],
-    "zero delta": ["--epsilon", "1", "--delta", "0", "--num-examples", "100", "--batch-size", "5",
-                   "--steps", "3"],
-    "zero examples": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "0",
-                      "--batch-size", "5", "--steps", "3"],
-    "bad accountant": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100",
-                       "--batch-size", "5", "--steps", "3", "--accountant", "gdp"],
+    "infeasible": [
+        "--epsilon",
+        "0.001",
+        "--delta",
+        "1e-5",
+        "--num-examples",
+        "1000",
+        "--batch-size",
+        "500",
+        "--noise-multiplier",
+        "0.5",
+    ],
+    "q > 1": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100", "--batch-size", "500", "--steps", "10"],
+    "two unknowns": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "100", "--batch-size", "50"],
+    "zero unknowns": [
+        "--epsilon",
+        "1",
+        "--delta",
+        "1e-5",
+        "--num-examples",
+        "100",
+        "--batch-size",
+        "5",
+        "--steps",
+        "3",
+        "--noise-multiplier",
+        "1",
+    ],
+    "negative epsilon": [
+        "--epsilon",
+        "-1",
+        "--delta",
+        "1e-5",
+        "--num-examples",
+        "100",
+        "--batch-size",
+        "5",
+        "--steps",
+        "3",
+    ],
+    "zero delta": ["--epsilon", "1", "--delta", "0", "--num-examples", "100", "--batch-size", "5", "--steps", "3"],
+    "zero examples": ["--epsilon", "1", "--delta", "1e-5", "--num-examples", "0", "--batch-size", "5", "--steps", "3"],
+    "bad accountant": [
+        "--epsilon",
+        "1",
+        "--delta",
+        "1e-5",
+        "--num-examples",
+        "100",
+        "--batch-size",
+        "5",
+        "--steps",
+        "3",
+        "--accountant",
+        "gdp",
+    ],
 }
 
 
@@ -214,8 +318,9 @@ def test_cli_calibrate_errors_are_one_line_with_exit_code_2(case, capfd):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("bad", [["--noise-multiplier", "0"], ["--batch-size", "60000"],
-                                 ["--steps", "0"], ["--delta", "1.5"]])
+@pytest.mark.parametrize(
+    "bad", [["--noise-multiplier", "0"], ["--batch-size", "60000"], ["--steps", "0"], ["--delta", "1.5"]]
+)
 def test_cli_epsilon_errors_are_one_line_with_exit_code_2(bad, capfd):
     args = list(EPSILON_ARGS)
     flag = args.index(bad[0])
@@ -229,8 +334,23 @@ def test_cli_epsilon_errors_are_one_line_with_exit_code_2(bad, capfd):
 
 def test_cli_warns_on_stderr_when_delta_is_not_below_one_over_n(capfd):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["epsilon", "--noise-multiplier", "2", "--steps", "10", "--batch-size", "10",
-                  "--num-examples", "1000", "--delta", "0.001", "--json"], prog_name="dpscale")
+        cli.main(
+            [
+                "epsilon",
+                "--noise-multiplier",
+                "2",
+                "--steps",
+                "10",
+                "--batch-size",
+                "10",
+                "--num-examples",
+                "1000",
+                "--delta",
+                "0.001",
+                "--json",
+            ],
+            prog_name="dpscale",
+        )
     out, err = capfd.readouterr()
     assert exit_info.value.code == 0
     assert "warning" in err and "1/num_examples" in err
@@ -240,9 +360,24 @@ def test_cli_warns_on_stderr_when_delta_is_not_below_one_over_n(capfd):
 def test_cli_calibrate_keeps_rdp_convergence_chatter_out_of_the_output(capfd):
     # sigma = 1 at q = 0.136 makes dp-accounting log "failed to converge" warnings.
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["calibrate", "--epsilon", "8", "--delta", "1e-4", "--num-examples", "1000",
-                  "--noise-multiplier", "1", "--steps", "100", "--accountant", "rdp"],
-                 prog_name="dpscale")
+        cli.main(
+            [
+                "calibrate",
+                "--epsilon",
+                "8",
+                "--delta",
+                "1e-4",
+                "--num-examples",
+                "1000",
+                "--noise-multiplier",
+                "1",
+                "--steps",
+                "100",
+                "--accountant",
+                "rdp",
+            ],
+            prog_name="dpscale",
+        )
     out, err = capfd.readouterr()
     assert exit_info.value.code == 0
     assert "converge" not in out + err and err == ""
@@ -252,8 +387,15 @@ def test_cli_calibrate_keeps_rdp_convergence_chatter_out_of_the_output(capfd):
 def test_cli_help_explains_the_command(command):
     result = _invoke(command, "--help")
     assert result.exit_code == 0
-    for flag in ("--noise-multiplier", "--steps", "--batch-size", "--num-examples", "--delta",
-                 "--accountant", "--json"):
+    for flag in (
+        "--noise-multiplier",
+        "--steps",
+        "--batch-size",
+        "--num-examples",
+        "--delta",
+        "--accountant",
+        "--json",
+    ):
         assert flag in result.output
     assert "Example" in result.output
 
@@ -268,7 +410,10 @@ def test_a_calibration_that_takes_a_while_says_so_on_stderr(capsys, monkeypatch)
     monkeypatch.setattr(calibrate.PrivacyPlan, "calibrate", lambda *a, **k: time.sleep(0.5) or real(*a, **k))
     run_calibrate(CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL))
     err = capsys.readouterr().err
-    assert re.search(r"\d\d:\d\d:\d\d calibrate: solving for the batch size \(RDP accountant\) \.\.\., 0:00 elapsed", err)
-    run_calibrate(CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL,
-                                  show_progress=False))
+    assert re.search(
+        r"\d\d:\d\d:\d\d calibrate: solving for the batch size \(RDP accountant\) \.\.\., 0:00 elapsed", err
+    )
+    run_calibrate(
+        CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL, show_progress=False)
+    )
     assert capsys.readouterr().err == ""

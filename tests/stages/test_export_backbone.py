@@ -29,11 +29,23 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     data = str(root / "digits")
     ingest.run(ingest.IngestConfig("digits", data, classes=("0", "1", "2"), pipeline_args=IN_MEMORY))
-    common = dict(batch_size=64, steps=4, microbatch_size=32, images=ImageSettings(augment_pad=1), seed=0,
-                  checkpoint_every=4, show_progress=False)
+    common = dict(
+        batch_size=64,
+        steps=4,
+        microbatch_size=32,
+        images=ImageSettings(augment_pad=1),
+        seed=0,
+        checkpoint_every=4,
+        show_progress=False,
+    )
     dp = train.run(train.TrainConfig(data, str(root / "dp"), TrainingConfig(target=PrivacyTarget(4.0), **common)))
-    public = train.run(train.TrainConfig(data, str(root / "public"), TrainingConfig(
-        target=PrivacyTarget(math.inf), momentum=0.9, learning_rate=0.1, **common)))
+    public = train.run(
+        train.TrainConfig(
+            data,
+            str(root / "public"),
+            TrainingConfig(target=PrivacyTarget(math.inf), momentum=0.9, learning_rate=0.1, **common),
+        )
+    )
     return {"root": root, "data": data, "dp": dp, "public": public}
 
 
@@ -58,15 +70,19 @@ def test_exported_backbone_reproduces_the_runs_features_and_logits(runs):
     run_features = model.apply({"params": trained["ema_params"]}, inputs, method="features")
 
     # The exported backbone through the featurize stage (raw pixels -> its preprocessing).
-    entry = featurize.run(featurize.FeaturizeConfig(runs["data"], str(root / "bb"), cache_dir=str(root / "cache"),
-                                                    pipeline_args=IN_MEMORY))
+    entry = featurize.run(
+        featurize.FeaturizeConfig(
+            runs["data"], str(root / "bb"), cache_dir=str(root / "cache"), pipeline_args=IN_MEMORY
+        )
+    )
     store = fstore.open_features(entry.path)
     np.testing.assert_array_equal(store.labels("test"), labels)
     np.testing.assert_allclose(store.features("test")[:], np.asarray(run_features), rtol=1e-5, atol=1e-5)
     with IngestedDataset(runs["data"]) as ds:
         images = ds.split_images("test")
-    np.testing.assert_allclose(np.asarray(model.apply(variables, prep(images))), np.asarray(run_logits),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(model.apply(variables, prep(images))), np.asarray(run_logits), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_cli_last_iterate_and_non_private_warning(runs, tmp_path):
@@ -96,11 +112,25 @@ def test_refuses_unfinished_and_features_mode_runs(runs, tmp_path):
     with pytest.raises(DataError, match="not finished.*--resume"):
         stage.run(stage.ExportBackboneConfig(str(killed), str(tmp_path / "a")))
 
-    entry = featurize.run(featurize.FeaturizeConfig(runs["data"], str(_exported(runs)), pipeline_args=IN_MEMORY,
-                                                    cache_dir=str(runs["root"] / "cache")))
-    features_run = train.run(train.TrainConfig(entry.path, str(tmp_path / "f"), TrainingConfig(
-        mode="features", target=PrivacyTarget(4.0), batch_size=64, steps=1, microbatch_size=64,
-        show_progress=False)))
+    entry = featurize.run(
+        featurize.FeaturizeConfig(
+            runs["data"], str(_exported(runs)), pipeline_args=IN_MEMORY, cache_dir=str(runs["root"] / "cache")
+        )
+    )
+    features_run = train.run(
+        train.TrainConfig(
+            entry.path,
+            str(tmp_path / "f"),
+            TrainingConfig(
+                mode="features",
+                target=PrivacyTarget(4.0),
+                batch_size=64,
+                steps=1,
+                microbatch_size=64,
+                show_progress=False,
+            ),
+        )
+    )
     result = CliRunner().invoke(cli, ["export-backbone", features_run.run_dir, str(tmp_path / "b")])
     assert result.exit_code == 2 and "features-mode" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -27,8 +27,7 @@ PREP = pretrained.Preprocessing(resolution=12, mean=(8.0,), std=(4.0,))
 def save_backbone(directory, seed):
     model = registry.get_model("cnn-small", num_classes=10)
     variables = model.init(jax.random.key(seed), jnp.zeros((1, 12, 12, 1)))
-    pretrained.save_pretrained(str(directory), variables, model="cnn-small", num_classes=10,
-                               preprocessing=PREP)
+    pretrained.save_pretrained(str(directory), variables, model="cnn-small", num_classes=10, preprocessing=PREP)
     return str(directory)
 
 
@@ -47,10 +46,15 @@ def env(tmp_path_factory):
 
 
 def config(env, cache, **kw):
-    return stage.FeaturizeConfig(env["data"], env["backbone"], cache_dir=str(cache),
-                                 chunk_rows=kw.pop("chunk_rows", 512),
-                                 batch_size=kw.pop("batch_size", 100),
-                                 pipeline_args=IN_MEMORY, **kw)
+    return stage.FeaturizeConfig(
+        env["data"],
+        env["backbone"],
+        cache_dir=str(cache),
+        chunk_rows=kw.pop("chunk_rows", 512),
+        batch_size=kw.pop("batch_size", 100),
+        pipeline_args=IN_MEMORY,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +102,11 @@ def test_flip_average_stores_the_mean_of_the_image_and_its_mirror(env, done, tmp
 def test_same_key_is_a_fast_hit_that_computes_nothing(env, done, monkeypatch):
     cache, first = done
     markers = os.path.join(first.path, "chunks")
-    before = {f: os.stat(os.path.join(markers, s, f)).st_mtime_ns
-              for s in os.listdir(markers) for f in os.listdir(os.path.join(markers, s))}
+    before = {
+        f: os.stat(os.path.join(markers, s, f)).st_mtime_ns
+        for s in os.listdir(markers)
+        for f in os.listdir(os.path.join(markers, s))
+    }
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a cache hit must not featurize")
@@ -110,8 +117,11 @@ def test_same_key_is_a_fast_hit_that_computes_nothing(env, done, monkeypatch):
     again = stage.run(config(env, cache, batch_size=7, chunk_rows=100))  # speed knobs: same key
     assert time.perf_counter() - start < 3.0
     assert again.cache_hit and again.path == first.path and again.chunks_computed == 0
-    after = {f: os.stat(os.path.join(markers, s, f)).st_mtime_ns
-             for s in os.listdir(markers) for f in os.listdir(os.path.join(markers, s))}
+    after = {
+        f: os.stat(os.path.join(markers, s, f)).st_mtime_ns
+        for s in os.listdir(markers)
+        for f in os.listdir(os.path.join(markers, s))
+    }
     assert after == before
 
 
@@ -150,6 +160,7 @@ def test_interrupted_run_finishes_only_the_missing_chunks(env, done, tmp_path, m
 
 def test_preprocessing_and_weights_change_the_key(env, tmp_path):
     with IngestedDataset(env["data"]) as ds:
+
         def key(backbone=env["backbone"], cache=tmp_path / "cache", **options):
             return featurizer.feature_key(ds, backbone, cache_dir=str(cache), **options)[0]
 
@@ -181,12 +192,17 @@ def test_config_and_backbone_errors(env, tmp_path):
 
 def test_cli_prints_the_entry_and_errors_are_one_line(env, done):
     cache, first = done
-    ok = CliRunner().invoke(cli, ["featurize", env["data"], "--backbone", env["backbone"],
-                                  "--cache-dir", str(cache)])
+    ok = CliRunner().invoke(cli, ["featurize", env["data"], "--backbone", env["backbone"], "--cache-dir", str(cache)])
     assert ok.exit_code == 0, ok.output
-    assert json.loads(ok.stdout) | {"seconds": 0} == {"path": first.path, "cache_hit": True, "chunks_computed": 0,
-                                                      "chunks_total": 0, "num_examples": first.num_examples,
-                                                      "seconds": 0, "images_per_second": 0.0}  # none computed
+    assert json.loads(ok.stdout) | {"seconds": 0} == {
+        "path": first.path,
+        "cache_hit": True,
+        "chunks_computed": 0,
+        "chunks_total": 0,
+        "num_examples": first.num_examples,
+        "seconds": 0,
+        "images_per_second": 0.0,
+    }  # none computed
     assert "cache hit" in ok.stderr
     bad = CliRunner().invoke(cli, ["featurize", str(cache / "nowhere"), "--backbone", env["backbone"]])
     assert bad.exit_code == 2
@@ -197,8 +213,16 @@ def test_a_parameter_free_backbone_featurizes_by_name_without_weights(env, tmp_p
     """``--backbone scatternet-linear``: the backbone directory is built on first use, the digits
     are resized to its 28 px, and the cached rows equal the model applied to the same input."""
     monkeypatch.setenv("DPSCALE_WEIGHTS_DIR", str(tmp_path / "weights"))
-    result = stage.run(stage.FeaturizeConfig(env["data"], "scatternet-linear", cache_dir=str(tmp_path / "cache"),
-                                             chunk_rows=2048, batch_size=256, pipeline_args=IN_MEMORY))
+    result = stage.run(
+        stage.FeaturizeConfig(
+            env["data"],
+            "scatternet-linear",
+            cache_dir=str(tmp_path / "cache"),
+            chunk_rows=2048,
+            batch_size=256,
+            pipeline_args=IN_MEMORY,
+        )
+    )
     fs = fstore.open_features(result.path)
     assert fs.feature_dim == registry.get_spec("scatternet-linear").feature_dim
     with IngestedDataset(env["data"]) as ds:

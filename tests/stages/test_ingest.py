@@ -76,11 +76,13 @@ def test_bad_inputs_are_reported_not_dropped(folder_dataset):
     ds, _, _ = folder_dataset
     report = json.loads(open(os.path.join(ds.path, "report.json")).read())
     by_key = {r["key"]: r["reason"] for r in report["rejected"]}
-    assert by_key == {"train/a/corrupt.jpg": "undecodable", "train/b/gray.png": "wrong_shape",
-                      "test/zebra/0.png": "unknown_label"}
+    assert by_key == {
+        "train/a/corrupt.jpg": "undecodable",
+        "train/b/gray.png": "wrong_shape",
+        "test/zebra/0.png": "unknown_label",
+    }
     assert ds.manifest.num_rejected == 3
-    assert ds.manifest.rejected_by_reason == {"undecodable": 1, "unknown_label": 1,
-                                                  "wrong_shape": 1}
+    assert ds.manifest.rejected_by_reason == {"undecodable": 1, "unknown_label": 1, "wrong_shape": 1}
 
 
 def test_random_access_returns_the_right_image_and_label(folder_dataset):
@@ -125,8 +127,7 @@ def test_same_data_other_order_and_names_gives_same_hash_and_index(folder_datase
         _save_png(root / split / "abc"[label] / f"img{i:03d}.png", img)
     other = ingest(f"folder:{root}", tmp_path / "out")
     assert other.content_hash == ds.content_hash
-    assert other.manifest.splits["train"].content_hash == \
-        ds.manifest.splits["train"].content_hash
+    assert other.manifest.splits["train"].content_hash == ds.manifest.splits["train"].content_hash
     np.testing.assert_array_equal(other.get("train", range(12))[0], ds.get("train", range(12))[0])
     # Changing one label changes the hash.
     moved = next((root / "train" / "a").iterdir())
@@ -139,8 +140,7 @@ def test_validation_split_is_deterministic(tmp_path):
     root = tmp_path / "img"
     for i in range(60):
         _save_png(root / f"c{i % 2}" / f"{i}.png", _image(i, (4, 4, 3)))
-    first = ingest(f"folder:{root}", tmp_path / "a", validation_fraction=0.25,
-                   examples_per_shard=10)
+    first = ingest(f"folder:{root}", tmp_path / "a", validation_fraction=0.25, examples_per_shard=10)
     second = ingest(f"folder:{root}", tmp_path / "b", validation_fraction=0.25)
     ids = lambda d: sorted(e.id for e in d.examples("validation", range(d.num_examples("validation"))))  # noqa: E731
     assert 5 <= first.num_examples("validation") <= 25
@@ -180,8 +180,7 @@ def test_idx_source_and_unknown_label(tmp_path):
     ds = ingest(f"idx:{tmp_path}", tmp_path / "out")
     assert ds.manifest.splits["train"].class_counts == {"0": 4, "1": 3, "2": 3}
     assert ds.num_examples("test") == 2
-    assert [r["reason"] for r in json.load(open(tmp_path / "out" / "report.json"))["rejected"]] \
-        == ["unknown_label"]
+    assert [r["reason"] for r in json.load(open(tmp_path / "out" / "report.json"))["rejected"]] == ["unknown_label"]
     got, got_labels = ds.get("train", range(10))
     index = {img.tobytes(): i for i, img in enumerate(images)}
     for img, label in zip(got, got_labels):
@@ -238,8 +237,9 @@ def test_config_validation():
 def test_cli_ingest_and_one_line_errors(tmp_path, folder_dataset):
     _, _, root = folder_dataset
     runner = CliRunner()
-    result = runner.invoke(cli, ["ingest", f"folder:{root}", str(tmp_path / "o"),
-                                 "--validation-fraction", "0.2", "--", *FAST])
+    result = runner.invoke(
+        cli, ["ingest", f"folder:{root}", str(tmp_path / "o"), "--validation-fraction", "0.2", "--", *FAST]
+    )
     assert result.exit_code == 0, result.output
     assert "rejected: 3" in result.output and "content hash:" in result.output
     assert IngestedDataset(str(tmp_path / "o")).manifest.validation_fraction == 0.2

@@ -30,9 +30,14 @@ def test_process_task_counts_left_out_items_and_relabels(tmp_path):
         (tmp_path / cls).mkdir()
         Image.fromarray(np.full((4, 4), value, np.uint8)).save(tmp_path / cls / "0.png")
     members = tuple(("train", cls, f"{cls}/0.png") for cls in "abc") + (("train", "zz", "zz/0.png"),)
-    out = ex.process_task(ReadTask("files", path=str(tmp_path), members=members), ["a", "b", "c"],
-                          validation_fraction=0.0, shards_per_split={"train": 1}, encoding="raw",
-                          label_map=(-1, -1, 0))
+    out = ex.process_task(
+        ReadTask("files", path=str(tmp_path), members=members),
+        ["a", "b", "c"],
+        validation_fraction=0.0,
+        shards_per_split={"train": 1},
+        encoding="raw",
+        label_map=(-1, -1, 0),
+    )
     (kept,) = [e for batch in out.batches.values() for e in batch]
     assert kept.label == 0 and int(ex.decode_record(kept.record).image.max()) == 30  # class c
     assert out.num_excluded == 2
@@ -56,12 +61,13 @@ def test_filtered_ingest_holds_exactly_the_kept_classes_relabelled(digits):
     for split in full.splits:
         labels = full.labels(split)
         wanted = np.flatnonzero(np.isin(labels, [5, 7]))
-        expected = {e.id: int(labels[i] == 7) for e, i in
-                    zip(full.examples(split, wanted), wanted)}
+        expected = {e.id: int(labels[i] == 7) for e, i in zip(full.examples(split, wanted), wanted)}
         got = {e.id: e.label for e in some.examples(split, range(some.num_examples(split)))}
         assert got == expected  # same images, labels 5 -> 0 and 7 -> 1
         assert some.manifest.splits[split].class_counts == {
-            "5": int((labels == 5).sum()), "7": int((labels == 7).sum())}
+            "5": int((labels == 5).sum()),
+            "7": int((labels == 7).sum()),
+        }
         kept += len(got)
     assert kept + some.manifest.class_filter.num_excluded == len(full) == 1797
     assert some.content_hash != full.content_hash

@@ -32,13 +32,16 @@ from dpscale.training.feeds import FeatureFeed
 from dpscale.training.run_directory import RunDirectory
 
 
-@pytest.mark.parametrize("args, match", [
-    (("127.0.0.1:1234", None, None), "needs all of"),
-    ((None, 2, 0), "needs all of"),
-    (("no-port", 2, 0), "HOST:PORT"),
-    (("127.0.0.1:1234", 0, 0), "num-processes"),
-    (("127.0.0.1:1234", 2, 2), r"process-id must be in \[0, 2\)"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("127.0.0.1:1234", None, None), "needs all of"),
+        ((None, 2, 0), "needs all of"),
+        (("no-port", 2, 0), "HOST:PORT"),
+        (("127.0.0.1:1234", 0, 0), "num-processes"),
+        (("127.0.0.1:1234", 2, 2), r"process-id must be in \[0, 2\)"),
+    ],
+)
 def test_initialize_rejects_incomplete_or_bad_flags(args, match):
     with pytest.raises(InvalidConfigError, match=match):
         distributed.initialize(*args)
@@ -92,8 +95,9 @@ def test_feature_feed_places_padded_microbatches_like_the_plain_feed():
     feats = np.arange(24.0, dtype=np.float32).reshape(6, 4)
     batch = pad_into(np.array([0, 2, 5]), Layout(num_microbatches=1, microbatch_size=4))
     plain = FeatureFeed(feats, np.arange(6) % 3).microbatches(batch, step=0)
-    placed = FeatureFeed(feats, np.arange(6) % 3,
-                         distributed.BatchPlacement(distributed.training_mesh())).microbatches(batch, step=0)
+    placed = FeatureFeed(feats, np.arange(6) % 3, distributed.BatchPlacement(distributed.training_mesh())).microbatches(
+        batch, step=0
+    )
     for (a, mask_a), (b, mask_b) in zip(plain, placed):
         np.testing.assert_array_equal(np.asarray(mask_a), np.asarray(mask_b))
         for name in a:
@@ -106,8 +110,13 @@ def test_feature_feed_places_padded_microbatches_like_the_plain_feed():
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, synthetic_feature_cache):
     """A 3-class problem in 16 dimensions as a real feature-cache entry."""
-    return synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=1, sizes={"train": 400, "test": 60},
-                                   chunk_rows=512, data_hash_char="e")
+    return synthetic_feature_cache(
+        str(tmp_path_factory.mktemp("cache")),
+        seed=1,
+        sizes={"train": 400, "test": 60},
+        chunk_rows=512,
+        data_hash_char="e",
+    )
 
 
 def _free_port() -> int:
@@ -116,8 +125,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.Path,
-            module: str | None = "dpscale") -> list[str]:
+def _launch(
+    args: list[str], num_processes: int, timeout: float, logs: pathlib.Path, module: str | None = "dpscale"
+) -> list[str]:
     """Run ``python -m module args`` once per process (2 CPU devices each); kill all on failure.
 
     The distributed flags follow ``args``: ``dpscale``'s options, or for a script
@@ -132,8 +142,11 @@ def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.P
     procs = []
     for i in range(num_processes):
         with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
-            flags = ([address, str(i)] if module is None else
-                     ["--coordinator-address", address, "--num-processes", str(num_processes), "--process-id", str(i)])
+            flags = (
+                [address, str(i)]
+                if module is None
+                else ["--coordinator-address", address, "--num-processes", str(num_processes), "--process-id", str(i)]
+            )
             command = [sys.executable, *(["-m", module] if module else []), *args, *flags]
             procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
     deadline = time.monotonic() + timeout
@@ -147,8 +160,11 @@ def _launch(args: list[str], num_processes: int, timeout: float, logs: pathlib.P
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    failed = [f"process {i} exited with {p.returncode}:\n{(logs / f'{i}.err').read_text()[-2000:]}"
-              for i, p in enumerate(procs) if p.returncode != 0]
+    failed = [
+        f"process {i} exited with {p.returncode}:\n{(logs / f'{i}.err').read_text()[-2000:]}"
+        for i, p in enumerate(procs)
+        if p.returncode != 0
+    ]
     assert not failed, "\n".join(failed)
     return [(logs / f"{i}.out").read_text() for i in range(num_processes)]
 
@@ -186,8 +202,7 @@ def test_processes_agree_on_process_0s_seed_and_setup_and_refuse_other_configs(t
         assert f"seed {2**62 + 7}" in lines  # all 64 bits of process 0's seed
         assert f"setup {'made' if me == 0 else None}" in lines
         assert ("failed on 0" if me == 0 else "told 1") in lines
-        assert any(line.startswith("refused the text differs between process 0 and process(es) [1]")
-                   for line in lines)
+        assert any(line.startswith("refused the text differs between process 0 and process(es) [1]") for line in lines)
 
 
 @pytest.mark.multihost
@@ -197,11 +212,33 @@ def test_two_processes_train_exactly_like_one(features, tmp_path):
     run_dir = tmp_path / "two"
     steps, seed = 3, 2**62 + 99
     # About 40 s on a lightly loaded 2-core machine; the timeout leaves room for a heavily loaded one.
-    outputs = _launch(["train", features, str(run_dir), "--mode", "features", "--epsilon", "2",
-                       "--batch-size", "64", "--steps", str(steps), "--microbatch-size", "16",
-                       "--learning-rate", "4", "--checkpoint-every", "100", "--seed", str(seed),
-                       "--private-diagnostics"],
-                      num_processes=2, timeout=400, logs=tmp_path / "logs")
+    outputs = _launch(
+        [
+            "train",
+            features,
+            str(run_dir),
+            "--mode",
+            "features",
+            "--epsilon",
+            "2",
+            "--batch-size",
+            "64",
+            "--steps",
+            str(steps),
+            "--microbatch-size",
+            "16",
+            "--learning-rate",
+            "4",
+            "--checkpoint-every",
+            "100",
+            "--seed",
+            str(seed),
+            "--private-diagnostics",
+        ],
+        num_processes=2,
+        timeout=400,
+        logs=tmp_path / "logs",
+    )
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     for result in results:  # wall times differ between processes; everything else must not
         del result["train_seconds"], result["examples_per_second"]
@@ -216,12 +253,29 @@ def test_two_processes_train_exactly_like_one(features, tmp_path):
     assert not (run_dir / "seed.json").exists() and not RunDirectory(str(run_dir)).has_secrets
     assert json.loads((run_dir / "ledger.json").read_text())["steps_done"] == steps
 
-    reference = train.run(train.TrainConfig(data=features, run_dir=str(tmp_path / "one"), training=TrainingConfig(
-        mode="features", target=PrivacyTarget(2.0), batch_size=64, steps=steps, microbatch_size=16,
-        learning_rate=4.0, checkpoint_every=100, seed=seed, show_progress=False, private_diagnostics=True)))
+    reference = train.run(
+        train.TrainConfig(
+            data=features,
+            run_dir=str(tmp_path / "one"),
+            training=TrainingConfig(
+                mode="features",
+                target=PrivacyTarget(2.0),
+                batch_size=64,
+                steps=steps,
+                microbatch_size=16,
+                learning_rate=4.0,
+                checkpoint_every=100,
+                seed=seed,
+                show_progress=False,
+                private_diagnostics=True,
+            ),
+        )
+    )
     assert reference.epsilon == results[0]["epsilon"]
-    sizes = [[json.loads(line)["batch_size"] for line in (directory / diagnostics.name).read_text().splitlines()]
-             for directory in (run_dir, tmp_path / "one")]
+    sizes = [
+        [json.loads(line)["batch_size"] for line in (directory / diagnostics.name).read_text().splitlines()]
+        for directory in (run_dir, tmp_path / "one")
+    ]
     assert sizes[0] == sizes[1]  # the same Poisson batches
     got = RunDirectory(str(run_dir)).load_params()
     want = RunDirectory(str(tmp_path / "one")).load_params()

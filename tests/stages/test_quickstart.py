@@ -22,8 +22,19 @@ def _quickstart(args, *, stderr=None):
 
 
 def test_digits_end_to_end_then_a_rerun_reuses_the_backbone_and_features(tmp_path):
-    args = ["--work-dir", str(tmp_path), "--no-dedup", "--pretrain-steps", "30", "--batch-size", "256",
-            "--steps", "100", "--seed", "1"]
+    args = [
+        "--work-dir",
+        str(tmp_path),
+        "--no-dedup",
+        "--pretrain-steps",
+        "30",
+        "--batch-size",
+        "256",
+        "--steps",
+        "100",
+        "--seed",
+        "1",
+    ]
     first = _quickstart(args)
     assert 0 < first["epsilon"] <= 8.0 and first["delta"] == 1e-5
     assert first["public_classes"] == ["0", "1", "2", "3", "4"]
@@ -58,8 +69,22 @@ def _folder_source(root):
 
 def test_folder_source_without_test_split_dedups_public_against_private(tmp_path):
     source = _folder_source(tmp_path / "src")
-    args = ["--data", source, "--work-dir", str(tmp_path / "work"), "--pretrain-steps", "5",
-            "--pretrain-batch-size", "8", "--batch-size", "8", "--steps", "5", "--seed", "0"]
+    args = [
+        "--data",
+        source,
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--pretrain-steps",
+        "5",
+        "--pretrain-batch-size",
+        "8",
+        "--batch-size",
+        "8",
+        "--steps",
+        "5",
+        "--seed",
+        "0",
+    ]
     stderr = []
     out = _quickstart([*args, "--private-diagnostics"], stderr=stderr)
     assert out["public_classes"] == ["a", "b"] and out["private_classes"] == ["c", "d"]
@@ -82,11 +107,20 @@ def test_bad_class_splits_and_infinite_epsilon_are_one_line_errors(tmp_path):
 def test_cli_defaults_are_the_config_defaults():
     config = quickstart.QuickstartConfig()
     pretrain, private = config.pretrain, config.private
-    expected = {"data": config.data, "work_dir": config.work_dir, "model": pretrain.images.model,
-                "pretrain_steps": pretrain.steps, "pretrain_batch_size": pretrain.batch_size,
-                "pretrain_learning_rate": pretrain.learning_rate, "epsilon": private.target.epsilon,
-                "delta": private.target.delta, "batch_size": private.batch_size, "steps": private.steps,
-                "learning_rate": private.learning_rate, "seed": private.seed}
+    expected = {
+        "data": config.data,
+        "work_dir": config.work_dir,
+        "model": pretrain.images.model,
+        "pretrain_steps": pretrain.steps,
+        "pretrain_batch_size": pretrain.batch_size,
+        "pretrain_learning_rate": pretrain.learning_rate,
+        "epsilon": private.target.epsilon,
+        "delta": private.target.delta,
+        "batch_size": private.batch_size,
+        "steps": private.steps,
+        "learning_rate": private.learning_rate,
+        "seed": private.seed,
+    }
     params = {param.name: param.default for param in cli.commands["quickstart"].params}
     assert set(expected) <= set(params)
     for name, value in expected.items():

@@ -26,26 +26,35 @@ SIZES = {"train": 600, "test": 150}
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory):
-    return write_synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=256,
-                                         data_hash_char="d")
+    return write_synthetic_feature_cache(
+        str(tmp_path_factory.mktemp("cache")), seed=0, sizes=SIZES, chunk_rows=256, data_hash_char="d"
+    )
 
 
 def _training(**overrides):
-    base = dict(mode="features", target=PrivacyTarget(epsilon=math.inf, accountant="rdp"), batch_size=128, steps=4,
-                microbatch_size=64, show_progress=False)
+    base = dict(
+        mode="features",
+        target=PrivacyTarget(epsilon=math.inf, accountant="rdp"),
+        batch_size=128,
+        steps=4,
+        microbatch_size=64,
+        show_progress=False,
+    )
     return TrainingConfig(**(base | overrides))
 
 
 def _config(features, out_dir, **overrides):
     training = _training(**overrides.pop("training", {}))
-    base = dict(data=features, out_dir=str(out_dir), training=training, epsilons=(2.0,), learning_rates=(4.0,),
-                repeats=1)
+    base = dict(
+        data=features, out_dir=str(out_dir), training=training, epsilons=(2.0,), learning_rates=(4.0,), repeats=1
+    )
     return sweep.SweepConfig(**(base | overrides))
 
 
 def _files(directory):
-    return sorted(os.path.relpath(os.path.join(root, name), directory)
-                  for root, _, names in os.walk(directory) for name in names)
+    return sorted(
+        os.path.relpath(os.path.join(root, name), directory) for root, _, names in os.walk(directory) for name in names
+    )
 
 
 def test_sweep_writes_tables_and_plot_and_reuses_finished_runs(features, tmp_path):
@@ -71,8 +80,12 @@ def test_a_nan_canary_leaves_no_trace_in_the_default_outputs(tmp_path):
     x = (centers[labels] + rng.normal(size=(600, 16))).astype(np.float32)
     x[17] = np.nan  # the canary
     test_labels = rng.integers(0, 3, size=150)
-    entry = write_feature_cache(str(tmp_path / "cache"), {"train": (x, labels), "test": (
-        centers[test_labels] + rng.normal(size=(150, 16)), test_labels)}, chunk_rows=256, data_hash_char="c")
+    entry = write_feature_cache(
+        str(tmp_path / "cache"),
+        {"train": (x, labels), "test": (centers[test_labels] + rng.normal(size=(150, 16)), test_labels)},
+        chunk_rows=256,
+        data_hash_char="c",
+    )
     out = tmp_path / "sweep"
     sweep.run(_config(entry, out))
     assert not (out / sweep.BASELINE_DIR).exists()
@@ -110,8 +123,9 @@ def test_reuse_is_refused_for_other_settings_and_for_other_data(features, tmp_pa
         sweep.run(_config(features, out, training=dict(batch_size=64)))
     with pytest.raises(DataError, match=r"clip-norm 1.0 there, 2.0 asked"):
         sweep.run(_config(features, out, training=dict(clip_norm=2.0)))
-    other = write_synthetic_feature_cache(str(tmp_path / "other"), seed=1, sizes=SIZES, chunk_rows=256,
-                                          data_hash_char="e")
+    other = write_synthetic_feature_cache(
+        str(tmp_path / "other"), seed=1, sizes=SIZES, chunk_rows=256, data_hash_char="e"
+    )
     with pytest.raises(DataError, match="holds a sweep on other data.*new OUT_DIR"):
         sweep.run(_config(other, out))
     assert {name: (out / name).read_bytes() for name in before} == before  # nothing overwritten
@@ -145,10 +159,19 @@ def test_privacy_json_composes_every_run_of_every_invocation(features, tmp_path)
     assert privacy["private_runs"] == second.private_runs == 2
     assert sorted(r["run_dir"] for r in privacy["runs"]) == ["runs/eps1-lr4-r0", "runs/eps2-lr2-r0"]
     plans = [RunDirectory.existing(str(out / r["run_dir"])).read_spec().plan for r in privacy["runs"]]
-    event = dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-        p.sampling_rate, dp_accounting.GaussianDpEvent(p.noise_multiplier)), p.steps) for p in plans])
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(p.sampling_rate, dp_accounting.GaussianDpEvent(p.noise_multiplier)),
+                p.steps,
+            )
+            for p in plans
+        ]
+    )
     untruncated = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
-    assert privacy["composed_epsilon"] == pytest.approx(composed_epsilon(plans, delta=1e-5, accountant=privacy["accountant"]), rel=1e-9)
+    assert privacy["composed_epsilon"] == pytest.approx(
+        composed_epsilon(plans, delta=1e-5, accountant=privacy["accountant"]), rel=1e-9
+    )
     # The runs' batches are truncated Poisson, whose capacity is chosen to cost at most 0.1% of epsilon.
     assert privacy["composed_epsilon"] == pytest.approx(untruncated, rel=1.1e-3)
     assert second.composed_epsilon > max(first.composed_epsilon, 2.0 * 0.99)
@@ -162,8 +185,10 @@ def disagreeing(tmp_path_factory):
     centers = rng.normal(size=(3, 16)) * 3
     train_labels = rng.integers(0, 3, size=600)
     test_labels = rng.integers(0, 3, size=150)
-    splits = {"train": (centers[train_labels] + rng.normal(size=(600, 16)), train_labels),
-              "test": (centers[test_labels] + rng.normal(size=(150, 16)), (test_labels + 1) % 3)}
+    splits = {
+        "train": (centers[train_labels] + rng.normal(size=(600, 16)), train_labels),
+        "test": (centers[test_labels] + rng.normal(size=(150, 16)), (test_labels + 1) % 3),
+    }
     return write_feature_cache(str(tmp_path_factory.mktemp("disagree")), splits, chunk_rows=256, data_hash_char="a")
 
 
@@ -178,9 +203,14 @@ def test_settings_are_chosen_on_held_out_rows_and_never_on_the_test_split(disagr
     monkeypatch.setattr(evaluate, "run", spy)
     # Rows scaled to norm 1e-4 carry no signal past the noise: the bias learns the majority class, which
     # scores 1/3 on held-out rows and on the shifted test alike; scale 1 learns the true classes.
-    config = _config(disagreeing, tmp_path / "sweep", epsilons=(1.0,), grid=(("feature_scale", (1e-4, 1.0)),),
-                     repeats=2, training=dict(holdout=150, private_diagnostics=True, steps=10,
-                                              features=FeatureSettings(normalization="l2")))
+    config = _config(
+        disagreeing,
+        tmp_path / "sweep",
+        epsilons=(1.0,),
+        grid=(("feature_scale", (1e-4, 1.0)),),
+        repeats=2,
+        training=dict(holdout=150, private_diagnostics=True, steps=10, features=FeatureSettings(normalization="l2")),
+    )
     result = sweep.run(config)
     by_scale = {s["feature_scale"]: s for s in result.summary}
     assert all(s["split"] == "holdout" for s in result.summary)
@@ -211,9 +241,14 @@ def test_a_held_out_sweep_leaves_no_readable_trace_of_its_choice_or_its_baseline
     from ..conftest import readable_by_others
 
     out = tmp_path / "sweep"
-    config = _config(disagreeing, out, epsilons=(1.0,), grid=(("feature_scale", (1e-4, 1.0)),), baseline=True,
-                     training=dict(holdout=150, private_diagnostics=True, steps=10,
-                                   features=FeatureSettings(normalization="l2")))
+    config = _config(
+        disagreeing,
+        out,
+        epsilons=(1.0,),
+        grid=(("feature_scale", (1e-4, 1.0)),),
+        baseline=True,
+        training=dict(holdout=150, private_diagnostics=True, steps=10, features=FeatureSettings(normalization="l2")),
+    )
     first = sweep.run(config)
     assert not any("replaced" in w for w in first.warnings)
     second = sweep.run(config)
@@ -228,7 +263,12 @@ def test_a_held_out_sweep_leaves_no_readable_trace_of_its_choice_or_its_baseline
     assert len({frozenset(names) for names in by_run.values()}) == 1  # every run alike: the choice is not there
     assert "metrics.json" not in next(iter(by_run.values()))
     assert sorted(p for p in readable if "/" not in p) == ["key.id", sweep.PRIVACY_JSON, sweep.RECORD]
-    for name in ("runs.NOT-PRIVATE.csv", "summary.NOT-PRIVATE.md", "chosen.NOT-PRIVATE.csv", "accuracy_vs_epsilon.NOT-PRIVATE.png"):
+    for name in (
+        "runs.NOT-PRIVATE.csv",
+        "summary.NOT-PRIVATE.md",
+        "chosen.NOT-PRIVATE.csv",
+        "accuracy_vs_epsilon.NOT-PRIVATE.png",
+    ):
         assert os.stat(out / name).st_mode & 0o777 == 0o600, name
     assert any("replaced the owner-only tables" in w and "chosen.NOT-PRIVATE.csv" in w for w in second.warnings)
     line = json.loads(json.dumps(second.line()))
@@ -236,7 +276,11 @@ def test_a_held_out_sweep_leaves_no_readable_trace_of_its_choice_or_its_baseline
     assert line["withheld"]["fields"] == ["summary", "chosen", "baseline"]
     assert all(os.stat(f).st_mode & 0o777 == 0o600 for f in line["withheld"]["files"])
     shown = dataclasses.replace(second, print_private=True).line()
-    assert list(shown["chosen"]) == list(second.chosen) and shown["not_private"]["fields"] == ["summary", "chosen", "baseline"]
+    assert list(shown["chosen"]) == list(second.chosen) and shown["not_private"]["fields"] == [
+        "summary",
+        "chosen",
+        "baseline",
+    ]
 
 
 def test_a_later_sweep_never_makes_owner_only_tables_readable(features, tmp_path):
@@ -252,8 +296,9 @@ def test_a_later_sweep_never_makes_owner_only_tables_readable(features, tmp_path
 
 def test_delta_of_at_least_one_over_n_is_warned_everywhere(features, tmp_path):
     out = tmp_path / "sweep"
-    result = sweep.run(_config(features, out, training=dict(target=PrivacyTarget(epsilon=math.inf, delta=0.01,
-                                                                                  accountant="rdp"))))
+    result = sweep.run(
+        _config(features, out, training=dict(target=PrivacyTarget(epsilon=math.inf, delta=0.01, accountant="rdp")))
+    )
     assert any("1/num_examples" in w for w in result.warnings)
     assert any("1/num_examples" in w for w in json.loads((out / sweep.PRIVACY_JSON).read_text())["warnings"])
     assert "Warning: delta = 0.01" in (out / sweep.SUMMARY_MD).read_text()
@@ -262,9 +307,30 @@ def test_delta_of_at_least_one_over_n_is_warned_everywhere(features, tmp_path):
 
     from dpscale.cli import cli
 
-    line = CliRunner().invoke(cli, ["sweep", features, str(out), "--epsilons", "2", "--learning-rates", "4",
-                                    "--repeats", "1", "--batch-size", "128", "--steps", "4", "--microbatch-size", "64",
-                                    "--accountant", "rdp", "--delta", "0.01"])
+    line = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            features,
+            str(out),
+            "--epsilons",
+            "2",
+            "--learning-rates",
+            "4",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "128",
+            "--steps",
+            "4",
+            "--microbatch-size",
+            "64",
+            "--accountant",
+            "rdp",
+            "--delta",
+            "0.01",
+        ],
+    )
     assert line.exit_code == 0, line.output
     assert any("1/num_examples" in w for w in json.loads(line.stdout)["warnings"])
 
@@ -284,15 +350,28 @@ def test_simulated_runs_say_they_are_not_private_at_their_target(features, tmp_p
     scaled = marker["target_noise_multiplier"] * 32 / 128
     assert scaled <= ledger["noise_multiplier"] <= scaled * 1.002
     # Its epsilon is what its own sigma, q = b/N and T spend: far above the target it simulates.
-    spend = dp_accounting.rdp.RdpAccountant().compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(32 / 600, dp_accounting.GaussianDpEvent(ledger["noise_multiplier"])),
-        4)).get_epsilon(1e-5)
+    spend = (
+        dp_accounting.rdp.RdpAccountant()
+        .compose(
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(
+                    32 / 600, dp_accounting.GaussianDpEvent(ledger["noise_multiplier"])
+                ),
+                4,
+            )
+        )
+        .get_epsilon(1e-5)
+    )
     assert ledger["epsilon_spent"] == pytest.approx(spend, rel=1.1e-3) and spend > 2.0  # truncation costs <= 0.1%
     privacy = json.loads((out / sweep.PRIVACY_JSON).read_text())
-    assert privacy["runs"][0]["simulated"] and privacy["composed_epsilon"] == pytest.approx(ledger["epsilon_spent"], rel=1e-6)
+    assert privacy["runs"][0]["simulated"] and privacy["composed_epsilon"] == pytest.approx(
+        ledger["epsilon_spent"], rel=1e-6
+    )
     assert any(SIMULATION_NOTE in n for n in privacy["not_covered"])
     assert not result.covered_by_epsilon and any(SIMULATION_NOTE in w for w in result.warnings)
-    assert result.simulation["note"] == SIMULATION_NOTE and result.simulation["runs"][0]["epsilon"] == pytest.approx(ledger["epsilon_spent"], rel=1e-9)
+    assert result.simulation["note"] == SIMULATION_NOTE and result.simulation["runs"][0]["epsilon"] == pytest.approx(
+        ledger["epsilon_spent"], rel=1e-9
+    )
     assert not (out / sweep.SUMMARY_MD).exists() and (out / "summary.NOT-PRIVATE.md").exists()
     with pytest.raises(InvalidConfigError, match="must be below the batch size"):
         sweep.run(_config(features, tmp_path / "s2", simulate_batch=128))
@@ -324,6 +403,7 @@ def test_every_file_of_a_simulated_run_names_the_simulation_and_no_command_passe
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run)))
     assert scores.simulated and any(SIMULATION_NOTE in w for w in scores.warnings)
     from dpscale.stages import export_backbone
+
     with pytest.raises(DataError, match="is a TAN simulation"):
         export_backbone.run(export_backbone.ExportBackboneConfig(run_dir=str(run), output_dir=str(tmp_path / "bb")))
     # A sweep never takes a simulation for a private run of the same name (or the other way round).
@@ -338,14 +418,17 @@ def test_every_file_of_a_simulated_run_names_the_simulation_and_no_command_passe
     assert not evaluate.run(evaluate.EvaluateConfig(run_dir=str(plain / "runs" / "eps2-lr4-r0"))).simulated
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(grid=(("seed", (1, 2)),)), "not a grid option"),
-    (dict(grid=(("augmentation", (1, 2)),)), "not a training option"),
-    (dict(grid=(("augmult", (1, 4)),)), "does not apply to features mode"),
-    (dict(grid=(("epsilon", (1.0,)),)), "epsilons and learning_rates"),
-    (dict(training=dict(holdout=100)), "private-diagnostics"),
-    (dict(training=dict(steps=None)), "--batch-size and --steps"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(grid=(("seed", (1, 2)),)), "not a grid option"),
+        (dict(grid=(("augmentation", (1, 2)),)), "not a training option"),
+        (dict(grid=(("augmult", (1, 4)),)), "does not apply to features mode"),
+        (dict(grid=(("epsilon", (1.0,)),)), "epsilons and learning_rates"),
+        (dict(training=dict(holdout=100)), "private-diagnostics"),
+        (dict(training=dict(steps=None)), "--batch-size and --steps"),
+    ],
+)
 def test_bad_sweeps_are_refused_before_anything_is_written(features, tmp_path, overrides, match):
     with pytest.raises(InvalidConfigError, match=match):
         sweep.run(_config(features, tmp_path / "sweep", **overrides))
@@ -359,13 +442,35 @@ def test_a_gridded_batch_size_needs_no_flag_and_the_baseline_runs_once_per_value
     from dpscale.cli import cli
 
     out = tmp_path / "sweep"
-    result = CliRunner().invoke(cli, ["sweep", features, str(out), "--epsilons", "2", "--learning-rates", "4",
-                                      "--grid", "batch-size=64,128", "--steps", "4", "--microbatch-size", "64",
-                                      "--repeats", "1", "--baseline", "--accountant", "rdp"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            features,
+            str(out),
+            "--epsilons",
+            "2",
+            "--learning-rates",
+            "4",
+            "--grid",
+            "batch-size=64,128",
+            "--steps",
+            "4",
+            "--microbatch-size",
+            "64",
+            "--repeats",
+            "1",
+            "--baseline",
+            "--accountant",
+            "rdp",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert sorted(os.listdir(out / "runs")) == ["eps2-lr4-batch-size128-r0", "eps2-lr4-batch-size64-r0"]
-    assert sorted(os.listdir(out / sweep.BASELINE_DIR / "runs")) == ["nonprivate-lr0.5-batch-size128-r0",
-                                                                       "nonprivate-lr0.5-batch-size64-r0"]
+    assert sorted(os.listdir(out / sweep.BASELINE_DIR / "runs")) == [
+        "nonprivate-lr0.5-batch-size128-r0",
+        "nonprivate-lr0.5-batch-size64-r0",
+    ]
     # the baseline is drawn beside the DP runs only in its own owner-only plot
     plot = out / sweep.BASELINE_DIR / "accuracy_vs_epsilon.NOT-PRIVATE.png"
     assert plot.stat().st_size > 1000 and os.stat(plot).st_mode & 0o777 == 0o600

@@ -21,10 +21,36 @@ def digits(tmp_path_factory):
 
 def test_sweep_grids_augmult_on_images_and_chooses_on_held_out_rows(digits, tmp_path):
     out = tmp_path / "sweep"
-    result = CliRunner().invoke(cli, [
-        "sweep", digits, str(out), "--epsilons", "4", "--learning-rates", "2", "--grid", "augmult=1,2",
-        "--repeats", "1", "--batch-size", "32", "--steps", "2", "--microbatch-size", "16", "--augment-pad", "1",
-        "--holdout", "60", "--private-diagnostics", "--accountant", "rdp", "--print-private-diagnostics"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            digits,
+            str(out),
+            "--epsilons",
+            "4",
+            "--learning-rates",
+            "2",
+            "--grid",
+            "augmult=1,2",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "32",
+            "--steps",
+            "2",
+            "--microbatch-size",
+            "16",
+            "--augment-pad",
+            "1",
+            "--holdout",
+            "60",
+            "--private-diagnostics",
+            "--accountant",
+            "rdp",
+            "--print-private-diagnostics",
+        ],
+    )
     assert result.exit_code == 0, result.output
     line = json.loads(result.stdout)
     assert sorted(os.listdir(out / "runs")) == ["eps4-lr2-augmult1-r0", "eps4-lr2-augmult2-r0"]
@@ -43,10 +69,35 @@ def test_sweep_grids_augmult_on_images_and_chooses_on_held_out_rows(digits, tmp_
     assert "NOT cover" in result.stderr and "dpscale: releasing every DP result" in result.stderr
     assert line["not_private"]["fields"] == ["summary", "chosen"] and "JSON line's summary, chosen" in result.stderr
     # Without --print-private-diagnostics the line names where they are instead (the runs are reused).
-    again = CliRunner().invoke(cli, [
-        "sweep", digits, str(out), "--epsilons", "4", "--learning-rates", "2", "--grid", "augmult=1,2",
-        "--repeats", "1", "--batch-size", "32", "--steps", "2", "--microbatch-size", "16", "--augment-pad", "1",
-        "--holdout", "60", "--private-diagnostics", "--accountant", "rdp"])
+    again = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            digits,
+            str(out),
+            "--epsilons",
+            "4",
+            "--learning-rates",
+            "2",
+            "--grid",
+            "augmult=1,2",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "32",
+            "--steps",
+            "2",
+            "--microbatch-size",
+            "16",
+            "--augment-pad",
+            "1",
+            "--holdout",
+            "60",
+            "--private-diagnostics",
+            "--accountant",
+            "rdp",
+        ],
+    )
     assert again.exit_code == 0, again.output
     withheld = json.loads(again.stdout)
     assert "summary" not in withheld and "chosen" not in withheld and "not_private" not in withheld

@@ -30,9 +30,15 @@ def digits(tmp_path_factory):
 
 
 def _training(epsilon=4.0, backbone=None, **overrides):
-    base = dict(target=PrivacyTarget(epsilon=epsilon, delta=1e-5, sampling=overrides.pop("sampling", "poisson")),
-                batch_size=64, steps=3, microbatch_size=32, seed=0, show_progress=False,
-                images=ImageSettings(augmult=2, augment_pad=1, backbone=backbone))
+    base = dict(
+        target=PrivacyTarget(epsilon=epsilon, delta=1e-5, sampling=overrides.pop("sampling", "poisson")),
+        batch_size=64,
+        steps=3,
+        microbatch_size=32,
+        seed=0,
+        show_progress=False,
+        images=ImageSettings(augmult=2, augment_pad=1, backbone=backbone),
+    )
     return TrainingConfig(**(base | overrides))
 
 
@@ -82,17 +88,39 @@ def test_shuffled_sampling_warns_and_is_flagged_in_the_ledger(digits, tmp_path):
 
 
 def test_train_cli_reports_missing_data_in_one_line(tmp_path):
-    result = CliRunner().invoke(cli, ["train", str(tmp_path / "nope"), str(tmp_path / "run"), "--steps", "1",
-                                      "--batch-size", "8"])
+    result = CliRunner().invoke(
+        cli, ["train", str(tmp_path / "nope"), str(tmp_path / "run"), "--steps", "1", "--batch-size", "8"]
+    )
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def _train_args(digits, run_dir, *, steps, every, seed):
-    return [sys.executable, "-m", "dpscale", "train", digits, str(run_dir), "--epsilon", "4", "--batch-size", "64",
-            "--steps", str(steps), "--microbatch-size", "32", "--augmult", "2", "--augment-pad", "1",
-            "--checkpoint-every", str(every), "--seed", str(seed)]
+    return [
+        sys.executable,
+        "-m",
+        "dpscale",
+        "train",
+        digits,
+        str(run_dir),
+        "--epsilon",
+        "4",
+        "--batch-size",
+        "64",
+        "--steps",
+        str(steps),
+        "--microbatch-size",
+        "32",
+        "--augmult",
+        "2",
+        "--augment-pad",
+        "1",
+        "--checkpoint-every",
+        str(every),
+        "--seed",
+        str(seed),
+    ]
 
 
 def test_kill_9_then_resume_gives_the_uninterrupted_result(digits, tmp_path):
@@ -100,8 +128,11 @@ def test_kill_9_then_resume_gives_the_uninterrupted_result(digits, tmp_path):
     reference = train.run(_config(digits, tmp_path / "reference", steps=steps, checkpoint_every=every, seed=seed))
 
     run_dir = tmp_path / "killed"
-    process = subprocess.Popen(_train_args(digits, run_dir, steps=steps, every=every, seed=seed),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        _train_args(digits, run_dir, steps=steps, every=every, seed=seed),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 600
     checkpoints = run_dir / "checkpoints"
     while time.time() < deadline and process.poll() is None:
@@ -128,8 +159,9 @@ def test_kill_9_then_resume_gives_the_uninterrupted_result(digits, tmp_path):
 
 
 def test_non_private_baseline_needs_no_calibration(digits, tmp_path):
-    result = train.run(_config(digits, tmp_path / "run", epsilon=math.inf, momentum=0.9, learning_rate=0.1,
-                               weight_decay=1e-4, steps=2))
+    result = train.run(
+        _config(digits, tmp_path / "run", epsilon=math.inf, momentum=0.9, learning_rate=0.1, weight_decay=1e-4, steps=2)
+    )
     assert math.isinf(result.epsilon) and result.noise_multiplier == 0.0
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["private"] is False and ledger["epsilon_spent"] == "inf"
@@ -142,12 +174,13 @@ def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_pat
     model = registry.get_model("cnn-small", num_classes=5)
     variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 12, 12, 1), np.float32))
     prep = pretrained.Preprocessing(resolution=12, mean=(127.5,), std=(127.5,))
-    pretrained.save_pretrained(tmp_path / "backbone", variables, model="cnn-small", num_classes=5,
-                               preprocessing=prep)
+    pretrained.save_pretrained(tmp_path / "backbone", variables, model="cnn-small", num_classes=5, preprocessing=prep)
     config = _config(digits, tmp_path / "run", backbone=str(tmp_path / "backbone"), steps=2)
     start = build_train_model(config.data, config.training).init_params(0)
-    np.testing.assert_array_equal(np.asarray(start["backbone"]["conv_0"]["kernel"]),
-                                  np.asarray(variables["params"]["backbone"]["conv_0"]["kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(start["backbone"]["conv_0"]["kernel"]),
+        np.asarray(variables["params"]["backbone"]["conv_0"]["kernel"]),
+    )
     assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree_util.tree_leaves(start["head"]))
     assert jax.tree_util.tree_leaves(start["head"])[0].shape[-1] == 10  # digits has 10 classes
     train.run(config)
@@ -190,8 +223,7 @@ def test_flat_options_nest_into_a_training_config_and_the_other_mode_keeps_its_d
     features = training_config("features", holdout=3, feature_scale=2.0, model="wrn-16-4", augment_flip=False)
     assert features.features == FeatureSettings(scale=2.0) and features.images == ImageSettings()
     assert features.holdout == 3
-    images = training_config("images", epsilon=2.0, accountant="rdp", augment_flip=False, holdout=3,
-                             feature_scale=2.0)
+    images = training_config("images", epsilon=2.0, accountant="rdp", augment_flip=False, holdout=3, feature_scale=2.0)
     assert images.images == ImageSettings(augment_flip=False) and images.features == FeatureSettings()
     assert images.holdout == 3
     assert images.target == PrivacyTarget(epsilon=2.0, accountant="rdp")
@@ -210,16 +242,32 @@ def test_a_run_from_options_takes_the_mode_of_its_data(tmp_path):
 def test_cli_defaults_are_the_training_config_defaults(command):
     config = TrainingConfig()
     target, images, features = config.target, config.images, config.features
-    expected = {"epsilon": target.epsilon, "delta": target.delta, "accountant": target.accountant,
-                "sampling": target.sampling, "batch_size": config.batch_size, "steps": config.steps,
-                "noise_multiplier": config.noise_multiplier, "clip_norm": config.clip_norm,
-                "learning_rate": config.learning_rate, "momentum": config.momentum,
-                "weight_decay": config.weight_decay, "microbatch_size": config.microbatch_size,
-                "ema_decay": config.ema_decay, "checkpoint_every": config.checkpoint_every,
-                "devices": config.devices, "seed": config.seed, "model": images.model, "backbone": images.backbone,
-                "augmult": images.augmult, "augment_pad": images.augment_pad, "holdout": config.holdout,
-                "feature_normalization": features.normalization,
-                "feature_mean_noise_multiplier": features.mean_noise_multiplier, "feature_scale": features.scale}
+    expected = {
+        "epsilon": target.epsilon,
+        "delta": target.delta,
+        "accountant": target.accountant,
+        "sampling": target.sampling,
+        "batch_size": config.batch_size,
+        "steps": config.steps,
+        "noise_multiplier": config.noise_multiplier,
+        "clip_norm": config.clip_norm,
+        "learning_rate": config.learning_rate,
+        "momentum": config.momentum,
+        "weight_decay": config.weight_decay,
+        "microbatch_size": config.microbatch_size,
+        "ema_decay": config.ema_decay,
+        "checkpoint_every": config.checkpoint_every,
+        "devices": config.devices,
+        "seed": config.seed,
+        "model": images.model,
+        "backbone": images.backbone,
+        "augmult": images.augmult,
+        "augment_pad": images.augment_pad,
+        "holdout": config.holdout,
+        "feature_normalization": features.normalization,
+        "feature_mean_noise_multiplier": features.mean_noise_multiplier,
+        "feature_scale": features.scale,
+    }
     params = {param.name: param.default for param in cli.commands[command].params}
     shared = set(expected) & set(params)
     assert len(shared) >= 20, sorted(shared)

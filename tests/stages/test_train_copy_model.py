@@ -33,8 +33,11 @@ def public(tmp_path_factory):
 
 
 def test_writes_a_loadable_model_that_records_its_training_data(public, tmp_path):
-    res = stage.run(stage.TrainCopyModelConfig(public, str(tmp_path / "m"), splits=("train",), epochs=1,
-                                               batch=4, show_progress=False))
+    res = stage.run(
+        stage.TrainCopyModelConfig(
+            public, str(tmp_path / "m"), splits=("train",), epochs=1, batch=4, show_progress=False
+        )
+    )
     saved = copy_model.load(res.output_dir)
     params, info = saved.params, saved.info
     assert info["public"]["splits"] == ["train"] and info["images"] == 12 and info["steps"] == 3
@@ -43,8 +46,9 @@ def test_writes_a_loadable_model_that_records_its_training_data(public, tmp_path
     assert saved.trained_on.tolist() == sorted(IngestedDataset(public).ids("train").tolist())
     manifest = json.load(open(os.path.join(public, "manifest.json")))
     assert info["public"]["content_hash"] == manifest["content_hash"]
-    assert sorted(os.listdir(res.output_dir)) == sorted([copy_model.INFO, copy_model.WEIGHTS,
-                                                         copy_model.TRAINED_ON])  # no work left
+    assert sorted(os.listdir(res.output_dir)) == sorted(
+        [copy_model.INFO, copy_model.WEIGHTS, copy_model.TRAINED_ON]
+    )  # no work left
     assert copy_model.embed(params, np.zeros((2, 32, 32, 3), np.uint8)).shape == (2, 128)
     with pytest.raises(DataError, match="already holds a copy model"):
         stage.run(stage.TrainCopyModelConfig(public, res.output_dir, epochs=1, batch=4, show_progress=False))
@@ -62,10 +66,13 @@ def test_too_few_images_and_bad_settings_are_clear_errors(public, tmp_path):
 
 
 def test_cli_says_what_the_model_is_derived_from(public, tmp_path):
-    result = CliRunner().invoke(cli, ["train-copy-model", public, str(tmp_path / "m"), "--splits", "train",
-                                      "--epochs", "1", "--batch", "4"])
+    result = CliRunner().invoke(
+        cli, ["train-copy-model", public, str(tmp_path / "m"), "--splits", "train", "--epochs", "1", "--batch", "4"]
+    )
     assert result.exit_code == 0, result.output
-    assert "derived from" in result.output and "(train)" in result.output and "never train it on private" in result.output
+    assert (
+        "derived from" in result.output and "(train)" in result.output and "never train it on private" in result.output
+    )
     assert json.loads(result.output.strip().splitlines()[-1])["output_dir"] == str(tmp_path / "m")
 
 

@@ -13,14 +13,32 @@ from dpscale.training.config import TrainingConfig
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, synthetic_feature_cache):
     """A separable 3-class problem in 16 dimensions, stored as a real cache entry."""
-    return synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=0, sizes={"train": 600, "test": 150},
-                                   chunk_rows=256, data_hash_char="d")
+    return synthetic_feature_cache(
+        str(tmp_path_factory.mktemp("cache")),
+        seed=0,
+        sizes={"train": 600, "test": 150},
+        chunk_rows=256,
+        data_hash_char="d",
+    )
 
 
 def test_last_layer_dp_training_learns_and_spends_at_most_the_target(features, tmp_path):
-    result = train.run(train.TrainConfig(data=features, run_dir=str(tmp_path / "run"), training=TrainingConfig(
-        mode="features", target=PrivacyTarget(epsilon=2.0), batch_size=128, steps=30, learning_rate=4.0,
-        microbatch_size=64, seed=3, show_progress=False)))
+    result = train.run(
+        train.TrainConfig(
+            data=features,
+            run_dir=str(tmp_path / "run"),
+            training=TrainingConfig(
+                mode="features",
+                target=PrivacyTarget(epsilon=2.0),
+                batch_size=128,
+                steps=30,
+                learning_rate=4.0,
+                microbatch_size=64,
+                seed=3,
+                show_progress=False,
+            ),
+        )
+    )
     assert 0 < result.epsilon <= 2.0
     scores = evaluate.run(evaluate.EvaluateConfig(run_dir=str(tmp_path / "run")))
     assert scores.num_examples == 150 and scores.ema_top1 > 0.8  # chance is 1/3
@@ -40,7 +58,7 @@ def test_feature_feed_carries_exact_squared_norms_and_zero_padding():
     feed = FeatureFeed(feats, np.arange(6) % 3)
     indices = np.array([[5, 0, 4, -1]])
     batch = SampledBatch(indices=indices, mask=(indices >= 0).astype(np.float32))
-    (micro, mask), = feed.microbatches(batch, step=0)
+    ((micro, mask),) = feed.microbatches(batch, step=0)
     np.testing.assert_allclose(micro["features_sq_norm"][:2], np.sum(feats[[5, 0]] ** 2, axis=1), rtol=1e-6)
     assert not np.isfinite(micro["features_sq_norm"][2])  # reaches the clipped sum as non-finite
     assert float(micro["features_sq_norm"][3]) == 0.0 and not np.any(micro["features"][3])

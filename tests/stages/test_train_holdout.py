@@ -25,8 +25,15 @@ def digits(tmp_path_factory):
 
 
 def _training(**overrides):
-    base = dict(target=PrivacyTarget(epsilon=4.0), batch_size=64, steps=3, microbatch_size=32, seed=0,
-                show_progress=False, images=ImageSettings(augment_pad=1))
+    base = dict(
+        target=PrivacyTarget(epsilon=4.0),
+        batch_size=64,
+        steps=3,
+        microbatch_size=32,
+        seed=0,
+        show_progress=False,
+        images=ImageSettings(augment_pad=1),
+    )
     return TrainingConfig(**(base | overrides))
 
 
@@ -61,8 +68,8 @@ def test_the_held_rows_are_the_last_ones_and_never_fed(digits):
     _, held_labels = model.eval_inputs("holdout")
     _, train_labels = model.eval_inputs("train")
     _, stored = dataset.get("train", range(total))
-    np.testing.assert_array_equal(held_labels, stored[total - 40:])
-    np.testing.assert_array_equal(train_labels, stored[:total - 40])
+    np.testing.assert_array_equal(held_labels, stored[total - 40 :])
+    np.testing.assert_array_equal(train_labels, stored[: total - 40])
     import jax
 
     feed = model.make_feed(jax.random.key(0))
@@ -82,8 +89,24 @@ def test_holdout_split_without_holdout_and_a_holdout_too_large_are_one_line_erro
 
 
 def test_train_cli_takes_holdout_in_images_mode(digits, tmp_path):
-    result = CliRunner().invoke(cli, ["train", digits, str(tmp_path / "run"), "--holdout", "50", "--batch-size", "64",
-                                      "--steps", "1", "--microbatch-size", "32", "--epsilon", "4"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            digits,
+            str(tmp_path / "run"),
+            "--holdout",
+            "50",
+            "--batch-size",
+            "64",
+            "--steps",
+            "1",
+            "--microbatch-size",
+            "32",
+            "--epsilon",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     total = IngestedDataset(digits).num_examples("train")
     assert RunDirectory.existing(str(tmp_path / "run")).read_spec().plan.num_examples == total - 50

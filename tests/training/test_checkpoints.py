@@ -13,8 +13,9 @@ from dpscale.training.checkpoints import check_digests, file_digests, restore_on
 @pytest.fixture
 def saved(tmp_path):
     directory, digests = str(tmp_path / "params"), str(tmp_path / "params.sha256.json")
-    save_with_digests(directory, digests_file=digests, params={"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
-                      model_state={})
+    save_with_digests(
+        directory, digests_file=digests, params={"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, model_state={}
+    )
     return directory, json.loads(open(digests).read())
 
 

@@ -6,14 +6,28 @@ import pytest
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.plan import PrivacyTarget
-from dpscale.training.config import (FeatureSettings, ImageSettings, TrainingConfig, options_of, training_config,
-                                     with_options)
+from dpscale.training.config import (
+    FeatureSettings,
+    ImageSettings,
+    TrainingConfig,
+    options_of,
+    training_config,
+    with_options,
+)
 
 
 def test_options_of_is_the_inverse_of_training_config():
-    config = TrainingConfig(mode="features", target=PrivacyTarget(epsilon=3.0, delta=1e-6), batch_size=64, steps=9,
-                            holdout=5, ema_decay=0.5, features=FeatureSettings(normalization="l2", scale=4.0),
-                            train_split="train", show_progress=False)
+    config = TrainingConfig(
+        mode="features",
+        target=PrivacyTarget(epsilon=3.0, delta=1e-6),
+        batch_size=64,
+        steps=9,
+        holdout=5,
+        ema_decay=0.5,
+        features=FeatureSettings(normalization="l2", scale=4.0),
+        train_split="train",
+        show_progress=False,
+    )
     assert with_options(config) == config
     assert training_config("features", **options_of(config)) == dataclasses.replace(config, show_progress=True)
 

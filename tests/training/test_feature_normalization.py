@@ -18,18 +18,30 @@ from dpscale.training.run_directory import RunDirectory
 
 
 def _features_training(epsilon=2.0, **overrides):
-    settings = {k: overrides.pop(k) for k in ("normalization", "mean_noise_multiplier", "scale")
-                if k in overrides}
-    base = dict(mode="features", target=PrivacyTarget(epsilon=epsilon), batch_size=128, steps=30,
-                learning_rate=4.0, microbatch_size=64, seed=3, show_progress=False,
-                features=FeatureSettings(**settings))
+    settings = {k: overrides.pop(k) for k in ("normalization", "mean_noise_multiplier", "scale") if k in overrides}
+    base = dict(
+        mode="features",
+        target=PrivacyTarget(epsilon=epsilon),
+        batch_size=128,
+        steps=30,
+        learning_rate=4.0,
+        microbatch_size=64,
+        seed=3,
+        show_progress=False,
+        features=FeatureSettings(**settings),
+    )
     return TrainingConfig(**(base | overrides))
 
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, synthetic_feature_cache):
-    return synthetic_feature_cache(str(tmp_path_factory.mktemp("cache")), seed=1, sizes={"train": 600, "test": 150},
-                                   chunk_rows=256, data_hash_char="e")
+    return synthetic_feature_cache(
+        str(tmp_path_factory.mktemp("cache")),
+        seed=1,
+        sizes={"train": 600, "test": 150},
+        chunk_rows=256,
+        data_hash_char="e",
+    )
 
 
 def test_l2_and_center_l2_give_unit_rows_and_center_l2_removes_the_mean():
@@ -48,16 +60,26 @@ def test_l2_and_center_l2_give_unit_rows_and_center_l2_removes_the_mean():
     assert np.linalg.norm(centred.mean(axis=0)) < 0.2 < 0.9 < np.linalg.norm(l2.mean(axis=0))
     with pytest.raises(InvalidConfigError, match="needs the feature mean"):
         feature_normalization.apply(x, "center-l2")
-    np.testing.assert_allclose(np.linalg.norm(feature_normalization.apply(x[:5], "center-l2", mean, 32.0), axis=1),
-                               32.0, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.linalg.norm(feature_normalization.apply(x[:5], "center-l2", mean, 32.0), axis=1), 32.0, rtol=1e-5
+    )
 
 
 def test_unit_rows_stay_within_norm_one_for_denormal_tiny_and_huge_rows():
     """The review's crafted rows: ~1e-19 entries (squares flushed to zero on CPU) came out with norm 29.8."""
     d = 1280
-    rows = np.stack([np.full(d, 1e-19), np.full(d, 3e-20), np.r_[1e-19, np.full(d - 1, 1e-30)],
-                     np.full(d, 1e-40), np.r_[1e-38, np.zeros(d - 1)], np.full(d, 3e37), np.ones(d),
-                     np.zeros(d)]).astype(np.float32)
+    rows = np.stack(
+        [
+            np.full(d, 1e-19),
+            np.full(d, 3e-20),
+            np.r_[1e-19, np.full(d - 1, 1e-30)],
+            np.full(d, 1e-40),
+            np.r_[1e-38, np.zeros(d - 1)],
+            np.full(d, 3e37),
+            np.ones(d),
+            np.zeros(d),
+        ]
+    ).astype(np.float32)
     for kind in ("l2", "center-l2"):
         mean = feature_normalization.feature_mean(rows, noise_multiplier=None, seed=0)
         out = feature_normalization.apply(rows, kind, mean=mean if kind == "center-l2" else None)
@@ -87,14 +109,21 @@ def test_dp_mean_is_seeded_gaussian_noise_of_the_right_scale_and_ignores_nonfini
 
 
 def test_center_l2_run_spends_at_most_the_target_including_the_mean_and_evaluates_with_the_saved_mean(
-        features, tmp_path):
+    features, tmp_path
+):
     run_dir = tmp_path / "run"
-    result = train.run(train.TrainConfig(data=features, run_dir=str(run_dir), training=_features_training(
-        holdout=100, normalization="center-l2", mean_noise_multiplier=5.0, scale=3.0)))
+    result = train.run(
+        train.TrainConfig(
+            data=features,
+            run_dir=str(run_dir),
+            training=_features_training(holdout=100, normalization="center-l2", mean_noise_multiplier=5.0, scale=3.0),
+        )
+    )
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["releases"] == [5.0] and ledger["epsilon_spent"] == result.epsilon <= 2.0
-    training_alone = accounting.epsilon(noise_multiplier=result.noise_multiplier, sampling_rate=128 / 500,
-                                        steps=30, delta=1e-5)
+    training_alone = accounting.epsilon(
+        noise_multiplier=result.noise_multiplier, sampling_rate=128 / 500, steps=30, delta=1e-5
+    )
     assert training_alone < result.epsilon - 0.01  # the mean's release is in the ledger's epsilon
     spec = RunDirectory.existing(str(run_dir)).read_spec()
     assert spec.plan.num_examples == 500 and spec.plan.releases == (5.0,)
@@ -112,8 +141,10 @@ def test_center_l2_run_spends_at_most_the_target_including_the_mean_and_evaluate
     assert scores.ema_top1 == pytest.approx(np.mean(logits.argmax(1) == y)) and scores.ema_top1 > 0.8
     # The DP mean is not the exact one (noise of std 5/500 per coordinate).
     from dpscale.cache.feature_store import open_features
-    exact = feature_normalization.feature_mean(np.asarray(open_features(features).features("train")[:500]),
-                                               noise_multiplier=None, seed=0)
+
+    exact = feature_normalization.feature_mean(
+        np.asarray(open_features(features).features("train")[:500]), noise_multiplier=None, seed=0
+    )
     assert 0.002 < np.std(mean - exact) < 0.03
 
     with pytest.raises(InvalidConfigError, match="private-diagnostics"):  # held-out rows are private data
@@ -126,20 +157,33 @@ def test_center_l2_run_spends_at_most_the_target_including_the_mean_and_evaluate
 
 def test_a_nonprivate_center_l2_run_uses_the_exact_mean_and_releases_nothing(features, tmp_path):
     run_dir = tmp_path / "run"
-    train.run(train.TrainConfig(data=features, run_dir=str(run_dir), training=_features_training(
-        epsilon=float("inf"), steps=5, learning_rate=0.5, normalization="center-l2")))
+    train.run(
+        train.TrainConfig(
+            data=features,
+            run_dir=str(run_dir),
+            training=_features_training(epsilon=float("inf"), steps=5, learning_rate=0.5, normalization="center-l2"),
+        )
+    )
     assert json.loads((run_dir / "ledger.json").read_text())["releases"] == []
     from dpscale.cache.feature_store import open_features
-    exact = feature_normalization.feature_mean(np.asarray(open_features(features).features("train")[:]),
-                                               noise_multiplier=None, seed=0)
+
+    exact = feature_normalization.feature_mean(
+        np.asarray(open_features(features).features("train")[:]), noise_multiplier=None, seed=0
+    )
     saved = RunDirectory.existing(str(run_dir)).load_params()["model_state"][feature_normalization.MEAN_KEY]
     np.testing.assert_allclose(saved, exact, rtol=1e-6)
 
 
 def test_sweep_with_holdout_scores_the_held_out_rows(features, tmp_path):
-    config = sweep.SweepConfig(data=features, out_dir=str(tmp_path / "sweep"), epsilons=(2.0,), learning_rates=(4.0,),
-                               repeats=1, baseline=False, training=_features_training(
-                                   steps=4, holdout=150, normalization="l2", private_diagnostics=True))
+    config = sweep.SweepConfig(
+        data=features,
+        out_dir=str(tmp_path / "sweep"),
+        epsilons=(2.0,),
+        learning_rates=(4.0,),
+        repeats=1,
+        baseline=False,
+        training=_features_training(steps=4, holdout=150, normalization="l2", private_diagnostics=True),
+    )
     sweep.run(config)
     run_dir = tmp_path / "sweep" / "runs" / "eps2-lr4-r0"
     scores = RunDirectory.existing(str(run_dir)).read_scores("holdout", diagnostic=True)
@@ -154,14 +198,20 @@ def test_sweep_with_holdout_scores_the_held_out_rows(features, tmp_path):
         sweep.SweepConfig(data=features, out_dir=str(tmp_path / "s2"), training=_features_training(holdout=150))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(holdout=600), "holdout must be in"),
-    (dict(holdout=-1), "holdout must be in"),
-    (dict(normalization="pca"), "feature normalization must be one of"),
-    (dict(normalization="center-l2", mean_noise_multiplier=0.0), "noise multiplier must be positive"),
-    (dict(normalization="l2", scale=-1.0), "feature scale must be positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(holdout=600), "holdout must be in"),
+        (dict(holdout=-1), "holdout must be in"),
+        (dict(normalization="pca"), "feature normalization must be one of"),
+        (dict(normalization="center-l2", mean_noise_multiplier=0.0), "noise multiplier must be positive"),
+        (dict(normalization="l2", scale=-1.0), "feature scale must be positive"),
+    ],
+)
 def test_bad_holdout_or_normalization_is_a_user_error(features, tmp_path, kwargs, match):
     with pytest.raises(InvalidConfigError, match=match):
-        train.run(train.TrainConfig(data=features, run_dir=str(tmp_path / "run"),
-                                    training=_features_training(steps=2, **kwargs)))
+        train.run(
+            train.TrainConfig(
+                data=features, run_dir=str(tmp_path / "run"), training=_features_training(steps=2, **kwargs)
+            )
+        )

@@ -13,8 +13,13 @@ BASE = TrainingConfig(batch_size=64, steps=3, show_progress=False)
 
 
 def test_every_gridded_value_is_in_the_run_name_and_the_settings():
-    axes = (("epsilon", (1.0, 8.0)), ("learning_rate", (2.0,)), ("augmult", (1, 4)), ("ema_decay", (0.0, 0.999)),
-            ("model", ("cnn-small",)))
+    axes = (
+        ("epsilon", (1.0, 8.0)),
+        ("learning_rate", (2.0,)),
+        ("augmult", (1, 4)),
+        ("ema_decay", (0.0, 0.999)),
+        ("model", ("cnn-small",)),
+    )
     points = grid_points(BASE, axes, repeats=2)
     assert len(points) == 2 * 2 * 2 * 2
     assert points[0].name == "eps1-lr2-augmult1-ema-decay0-model-cnn-small-r0"
@@ -31,8 +36,10 @@ def test_names_are_exact_for_close_numbers_and_path_safe_for_text():
     assert value_text(0.1 + 0.2) != value_text(0.3) and value_text(8.0) == "8" and value_text(1024) == "1024"
     assert value_text("../x y") == ".._x_y" and "/" not in value_text("/abs/backbone")
     assert run_name((("epsilon", math.inf), ("learning_rate", 0.5)), 1, kind="baseline") == "nonprivate-lr0.5-r1"
-    assert run_name((("epsilon", 2.0), ("learning_rate", 1.0)), 0, kind="simulated",
-                    simulate_batch=32) == "sim-b32-eps2-lr1-r0.NOT-PRIVATE"
+    assert (
+        run_name((("epsilon", 2.0), ("learning_rate", 1.0)), 0, kind="simulated", simulate_batch=32)
+        == "sim-b32-eps2-lr1-r0.NOT-PRIVATE"
+    )
 
 
 def test_colliding_names_and_options_that_change_nothing_are_refused():
@@ -43,23 +50,27 @@ def test_colliding_names_and_options_that_change_nothing_are_refused():
         grid_points(features, (("epsilon", (1.0,)), ("learning_rate", (2.0,)), ("augmult", (1, 4))), repeats=1)
 
 
-@pytest.mark.parametrize("axes, match", [
-    ((("seed", (1,)),), "not a grid option"),
-    ((("delta", (1e-5,)),), "not a grid option"),
-    ((("holdout", (10,)),), "not a grid option"),
-    ((("colour", (1,)),), "not a training option"),
-    ((("augmult", ()),), "at least one value"),
-    ((("augmult", (2, 2)),), "listed twice"),
-    ((("augmult", (1,)), ("augmult", (2,))), "more than once"),
-])
+@pytest.mark.parametrize(
+    "axes, match",
+    [
+        ((("seed", (1,)),), "not a grid option"),
+        ((("delta", (1e-5,)),), "not a grid option"),
+        ((("holdout", (10,)),), "not a grid option"),
+        ((("colour", (1,)),), "not a training option"),
+        ((("augmult", ()),), "at least one value"),
+        ((("augmult", (2, 2)),), "listed twice"),
+        ((("augmult", (1,)), ("augmult", (2,))), "more than once"),
+    ],
+)
 def test_bad_axes_are_refused(axes, match):
     with pytest.raises(InvalidConfigError, match=match):
         check_axes(axes)
 
 
 def test_a_simulation_keeps_the_steps_and_sigma_over_b_and_spends_its_own_epsilon():
-    target = PrivacyPlan.calibrate(PrivacyTarget(epsilon=4.0, accountant="rdp"), num_examples=10_000,
-                                   batch_size=1000, steps=50)
+    target = PrivacyPlan.calibrate(
+        PrivacyTarget(epsilon=4.0, accountant="rdp"), num_examples=10_000, batch_size=1000, steps=50
+    )
     training = TrainingConfig(target=PrivacyTarget(epsilon=4.0, accountant="rdp"), batch_size=1000, steps=50)
     sim = simulate(training, target, batch_size=100)
     assert sim.plan.batch_size == 100 and sim.plan.steps == target.steps == 50

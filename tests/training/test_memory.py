@@ -22,10 +22,15 @@ def test_the_estimate_is_close_to_what_xla_allocates_for_the_clipped_sum():
 
     one = {"image": jax.ShapeDtypeStruct((1, *shape), jnp.float32), "label": jax.ShapeDtypeStruct((1,), jnp.int32)}
     found = memory.estimate(loss, params, {}, one, examples=examples, momentum=False)
-    batch = {"image": jax.ShapeDtypeStruct((examples, 1, *shape), jnp.float32),
-             "label": jax.ShapeDtypeStruct((examples, 1), jnp.int32)}
-    compiled = jax.jit(make_clipped_sum_fn(loss, clip_norm=1.0)).lower(
-        params, {}, batch, jax.ShapeDtypeStruct((examples,), jnp.float32)).compile()
+    batch = {
+        "image": jax.ShapeDtypeStruct((examples, 1, *shape), jnp.float32),
+        "label": jax.ShapeDtypeStruct((examples, 1), jnp.int32),
+    }
+    compiled = (
+        jax.jit(make_clipped_sum_fn(loss, clip_norm=1.0))
+        .lower(params, {}, batch, jax.ShapeDtypeStruct((examples,), jnp.float32))
+        .compile()
+    )
     allocated = compiled.memory_analysis().temp_size_in_bytes
     assert 0.7 * allocated <= examples * found.per_example_bytes <= 1.5 * allocated
 

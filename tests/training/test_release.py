@@ -7,7 +7,6 @@ diagnostics the same attacks succeed, which shows they have teeth.
 """
 
 import json
-import os
 import re
 import stat
 
@@ -42,18 +41,35 @@ def caches(tmp_path_factory):
     x, y = _base()
     test = _base(1)
     canaries = {"nan": np.full((1, 16), np.nan, np.float32), "huge": np.full((1, 16), 1e6, np.float32)}
-    entries = {"none": write_feature_cache(str(root / "d"), {"train": (x, y), "test": test}, chunk_rows=64,
-                                           data_hash_char="d")}
+    entries = {
+        "none": write_feature_cache(str(root / "d"), {"train": (x, y), "test": test}, chunk_rows=64, data_hash_char="d")
+    }
     for name, row in canaries.items():
-        entries[name] = write_feature_cache(str(root / name), {"train": (np.concatenate([x, row]), np.r_[y, 0]),
-                                                                "test": test}, chunk_rows=64, data_hash_char=name[0])
+        entries[name] = write_feature_cache(
+            str(root / name),
+            {"train": (np.concatenate([x, row]), np.r_[y, 0]), "test": test},
+            chunk_rows=64,
+            data_hash_char=name[0],
+        )
     return entries
 
 
 # q = 64/201 and 12 steps: the canary is in some batch with probability 0.99, so the attacks on
 # the diagnostics (the teeth check) must find it in nearly every run.
-ARGS = ["--epsilon", "2", "--batch-size", "64", "--steps", "12", "--microbatch-size", "128", "--accountant", "rdp",
-        "--checkpoint-every", "12"]
+ARGS = [
+    "--epsilon",
+    "2",
+    "--batch-size",
+    "64",
+    "--steps",
+    "12",
+    "--microbatch-size",
+    "128",
+    "--accountant",
+    "rdp",
+    "--checkpoint-every",
+    "12",
+]
 
 
 def _train(entry: str, run_dir, *extra: str):
@@ -122,8 +138,13 @@ def test_default_outputs_hold_only_covered_fields_and_no_secret(caches, tmp_path
     # The seed is gone with the run's end, and no file left behind holds it in any form.
     assert not (run_dir / "seed.json").exists() and not run.has_secrets
     seed = 2**62 + 12345
-    forms = [str(seed).encode(), f"{seed:x}".encode(), seed.to_bytes(8, "big"), seed.to_bytes(8, "little"),
-             (seed >> 32).to_bytes(4, "little") + (seed & 0xFFFFFFFF).to_bytes(4, "little")]
+    forms = [
+        str(seed).encode(),
+        f"{seed:x}".encode(),
+        seed.to_bytes(8, "big"),
+        seed.to_bytes(8, "little"),
+        (seed >> 32).to_bytes(4, "little") + (seed & 0xFFFFFFFF).to_bytes(4, "little"),
+    ]
     for path in run_dir.rglob("*"):
         if path.is_file():
             data = path.read_bytes()
@@ -138,7 +159,9 @@ def test_private_diagnostics_are_named_owner_only_and_announced(caches, tmp_path
     path = run_dir / DIAGNOSTICS_FILE
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [x["step"] for x in lines] == list(range(1, 13)) and {"loss", "mean_grad_norm", "batch_size"} <= set(lines[0])
+    assert [x["step"] for x in lines] == list(range(1, 13)) and {"loss", "mean_grad_norm", "batch_size"} <= set(
+        lines[0]
+    )
     assert "NOT cover" in result.stderr and DIAGNOSTICS_FILE in result.stderr
     assert DIAGNOSTICS_FILE in " ".join(RunDirectory(str(run_dir)).read_ledger().not_covered)
     assert set(json.loads(result.stdout.strip())["final_metrics"]) <= set(COVERED_STEP_FIELDS)
@@ -155,15 +178,21 @@ def test_resume_refuses_other_data_of_the_same_size(tmp_path, monkeypatch):
     import shutil
 
     def cache(seed):
-        return write_feature_cache(str(tmp_path / f"cache{seed}"), {"train": _base(seed), "test": _base(1)},
-                                   chunk_rows=64, data_hash_char="d")
+        return write_feature_cache(
+            str(tmp_path / f"cache{seed}"), {"train": _base(seed), "test": _base(1)}, chunk_rows=64, data_hash_char="d"
+        )
 
     data = tmp_path / "data"
     shutil.copytree(cache(0), data)
     # A run killed after its last checkpoint: its secrets are still there, its parameters not yet.
     monkeypatch.setattr(RunDirectory, "delete_secrets", lambda self: None)
-    train.run(train.TrainConfig(str(data), str(tmp_path / "run"), TrainingConfig(
-        mode="features", target=PrivacyTarget(2.0), batch_size=64, steps=4, show_progress=False)))
+    train.run(
+        train.TrainConfig(
+            str(data),
+            str(tmp_path / "run"),
+            TrainingConfig(mode="features", target=PrivacyTarget(2.0), batch_size=64, steps=4, show_progress=False),
+        )
+    )
     shutil.rmtree(tmp_path / "run" / "params")
     shutil.rmtree(data)
     shutil.copytree(cache(7), data)  # other rows, as many, at the same path
@@ -183,9 +212,20 @@ def test_resume_refuses_to_redo_logged_steps_under_other_noise_versions(caches, 
 
     monkeypatch.setattr(RunDirectory, "delete_secrets", lambda self: None)
     run_dir = tmp_path / "run"
-    train.run(train.TrainConfig(caches["none"], str(run_dir), TrainingConfig(
-        mode="features", target=PrivacyTarget(2.0), batch_size=64, steps=4, checkpoint_every=2,
-        show_progress=False)))
+    train.run(
+        train.TrainConfig(
+            caches["none"],
+            str(run_dir),
+            TrainingConfig(
+                mode="features",
+                target=PrivacyTarget(2.0),
+                batch_size=64,
+                steps=4,
+                checkpoint_every=2,
+                show_progress=False,
+            ),
+        )
+    )
     run = RunDirectory(str(run_dir))
     assert run.read_secrets().versions == noise_versions()
     # A crash after step 4 was logged but before its checkpoint: steps 3-4 are redone from step 2.

@@ -23,8 +23,10 @@ def test_a_held_lock_refuses_a_second_holder_naming_the_first_and_frees_on_relea
 
 def test_a_lock_whose_holder_was_killed_is_free(tmp_path):
     path = str(tmp_path / "run.lock")
-    code = ("import os, sys\nfrom dpscale.training.run_lock import RunLock\n"
-            f"lock = RunLock({path!r})\nprint('held', flush=True)\nos.kill(os.getpid(), 9)\n")
+    code = (
+        "import os, sys\nfrom dpscale.training.run_lock import RunLock\n"
+        f"lock = RunLock({path!r})\nprint('held', flush=True)\nos.kill(os.getpid(), 9)\n"
+    )
     held = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert held.stdout == "held\n" and held.returncode == -9
     RunLock(path).release()

@@ -40,8 +40,14 @@ def _setup():
         logits = model.apply({"params": params}, batch["features"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
-    step = plan.dp_step(loss_fn, seed=0, clip_norm=1.0, clipped_sum_fn=softmax_regression_clipped_sum(clip_norm=1.0),
-                        optimizer=optax.sgd(0.1), ema_decay=0.999)
+    step = plan.dp_step(
+        loss_fn,
+        seed=0,
+        clip_norm=1.0,
+        clipped_sum_fn=softmax_regression_clipped_sum(clip_norm=1.0),
+        optimizer=optax.sgd(0.1),
+        ema_decay=0.999,
+    )
     params = model.init(jax.random.key(0), features[:1])["params"]
     return plan, step, step.init(params), FeatureFeed(features, labels)
 
@@ -92,7 +98,8 @@ def test_step_time_says_nothing_of_the_batch_size_or_a_nan_row():
     # Timing: no detectable dependence (thresholds generous enough for a loaded machine).
     rho, p_size = stats.spearmanr(sizes, seconds)
     auc = stats.mannwhitneyu(seconds[nan_sampled], seconds[~nan_sampled]).statistic / (
-        nan_sampled.sum() * (~nan_sampled).sum())
+        nan_sampled.sum() * (~nan_sampled).sum()
+    )
     p_nan = stats.mannwhitneyu(seconds[nan_sampled], seconds[~nan_sampled]).pvalue
     assert p_size > 1e-3 or abs(rho) < 0.3, (rho, p_size)
     assert p_nan > 1e-3 or abs(auc - 0.5) < 0.15, (auc, p_nan)
