@@ -57,7 +57,6 @@ def _problem(data: str, model_name: str, size: int, views: int):
 
 def margins(args) -> None:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from dpscale.privacy import bookkeeping, ghost
@@ -78,19 +77,17 @@ def margins(args) -> None:
         for c in bookkeeping.plan_layers(loss_fn, params, {}, one)
         if type(c.module).__name__ in ("WSConv", "Dense")
     ]
-    original = ghost.clipped_sum_from_norms  # report each example's bound in place of their sum
-    ghost.clipped_sum_from_norms = lambda norms, mask, **kw: original(norms, mask, **kw).replace(sum_of_norms=norms)
     for mode in args.modes.split(","):
         for name in FORMATS:
             forced = None if mode == "auto" else {path: mode for path in paths}
-            fn = ghost.make_ghost_clipped_sum_fn(
-                loss_fn,
-                clip_norm=1.0,
-                strategies=forced,
-                example=(params, {}, batch),
-                precision=ClipPrecision(norms=name, sums=name),
-            )
-            ratio = np.asarray(jax.jit(fn)(params, {}, batch, jnp.ones(args.batch)).sum_of_norms, np.float64) / exact
+            settings = {
+                "strategies": forced,
+                "example": (params, {}, batch),
+                "precision": ClipPrecision(norms=name, sums=name),
+            }
+            fn = ghost.make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, **settings)  # for its layers
+            bounds = jax.jit(ghost.make_ghost_norm_bounds_fn(loss_fn, **settings))
+            ratio = np.asarray(bounds(params, {}, batch), np.float64) / exact
             row = {
                 "model": args.model,
                 "batch": args.batch,

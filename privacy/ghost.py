@@ -216,27 +216,22 @@ def describe_layers(choices: tuple[LayerChoice, ...]) -> list[str]:
     ]
 
 
-def make_ghost_clipped_sum_fn(
-    loss_fn: LossFn,
-    *,
-    clip_norm: float,
-    example: tuple[PyTree, PyTree, PyTree] | None = None,
-    strategies: Mapping[Path, Strategy] | None = None,
-    precision: ClipPrecision | None = None,
-    tuning: DeviceTuning | None = None,
-) -> ClippedSumFn:
-    """Drop-in for ``make_clipped_sum_fn`` on models book-keeping covers (else UnsupportedModelError).
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """What the clipped sum and the norm bounds share: each layer's path, and the pass that gives
+    every example's norm bound and the weighted sum over examples."""
 
-    ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
-    ``[b, K, ...]`` with b the micro-batch per device) checks support now, as book-keeping does,
-    fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped and why) and,
-    where the device's tuning measures (``privacy.device_tuning``: GPUs, TPUs), times each layer's
-    candidate paths on the device at that micro-batch (``privacy.path_timing``). ``strategies``
-    forces a layer's path (``{("backbone", "conv_0"): "ghost"}``), for tests and benchmarks.
-    ``precision`` forces the per-example contractions' precision (``privacy.rounding``); ``tuning``
-    the device settings (default: the backend's).
-    """
-    check_clip_norm(clip_norm)
+    plan: Callable[[PyTree, PyTree, PyTree], tuple[tuple, tuple[LayerChoice, ...]]]
+    bounds: Callable[[PyTree, PyTree, PyTree], tuple[jax.Array, Callable[..., PyTree], jax.Array]]
+
+
+def _planned(
+    loss_fn: LossFn,
+    example: tuple[PyTree, PyTree, PyTree] | None,
+    strategies: Mapping[Path, Strategy] | None,
+    precision: ClipPrecision | None,
+    tuning: DeviceTuning | None,
+) -> _Planned:
     tuning = tuning or tuning_for()
     if precision is not None:
         tuning = tuning.with_precision(precision)
@@ -261,7 +256,10 @@ def make_ghost_clipped_sum_fn(
             measured=measured,
         )
 
-    def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+    def bounds(
+        params: PyTree, model_state: PyTree, batch: PyTree
+    ) -> tuple[jax.Array, Callable[..., PyTree], jax.Array]:
+        """(each example's norm bound, ``weighted(weights, finite)``, each example's loss)."""
         calls, choices = plan(params, model_state, batch)
         tape = bookkeeping.record_layers(loss_fn, calls, params, model_state, batch)
         by_path: dict[Path, list[int]] = collections.defaultdict(list)
@@ -297,9 +295,51 @@ def make_ghost_clipped_sum_fn(
             flat, treedef = jax.tree_util.tree_flatten_with_path(params)
             return jax.tree_util.tree_unflatten(treedef, [grads[bookkeeping.key_path(p)] for p, _ in flat])
 
-        return clipped_sum_from_norms(
-            norm_bound(squares), mask, clip_norm=clip_norm, weighted=weighted, losses=tape.losses
-        )
+        return norm_bound(squares), weighted, tape.losses
 
-    choices = () if example is None else plan(*example)[1]
+    return _Planned(plan, bounds)
+
+
+def make_ghost_clipped_sum_fn(
+    loss_fn: LossFn,
+    *,
+    clip_norm: float,
+    example: tuple[PyTree, PyTree, PyTree] | None = None,
+    strategies: Mapping[Path, Strategy] | None = None,
+    precision: ClipPrecision | None = None,
+    tuning: DeviceTuning | None = None,
+) -> ClippedSumFn:
+    """Drop-in for ``make_clipped_sum_fn`` on models book-keeping covers (else UnsupportedModelError).
+
+    ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
+    ``[b, K, ...]`` with b the micro-batch per device) checks support now, as book-keeping does,
+    fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped and why) and,
+    where the device's tuning measures (``privacy.device_tuning``: GPUs, TPUs), times each layer's
+    candidate paths on the device at that micro-batch (``privacy.path_timing``). ``strategies``
+    forces a layer's path (``{("backbone", "conv_0"): "ghost"}``), for tests and benchmarks.
+    ``precision`` forces the per-example contractions' precision (``privacy.rounding``); ``tuning``
+    the device settings (default: the backend's).
+    """
+    check_clip_norm(clip_norm)
+    planned = _planned(loss_fn, example, strategies, precision, tuning)
+
+    def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
+        norms, weighted, losses = planned.bounds(params, model_state, batch)
+        return clipped_sum_from_norms(norms, mask, clip_norm=clip_norm, weighted=weighted, losses=losses)
+
+    choices = () if example is None else planned.plan(*example)[1]
     return ClippedSumFn(clipped_sum, sensitivity=1.0, layers=choices)
+
+
+def make_ghost_norm_bounds_fn(
+    loss_fn: LossFn,
+    *,
+    example: tuple[PyTree, PyTree, PyTree] | None = None,
+    strategies: Mapping[Path, Strategy] | None = None,
+    precision: ClipPrecision | None = None,
+    tuning: DeviceTuning | None = None,
+) -> Callable[[PyTree, PyTree, PyTree], jax.Array]:
+    """``(params, model_state, batch) -> [b]``: each example's norm bound, what the clipped sum of the
+    same arguments clips with (for measuring the bounds' margin, ``benchmarks/norm_bounds.py``)."""
+    planned = _planned(loss_fn, example, strategies, precision, tuning)
+    return lambda params, model_state, batch: planned.bounds(params, model_state, batch)[0]
