@@ -8,8 +8,8 @@ distinct layer (its module, input and output-gradient shapes) are compiled and t
 random inputs of the micro-batch's shape, when the clipped sum is built; the fastest wins. Only
 speed is at stake: every candidate clips with a proven bound of the norm (``privacy.rounding``).
 
-A candidate that fails to compile or run (out of device memory, say) is recorded as such and
-never chosen. Timings are the minimum over a few calls after a first, uncounted one. They are kept
+A candidate that fails to compile or run (out of device memory, say) is said and never
+chosen (and timed again by the next process). Timings are the minimum over a few calls after a first, uncounted one. They are kept
 between processes in a small JSON file (``timings_file``), keyed by the device kind, the JAX
 version, the layer and the candidate, so that a sweep or a resumed run does not time them again.
 """
@@ -118,9 +118,15 @@ def _write_timings(path: str | None, timings: dict[str, float]) -> None:
         return
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        write_json_atomic(path, {k: (v if math.isfinite(v) else "inf") for k, v in timings.items()})
+        write_json_atomic(path, timings)
     except OSError as error:  # a read-only home: time again next time
         _log.info("clip path timings not kept (%s)", error)
+
+
+def _kept_name(device: Any, key: tuple, strategy: str, precision: ClipPrecision, chunk_bytes: int) -> str:
+    """A timing's name in the kept file: the device, JAX, the layer and its shapes, the candidate."""
+    fields = (device.platform, device.device_kind, jax.__version__, *key, candidate_name(strategy, precision))
+    return "|".join(map(str, (*fields, chunk_bytes)))
 
 
 def measure_paths(
@@ -159,30 +165,18 @@ def measure_paths(
     cache = timings_file()
     kept = _read_timings(cache)
     for key, indices in groups.items():
-        call = calls[indices[0]]
-        own = _random_like(bookkeeping.layer_params(call, params), rng)
-        x, g = _random_like(inputs[indices[0]], rng), _random_like(out_grads[indices[0]], rng)
-        size = x.shape[0]
-        args = (own, x, g, jnp.full((size,), 0.5, jnp.float32), jnp.ones((size,), bool))
+        call, args = calls[indices[0]], None
         seconds = []
         for strategy, precision in tuning.candidates:
-            name = "|".join(
-                map(
-                    str,
-                    (
-                        device.platform,
-                        device.device_kind,
-                        jax.__version__,
-                        *key,
-                        candidate_name(strategy, precision),
-                        tuning.chunk_bytes,
-                    ),
-                )
-            )
+            name = _kept_name(device, key, strategy, precision, tuning.chunk_bytes)
             if name in kept:
                 seconds.append((strategy, precision, kept[name]))
                 continue
             timed_now += 1
+            if args is None:  # random inputs of the micro-batch's shapes, made once a layer shape
+                own = _random_like(bookkeeping.layer_params(call, params), rng)
+                x, g = _random_like(inputs[indices[0]], rng), _random_like(out_grads[indices[0]], rng)
+                args = (own, x, g, jnp.full((x.shape[0],), 0.5, jnp.float32), jnp.ones((x.shape[0],), bool))
             try:
                 taken = _time(_layer_fn(call.module, strategy, precision, tuning.chunk_bytes), args, repeats)
             except Exception as error:  # noqa: BLE001  out of memory, say: never chosen, and said
@@ -194,7 +188,8 @@ def measure_paths(
                 )
                 taken = math.inf
             seconds.append((strategy, precision, taken))
-            kept[name] = taken
+            if math.isfinite(taken):  # a failure (memory taken by others, say) is tried again next time
+                kept[name] = taken
         strategy, precision, best = min(seconds, key=lambda item: item[2])
         if not math.isfinite(best):
             continue  # every candidate failed: the shape rule decides
