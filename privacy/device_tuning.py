@@ -33,8 +33,9 @@ CHOICES: tuple[str, ...] = ("rule", "measure")
 # Bytes of one chunk's per-example working set (patches, Gram matrices) on a CPU: about what stays
 # in its last-level cache; measured fastest, per layer, on a 2-core CPU.
 CPU_CHUNK_BYTES = 8 * 2**20
-# Per-example work of a whole micro-batch at once: the device's memory, not a cache, is the limit
-# (the step's memory estimate, ``training.memory``, covers it).
+# Per-example work of a whole micro-batch at once: the device's memory, not a cache, is the limit. A
+# candidate too large for it fails its timing and is never chosen (``privacy.path_timing``); one that
+# fits alone but not beside the step's other buffers is not caught before the step runs.
 WHOLE_MICROBATCH = 2**62
 
 
