@@ -152,11 +152,11 @@ def plan_strategies(
     """Each layer call's path and precision: book-keeping for shared or normalisation layers; else
     forced (``overrides``), measured on the device (``measured``), or by the shape rule."""
     overrides, measured = dict(overrides or {}), measured or {}
-    uses = collections.Counter(call.path for call in calls)
+    booked = _booked_paths(calls)
     choices = []
     for call in calls:
         kind = type(call.module).__name__
-        if uses[call.path] > 1 or not _plain(call.module):
+        if call.path in booked:
             choices.append(
                 LayerChoice(
                     call.path,
@@ -184,12 +184,16 @@ def plan_strategies(
     return tuple(choices)
 
 
-def _timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, Strategy]) -> list[int]:
-    """The calls whose path is worth timing: plain layers used once and not forced."""
+def _booked_paths(calls: tuple[bookkeeping.LayerCall, ...]) -> set[Path]:
+    """The layers book-keeping clips: shared ones (called more than once) and those not plain."""
     uses = collections.Counter(call.path for call in calls)
-    return [
-        i for i, call in enumerate(calls) if uses[call.path] == 1 and _plain(call.module) and call.path not in forced
-    ]
+    return {call.path for call in calls if uses[call.path] > 1 or not _plain(call.module)}
+
+
+def _timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, Strategy]) -> list[int]:
+    """The calls whose path is worth timing: those with a path to choose that is not forced."""
+    skip = _booked_paths(calls) | set(forced)
+    return [i for i, call in enumerate(calls) if call.path not in skip]
 
 
 def describe(choices: tuple[LayerChoice, ...]) -> str:
