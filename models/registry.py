@@ -136,6 +136,16 @@ def _scattering_specs() -> Iterable[ModelSpec]:
         params=_PARAMS["scatternet-linear"],
     )
     yield ModelSpec(
+        name="scatternet-linear-rgb",
+        build=functools.partial(scattering.scatter_linear, input_channels=3),
+        num_classes=10,
+        input_shape=(32, 32, 3),
+        feature_dim=3 * scatter_maps * 8 * 8,
+        description="Softmax regression on a fixed scattering transform, 32x32 RGB (Tramer & Boneh 2021)",
+        parameter_free_backbone=True,
+        params=_PARAMS["scatternet-linear-rgb"],
+    )
+    yield ModelSpec(
         name="scatternet-cnn",
         build=scattering.scatter_cnn,
         num_classes=10,
@@ -250,4 +260,12 @@ def describe(name: str) -> dict:
         "feature_dim": spec.feature_dim,
         "pretrained": spec.pretrained,
         "description": spec.description,
+        **_cuts_and_tops(spec),
     }
+
+
+def _cuts_and_tops(spec: ModelSpec) -> dict[str, list[str]]:
+    from dpscale.models import cuts
+
+    model = spec.build(num_classes=spec.num_classes)
+    return {"cuts": list(cuts.cut_names(model)), "tops": list(cuts.top_names(model))}
