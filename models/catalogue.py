@@ -144,6 +144,14 @@ MODELS: tuple[dict[str, Any], ...] = (
         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
     ),
     _row(
+        "cnn-tanh",
+        26_010,
+        (28, 28, 1),
+        classes=10,
+        features=32,
+        description="Tramer & Boneh (2021)'s end-to-end DP CNN (tanh, no normalisation), 28x28 grayscale",
+    ),
+    _row(
         "scatternet-linear",
         39_700,
         (28, 28, 1),

@@ -121,6 +121,15 @@ def _cnn_specs() -> Iterable[ModelSpec]:
         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
         params=_PARAMS["cnn-small"],
     )
+    yield ModelSpec(
+        name="cnn-tanh",
+        build=cnn.tanh_cnn,
+        num_classes=10,
+        input_shape=(28, 28, 1),
+        feature_dim=32,
+        description="Tramer & Boneh (2021)'s end-to-end DP CNN (tanh, no normalisation), 28x28 grayscale",
+        params=_PARAMS["cnn-tanh"],
+    )
 
 
 def _scattering_specs() -> Iterable[ModelSpec]:
