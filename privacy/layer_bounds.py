@@ -96,6 +96,12 @@ def chunked(
     return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
 
 
+def chunk_work(strategy: Strategy, positions: int, fan_in: int, fan_out: int) -> int:
+    """The bytes per example that a path's ``chunked`` loop sizes its chunks by (patches and output
+    gradient; ghost adds its P x P Gram matrices); a dense layer's explicit path is not chunked."""
+    return 4 * positions * (fan_in + fan_out + (3 * positions if strategy == "ghost" else 0))
+
+
 def held_sum(per_example: dict[str, jax.Array], weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
     """``sum_i w_i v_i`` of held per-example gradients, at full float32 (a TF32 default would round
     each ``v_i`` by 2^-11, beyond its bound)."""
@@ -293,7 +299,7 @@ def wsconv(
     positions = math.prod(g.shape[1:-1])
     bias = hold({"bias": jnp.sum(g.reshape(g.shape[0], positions, p), axis=1)}) if module.use_bias else {}
     bias_q = [held_square_bound(bias)] if bias else []
-    work = 4 * positions * (d + p)
+    work = chunk_work(strategy, positions, d, p)
 
     if strategy == "explicit":
 
@@ -343,9 +349,7 @@ def wsconv(
             terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
             return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
 
-        *terms, a2, scaled_g2 = chunked(
-            ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions), chunk_bytes=chunk_bytes
-        )
+        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), work, chunk_bytes=chunk_bytes)
         square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
         ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
@@ -390,7 +394,8 @@ def dense(
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
 
-        q = chunked(norm_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out), chunk_bytes=chunk_bytes)
+        work = chunk_work(strategy, positions, fan_in, fan_out)
+        q = chunked(norm_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
         layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
     else:
 
@@ -399,9 +404,8 @@ def dense(
             rows_g = upper_sqrt(upper_sum_of_squares(g_one))
             return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
 
-        terms = chunked(
-            ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions), chunk_bytes=chunk_bytes
-        )
+        work = chunk_work(strategy, positions, fan_in, fan_out)
+        terms = chunked(ghost_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
         square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
         layer = upper_sqrt(square) + sum_error
     sum_fmt = precision.sum_format
