@@ -39,8 +39,9 @@ Norms are proven upper bounds of what each example adds, at the precision the pe
 contractions run at (``precision``: ``privacy.rounding``); the per-layer pieces are in
 ``privacy.layer_bounds``, the argument in docs/privacy.md ("Sensitivity under floating point").
 
-Layers used by several calls (shared parameters), normalisation layers and dense layers with
-their own product (a custom ``dot_general``) use book-keeping's per-example gradients. Coverage
+Layers used by several calls (shared parameters), normalisation layers, plain and depthwise
+convolutions (EfficientNet-Lite's) and dense layers with their own product (a custom
+``dot_general``) use book-keeping's per-example gradients (``privacy.layer_rules``), held. Coverage
 is proven by ``bookkeeping.plan_layers`` exactly as for book-keeping (a layer that computes or
 outputs other than float32 is refused, and the model goes to ``vmap``); weights, the NaN guard
 and the counts are ``privacy.clipping``'s, and the result has sensitivity 1. Tested against
@@ -310,6 +311,7 @@ def _planned(
                     params,
                     [tape.inputs[i] for i in indices],
                     [tape.out_grads[i] for i in indices],
+                    [tape.states[i] for i in indices],
                     choice.precision,
                 )
                 continue

@@ -43,7 +43,7 @@ import numpy as np
 from flax import linen as nn
 
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
-from dpscale.privacy import bookkeeping
+from dpscale.privacy import bookkeeping, layer_rules
 from dpscale.privacy.clipping import hold
 from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES
 from dpscale.privacy.rounding import (
@@ -172,7 +172,7 @@ class WsGeometry:
 def _patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
     """``[K*T, d]``: one example's patches (all views' positions)."""
     kh, kw = as_pair(module.kernel_size)
-    windows = bookkeeping.shifted_windows(x_one, (kh, kw), as_pair(module.strides), module.padding)
+    windows = layer_rules.shifted_windows(x_one, (kh, kw), as_pair(module.strides), module.padding)
     return windows.reshape(-1, d)
 
 
@@ -425,13 +425,14 @@ def book_keeping_gradients(
     params: PyTree,
     xs: list[jax.Array],
     gs: list[jax.Array],
+    states: list[PyTree],
     precision: ClipPrecision,
 ) -> dict[str, jax.Array]:
     """Per-example gradients by book-keeping's rules, summed over the calls of one layer: to be held
     (``clipping.hold``, all such layers at once) before ``held_square_bound`` and ``held_sum``."""
     per_example: dict[str, jax.Array] = {}
-    for call, x, g in zip(calls, xs, gs):
-        grads = bookkeeping.per_example_layer_gradients(call, params, x, g, precision=precision.norm_format)
+    for call, x, g, state in zip(calls, xs, gs, states):
+        grads = bookkeeping.per_example_layer_gradients(call, params, x, g, state, precision=precision.norm_format)
         for name, grad in grads.items():
             per_example[name] = grad if name not in per_example else per_example[name] + grad
     return per_example

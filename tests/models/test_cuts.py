@@ -8,8 +8,6 @@ import pytest
 
 from dpscale.errors import InvalidConfigError
 from dpscale.models import cuts, registry
-from dpscale.privacy.bookkeeping import UnsupportedModelError
-from dpscale.privacy.clipping import make_clipped_sum_fn
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.sampling import SampledBatch
 from dpscale.training.feeds import ActivationFeed
@@ -132,11 +130,8 @@ def test_each_example_alone_moves_the_pretrained_tops_clipped_sum_by_at_most_one
     def loss_fn(p, state, views):
         return _loss(top.model, p, state, views["image"], views["label"])
 
-    try:  # what training does: per-layer norms where every layer has a rule, else vmap(grad)
-        fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, top.model_state, batch))
-    except UnsupportedModelError:
-        fn = make_clipped_sum_fn(loss_fn, clip_norm=1.0)
-    fn = jax.jit(fn)
+    # Per-layer clipping covers every layer of the top (no UnsupportedModelError: no fallback to vmap).
+    fn = jax.jit(make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, top.model_state, batch)))
     for i in range(4):
         out = fn(params, top.model_state, batch, jnp.zeros(4).at[i].set(1.0))
         leaves = [np.asarray(leaf, np.float64) for leaf in jax.tree_util.tree_leaves(out.value)]
