@@ -199,14 +199,25 @@ class ScatterCNNBackbone(nn.Module):
 
 
 class ScatterCNNTop(nn.Module):
-    """The CNN of ``ScatterCNNBackbone`` alone, on cached scattering maps (trained above the cut)."""
+    """A CNN on cached scattering maps (trained above the ``scattering`` cut), after Tramer & Boneh.
+
+    WS-conv + GroupNorm + ReLU stages with 2x2 max-pooling between them, then the maps flattened:
+    the classifier sees where each response is (a global average would discard the positions that
+    the linear model on the same maps uses).
+    """
 
     channels: tuple[int, ...] = (64, 64)
     num_groups: int = 16
 
     @nn.compact
     def __call__(self, maps: Array) -> Array:
-        return _cnn_stages(maps, self.channels, self.num_groups)
+        out = maps
+        for index, features in enumerate(self.channels):
+            if index > 0:
+                out = nn.max_pool(out, (2, 2), strides=(2, 2), padding="SAME")
+            out = WSConv(features, 3, name=f"conv_{index}")(out)
+            out = nn.relu(GroupNorm(num_groups=self.num_groups, name=f"norm_{index}")(out))
+        return out.reshape(out.shape[0], -1)
 
 
 def _check_groups(channels_in: int, J: int, L: int, scatter_groups: int) -> None:

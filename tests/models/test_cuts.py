@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models import cuts, registry
+from dpscale.models import cuts, registry, scattering
+from dpscale.models.classifier import Classifier
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.sampling import SampledBatch
 from dpscale.training.feeds import ActivationFeed
@@ -32,12 +34,33 @@ def _merged(full, top_params):
     return top_params
 
 
+class ScatterThenTop(nn.Module):
+    """What a top above the scattering cut computes from images: the maps, then the top (one network)."""
+
+    channels: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x):
+        maps = scattering.scatter_maps(x, J=2, L=8, num_groups=27)
+        return Classifier(10, name="head")(scattering.ScatterCNNTop(self.channels, name="backbone")(maps))
+
+
 CASES = [
     ("efficientnet-lite0", (32, 32, 3), "blocks_3", "pretrained"),
     ("efficientnet-lite0", (32, 32, 3), "blocks_14", "pretrained"),
     ("efficientnet-lite0", (32, 32, 3), "blocks_15", "pretrained"),
-    ("scatternet-cnn", (28, 28, 1), "scattering", "cnn"),
 ]
+
+
+@pytest.mark.parametrize("top_name", ["cnn", "cnn-wide"])
+def test_a_scattering_top_on_cached_maps_is_the_network_from_images(top_name):
+    model = registry.get_model("scatternet-linear", num_classes=10)
+    x = jax.random.normal(jax.random.key(1), (3, 28, 28, 1))
+    maps = cuts.activations_fn(model, "scattering", {})(x)
+    top = cuts.build_top(model, "scattering", top_name, variables={}, num_classes=10, activation_shape=(7, 7, 81))
+    params = top.init_params(jax.random.key(0))
+    whole = ScatterThenTop(cuts.SCATTER_TOPS[top_name])
+    np.testing.assert_allclose(top.model.apply({"params": params}, maps), whole.apply({"params": params}, x), rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "shape", "cut", "top_name"), CASES)
@@ -93,14 +116,15 @@ def test_unknown_cuts_and_tops_are_refused_with_the_ones_there_are():
 
 
 def test_clipping_the_top_on_activations_equals_clipping_the_network_on_images():
-    """scatternet-cnn's only parameters are its top's: K = 2 views clipped from the images and from
-    their scattering maps give the same clipped sum (the average over views happens before clipping)."""
-    model = registry.get_model("scatternet-cnn", num_classes=10)
+    """The scattering has no parameters, so the top's are the whole network's: K = 2 views clipped from
+    the images and from their scattering maps give the same clipped sum (views averaged before clipping)."""
+    model = ScatterThenTop(cuts.SCATTER_TOPS["cnn"])
     images = jax.random.normal(jax.random.key(1), (4, 2, 28, 28, 1))
     labels = jnp.tile(jnp.array([[1], [3], [5], [7]]), (1, 2))
-    maps = cuts.activations_fn(model, "scattering", {})(images.reshape(-1, 28, 28, 1))
+    backbone = registry.get_model("scatternet-linear", num_classes=10)
+    maps = cuts.activations_fn(backbone, "scattering", {})(images.reshape(-1, 28, 28, 1))
     maps = maps.reshape(4, 2, *maps.shape[1:])
-    top = cuts.build_top(model, "scattering", "cnn", variables={}, num_classes=10, activation_shape=maps.shape[2:])
+    top = cuts.build_top(backbone, "scattering", "cnn", variables={}, num_classes=10, activation_shape=maps.shape[2:])
     params = _perturbed(top.init_params(jax.random.key(0)), 1)
     mask = jnp.array([1.0, 1.0, 0.0, 1.0])
 
