@@ -411,6 +411,20 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
     help="Store the mean of each image's features and its mirror image's (no privacy cost: "
     "one example at a time; twice the forward passes).",
 )
+@click.option(
+    "--cut",
+    default="",
+    help="Cache the activations at this cut of the backbone (e.g. blocks_12, scattering; `dpscale models` "
+    "lists them) instead of its pooled features, to train the layers above it (`dpscale train --model TOP`).",
+)
+@click.option(
+    "--augmult-views",
+    type=COUNT,
+    default=1,
+    show_default=True,
+    help="With --cut: cache K views per image (the image, then K-1 random crops and flips) for "
+    "augmentation multiplicity above the cut; K times the disk and the forward passes.",
+)
 @click.option("--batch-size", type=COUNT, default=64, show_default=True, help="Images per forward pass.")
 @click.option(
     "--chunk-rows",
@@ -430,6 +444,8 @@ def featurize_command(
     resolution: int | None,
     resize_method: str,
     flip_average: bool,
+    cut: str,
+    augmult_views: int,
     batch_size: int,
     chunk_rows: int,
     verbose: bool,
@@ -452,6 +468,8 @@ def featurize_command(
             resolution=resolution,
             resize_method=resize_method,
             flip_average=flip_average,
+            cut=cut,
+            augmult_views=augmult_views,
             batch_size=batch_size,
             chunk_rows=chunk_rows,
             verbose=verbose,
@@ -488,16 +506,28 @@ def models_command(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"{'model':<20} {'parameters':>13}  {'input':<11} {'classes':>7}  weights")
+    click.echo(f"{'model':<22} {'parameters':>13}  {'input':<11} {'classes':>7}  {'weights':<9} cuts (tops)")
     for row in rows:
         shape = "x".join(str(d) for d in row["input_shape"])
         weights = "ImageNet" if row["pretrained"] else "-"
-        click.echo(f"{row['name']:<20} {row['params']:>13,}  {shape:<11} {row['num_classes']:>7}  {weights}")
+        cuts = _brief_cuts(row["cuts"]) + (f" ({', '.join(row['tops'])})" if row["tops"] else "")
+        click.echo(
+            f"{row['name']:<22} {row['params']:>13,}  {shape:<11} {row['num_classes']:>7}  {weights:<9} {cuts}".rstrip()
+        )
     click.echo(
         "\nparameters: at the default classes and input (--json adds feature sizes and descriptions)\n"
         "weights: ImageNet = published weights, `dpscale import-weights NAME`; - = none published: train\n"
-        "  the model (e.g. without DP on public data, then `dpscale export-backbone`)"
+        "  the model (e.g. without DP on public data, then `dpscale export-backbone`)\n"
+        "cuts: `featurize --backbone NAME --cut CUT` caches the activations there; `train ENTRY RUN --model TOP`\n"
+        "  trains the layers above it (pretrained: the backbone's own, from its weights)"
     )
+
+
+def _brief_cuts(cuts: list[str]) -> str:
+    """``blocks_0 .. blocks_15`` for a run of numbered cuts, else the names."""
+    if len(cuts) > 3 and all(c.startswith("blocks_") for c in cuts):
+        return f"{cuts[0]} .. {cuts[-1]}"
+    return ", ".join(cuts) or "-"
 
 
 PREPARE_COMMANDS = (

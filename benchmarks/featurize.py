@@ -82,7 +82,7 @@ def pipeline(
             key, meta = featurizer.feature_key(ds, backbone, resolution=resolution)
             layout = fstore.EntryLayout(
                 key=key,
-                feature_dim=featurizer.feature_dim(meta, key),
+                feature_dim=featurizer.row_shape(meta, key)[0],
                 class_names=tuple(ds.class_names),
                 splits={s: fstore.SplitLayout(ds.num_examples(s), chunk_rows) for s in ds.splits},
             )

@@ -127,10 +127,26 @@ class EntryLayout:
     feature_dim: int
     class_names: tuple[str, ...]
     splits: dict[str, SplitLayout]
+    # A cut entry's rows are activations of shape (views, H, W, C) stored flat (feature_dim is their
+    # product), so chunks stay whole rows for Poisson batches' random reads; () for pooled features.
+    feature_shape: tuple[int, ...] = ()
     # Where the ingested data and the backbone were read from: informational (not keyed, not
     # compared), for the command that repairs a damaged entry.
     source: str = dataclasses.field(default="", compare=False)
     backbone: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.feature_shape) != bool(self.key.cut):
+            raise DataError("a feature entry has a row shape exactly when it holds activations at a cut")
+        if self.feature_shape and (
+            len(self.feature_shape) != 4
+            or self.feature_shape[0] != self.key.views
+            or int(np.prod(self.feature_shape)) != self.feature_dim
+        ):
+            raise DataError(
+                f"activations of shape {self.feature_shape} do not fit {self.key.views} views of "
+                f"{self.feature_dim} values per row"
+            )
 
     def to_metadata(self) -> dict[str, Any]:
         return {
@@ -139,6 +155,7 @@ class EntryLayout:
             "digest": self.key.digest,
             "key": self.key.as_dict(),
             "feature_dim": self.feature_dim,
+            **({"feature_shape": list(self.feature_shape)} if self.feature_shape else {}),
             "class_names": list(self.class_names),
             "splits": {s: dataclasses.asdict(v) for s, v in sorted(self.splits.items())},
             "source": self.source,
@@ -158,6 +175,7 @@ class EntryLayout:
             return cls(
                 key=FeatureKey.from_dict(meta["key"]),
                 feature_dim=int(meta["feature_dim"]),
+                feature_shape=tuple(int(n) for n in meta.get("feature_shape", ())),
                 class_names=tuple(meta["class_names"]),
                 splits={s: SplitLayout(**v) for s, v in meta["splits"].items()},
                 source=str(meta.get("source", "")),
@@ -185,6 +203,10 @@ class EntryLayout:
             parts += ["--resize-method", key.resize_method]
         if key.flip_average:
             parts.append("--flip-average")
+        if key.cut:
+            parts += ["--cut", key.cut]
+        if key.views > 1:
+            parts += ["--augmult-views", str(key.views)]
         rows = {layout.chunk_rows for layout in self.splits.values()}
         if rows != {DEFAULT_CHUNK_ROWS}:
             parts += ["--chunk-rows", str(max(rows))]
@@ -441,6 +463,11 @@ class FeatureSplitSet:
         return self.layout.feature_dim
 
     @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """One row's shape: ``(d,)`` for pooled features, ``(views, H, W, C)`` for activations at a cut."""
+        return self.layout.feature_shape or (self.layout.feature_dim,)
+
+    @property
     def class_names(self) -> list[str]:
         return list(self.layout.class_names)
 
@@ -496,7 +523,7 @@ def open_features(
     layout, meta = _read_layout(path)
     if expected_key is not None and layout.key != expected_key:
         mine, theirs = layout.key.as_dict(), expected_key.as_dict()
-        differ = sorted(k for k in mine if mine[k] != theirs.get(k))
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         raise DataError(f"{path!r} holds features for another key (differs in: {', '.join(differ)})")
     store = FeatureStore(path, layout)
     if not store.is_complete():

@@ -2,9 +2,14 @@
 
 What the featurize pipeline's workers run (``pipelines.featurize`` only wires it): the cache
 key from metadata alone (``feature_key``: the data's content hash, the backbone's weights
-sha256, the preprocessing), a ``Featurizer`` (the backbone and one jitted ``uint8 batch ->
+sha256, the preprocessing, the cut), a ``Featurizer`` (the backbone and one jitted ``uint8 batch ->
 features`` function), and ``featurize_chunk`` (read one chunk's rows by index, forward them
 in fixed-size batches, write the chunk and its marker). Plain code, tested without Beam.
+
+At a cut (``models.cuts``) a row holds the activations of ``views`` views of the image,
+flattened: view 0 is the image itself, the others random crop-and-flip views (4-pixel reflect
+padding, as in training) drawn from a public key folded with the row's index, so a row is
+the same whatever the batch size, worker or resume, and no randomness depends on the data.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from dpscale.data.dataset import IngestedDataset
 from dpscale.data.identity import keyed_identity
 from dpscale.data.key_store import directory_secret
 from dpscale.errors import DataError
+
+VIEW_SEED = 0x5C0E  # the public key of the cached views' crops and flips
+VIEW_PAD = 4  # reflect padding of the cached views' random crops (training's default)
 
 
 def preprocess(
@@ -60,11 +68,20 @@ class Featurizer:
         model, variables, _ = load_pretrained(backbone)
         self.batch_size = batch_size
         prep = dict(resolution=key.resolution, mean=key.mean, std=key.std, resize_method=key.resize_method)
+        if key.cut:
+            from dpscale.models.cuts import activations_fn
 
-        def features(x: Any) -> Any:
-            return model.apply(variables, x, method="features")
+            features = activations_fn(model, key.cut, variables)
+        else:
 
-        def forward(images: Any) -> Any:
+            def features(x: Any) -> Any:
+                return model.apply(variables, x, method="features")
+
+        def forward(images: Any, rows: Any) -> Any:
+            if key.cut:
+                views = cached_views(images, rows, views=key.views)  # [b, V, H, W, C]
+                out = features(preprocess(views.reshape(-1, *views.shape[2:]), **prep))
+                return out.reshape(len(images), -1)
             x = preprocess(images, **prep)
             if not key.flip_average:
                 return features(x)
@@ -72,7 +89,8 @@ class Featurizer:
 
         self._forward = jax.jit(forward)
 
-    def __call__(self, images: np.ndarray) -> np.ndarray:
+    def __call__(self, images: np.ndarray, first_row: int = 0) -> np.ndarray:
+        """Features of ``images``, rows ``first_row, first_row + 1, ...`` of their split."""
         n = len(images)
         pending = []
         for start in range(0, n, self.batch_size):
@@ -80,10 +98,32 @@ class Featurizer:
             if len(batch) < self.batch_size:
                 pad = np.zeros((self.batch_size - len(batch), *batch.shape[1:]), batch.dtype)
                 batch = np.concatenate([batch, pad])
-            pending.append(self._forward(batch))
+            rows = np.arange(first_row + start, first_row + start + self.batch_size, dtype=np.int32)
+            pending.append(self._forward(batch, rows))
         if not pending:
             raise ValueError("no images to featurize")
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in pending])[:n]
+
+
+def cached_views(images: Any, rows: Any, *, views: int) -> Any:
+    """``[b, H, W, C]`` pixels -> ``[b, views, H, W, C]`` float32: the image, then random crop-and-flip views.
+
+    Each row's views come from the public ``VIEW_SEED`` folded with its index (see module doc).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from dpscale.data.augment import augment_views
+
+    x = jnp.asarray(images, jnp.float32)
+    if views == 1:
+        return x[:, None]
+
+    def of_row(row: Any, image: Any) -> Any:
+        key = jax.random.fold_in(jax.random.key(VIEW_SEED), row)
+        return augment_views(key, image[None], views=views - 1, pad=VIEW_PAD, flip=True)[0]
+
+    return jnp.concatenate([x[:, None], jax.vmap(of_row)(rows, x)], axis=1)
 
 
 def featurize_chunk(
@@ -93,7 +133,7 @@ def featurize_chunk(
     start, stop = store.layout.splits[split].rows(chunk)
     examples = dataset.examples(split, range(start, stop))
     images = np.stack([e.image for e in examples])
-    features = featurizer(images)
+    features = featurizer(images, first_row=start)
     store.write_chunk(
         split, chunk, features, np.array([e.label for e in examples], np.int32), [e.digest for e in examples]
     )
@@ -108,14 +148,20 @@ def feature_key(
     resolution: int | None = None,
     resize_method: str = "bilinear",
     flip_average: bool = False,
+    cut: str = "",
+    views: int = 1,
 ) -> tuple[FeatureKey, Any]:
     """The cache key from metadata only (no weights loaded), and the backbone metadata.
 
     The data enters the key as its content hash keyed with ``cache_dir``'s secret.
     """
-    from dpscale.models.pretrained import read_metadata, resolve_backbone
+    from dpscale.models.pretrained import build_model, read_metadata, resolve_backbone
 
     meta = read_metadata(resolve_backbone(backbone))
+    if cut:
+        from dpscale.models.cuts import check_cut
+
+        check_cut(build_model(meta.model, num_classes=meta.num_classes), meta.model, cut)
     prep = meta.preprocessing
     channels = dataset.image_shape[-1] if dataset.image_shape else len(prep.mean)
     if channels not in (len(prep.mean), 1):
@@ -130,12 +176,17 @@ def feature_key(
         std=prep.std,
         resize_method=resize_method,
         flip_average=flip_average,
+        cut=cut,
+        views=views,
     )
     return key, meta
 
 
-def feature_dim(meta: Any, key: FeatureKey) -> int:
-    """The backbone's feature size at the key's resolution, from shapes alone (nothing computed)."""
+def row_shape(meta: Any, key: FeatureKey) -> tuple[int, ...]:
+    """One stored row's shape at the key's resolution, from shapes alone (nothing computed).
+
+    ``(d,)`` for pooled features; ``(views, h, w, c)`` for activations at a cut.
+    """
     import jax
     import jax.numpy as jnp
 
@@ -144,4 +195,9 @@ def feature_dim(meta: Any, key: FeatureKey) -> int:
     model = build_model(meta.model, num_classes=meta.num_classes)
     x = jax.ShapeDtypeStruct((1, key.resolution, key.resolution, len(key.mean)), jnp.float32)
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
-    return int(jax.eval_shape(lambda v, i: model.apply(v, i, method="features"), variables, x).shape[-1])
+    if not key.cut:
+        return (int(jax.eval_shape(lambda v, i: model.apply(v, i, method="features"), variables, x).shape[-1]),)
+    from dpscale.models.cuts import activations_fn
+
+    shape = jax.eval_shape(lambda v, i: activations_fn(model, key.cut, v)(i), variables, x).shape
+    return (key.views, *(int(n) for n in shape[1:]))

@@ -4,8 +4,9 @@ Features depend on the pixels (the ingested data's identity: its content hash ke
 cache's own secret, ``data.identity``, so neither the key nor the entry's path, which runs
 record, is a plain hash of possibly private data), the backbone's weights
 (their sha256, not a file name), how pixels reach the backbone (resolution, mean, std,
-resize method, whether features are averaged with the mirror image's) and how dpscale lays
-features out on disk (the feature-format version).
+resize method, whether features are averaged with the mirror image's), where the backbone
+is cut (``cut``: activations of an inner layer instead of the pooled features, and ``views``
+of them per image) and how dpscale lays features out on disk (the feature-format version).
 The key is the sha256 of a canonical JSON of exactly those parts; anything else (where
 the data lives, batch size, runner) cannot change the features and stays out of it.
 """
@@ -37,6 +38,8 @@ class FeatureKey:
     resize_method: str = "bilinear"
     format_version: int = FEATURE_FORMAT_VERSION
     flip_average: bool = False
+    cut: str = ""  # "": the pooled features; else the activations at this named cut (models.cuts)
+    views: int = 1  # cut entries: 1 = the image itself; K > 1 = K random crop-and-flip views per image
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
@@ -46,12 +49,20 @@ class FeatureKey:
             raise DataError(f"resize method must be one of {', '.join(RESIZE_METHODS)}, got {self.resize_method!r}")
         if not self.data_identity or not self.weights_sha256:
             raise DataError("a feature key needs the data identity and the weights sha256")
+        if not isinstance(self.views, int) or isinstance(self.views, bool) or self.views < 1:
+            raise DataError(f"views must be a positive integer, got {self.views!r}")
+        if self.views > 1 and not self.cut:
+            raise DataError("augmented views are cached at a cut only (pooled features have no augmult)")
+        if self.cut and self.flip_average:
+            raise DataError("flip averaging applies to pooled features, not to activations at a cut")
 
     def as_dict(self) -> dict[str, Any]:
         parts = dataclasses.asdict(self)
         parts["mean"], parts["std"] = list(self.mean), list(self.std)
-        if not self.flip_average:  # absent means False: entries made before the option keep their names
-            del parts["flip_average"]
+        # Parts at their defaults are absent, so entries made before an option existed keep their names.
+        for name, default in (("flip_average", False), ("cut", ""), ("views", 1)):
+            if parts[name] == default:
+                del parts[name]
         return parts
 
     @classmethod

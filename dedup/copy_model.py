@@ -21,7 +21,7 @@ Why its own small training loop rather than ``training/``'s:
 * No privacy: it trains on public images only, so it needs none of what shapes ``training``'s
   loop (the privacy plan's sampler, per-example clipping, noise, the accountant, secret seeds).
 * No labels: the loss is NT-Xent between two random copy edits (``copy_edit``) of each image,
-  every other image of the batch a negative. ``training.augment``'s views (small shifted crops,
+  every other image of the batch a negative. ``data.augment``'s views (small shifted crops,
   mirror flips) are not the edits a copy model must learn, and ``training.evaluation``
   measures accuracy, which has no meaning here.
 * Its state is small (344k weights and AdamW's moments), so one msgpack file per finished

@@ -22,6 +22,8 @@ def _row(
     features: int,
     description: str,
     pretrained: bool = False,
+    cuts: tuple[str, ...] = (),
+    tops: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     return {
         "name": name,
@@ -31,7 +33,16 @@ def _row(
         "feature_dim": features,
         "pretrained": pretrained,
         "description": description,
+        "cuts": list(cuts),  # where `featurize --cut` may cut it (models.cuts)
+        "tops": list(tops),  # what `train --model` may train above a cut, the default first
     }
+
+
+def _blocks(count: int) -> tuple[str, ...]:
+    return tuple(f"blocks_{i}" for i in range(count))
+
+
+_SCATTER = {"cuts": ("scattering",), "tops": ("cnn", "cnn-wide")}
 
 
 #: ``registry.describe(name)`` of every listed model, in the registry's order.
@@ -133,12 +144,30 @@ MODELS: tuple[dict[str, Any], ...] = (
         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
     ),
     _row(
+        "cnn-tanh",
+        26_010,
+        (28, 28, 1),
+        classes=10,
+        features=32,
+        description="Tramer & Boneh (2021)'s end-to-end DP CNN (tanh, no normalisation), 28x28 grayscale",
+    ),
+    _row(
         "scatternet-linear",
         39_700,
         (28, 28, 1),
         classes=10,
         features=3969,
         description="Softmax regression on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
+        **_SCATTER,
+    ),
+    _row(
+        "scatternet-linear-rgb",
+        155_530,
+        (32, 32, 3),
+        classes=10,
+        features=15552,
+        description="Softmax regression on a fixed scattering transform, 32x32 RGB (Tramer & Boneh 2021)",
+        **_SCATTER,
     ),
     _row(
         "scatternet-cnn",
@@ -147,6 +176,7 @@ MODELS: tuple[dict[str, Any], ...] = (
         classes=10,
         features=64,
         description="GroupNorm + WS CNN on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
+        **_SCATTER,
     ),
     _row(
         "efficientnet-lite0",
@@ -156,6 +186,8 @@ MODELS: tuple[dict[str, Any], ...] = (
         features=1280,
         pretrained=True,
         description="EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), 224px",
+        cuts=_blocks(16),
+        tops=("pretrained",),
     ),
     _row(
         "efficientnet-lite1",
@@ -165,6 +197,8 @@ MODELS: tuple[dict[str, Any], ...] = (
         features=1280,
         pretrained=True,
         description="EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), 240px",
+        cuts=_blocks(21),
+        tops=("pretrained",),
     ),
     _row(
         "efficientnet-lite2",
@@ -174,5 +208,7 @@ MODELS: tuple[dict[str, Any], ...] = (
         features=1280,
         pretrained=True,
         description="EfficientNet-Lite (no SE, ReLU6, frozen-statistics BatchNorm), 260px",
+        cuts=_blocks(21),
+        tops=("pretrained",),
     ),
 )

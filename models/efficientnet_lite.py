@@ -191,6 +191,7 @@ class EfficientNetLiteBackbone(nn.Module):
     width: float = 1.0
     depth: float = 1.0
     dtype: Any = jnp.float32
+    stop_after: int | None = None  # return the activations after ``blocks_<stop_after>`` (a cut)
 
     @nn.compact
     def __call__(self, images: jax.Array) -> jax.Array:
@@ -206,9 +207,37 @@ class EfficientNetLiteBackbone(nn.Module):
         h = jax.nn.relu6(_frozen_bn("stem_bn", self.dtype)(h))
         for index, spec in enumerate(block_specs(self.width, self.depth)):
             h = MBConv(spec, dtype=self.dtype, name=f"blocks_{index}")(h)
-        h = nn.Conv(HEAD_CHANNELS, (1, 1), use_bias=False, dtype=self.dtype, name="head_conv")(h)
-        h = jax.nn.relu6(_frozen_bn("head_bn", self.dtype)(h))
-        return jnp.mean(h, axis=(1, 2))
+            if index == self.stop_after:
+                return h
+        return _head(h, self.dtype)
+
+
+def _head(h: jax.Array, dtype: Any) -> jax.Array:
+    """The 1x1 head convolution, its BatchNorm and ReLU6, then global average pooling."""
+    h = nn.Conv(HEAD_CHANNELS, (1, 1), use_bias=False, dtype=dtype, name="head_conv")(h)
+    h = jax.nn.relu6(_frozen_bn("head_bn", dtype)(h))
+    return jnp.mean(h, axis=(1, 2))
+
+
+class EfficientNetLiteTop(nn.Module):
+    """The blocks after ``blocks_<cut>`` and the head: what is trained above a cut.
+
+    Its layers carry the backbone's names, so the backbone's parameters and BatchNorm
+    statistics initialise it by name (``models.cuts``).
+    """
+
+    width: float = 1.0
+    depth: float = 1.0
+    cut: int = 0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, activations: jax.Array) -> jax.Array:
+        h = activations
+        for index, spec in enumerate(block_specs(self.width, self.depth)):
+            if index > self.cut:
+                h = MBConv(spec, dtype=self.dtype, name=f"blocks_{index}")(h)
+        return _head(h, self.dtype)
 
 
 def efficientnet_lite(name: str, *, num_classes: int = 1000, dtype: Any = jnp.float32) -> ImageClassifier:

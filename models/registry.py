@@ -121,6 +121,15 @@ def _cnn_specs() -> Iterable[ModelSpec]:
         description="Small GroupNorm + WS CNN for 28x28 grayscale (Fashion-MNIST)",
         params=_PARAMS["cnn-small"],
     )
+    yield ModelSpec(
+        name="cnn-tanh",
+        build=cnn.tanh_cnn,
+        num_classes=10,
+        input_shape=(28, 28, 1),
+        feature_dim=32,
+        description="Tramer & Boneh (2021)'s end-to-end DP CNN (tanh, no normalisation), 28x28 grayscale",
+        params=_PARAMS["cnn-tanh"],
+    )
 
 
 def _scattering_specs() -> Iterable[ModelSpec]:
@@ -134,6 +143,16 @@ def _scattering_specs() -> Iterable[ModelSpec]:
         description="Softmax regression on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
         parameter_free_backbone=True,
         params=_PARAMS["scatternet-linear"],
+    )
+    yield ModelSpec(
+        name="scatternet-linear-rgb",
+        build=functools.partial(scattering.scatter_linear, input_channels=3),
+        num_classes=10,
+        input_shape=(32, 32, 3),
+        feature_dim=3 * scatter_maps * 8 * 8,
+        description="Softmax regression on a fixed scattering transform, 32x32 RGB (Tramer & Boneh 2021)",
+        parameter_free_backbone=True,
+        params=_PARAMS["scatternet-linear-rgb"],
     )
     yield ModelSpec(
         name="scatternet-cnn",
@@ -250,4 +269,12 @@ def describe(name: str) -> dict:
         "feature_dim": spec.feature_dim,
         "pretrained": spec.pretrained,
         "description": spec.description,
+        **_cuts_and_tops(spec),
     }
+
+
+def _cuts_and_tops(spec: ModelSpec) -> dict[str, list[str]]:
+    from dpscale.models import cuts
+
+    model = spec.build(num_classes=spec.num_classes)
+    return {"cuts": list(cuts.cut_names(model)), "tops": list(cuts.top_names(model))}

@@ -142,6 +142,34 @@ class ScatterNorm(nn.Module):
         return nn.GroupNorm(num_groups=self.num_groups, use_scale=False, use_bias=False, epsilon=1e-5)(x)
 
 
+def scatter_maps(x: Array, *, J: int, L: int, num_groups: int) -> Array:
+    """Scattering -> per-example normalisation: ``(B, H, W, C) -> (B, H/2^J, W/2^J, C K)``.
+
+    Called inside a compact module; also the ``scattering`` cut's activations (``models.cuts``).
+    """
+    return ScatterNorm(num_groups)(Scattering2D(J, L)(x))
+
+
+def _cnn_stages(out: Array, channels: tuple[int, ...], num_groups: int) -> Array:
+    """WS-conv + GroupNorm + ReLU stages, then global average pooling (inside a compact module)."""
+    for index, features in enumerate(channels):
+        out = WSConv(features, 3, name=f"conv_{index}")(out)
+        out = nn.relu(GroupNorm(num_groups=num_groups, name=f"norm_{index}")(out))
+    return jnp.mean(out, axis=(1, 2))
+
+
+class ScatterMaps(nn.Module):
+    """The normalised scattering maps, unflattened (no parameters): the ``scattering`` cut."""
+
+    J: int = 2
+    L: int = 8
+    num_groups: int = 27
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        return scatter_maps(x, J=self.J, L=self.L, num_groups=self.num_groups)
+
+
 class ScatterLinearBackbone(nn.Module):
     """Scattering -> per-example normalisation -> flattened features (no parameters)."""
 
@@ -151,7 +179,7 @@ class ScatterLinearBackbone(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        out = ScatterNorm(self.num_groups)(Scattering2D(self.J, self.L)(x))
+        out = scatter_maps(x, J=self.J, L=self.L, num_groups=self.num_groups)
         return out.reshape(out.shape[0], -1)
 
 
@@ -166,11 +194,30 @@ class ScatterCNNBackbone(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        out = ScatterNorm(self.scatter_groups)(Scattering2D(self.J, self.L)(x))
+        out = scatter_maps(x, J=self.J, L=self.L, num_groups=self.scatter_groups)
+        return _cnn_stages(out, self.channels, self.num_groups)
+
+
+class ScatterCNNTop(nn.Module):
+    """A CNN on cached scattering maps (trained above the ``scattering`` cut), after Tramer & Boneh.
+
+    WS-conv + GroupNorm + ReLU stages with 2x2 max-pooling between them, then the maps flattened:
+    the classifier sees where each response is (a global average would discard the positions that
+    the linear model on the same maps uses).
+    """
+
+    channels: tuple[int, ...] = (64, 64)
+    num_groups: int = 16
+
+    @nn.compact
+    def __call__(self, maps: Array) -> Array:
+        out = maps
         for index, features in enumerate(self.channels):
+            if index > 0:
+                out = nn.max_pool(out, (2, 2), strides=(2, 2), padding="SAME")
             out = WSConv(features, 3, name=f"conv_{index}")(out)
             out = nn.relu(GroupNorm(num_groups=self.num_groups, name=f"norm_{index}")(out))
-        return jnp.mean(out, axis=(1, 2))
+        return out.reshape(out.shape[0], -1)
 
 
 def _check_groups(channels_in: int, J: int, L: int, scatter_groups: int) -> None:

@@ -20,11 +20,15 @@ What makes it safe (a missed gradient would be a privacy leak, not just an error
 structure of ``loss_fn`` is checked on every trace, and any model it cannot prove covered
 raises ``UnsupportedModelError`` (the trainer then uses ``make_clipped_sum_fn``):
 
-* every parameter leaf belongs to a supported layer call (``WSConv``, ``GroupNorm``,
-  ``nn.Dense``, exact types) and *is* the array that layer reads (object identity);
+* every parameter leaf belongs to a layer call with a rule (``privacy.layer_rules``: WS and
+  plain convolutions, EfficientNet-Lite's depthwise convolution, dense layers, GroupNorm and
+  frozen BatchNorm; exact types) and *is* the array that layer reads (object identity); the
+  only other variables a call may read are its rule's (frozen statistics), which the rule gets
+  as recorded in the forward;
 * the loss depends on the parameters through those calls only: with the layers fed
   separate copies of their parameters, no path in the jaxpr leads from the parameters to
-  the loss (a conservative data-flow check, e.g. a weight penalty in the loss fails it).
+  the loss (a conservative data-flow check, e.g. a weight penalty in the loss fails it, and
+  so do statistics computed from the parameters).
 
 Norms, clip weights, the NaN guard and counts are ``clipping.clipped_sum_from_gradients``,
 unchanged, so the result has the same meaning and sensitivity 1.
@@ -42,11 +46,11 @@ from flax import linen as nn
 from jax.extend import core as jex_core
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models.layers import GroupNorm, WSConv, as_pair, standardize_kernel
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_gradients
 from dpscale.privacy.device_tuning import tuning_for
-from dpscale.privacy.rounding import FORMATS, ClipPrecision, Format, contract
+from dpscale.privacy.layer_rules import RULES, Rule
+from dpscale.privacy.rounding import FORMATS, ClipPrecision, Format
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -56,91 +60,8 @@ class UnsupportedModelError(InvalidConfigError):
     """The model has a parameter or a use of one that no book-keeping rule covers."""
 
 
-# -- per-layer rules: (unbound module, its params, x [b, K, ...], g [b, K, ...]) -> {name: [b, ...]}
-
-
-def _layer_vjp_rule(module: nn.Module, params: PyTree, x: jax.Array, g: jax.Array, fmt: Format) -> dict[str, jax.Array]:
-    """Per-example VJP of the layer itself w.r.t. its parameters (exact by construction).
-
-    Cheap for dense layers and normalisations: under ``vmap`` their parameter gradient is a
-    batched contraction or reduction, unlike a convolution's.
-    """
-
-    def one(xi: jax.Array, gi: jax.Array) -> PyTree:
-        _, vjp = jax.vjp(lambda p: module.apply({"params": p}, xi), params)
-        return vjp(gi)[0]
-
-    return dict(jax.vmap(one)(x, g))
-
-
-def shifted_windows(x: jax.Array, window: tuple[int, int], strides: tuple[int, int], padding: Any) -> jax.Array:
-    """``[n, H', W', kh, kw, C]``: the input under each kernel tap, by padding and strided slices.
-
-    Pure data movement; ``lax.conv_general_dilated_patches`` builds the same windows with a
-    one-hot convolution that costs ``(kh*kw*C)^2`` multiply-adds per output pixel.
-    """
-    (kh, kw), (sh, sw) = window, strides
-    if isinstance(padding, str):
-        padding = jax.lax.padtype_to_pads(x.shape[1:3], window, strides, padding)
-    (top, bottom), (left, right) = padding
-    x = jnp.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
-    out_h, out_w = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
-    rows = []
-    for i in range(kh):
-        cols = [x[:, i : i + (out_h - 1) * sh + 1 : sh, j : j + (out_w - 1) * sw + 1 : sw, :] for j in range(kw)]
-        rows.append(jnp.stack(cols, axis=3))
-    return jnp.stack(rows, axis=3)
-
-
-def _wsconv_rule(module: WSConv, params: PyTree, x: jax.Array, g: jax.Array, fmt: Format) -> dict[str, jax.Array]:
-    """``dW_i = windows(x_i)^T g_i`` summed over positions and views, then back through WS.
-
-    The product runs at ``fmt``: what it rounds is in the held gradient, whose own norm clips it.
-    """
-    kernel = params["kernel"]
-    kh, kw, cin, cout = kernel.shape
-    b = x.shape[0]
-    windows = shifted_windows(x.reshape((-1,) + x.shape[2:]), (kh, kw), as_pair(module.strides), module.padding)
-    windows = windows.reshape(b, -1, kh, kw, cin)
-    flat_g = g.reshape(b, -1, cout)
-    d_weight = contract(fmt, "bpijc,bpo->bijco", windows, flat_g)
-    _, standardize_vjp = jax.vjp(lambda k: standardize_kernel(k, eps=module.eps).astype(x.dtype), kernel)
-    grads = {"kernel": jax.vmap(lambda d: standardize_vjp(d)[0])(d_weight)}
-    if module.use_bias:
-        grads["bias"] = jnp.sum(flat_g, axis=1)
-    return grads
-
-
-def _wsconv_problem(module: WSConv, x: jax.Array) -> str | None:
-    if module.feature_group_count != 1:
-        return "grouped WSConv"
-    if x.ndim != 4:
-        return f"WSConv on a {x.ndim}-d input (expected NHWC)"
-    return None
-
-
-def _groupnorm_problem(module: nn.GroupNorm, x: jax.Array) -> str | None:
-    return "GroupNorm with axis_name (cross-device statistics)" if module.axis_name is not None else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    param_names: frozenset[str]
-    grads: Callable[[Any, PyTree, jax.Array, jax.Array, Format], dict[str, jax.Array]]
-    problem: Callable[[Any, jax.Array], str | None] = lambda module, x: None
-
-
-# Exact types only: a subclass may use its parameters differently.
-_RULES: dict[type, _Rule] = {
-    WSConv: _Rule(frozenset({"kernel", "bias"}), _wsconv_rule, _wsconv_problem),
-    nn.Dense: _Rule(frozenset({"kernel", "bias"}), _layer_vjp_rule),
-    nn.GroupNorm: _Rule(frozenset({"scale", "bias"}), _layer_vjp_rule, _groupnorm_problem),
-    GroupNorm: _Rule(frozenset({"scale", "bias"}), _layer_vjp_rule, _groupnorm_problem),
-}
-
-
 def _is_layer_call(context: Any) -> bool:
-    return context.method_name == "__call__" and type(context.module) in _RULES
+    return context.method_name == "__call__" and type(context.module) in RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,23 +115,15 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
         if not _is_layer_call(context):
             return next_fun(*args, **kwargs)
         module, path = context.module, tuple(context.module.path)
-        rule = _RULES[type(module)]
-        own = module.variables.get("params", {})
-        if set(module.variables) - {"params"} or kwargs or len(args) != 1:
-            problems.append(f"{'/'.join(path)}: a {type(module).__name__} call with extra variables or arguments")
-        elif set(own) - rule.param_names:
-            problems.append(f"{'/'.join(path)}: parameters {sorted(set(own) - rule.param_names)} have no rule")
-        elif any(own[name] is not traced_leaves.get(path + (name,)) for name in own):
-            problems.append(f"{'/'.join(path)}: its parameters are not the leaves passed to loss_fn")
-        elif (
-            jnp.result_type(args[0]) != jnp.float32
-            or any(own[n].dtype != jnp.float32 for n in own)
-            or jnp.dtype(getattr(module, "dtype", None) or jnp.float32) != jnp.float32
-        ):
-            problems.append(f"{'/'.join(path)}: not float32 (its input, parameters or computation)")
-        elif (reason := rule.problem(module, args[0])) is not None:
-            problems.append(f"{'/'.join(path)}: {reason}")
-        out = next_fun(*args, **kwargs)
+        problem = _call_problem(module, args, kwargs, traced_leaves)
+        if problem is not None:
+            problems.append(f"{'/'.join(path)}: {problem}")
+        try:
+            out = next_fun(*args, **kwargs)
+        except Exception:  # e.g. BatchNorm on batch statistics that may not be updated
+            if problem is None:
+                raise
+            raise UnsupportedModelError("book-keeping cannot cover " + "; ".join(problems)) from None
         if jnp.result_type(out) != jnp.float32:
             problems.append(f"{'/'.join(path)}: its output is {jnp.result_type(out)}, not float32")
         calls.append(LayerCall(path, module.clone(parent=None), jax.ShapeDtypeStruct(out.shape, out.dtype)))
@@ -250,7 +163,8 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
             index = next(counter)
             inside.append(index)
             try:
-                return calls[index].module.apply({"params": layer_params[index]}, *args)
+                variables = {"params": layer_params[index], **_state_of(context.module)}
+                return calls[index].module.apply(variables, *args)
             finally:
                 inside.pop()
 
@@ -266,6 +180,32 @@ def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyT
     return tuple(calls)
 
 
+def _call_problem(module: nn.Module, args: tuple, kwargs: dict, traced_leaves: dict[Path, Any]) -> str | None:
+    """Why a call of a layer type with a rule is not covered by it, or None."""
+    rule: Rule = RULES[type(module)]
+    own = module.variables.get("params", {})
+    state = _state_of(module)
+    name = type(module).__name__
+    if set(state) - rule.state or kwargs or len(args) != 1:
+        return f"a {name} call with extra variables or arguments"
+    if set(own) - rule.param_names:
+        return f"parameters {sorted(set(own) - rule.param_names)} have no rule"
+    if any(own[n] is not traced_leaves.get(tuple(module.path) + (n,)) for n in own):
+        return "its parameters are not the leaves passed to loss_fn"
+    if (
+        jnp.result_type(args[0]) != jnp.float32
+        or any(leaf.dtype != jnp.float32 for leaf in jax.tree_util.tree_leaves((own, state)))
+        or jnp.dtype(getattr(module, "dtype", None) or jnp.float32) != jnp.float32
+    ):
+        return "not float32 (its input, parameters, state or computation)"
+    return rule.problem(module, args[0])
+
+
+def _state_of(module: nn.Module) -> dict[str, PyTree]:
+    """The variables a layer call reads besides its parameters (frozen statistics)."""
+    return {name: tree for name, tree in module.variables.items() if name != "params"}
+
+
 def _param_leaves_of_call(call: LayerCall, leaves: dict[Path, Any]) -> list[str]:
     return [path[-1] for path in leaves if path[:-1] == call.path]
 
@@ -278,6 +218,7 @@ class Tape:
     inputs: list[jax.Array]  # the call's input, [b, K, ...]
     outputs: list[jax.Array]  # the call's output, [b, K, ...]
     out_grads: list[jax.Array]  # d (sum of the losses) / d output, [b, K, ...]
+    states: list[PyTree]  # the call's other variables (frozen statistics), {collection: tree}, leaves [b, ...]
 
 
 def record_layers(
@@ -290,9 +231,10 @@ def record_layers(
     size = jax.tree_util.tree_leaves(batch)[0].shape[0]
     deltas = [jnp.zeros((size,) + c.out.shape, c.out.dtype) for c in calls]
 
-    def one(example_deltas: list[jax.Array], views: PyTree) -> tuple[jax.Array, tuple[list, list]]:
+    def one(example_deltas: list[jax.Array], views: PyTree) -> tuple[jax.Array, tuple[list, list, list]]:
         inputs: list[jax.Array] = []
         outputs: list[jax.Array] = []
+        states: list[PyTree] = []
 
         def perturb(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
             if not _is_layer_call(context):
@@ -301,6 +243,7 @@ def record_layers(
             if index >= len(calls) or tuple(context.module.path) != calls[index].path:
                 raise UnsupportedModelError("the model's layer calls changed between traces")
             inputs.append(args[0])
+            states.append(_state_of(context.module))
             out = next_fun(*args, **kwargs)
             outputs.append(out)
             return out + example_deltas[index]
@@ -309,14 +252,14 @@ def record_layers(
             loss = loss_fn(params, model_state, views)
         if len(inputs) != len(calls):
             raise UnsupportedModelError("the model's layer calls changed between traces")
-        return loss, (inputs, outputs)
+        return loss, (inputs, outputs, states)
 
-    def summed(ds: list[jax.Array]) -> tuple[jax.Array, tuple[jax.Array, tuple[list, list]]]:
+    def summed(ds: list[jax.Array]) -> tuple[jax.Array, tuple[jax.Array, tuple[list, list, list]]]:
         losses, recorded = jax.vmap(one)(ds, batch)
         return jnp.sum(losses), (losses, recorded)
 
-    (_, (losses, (inputs, outputs))), out_grads = jax.value_and_grad(summed, has_aux=True)(deltas)
-    return Tape(losses=losses, inputs=inputs, outputs=outputs, out_grads=out_grads)
+    (_, (losses, (inputs, outputs, states))), out_grads = jax.value_and_grad(summed, has_aux=True)(deltas)
+    return Tape(losses=losses, inputs=inputs, outputs=outputs, out_grads=out_grads, states=states)
 
 
 def layer_params(call: LayerCall, params: PyTree) -> dict[str, jax.Array]:
@@ -326,10 +269,17 @@ def layer_params(call: LayerCall, params: PyTree) -> dict[str, jax.Array]:
 
 
 def per_example_layer_gradients(
-    call: LayerCall, params: PyTree, x: jax.Array, g: jax.Array, *, precision: Format = FORMATS["highest"]
+    call: LayerCall,
+    params: PyTree,
+    x: jax.Array,
+    g: jax.Array,
+    state: PyTree,
+    *,
+    precision: Format = FORMATS["highest"],
 ) -> dict[str, jax.Array]:
-    """Each example's gradient of the parameters of ``call`` from its recorded input and output gradient."""
-    return _RULES[type(call.module)].grads(call.module, layer_params(call, params), x, g, precision)
+    """Each example's gradient of the parameters of ``call`` from its recorded input, output gradient
+    and other variables (``Tape``)."""
+    return RULES[type(call.module)].grads(call.module, layer_params(call, params), state, x, g, precision)
 
 
 def per_example_gradients_bk(
@@ -346,8 +296,8 @@ def per_example_gradients_bk(
     calls = plan_layers(loss_fn, params, model_state, one_example)
     tape = record_layers(loss_fn, calls, params, model_state, batch)
     grads: dict[Path, jax.Array] = {}
-    for call, x, g in zip(calls, tape.inputs, tape.out_grads):
-        for name, grad in per_example_layer_gradients(call, params, x, g, precision=precision).items():
+    for call, x, g, state in zip(calls, tape.inputs, tape.out_grads, tape.states):
+        for name, grad in per_example_layer_gradients(call, params, x, g, state, precision=precision).items():
             key = call.path + (name,)
             grads[key] = grad if key not in grads else grads[key] + grad  # a layer called twice
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)

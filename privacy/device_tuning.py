@@ -9,7 +9,9 @@ use them), and a rule measured on a CPU says nothing about the cost of a Gram ma
 gradient there. So a GPU or TPU runs each micro-batch's per-example work at once, and *measures*
 each distinct layer shape's candidate paths (and precisions, where a lower one costs no margin) on
 the device when the clipped sum is built (``privacy.path_timing``), as cuDNN times its convolution
-algorithms; a run's clip_paths.json says what was chosen and the times it was chosen from.
+algorithms, less those the device's cost model shows hopeless and within a memory budget
+(``privacy.path_cost``); a run's clip_paths.json says what was chosen, from what times, and what was
+left out or chunked.
 
 Every choice here is a speed choice only: each path and precision clips with a proven upper bound of
 the norm (``privacy.rounding``), so a lower precision costs a larger margin, never the bound.
@@ -33,10 +35,16 @@ CHOICES: tuple[str, ...] = ("rule", "measure")
 # Bytes of one chunk's per-example working set (patches, Gram matrices) on a CPU: about what stays
 # in its last-level cache; measured fastest, per layer, on a 2-core CPU.
 CPU_CHUNK_BYTES = 8 * 2**20
-# Per-example work of a whole micro-batch at once: the device's memory, not a cache, is the limit. A
-# candidate too large for it fails its timing and is never chosen (``privacy.path_timing``); one that
-# fits alone but not beside the step's other buffers is not caught before the step runs.
+# Per-example work of a whole micro-batch at once: the device's memory, not a cache, is the limit. The
+# memory guard (``privacy.path_cost.fit``) chunks a layer whose estimated working set exceeds
+# ``MEMORY_FRACTION`` of the device's memory, and drops a path whose held gradients alone exceed it.
 WHOLE_MICROBATCH = 2**62
+# One layer's per-example work may take this fraction of the device's memory: the rest is the step's
+# parameters, activations, recorded layer inputs and output gradients, and XLA's own buffers.
+MEMORY_FRACTION = 0.25
+# Where the device does not say how much memory it has (``memory_stats()`` is None on a CPU): the
+# smallest current accelerators' (16 GiB: V100, TPU v5e).
+DEFAULT_DEVICE_BYTES = 16 * 2**30
 
 
 _HIGHEST, _TF32 = ClipPrecision(), ClipPrecision(norms="tf32", sums="tf32")
@@ -44,21 +52,54 @@ STRATEGIES: tuple[str, ...] = ("ghost", "explicit", "streamed")
 
 
 @dataclasses.dataclass(frozen=True)
+class CostModel:
+    """A device's constants for the paths' cost model (``privacy.path_cost``): a micro-batch's
+    candidate takes ``launch_seconds`` a chunk plus its multiply-adds at ``macs_per_second`` of its
+    contraction format and its bytes moved at ``bytes_per_second``."""
+
+    macs_per_second: tuple[tuple[str, float], ...]  # (format, rate): ("highest", 2e13), ...
+    bytes_per_second: float
+    launch_seconds: float
+
+    def rate(self, fmt: str) -> float:
+        """Multiply-adds a second at ``fmt``; a format not measured gets the fastest rate known (its
+        candidates then look cheap, and are timed rather than pruned)."""
+        return dict(self.macs_per_second).get(fmt, max(rate for _, rate in self.macs_per_second))
+
+
+# Fitted to the per-layer timings of benchmarks/results/gpu_step_cost.md (one H200, jax 0.11.2, WRN-16-4,
+# micro-batch 256; 6 layer shapes x 4 candidates at K = 1, two at K = 4): each candidate's estimate to
+# each layer's cheapest is within 1.67x of the measured ratio either way (benchmarks/clip_candidates.py
+# prints both), so a candidate pruned at 8x measured at least ~5x the fastest there. Rates are
+# effective ones (HIGHEST float32 ~2e13 multiply-adds/s, TF32 ~1e14; HBM ~4 TB/s; ~0.2 ms a candidate
+# for its launches however small the layer).
+H200_COST = CostModel(macs_per_second=(("highest", 2e13), ("tf32", 1e14)), bytes_per_second=4e12, launch_seconds=2e-4)
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceTuning:
     """``precision``: the contractions' formats where nothing is measured (book-keeping layers, the
     rule); ``chunk_bytes``: one chunk's per-example working set; ``choose``: each layer's path and
     precision by the shape rule, or the fastest of ``candidates`` ((path, precision) pairs) timed
-    on the device."""
+    on the device. ``cost``: the device's cost model, which leaves out of the timing each candidate
+    estimated at ``prune_factor`` times the cheapest or more (None: every candidate is timed);
+    ``memory_bytes``: what one layer's per-example work may take at once (None:
+    ``MEMORY_FRACTION`` of the device's memory)."""
 
     precision: ClipPrecision = _HIGHEST
     chunk_bytes: int = CPU_CHUNK_BYTES
     choose: Choice = "rule"
     candidates: tuple[tuple[str, ClipPrecision], ...] = tuple((s, _HIGHEST) for s in STRATEGIES)
+    cost: CostModel | None = None
+    prune_factor: float = 8.0
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_choice(self.choose, CHOICES, "how paths are chosen")
         if self.chunk_bytes < 1 or not self.candidates:
             raise InvalidConfigError("chunk_bytes must be positive and candidates non-empty")
+        if self.prune_factor <= 1 or (self.memory_bytes is not None and self.memory_bytes < 1):
+            raise InvalidConfigError("prune_factor must exceed 1 and memory_bytes be positive")
         for strategy, _ in self.candidates:
             check_choice(strategy, STRATEGIES, "a candidate's path")
 
@@ -72,15 +113,17 @@ class DeviceTuning:
 # bounds cover TF32's rounding of products they do not hold, measured 34% and 5.7% above the norm
 # on WRN-16-4 (docs/privacy.md, "Sensitivity under floating point"): a clipped example would lose
 # that much of its signal against the same noise, for a faster step.
+# Only NVIDIA GPUs have a measured cost model: elsewhere every candidate is timed.
 _ACCELERATOR = DeviceTuning(
     chunk_bytes=WHOLE_MICROBATCH,
     choose="measure",
     candidates=(("ghost", _HIGHEST), ("streamed", _HIGHEST), ("explicit", _HIGHEST), ("explicit", _TF32)),
 )
+_NVIDIA = dataclasses.replace(_ACCELERATOR, cost=H200_COST)
 BACKEND_TUNING: dict[str, DeviceTuning] = {
     "cpu": DeviceTuning(),
-    "gpu": _ACCELERATOR,
-    "cuda": _ACCELERATOR,
+    "gpu": _NVIDIA,
+    "cuda": _NVIDIA,
     "rocm": _ACCELERATOR,
     "tpu": _ACCELERATOR,
 }
@@ -90,3 +133,13 @@ def tuning_for(backend: str | None = None) -> DeviceTuning:
     """The settings of ``backend`` (``jax.default_backend()`` unless named); a backend not listed
     gets the CPU's, which assume nothing of the device."""
     return BACKEND_TUNING.get(backend or jax.default_backend(), DeviceTuning())
+
+
+def memory_budget(tuning: DeviceTuning) -> int:
+    """Bytes one layer's per-example work may take at once: ``tuning.memory_bytes``, else
+    ``MEMORY_FRACTION`` of the first local device's ``bytes_limit`` (``DEFAULT_DEVICE_BYTES`` where
+    the device does not say)."""
+    if tuning.memory_bytes is not None:
+        return tuning.memory_bytes
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return int(MEMORY_FRACTION * int(stats.get("bytes_limit") or DEFAULT_DEVICE_BYTES))

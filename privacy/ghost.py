@@ -39,8 +39,9 @@ Norms are proven upper bounds of what each example adds, at the precision the pe
 contractions run at (``precision``: ``privacy.rounding``); the per-layer pieces are in
 ``privacy.layer_bounds``, the argument in docs/privacy.md ("Sensitivity under floating point").
 
-Layers used by several calls (shared parameters), normalisation layers and dense layers with
-their own product (a custom ``dot_general``) use book-keeping's per-example gradients. Coverage
+Layers used by several calls (shared parameters), normalisation layers, plain and depthwise
+convolutions (EfficientNet-Lite's) and dense layers with their own product (a custom
+``dot_general``) use book-keeping's per-example gradients (``privacy.layer_rules``), held. Coverage
 is proven by ``bookkeeping.plan_layers`` exactly as for book-keeping (a layer that computes or
 outputs other than float32 is refused, and the model goes to ``vmap``); weights, the NaN guard
 and the counts are ``privacy.clipping``'s, and the result has sensitivity 1. Tested against
@@ -70,10 +71,10 @@ from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
 from dpscale.models.layers import WSConv
-from dpscale.privacy import bookkeeping, layer_bounds
+from dpscale.privacy import bookkeeping, layer_bounds, path_cost
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
-from dpscale.privacy.device_tuning import STRATEGIES, DeviceTuning, tuning_for
+from dpscale.privacy.device_tuning import STRATEGIES, DeviceTuning, memory_budget, tuning_for
 from dpscale.privacy.layer_bounds import Strategy
 from dpscale.privacy.path_timing import Measured, candidate_name, measure_paths
 from dpscale.privacy.rounding import ClipPrecision, norm_bound
@@ -119,6 +120,7 @@ class LayerChoice:
     fan_out: int = 0
     precision: ClipPrecision = ClipPrecision()
     reason: str = "rule"  # "rule", "forced", or the timings it was chosen from ("measured: ...")
+    chunk: int = 0  # examples a chunk where the memory guard split the micro-batch (0: it did not)
 
 
 def _plain(module: nn.Module) -> bool:
@@ -148,9 +150,13 @@ def plan_strategies(
     *,
     precision: ClipPrecision = ClipPrecision(),
     measured: Mapping[Path, Measured] | None = None,
+    examples: int = 0,
+    budget: int | None = None,
 ) -> tuple[LayerChoice, ...]:
     """Each layer call's path and precision: book-keeping for shared or normalisation layers; else
-    forced (``overrides``), measured on the device (``measured``), or by the shape rule."""
+    forced (``overrides``), measured on the device (``measured``), or by the shape rule. With
+    ``budget`` (bytes) and ``examples`` (one device's micro-batch), the memory guard chunks a layer
+    whose work does not fit at once (``path_cost.fit``)."""
     overrides, measured = dict(overrides or {}), measured or {}
     booked = _booked_paths(calls)
     choices = []
@@ -178,10 +184,32 @@ def plan_strategies(
             strategy, chosen, reason = choose_strategy(**shape), precision, "rule"
         if strategy not in STRATEGIES:
             raise InvalidConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        choices.append(LayerChoice(call.path, kind, strategy, precision=chosen, reason=reason, **shape))
+        chunk = 0
+        if budget is not None and examples:
+            layer = path_cost.LayerShape(examples, **shape, conv=kind == "WSConv")
+            strategy, chunk, reason = _guarded(strategy, layer, budget, reason, where="/".join(call.path))
+        choices.append(LayerChoice(call.path, kind, strategy, precision=chosen, reason=reason, chunk=chunk, **shape))
     if overrides:
         raise InvalidConfigError(f"no ghost or explicit layer at {sorted('/'.join(p) for p in overrides)}")
     return tuple(choices)
+
+
+def _guarded(
+    strategy: Strategy, shape: path_cost.LayerShape, budget: int, reason: str, *, where: str
+) -> tuple[Strategy, int, str]:
+    """(path, examples a chunk or 0, reason) within the memory budget: chunked where the whole
+    micro-batch does not fit; a path chosen by the rule that does not fit an example at a time gives
+    way to one that does (a forced one stays, and is said)."""
+    chunk = path_cost.fit(strategy, shape, budget)
+    if chunk is None:
+        fitting = [s for s in ("streamed", "ghost") if path_cost.fit(s, shape, budget) is not None]
+        if reason == "forced" or not fitting:
+            _log.warning("clip path %s of %s does not fit the memory budget (%d bytes): kept", strategy, where, budget)
+            return strategy, 0, reason
+        reason = f"{reason}; {strategy} does not fit the memory budget"
+        strategy, chunk = fitting[0], path_cost.fit(fitting[0], shape, budget)
+    said = path_cost.describe_chunk(strategy, shape, chunk, budget)
+    return strategy, (chunk if said else 0), (f"{reason}; {said}" if said else reason)
 
 
 def _booked_paths(calls: tuple[bookkeeping.LayerCall, ...]) -> set[Path]:
@@ -199,8 +227,8 @@ def _timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path,
 def describe(choices: tuple[LayerChoice, ...]) -> str:
     """One line for the log: how many layers take each path and precision, how chosen, which are ghost."""
     counts = collections.Counter(candidate_name(c.strategy, c.precision) for c in choices)
-    how = collections.Counter(
-        "measured" if c.reason.startswith("measured") else c.reason for c in choices if c.strategy != "book-keeping"
+    how = collections.Counter(  # "measured", "rule" or "forced", whatever the guard added
+        c.reason.split(";")[0].split(":")[0] for c in choices if c.strategy != "book-keeping"
     )
     ghost = ["/".join(c.path) for c in choices if c.strategy == "ghost"]
     return (
@@ -246,9 +274,10 @@ def _planned(
         return bookkeeping.plan_layers(loss_fn, params, model_state, one)
 
     measured: dict[Path, Measured] = {}
+    budget = memory_budget(tuning)
     if example is not None and tuning.choose == "measure":
         calls = calls_of(*example)
-        measured = measure_paths(loss_fn, calls, _timed_calls(calls, forced), *example, tuning)
+        measured = measure_paths(loss_fn, calls, _timed_calls(calls, forced), *example, tuning, budget=budget)
 
     def plan(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
         calls = calls_of(params, model_state, batch)
@@ -258,6 +287,8 @@ def _planned(
             forced,
             precision=tuning.precision,
             measured=measured,
+            examples=jax.tree_util.tree_leaves(batch)[0].shape[0],
+            budget=budget,
         )
 
     def bounds(
@@ -280,13 +311,16 @@ def _planned(
                     params,
                     [tape.inputs[i] for i in indices],
                     [tape.out_grads[i] for i in indices],
+                    [tape.states[i] for i in indices],
                     choice.precision,
                 )
                 continue
             rule = layer_bounds.wsconv if isinstance(first.module, WSConv) else layer_bounds.dense
-            part, summer = rule(
-                first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=tuning.chunk_bytes
-            )
+            chunk_bytes = tuning.chunk_bytes
+            if choice.chunk:  # the memory guard's chunks
+                shape = path_cost.LayerShape(x.shape[0], choice.positions, choice.fan_in, choice.fan_out)
+                chunk_bytes = path_cost.chunk_bytes(choice.strategy, shape, choice.chunk, chunk_bytes)
+            part, summer = rule(first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=chunk_bytes)
             squares.append(part)
             summers.append((path, summer))
         for path, per_example in hold(booked).items():  # one loop holds them all (clipping.hold)

@@ -43,7 +43,7 @@ import numpy as np
 from flax import linen as nn
 
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
-from dpscale.privacy import bookkeeping
+from dpscale.privacy import bookkeeping, layer_rules
 from dpscale.privacy.clipping import hold
 from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES
 from dpscale.privacy.rounding import (
@@ -94,6 +94,12 @@ def chunked(
     target = max(1, min(most, chunk_bytes // max(1, bytes_per_example)))
     chunk = max(c for c in range(1, target + 1) if size % c == 0)
     return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
+
+
+def chunk_work(strategy: Strategy, positions: int, fan_in: int, fan_out: int) -> int:
+    """The bytes per example that a path's ``chunked`` loop sizes its chunks by (patches and output
+    gradient; ghost adds its P x P Gram matrices); a dense layer's explicit path is not chunked."""
+    return 4 * positions * (fan_in + fan_out + (3 * positions if strategy == "ghost" else 0))
 
 
 def held_sum(per_example: dict[str, jax.Array], weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
@@ -166,7 +172,7 @@ class WsGeometry:
 def _patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
     """``[K*T, d]``: one example's patches (all views' positions)."""
     kh, kw = as_pair(module.kernel_size)
-    windows = bookkeeping.shifted_windows(x_one, (kh, kw), as_pair(module.strides), module.padding)
+    windows = layer_rules.shifted_windows(x_one, (kh, kw), as_pair(module.strides), module.padding)
     return windows.reshape(-1, d)
 
 
@@ -293,7 +299,7 @@ def wsconv(
     positions = math.prod(g.shape[1:-1])
     bias = hold({"bias": jnp.sum(g.reshape(g.shape[0], positions, p), axis=1)}) if module.use_bias else {}
     bias_q = [held_square_bound(bias)] if bias else []
-    work = 4 * positions * (d + p)
+    work = chunk_work(strategy, positions, d, p)
 
     if strategy == "explicit":
 
@@ -343,9 +349,7 @@ def wsconv(
             terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
             return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
 
-        *terms, a2, scaled_g2 = chunked(
-            ghost_one, (x, scaled_g), 4 * positions * (d + p + 3 * positions), chunk_bytes=chunk_bytes
-        )
+        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), work, chunk_bytes=chunk_bytes)
         square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
         ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
         sum_error = _summer_error(precision, positions, d, p, a2, g2)
@@ -390,7 +394,8 @@ def dense(
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
 
-        q = chunked(norm_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out), chunk_bytes=chunk_bytes)
+        work = chunk_work(strategy, positions, fan_in, fan_out)
+        q = chunked(norm_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
         layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
     else:
 
@@ -399,9 +404,8 @@ def dense(
             rows_g = upper_sqrt(upper_sum_of_squares(g_one))
             return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
 
-        terms = chunked(
-            ghost_one, (flat_x, flat_g), 4 * positions * (fan_in + fan_out + 3 * positions), chunk_bytes=chunk_bytes
-        )
+        work = chunk_work(strategy, positions, fan_in, fan_out)
+        terms = chunked(ghost_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
         square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
         layer = upper_sqrt(square) + sum_error
     sum_fmt = precision.sum_format
@@ -421,13 +425,14 @@ def book_keeping_gradients(
     params: PyTree,
     xs: list[jax.Array],
     gs: list[jax.Array],
+    states: list[PyTree],
     precision: ClipPrecision,
 ) -> dict[str, jax.Array]:
     """Per-example gradients by book-keeping's rules, summed over the calls of one layer: to be held
     (``clipping.hold``, all such layers at once) before ``held_square_bound`` and ``held_sum``."""
     per_example: dict[str, jax.Array] = {}
-    for call, x, g in zip(calls, xs, gs):
-        grads = bookkeeping.per_example_layer_gradients(call, params, x, g, precision=precision.norm_format)
+    for call, x, g, state in zip(calls, xs, gs, states):
+        grads = bookkeeping.per_example_layer_gradients(call, params, x, g, state, precision=precision.norm_format)
         for name, grad in grads.items():
             per_example[name] = grad if name not in per_example else per_example[name] + grad
     return per_example

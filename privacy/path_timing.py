@@ -8,8 +8,12 @@ distinct layer (its module, input and output-gradient shapes) are compiled and t
 random inputs of the micro-batch's shape, when the clipped sum is built; the fastest wins. Only
 speed is at stake: every candidate clips with a proven bound of the norm (``privacy.rounding``).
 
-A candidate that fails to compile or run (out of device memory, say) is said and never
-chosen (and timed again by the next process). Timings are the minimum over a few calls after a first, uncounted one. They are kept
+Before any is timed, ``privacy.path_cost`` leaves out the candidates whose working set does not fit
+the device's memory budget even an example at a time, chunks those that fit only in parts (and
+times them chunked, as they will run), and prunes those the device's cost model puts at many times
+the cheapest: each compilation saved is seconds of a first run. What was left out and why is in the
+layer's reason, with the timings. A candidate that fails to compile or run (out of device memory,
+say) is said and never chosen (and timed again by the next process). Timings are the minimum over a few calls after a first, uncounted one. They are kept
 between processes in a small JSON file (``timings_file``), keyed by the device kind, the JAX
 version, the layer and the candidate, so that a sweep or a resumed run does not time them again.
 """
@@ -32,7 +36,7 @@ import numpy as np
 
 from dpscale.files import write_json_atomic
 from dpscale.models.layers import WSConv
-from dpscale.privacy import bookkeeping, layer_bounds
+from dpscale.privacy import bookkeeping, layer_bounds, path_cost
 from dpscale.privacy.device_tuning import DeviceTuning
 from dpscale.privacy.layer_bounds import Strategy
 from dpscale.privacy.rounding import ClipPrecision
@@ -44,27 +48,26 @@ _log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """The chosen path and precision of one layer, and every candidate's seconds (``inf``: failed)."""
+    """The chosen path and precision of one layer, every timed candidate's seconds (``inf``:
+    failed), and the candidates not timed and why (``path_cost.plan``)."""
 
     strategy: Strategy
     precision: ClipPrecision
     seconds: tuple[tuple[str, float], ...]  # ("ghost/tf32", 0.00041), ...
+    left_out: tuple[tuple[str, str], ...] = ()  # ("ghost/highest", "pruned: est. 13.6x explicit/tf32"), ...
 
     def summary(self) -> str:
-        """``measured: ghost/tf32 0.41 ms (explicit/highest 1.20 ms, ...)``, the winner first."""
+        """``measured: ghost/tf32 0.41 ms (explicit/highest 1.20 ms, ...); streamed/highest pruned:
+        ...``, the winner first."""
         ranked = sorted(self.seconds, key=lambda item: item[1])
         shown = [
             f"{name} {seconds * 1e3:.2f} ms" if math.isfinite(seconds) else f"{name} failed" for name, seconds in ranked
         ]
-        return f"measured: {shown[0]}" + (f" ({', '.join(shown[1:])})" if len(shown) > 1 else "")
+        said = f"measured: {shown[0]}" + (f" ({', '.join(shown[1:])})" if len(shown) > 1 else "")
+        return "; ".join([said, *(f"{name} {why}" for name, why in self.left_out)])
 
 
-def candidate_name(strategy: str, precision: ClipPrecision) -> str:
-    return (
-        f"{strategy}/{precision.norms}"
-        if precision.norms == precision.sums
-        else (f"{strategy}/{precision.norms}+{precision.sums}")
-    )
+candidate_name = path_cost.name
 
 
 def _random_like(tree: PyTree, rng: np.random.Generator) -> PyTree:
@@ -129,7 +132,17 @@ def _kept_name(device: Any, key: tuple, strategy: str, precision: ClipPrecision,
     return "|".join(map(str, (*fields, chunk_bytes)))
 
 
-def measure_paths(
+@dataclasses.dataclass(frozen=True)
+class ShapeGroup:
+    """Layer calls of one module and shapes (``indices`` into the calls), timed once."""
+
+    indices: tuple[int, ...]
+    shape: path_cost.LayerShape
+    candidates: path_cost.CandidatePlan
+    key: tuple
+
+
+def candidate_groups(
     loss_fn: Callable[..., jax.Array],
     calls: Sequence[bookkeeping.LayerCall],
     timed: Sequence[int],
@@ -138,11 +151,10 @@ def measure_paths(
     batch: PyTree,
     tuning: DeviceTuning,
     *,
-    repeats: int = 5,
-) -> dict[Path, Measured]:
-    """The fastest candidate of each call in ``timed`` (indices into ``calls``, WS convolutions and
-    plain dense layers), for micro-batches shaped like ``batch`` (leaves ``[b, K, ...]``; arrays or
-    ``ShapeDtypeStruct``). Calls with the same module and shapes are timed once."""
+    budget: int,
+) -> tuple[list, list, list[ShapeGroup]]:
+    """(each call's input and output-gradient shapes, the distinct layer shapes of ``timed`` with the
+    candidates worth timing there): from shapes alone, nothing compiled."""
 
     def shapes(p: PyTree, s: PyTree, b: PyTree) -> tuple[list, list]:
         tape = bookkeeping.record_layers(loss_fn, tuple(calls), p, s, b)
@@ -159,26 +171,64 @@ def measure_paths(
             tuple((name, leaf.shape) for name, leaf in sorted(own.items())),
         )
         groups[key].append(index)
+    found = []
+    for key, indices in groups.items():
+        kernel, g = bookkeeping.layer_params(calls[indices[0]], params)["kernel"], out_grads[indices[0]]
+        shape = path_cost.LayerShape(
+            examples=g.shape[0],
+            positions=math.prod(g.shape[1:-1]),
+            fan_in=math.prod(kernel.shape[:-1]),
+            fan_out=kernel.shape[-1],
+            conv=isinstance(calls[indices[0]].module, WSConv),
+        )
+        plan = path_cost.plan(
+            tuning.candidates, shape, budget=budget, cost=tuning.cost, prune_factor=tuning.prune_factor
+        )
+        found.append(ShapeGroup(tuple(indices), shape, plan, key))
+    return inputs, out_grads, found
+
+
+def measure_paths(
+    loss_fn: Callable[..., jax.Array],
+    calls: Sequence[bookkeeping.LayerCall],
+    timed: Sequence[int],
+    params: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    tuning: DeviceTuning,
+    *,
+    budget: int,
+    repeats: int = 5,
+) -> dict[Path, Measured]:
+    """The fastest candidate of each call in ``timed`` (indices into ``calls``, WS convolutions and
+    plain dense layers), for micro-batches shaped like ``batch`` (leaves ``[b, K, ...]``; arrays or
+    ``ShapeDtypeStruct``). Calls with the same module and shapes are timed once; ``budget``: the
+    bytes one layer's per-example work may take at once (``device_tuning.memory_budget``)."""
+    inputs, out_grads, groups = candidate_groups(
+        loss_fn, calls, timed, params, model_state, batch, tuning, budget=budget
+    )
     rng = np.random.default_rng(0)
     start, chosen, timed_now = time.perf_counter(), {}, 0
     device = jax.devices()[0]
     cache = timings_file()
     kept = _read_timings(cache)
-    for key, indices in groups.items():
-        call, args = calls[indices[0]], None
+    for group in groups:
+        call, args = calls[group.indices[0]], None
         seconds = []
-        for strategy, precision in tuning.candidates:
-            name = _kept_name(device, key, strategy, precision, tuning.chunk_bytes)
+        for candidate in group.candidates.timed:
+            strategy, precision = candidate.strategy, candidate.precision
+            chunk_bytes = path_cost.chunk_bytes(strategy, group.shape, candidate.chunk, tuning.chunk_bytes)
+            name = _kept_name(device, group.key, strategy, precision, chunk_bytes)
             if name in kept:
                 seconds.append((strategy, precision, kept[name]))
                 continue
             timed_now += 1
             if args is None:  # random inputs of the micro-batch's shapes, made once a layer shape
                 own = _random_like(bookkeeping.layer_params(call, params), rng)
-                x, g = _random_like(inputs[indices[0]], rng), _random_like(out_grads[indices[0]], rng)
+                x, g = _random_like(inputs[group.indices[0]], rng), _random_like(out_grads[group.indices[0]], rng)
                 args = (own, x, g, jnp.full((x.shape[0],), 0.5, jnp.float32), jnp.ones((x.shape[0],), bool))
             try:
-                taken = _time(_layer_fn(call.module, strategy, precision, tuning.chunk_bytes), args, repeats)
+                taken = _time(_layer_fn(call.module, strategy, precision, chunk_bytes), args, repeats)
             except Exception as error:  # noqa: BLE001  out of memory, say: never chosen, and said
                 _log.info(
                     "clip path %s of %s failed: %s",
@@ -190,19 +240,30 @@ def measure_paths(
             seconds.append((strategy, precision, taken))
             if math.isfinite(taken):  # a failure (memory taken by others, say) is tried again next time
                 kept[name] = taken
+        for left_out, why in group.candidates.left_out:
+            _log.info("clip path %s of %s not timed: %s", left_out, "/".join(call.path), why)
+        if not seconds:
+            continue  # no candidate fits: the shape rule decides, within the memory guard
         strategy, precision, best = min(seconds, key=lambda item: item[2])
         if not math.isfinite(best):
             continue  # every candidate failed: the shape rule decides
-        measured = Measured(strategy, precision, tuple((candidate_name(s, p), t) for s, p, t in seconds))
-        for index in indices:
+        measured = Measured(
+            strategy,
+            precision,
+            tuple((candidate_name(s, p), t) for s, p, t in seconds),
+            group.candidates.left_out,
+        )
+        for index in group.indices:
             chosen[calls[index].path] = measured
     if timed_now:
         _write_timings(cache, kept)
     _log.info(
-        "clip paths: %d candidates of %d layer shapes on %s, %d timed now (%.1f s), the rest from %s",
+        "clip paths: %d candidates of %d layer shapes on %s, %d left out (pruned or too large), "
+        "%d timed now (%.1f s), the rest from %s",
         len(groups) * len(tuning.candidates),
         len(groups),
         device.device_kind,
+        sum(len(group.candidates.left_out) for group in groups),
         timed_now,
         time.perf_counter() - start,
         cache,

@@ -112,6 +112,11 @@ def run(config: ExportBackboneConfig) -> ExportBackboneResult:
             f"{config.run_dir!r} is a features-mode run: it holds only a classifier "
             "over cached features, not an image backbone"
         )
+    if spec.training.mode == "activations":
+        raise DataError(
+            f"{config.run_dir!r} trained the layers above a cut on cached activations: exporting them "
+            "joined to the frozen layers below the cut is not supported yet"
+        )
     ledger = run_dir.read_ledger()
     if not ledger.finished or not run_dir.has_params:
         raise DataError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -46,6 +47,8 @@ class FeaturizeConfig:
     resolution: int | None = None
     resize_method: str = "bilinear"
     flip_average: bool = False
+    cut: str = ""  # "": pooled features; else the activations at this cut (``dpscale models`` lists them)
+    augmult_views: int = 1  # at a cut: the image plus K - 1 random crop-and-flip views, K times the disk
     batch_size: int = 64
     chunk_rows: int = 1024
     pipeline_args: tuple[str, ...] = ()
@@ -58,6 +61,10 @@ class FeaturizeConfig:
             raise InvalidConfigError(f"resize method must be one of {', '.join(RESIZE_METHODS)}")
         if self.batch_size < 1 or self.chunk_rows < 1:
             raise InvalidConfigError("batch size and chunk rows must be at least 1")
+        if self.augmult_views < 1 or (self.augmult_views > 1 and not self.cut):
+            raise InvalidConfigError("--augmult-views needs --cut (and is at least 1): pooled features have no views")
+        if self.cut and self.flip_average:
+            raise InvalidConfigError("--flip-average applies to pooled features, not to activations at a cut")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +94,8 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
         resolution=config.resolution,
         resize_method=config.resize_method,
         flip_average=config.flip_average,
+        cut=config.cut,
+        views=config.augmult_views,
     )
     path = fstore.entry_path(cache_dir, key)
     sizes = {s: dataset.num_examples(s) for s in dataset.splits}
@@ -94,9 +103,11 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
         fstore.FeatureStore.open(cache_dir, key, verify=True)
         log.info("featurize: cache hit %s", path)
         return FeaturizeResult(path, key.digest, True, 0, 0, sizes, time.monotonic() - start)
+    shape = featurizer.row_shape(meta, key)
     layout = fstore.EntryLayout(
         key=key,
-        feature_dim=featurizer.feature_dim(meta, key),
+        feature_dim=math.prod(shape),
+        feature_shape=shape if key.cut else (),
         class_names=tuple(dataset.class_names),
         splits={s: fstore.SplitLayout(n, config.chunk_rows) for s, n in sizes.items()},
         source=_absolute(config.data),
@@ -107,21 +118,32 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
         log.warning("featurize: %s: recomputing it", damage.describe())
     missing = store.missing_chunks()
     total = len(store.all_chunks())
+    cut = f", cut {key.cut} ({key.views} view{'s' if key.views > 1 else ''} of {shape[1:]})" if key.cut else ""
     log.info(
-        "featurize %s with %s at %d px%s: %d of %d chunks to compute -> %s",
+        "featurize %s with %s at %d px%s%s: %d of %d chunks to compute -> %s (%s float32 before compression)",
         config.data,
         meta.model,
         key.resolution,
         ", flip-averaged" if key.flip_average else "",
+        cut,
         len(missing),
         total,
         path,
+        _size(sum(sizes.values()) * layout.feature_dim * 4),
     )
     rows = _run_pipeline(config, store, missing, since=start) if missing else 0
     store.finalize()
     return FeaturizeResult(
         path, key.digest, False, len(missing), total, sizes, time.monotonic() - start, images_computed=rows
     )
+
+
+def _size(size: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
 
 
 def _absolute(path: str, *, only_if_exists: bool = False) -> str:

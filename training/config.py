@@ -5,8 +5,9 @@ where the data and the run directory are is the train stage's business. Sweep an
 embed a ``TrainingConfig`` and vary fields of it with ``dataclasses.replace`` rather than
 copying them, so a default means the same thing in every command; ``training_config`` nests a
 command's flat options into one (``with_options`` replaces some of them, as a sweep's grid does).
-Settings that only one mode reads live in ``ImageSettings`` (all layers of a network on images)
-and ``FeatureSettings`` (the last layer on cached features).
+Settings that only one mode reads live in ``ImageSettings`` (all layers of a network on images,
+or the layers above a cut on cached activations: its ``model`` names the top, its ``augmult``
+the cached views per example) and ``FeatureSettings`` (the last layer on cached features).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import Accountant, SamplingScheme, check_clip_norm, check_ema_decay, check_positive
 from dpscale.privacy.plan import PrivacyTarget
 
-Mode = Literal["images", "features"]
-MODES = ("images", "features")
+Mode = Literal["images", "features", "activations"]
+MODES = ("images", "features", "activations")
+CACHE_MODES = ("features", "activations")  # modes that read a feature-cache entry, not images
 FEATURE_NORMALIZATIONS = ("none", "l2", "center-l2")
 # Physical batch when none is given: small for networks on images (memory of per-example
 # gradients), large for the closed-form last layer (one matrix product per micro-batch).
-DEFAULT_MICROBATCH = {"images": 64, "features": 4096}
+DEFAULT_MICROBATCH = {"images": 64, "features": 4096, "activations": 256}
 _log = logging.getLogger(__name__)
 
 
@@ -102,7 +104,7 @@ class TrainingConfig:
     features: FeatureSettings = FeatureSettings()
 
     def __post_init__(self) -> None:
-        _check(self.mode in MODES, f"mode must be 'images' or 'features', got {self.mode!r}")
+        _check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         check_clip_norm(self.clip_norm)
         check_positive(self.learning_rate, "learning rate")
         _check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
@@ -220,7 +222,7 @@ def training_config(
         devices=devices,
         private_diagnostics=private_diagnostics,
         holdout=holdout,
-        images=images if mode == "images" else ImageSettings(),
+        images=images if mode in ("images", "activations") else ImageSettings(),
         features=features if mode == "features" else FeatureSettings(),
     )
 

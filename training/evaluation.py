@@ -24,6 +24,7 @@ import numpy as np
 
 from dpscale.data import shards
 from dpscale.errors import DataError, InvalidConfigError, storage_faults
+from dpscale.training.config import CACHE_MODES
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model
 from dpscale.training.run_directory import RunDirectory, RunSpec
 
@@ -130,7 +131,7 @@ def _check_made_alike(
 def _identity(data: str, mode: str) -> str:
     """What tells two data sets apart without reading them: the content hash of an ingested dataset's
     manifest, the digest of a feature entry (its backbone, preprocessing and keyed data identity)."""
-    if mode == "features":
+    if mode in CACHE_MODES:
         from dpscale.cache.feature_store import open_features
 
         return open_features(data).digest

@@ -1,9 +1,12 @@
 """What the train loop feeds the DP step: fixed-shape micro-batches for a sampled batch.
 
-Two feeds, one interface (``microbatches(batch, step)``):
+Three feeds, one interface (``microbatches(batch, step)``):
 
 * ``ImageFeed`` reads images by index, normalises them and makes K augmented
   views per example on device: leaves ``[b, K, H, W, C]`` and labels ``[b, K]``.
+* ``ActivationFeed`` gathers activations cached at a cut (``V`` views per example)
+  by index and takes K of the V views: the same leaves as ``ImageFeed``, so the
+  layers above the cut train with the images mode's DP step.
 * ``FeatureFeed`` gathers cached backbone features by index: ``[b, d]``, their
   squared norms ``[b]`` (computed once, see ``privacy/linear.py``) and labels
   ``[b]`` (no augmentation axis: the features are fixed).
@@ -25,10 +28,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from dpscale.data.augment import augment_views
 from dpscale.data.image_data import InMemorySplit, normalize
 from dpscale.distributed import BatchPlacement
 from dpscale.privacy.sampling import SampledBatch
-from dpscale.training.augment import augment_views
 
 Microbatch = tuple[dict[str, Any], jax.Array]
 
@@ -123,3 +126,55 @@ class FeatureFeed:
             self.placement.put((self.take(batch.indices[m][rows]), batch.mask[m][rows]), size)
             for m in range(batch.num_microbatches)
         ]
+
+
+class ActivationFeed:
+    """Cached activations ``[N, V, h, w, c]`` -> micro-batches of K views per example.
+
+    With K = V every cached view is used; with K < V each example gets K distinct views drawn
+    afresh every step from the augmentation stream (the same draw in every process).
+    """
+
+    def __init__(
+        self,
+        activations: np.ndarray,
+        labels: np.ndarray,
+        *,
+        augmult: int,
+        key: jax.Array,
+        placement: BatchPlacement | None = None,
+    ) -> None:
+        if not 1 <= augmult <= activations.shape[1]:
+            raise ValueError(f"augmult {augmult} needs 1 to {activations.shape[1]} cached views")
+        self.activations, self.labels = activations, np.asarray(labels, np.int32)
+        self.augmult = augmult
+        self.placement = placement or BatchPlacement(None)
+        self._key = key
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _views(self, key: jax.Array, size: int) -> np.ndarray:
+        """``[size, K]`` view indices: all V in order, or K distinct ones per example drawn with ``key``."""
+        available = self.activations.shape[1]
+        if self.augmult == available:
+            return np.broadcast_to(np.arange(available), (size, available))
+        draws = np.asarray(jax.random.uniform(key, (size, available)))
+        return np.argsort(draws, axis=1)[:, : self.augmult]
+
+    def microbatches(self, batch: SampledBatch, step: int) -> list[Microbatch]:
+        size = batch.indices.shape[1]
+        rows = self.placement.rows(size)
+        out = []
+        for m in range(batch.num_microbatches):
+            key = jax.random.fold_in(jax.random.fold_in(self._key, step), m)
+            views = self._views(key, size)[rows]  # drawn for the whole micro-batch, then this process's rows
+            indices = batch.indices[m][rows]
+            real = indices >= 0
+            safe = np.where(real, indices, 0)
+            images = self.activations[safe[:, None], views]
+            images[~real] = 0.0
+            labels = np.repeat(np.where(real, self.labels[safe], 0)[:, None], self.augmult, axis=1)
+            images, labels, mask = self.placement.put((images, labels, batch.mask[m][rows]), size)
+            out.append(({"image": images, "label": labels}, mask))
+        return out

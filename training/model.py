@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,8 +47,8 @@ from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
 from dpscale.training import feature_normalization, memory
-from dpscale.training.config import ImageSettings, TrainingConfig
-from dpscale.training.feeds import FeatureFeed, ImageFeed, resize_views
+from dpscale.training.config import CACHE_MODES, ImageSettings, TrainingConfig
+from dpscale.training.feeds import ActivationFeed, FeatureFeed, ImageFeed, resize_views
 
 PyTree = Any
 _log = logging.getLogger(__name__)
@@ -211,14 +212,39 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
             placement=placement,
         )
 
-    def layerwise_clipped_sum(clip_norm: float) -> ClippedSumFn | None:
-        """Per-layer norms (ghost or book-keeping) when every parameter has a rule, else None (vmap).
+    _check_memory(config, loss_fn, init_params, model_state, input_shape)
+    return TrainModel(
+        num_examples=trained_rows,
+        num_classes=len(dataset.class_names),
+        data_hash=data_hash(data, config),
+        loss_fn=loss_fn,
+        init_params=init_params,
+        model_state=model_state,
+        make_feed=make_feed,
+        logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
+        eval_inputs=eval_inputs,
+        clipped_sum_fn=_layerwise_clipped_sum(config, loss_fn, init_params, model_state, input_shape),
+        inputs=inputs,
+    )
 
-        The example has one device's micro-batch: on a GPU or TPU each layer's path is timed there."""
+
+def _layerwise_clipped_sum(
+    config: TrainingConfig,
+    loss_fn: Callable[..., jax.Array],
+    init_params: Callable[[int], PyTree],
+    model_state: PyTree,
+    input_shape: tuple[int, ...],
+) -> Callable[[float], ClippedSumFn | None]:
+    """A network's ``clipped_sum_fn``: per-layer norms (ghost or book-keeping) when every parameter has
+    a rule, else None (vmap). Inputs are ``{"image": [b, K, *input_shape], "label": [b, K]}``."""
+    augmult = config.images.augmult
+
+    def clipped_sum(clip_norm: float) -> ClippedSumFn | None:
+        # The example has one device's micro-batch: on a GPU or TPU each layer's path is timed there.
         examples = _examples_per_device(config)
         batch = {
-            "image": jax.ShapeDtypeStruct((examples, settings.augmult, *input_shape), jnp.float32),
-            "label": jax.ShapeDtypeStruct((examples, settings.augmult), jnp.int32),
+            "image": jax.ShapeDtypeStruct((examples, augmult, *input_shape), jnp.float32),
+            "label": jax.ShapeDtypeStruct((examples, augmult), jnp.int32),
         }
         example = (jax.eval_shape(lambda: init_params(0)), model_state, batch)
         try:
@@ -232,20 +258,7 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
             _log.log(logging.INFO if measured else logging.DEBUG, "clip path of %s", line)
         return fn
 
-    _check_memory(config, loss_fn, init_params, model_state, input_shape)
-    return TrainModel(
-        num_examples=trained_rows,
-        num_classes=len(dataset.class_names),
-        data_hash=data_hash(data, config),
-        loss_fn=loss_fn,
-        init_params=init_params,
-        model_state=model_state,
-        make_feed=make_feed,
-        logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
-        eval_inputs=eval_inputs,
-        clipped_sum_fn=layerwise_clipped_sum,
-        inputs=inputs,
-    )
+    return clipped_sum
 
 
 def _examples_per_device(config: TrainingConfig) -> int:
@@ -348,6 +361,107 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
     )
 
 
+def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
+    """A top trained above a cut, on activations cached by ``featurize --cut`` (``models.cuts``)."""
+    from dpscale.cache.feature_store import open_features
+    from dpscale.models import cuts
+
+    store = open_features(data)
+    key = store.key
+    if not key.cut:
+        raise DataError(f"{data!r} holds pooled features, not activations at a cut: train it with --mode features")
+    _check_training_split(data, config.train_split, store.splits, store.num_examples)
+    views, *activation_shape = store.feature_shape
+    activation_shape = tuple(activation_shape)
+    settings = config.images
+    if settings.backbone:
+        raise InvalidConfigError("--backbone does not apply above a cut: the cache entry names its backbone")
+    backbone, variables = _cut_backbone(store)
+    tops = cuts.top_names(backbone)
+    # The images default names no top: above a cut it means the cut's default top.
+    top_name = tops[0] if settings.model == ImageSettings.model else settings.model
+    top = cuts.build_top(
+        backbone,
+        key.cut,
+        top_name,
+        variables=variables,
+        num_classes=store.num_classes,
+        activation_shape=activation_shape,
+    )
+    validate_dp_model(
+        top.model, activation_shape, variables={"params": top.init_params(jax.random.key(0)), **top.model_state}
+    )
+    total = store.num_examples(config.train_split)
+    trained_rows = _trained_rows(total, config.holdout)
+    model_state = top.model_state
+
+    def init_params(seed: int) -> PyTree:
+        return top.init_params(stream_key(seed, Stream.INIT))
+
+    def loss_fn(params: PyTree, state: PyTree, batch: dict[str, jax.Array]) -> jax.Array:
+        return _cross_entropy(top.model.apply({"params": params, **state}, batch["image"]), batch["label"])
+
+    def rows_of(split: str) -> tuple[str, slice]:
+        source, rows = _rows_of(split, train_split=config.train_split, total=total, holdout=config.holdout)
+        if source not in store.splits:
+            held = f" and {HOLDOUT_SPLIT!r}" if config.holdout else ""
+            raise DataError(f"the cache entry has no split {split!r} (has {store.splits}{held})")
+        return source, rows
+
+    def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
+        """View 0 of every row: the activations of the image itself."""
+        source, rows = rows_of(split)
+        flat = np.asarray(store.features(source)[rows], np.float32)
+        return flat.reshape(len(flat), views, *activation_shape)[:, 0], store.labels(source)[rows]
+
+    def make_feed(key: jax.Array, placement: Any = None, state: PyTree = None) -> ActivationFeed:
+        if settings.augmult > views:  # checked here, for training: evaluation reads view 0 only
+            raise InvalidConfigError(
+                f"augmult {settings.augmult} needs {settings.augmult} cached views per image, the entry has "
+                f"{views}: featurize with --augmult-views {settings.augmult}"
+            )
+        source, rows = rows_of(config.train_split)
+        flat = np.asarray(store.features(source)[rows], np.float32)
+        activations = flat.reshape(len(flat), views, *activation_shape)
+        return ActivationFeed(
+            activations, store.labels(source)[rows], augmult=settings.augmult, key=key, placement=placement
+        )
+
+    _check_memory(config, loss_fn, init_params, model_state, activation_shape)
+    return TrainModel(
+        num_examples=trained_rows,
+        num_classes=store.num_classes,
+        data_hash=data_hash(data, config),
+        loss_fn=loss_fn,
+        init_params=init_params,
+        model_state=model_state,
+        make_feed=make_feed,
+        logits_fn=lambda params, state, x: top.model.apply({"params": params, **state}, x),
+        eval_inputs=eval_inputs,
+        clipped_sum_fn=_layerwise_clipped_sum(config, loss_fn, init_params, model_state, activation_shape),
+        inputs=feature_inputs(store) | {"top": top_name},
+    )
+
+
+def _cut_backbone(store: Any) -> tuple[Any, PyTree]:
+    """The backbone an entry was cut from (its recorded directory or name), checked against the key's weights."""
+    key, where = store.key, store.layout.backbone or store.key.model
+    try:
+        meta = pretrained.read_metadata(pretrained.resolve_backbone(where))
+    except DataError as error:
+        raise DataError(
+            f"the backbone this cache entry was cut from ({where!r}) cannot be read ({error}); the layers above "
+            "the cut start from its weights: restore it, or featurize again"
+        ) from None
+    if meta.weights_sha256 != key.weights_sha256 or meta.model != key.model:
+        raise DataError(
+            f"the backbone at {where!r} is not the one this cache entry was cut from (other weights): "
+            "restore that backbone, or featurize again with this one"
+        )
+    model, variables, _ = pretrained.load_pretrained(where)
+    return model, variables
+
+
 def feature_inputs(store: Any) -> dict[str, Any]:
     """What a feature entry's rows mean: its key without the data's identity, and its classes."""
     key = {k: v for k, v in store.key.as_dict().items() if k != "data_identity"}
@@ -359,7 +473,7 @@ def data_hash(data: str, config: TrainingConfig) -> str:
 
     Cheap: no model is built, so a sweep can check its data before it decides what to train.
     """
-    if config.mode == "features":
+    if config.mode in CACHE_MODES:
         from dpscale.cache.feature_store import open_features
 
         store = open_features(data)
@@ -369,13 +483,22 @@ def data_hash(data: str, config: TrainingConfig) -> str:
 
 
 def build_train_model(data: str, config: TrainingConfig) -> TrainModel:
-    """The model of a run on ``data`` (an ingested dataset, or a feature-cache entry in features mode)."""
-    return _feature_model(data, config) if config.mode == "features" else _image_model(data, config)
+    """The model of a run on ``data`` (an ingested dataset, or a feature-cache entry)."""
+    builders = {"features": _feature_model, "activations": _activation_model, "images": _image_model}
+    return builders[config.mode](data, config)
 
 
 def detect_mode(data: str) -> str:
-    """``features`` when ``data`` is a feature-cache entry, else ``images`` (an ingested dataset)."""
+    """``features`` for a feature-cache entry of pooled features, ``activations`` for one cut at a
+    layer, else ``images`` (an ingested dataset)."""
     from dpscale import files
     from dpscale.cache.feature_store import METADATA
 
-    return "features" if files.isfile(files.join(data, METADATA)) else "images"
+    path = files.join(data, METADATA)
+    if not files.isfile(path):
+        return "images"
+    try:
+        cut = json.loads(files.read_text(path)).get("key", {}).get("cut")
+    except (OSError, ValueError, AttributeError):
+        return "features"  # opening it says what is wrong
+    return "activations" if cut else "features"

@@ -38,6 +38,8 @@ def test_digest_is_stable_and_survives_a_round_trip():
         {"resize_method": "nearest"},
         {"format_version": FEATURE_FORMAT_VERSION + 1},
         {"model": "efficientnet-lite1"},
+        {"cut": "blocks_12"},
+        {"cut": "blocks_12", "views": 2},
         {"flip_average": True},
     ],
 )
@@ -61,3 +63,23 @@ def test_bad_keys_are_data_errors():
         dataclasses.replace(BASE, data_identity="")
     with pytest.raises(DataError, match="malformed"):
         FeatureKey.from_dict({**BASE.as_dict(), "colour": "blue"})
+
+
+def test_a_key_without_a_cut_has_the_digest_it_had_before_cuts_existed():
+    """Parts at their defaults stay out of the digest: entries made earlier keep their names
+    (the digest pinned here is the one computed before ``cut`` and ``views`` were parts)."""
+    assert "cut" not in BASE.as_dict() and "views" not in BASE.as_dict()
+    assert BASE.digest == "b0f01f8c34130b1bd6fe7e7eb09967c3dd41e1474865a011b91aed59b96a9c8a"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"views": 2}, "augmented views are cached at a cut only"),
+        ({"cut": "blocks_3", "views": 0}, "views must be a positive integer"),
+        ({"cut": "blocks_3", "flip_average": True}, "flip averaging applies to pooled features"),
+    ],
+)
+def test_impossible_cut_keys_are_refused(change, message):
+    with pytest.raises(DataError, match=message):
+        dataclasses.replace(BASE, **change)

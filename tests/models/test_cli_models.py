@@ -27,11 +27,14 @@ def test_models_table_has_a_header_one_line_per_model_and_says_what_its_columns_
     result = CliRunner().invoke(cli, ["models"])
     assert result.exit_code == 0, result.output
     header, *rest = result.output.splitlines()
-    assert header.split() == ["model", "parameters", "input", "classes", "weights"]
+    assert header.split() == ["model", "parameters", "input", "classes", "weights", "cuts", "(tops)"]
     rows, legend = rest[: len(list_models())], rest[len(list_models()) :]
     assert [row.split()[0] for row in rows] == list_models()
-    assert rows[0].split()[-1] == "-" and "- = none published" in "\n".join(legend)
+    assert rows[0].split()[-2:] == ["-", "-"] and "- = none published" in "\n".join(legend)
     assert "ImageNet = published weights" in "\n".join(legend)
+    lite0 = next(row for row in rows if row.startswith("efficientnet-lite0 "))
+    assert lite0.endswith("ImageNet  blocks_0 .. blocks_15 (pretrained)")
+    assert "featurize --backbone NAME --cut CUT" in "\n".join(legend)
 
 
 def test_the_listing_is_the_registry_s_own_description_of_every_model():

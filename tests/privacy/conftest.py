@@ -91,6 +91,17 @@ def assert_trees_close(actual, expected, rtol: float = 1e-5):
         )
 
 
+def scan_lengths(jaxpr) -> list[int]:
+    """The trip counts of every loop (``scan``, as ``lax.map`` makes) in a jaxpr and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["length"])
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found += scan_lengths(sub)
+    return found
+
+
 @pytest.fixture
 def toy():
     """This module: ``toy.loss_fn``, ``toy.init_params``, ``toy.make_batch``, ..."""
@@ -99,5 +110,5 @@ def toy():
 
 @pytest.fixture
 def nets():
-    """This module: ``nets.image_loss``, ``nets.image_batch``, ``nets.random_params``, ``nets.assert_trees_close``."""
+    """This module: ``nets.image_loss``, ``nets.image_batch``, ``nets.random_params``, ``nets.assert_trees_close``, ``nets.scan_lengths``."""
     return sys.modules[__name__]

@@ -134,10 +134,10 @@ class _Scaled(nn.Module):
         return nn.Dense(3)(jnp.mean(ScaledWSConv(4, 3)(x), axis=(1, 2)))
 
 
-class _FrozenBatchNorm(nn.Module):
+class _BatchStatistics(nn.Module):
     @nn.compact
     def __call__(self, x):
-        x = nn.BatchNorm(use_running_average=True)(WSConv(4, 3)(x))
+        x = nn.BatchNorm(use_running_average=False)(WSConv(4, 3)(x))
         return nn.Dense(3)(jnp.mean(x, axis=(1, 2)))
 
 
@@ -161,8 +161,8 @@ class _Subclassed(nn.Module):
 
 @pytest.mark.parametrize(
     "model",
-    [_Scaled(), _FrozenBatchNorm(), _OwnParam(), _Subclassed()],
-    ids=["scaled-ws-conv", "frozen-batchnorm", "own-param", "dense-subclass"],
+    [_Scaled(), _BatchStatistics(), _OwnParam(), _Subclassed()],
+    ids=["scaled-ws-conv", "batchnorm-batch-statistics", "own-param", "dense-subclass"],
 )
 def test_refuses_models_with_uncovered_parameters(model, nets):
     variables = model.init(jax.random.key(0), jnp.zeros((1, 6, 6, 2)))

@@ -17,9 +17,9 @@ import pytest
 from flax import linen as nn
 
 from dpscale.models.layers import WSConv
-from dpscale.privacy.bookkeeping import shifted_windows
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.layer_bounds import WsGeometry
+from dpscale.privacy.layer_rules import shifted_windows
 from dpscale.privacy.rounding import FORMATS, ClipPrecision
 
 SIZE = 4

@@ -20,10 +20,10 @@ from flax import linen as nn
 from dpscale.errors import InvalidConfigError
 from dpscale.models import registry
 from dpscale.models.layers import WSConv
-from dpscale.privacy import path_timing
+from dpscale.privacy import device_tuning, path_cost, path_timing
 from dpscale.privacy.bookkeeping import plan_layers
 from dpscale.privacy.clipping import clipped_sum_from_gradients, per_example_gradients
-from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES, DeviceTuning, tuning_for
+from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES, DeviceTuning, memory_budget, tuning_for
 from dpscale.privacy.ghost import STRATEGIES, describe, describe_layers, make_ghost_clipped_sum_fn
 from dpscale.privacy.rounding import ClipPrecision
 
@@ -60,6 +60,25 @@ def test_each_backend_has_its_settings_and_an_unknown_one_the_cpus():
         DeviceTuning(candidates=())
     with pytest.raises(InvalidConfigError, match="a candidate's path"):
         DeviceTuning(candidates=(("guess", ClipPrecision()),))
+    with pytest.raises(InvalidConfigError, match="prune_factor"):
+        DeviceTuning(prune_factor=1.0)
+    with pytest.raises(InvalidConfigError, match="memory_bytes"):
+        DeviceTuning(memory_bytes=0)
+    # A measured cost model where one was measured (NVIDIA GPUs); elsewhere every candidate is timed.
+    assert GPU.cost is not None and tuning_for("tpu").cost is None and cpu.cost is None
+
+
+def test_the_memory_budget_is_a_fraction_of_what_the_device_says(monkeypatch):
+    assert memory_budget(dataclasses.replace(GPU, memory_bytes=123)) == 123
+    default = device_tuning.DEFAULT_DEVICE_BYTES
+    assert memory_budget(GPU) == int(device_tuning.MEMORY_FRACTION * default)  # a CPU says nothing
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 8 * 10**9}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device()])
+    assert memory_budget(GPU) == int(device_tuning.MEMORY_FRACTION * 8 * 10**9)
 
 
 @pytest.mark.parametrize("views", [1, 4])
@@ -70,8 +89,8 @@ def test_the_gpu_settings_time_every_layer_and_clip_as_vmap_does(views, nets):
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=GPU)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     assert timed and all(c.reason.startswith("measured: ") for c in timed)
-    for choice in timed:  # every candidate was timed, and the chosen one is named first
-        assert choice.reason.count(" ms") == len(GPU.candidates)
+    for choice in timed:  # every candidate was timed (none is hopeless here), the chosen one named first
+        assert choice.reason.count(" ms") == len(GPU.candidates) and choice.chunk == 0
         chosen = path_timing.candidate_name(choice.strategy, choice.precision)
         assert choice.reason.startswith(f"measured: {chosen} ")
     assert "chosen by measured" in describe(fn.layers) and len(describe_layers(fn.layers)) == len(timed)
@@ -161,3 +180,82 @@ def test_measured_summary_ranks_the_candidates():
     )
     assert measured.summary() == "measured: explicit/highest 2.00 ms (streamed/tf32 3.00 ms, ghost/highest failed)"
     assert path_timing.candidate_name("ghost", ClipPrecision("tf32", "highest")) == "ghost/tf32+highest"
+
+
+@pytest.mark.parametrize("views", [1, 4])
+def test_a_tiny_memory_budget_chunks_or_drops_and_the_sum_is_still_vmaps(views, nets):
+    loss_fn, params, batch = _cnn(nets, views)
+    tuning = dataclasses.replace(GPU, memory_bytes=150_000)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=tuning)
+    timed = [c for c in fn.layers if c.strategy != "book-keeping"]
+    chunked = [c for c in timed if c.chunk]
+    assert chunked and all("chunked " in c.reason and c.chunk < batch["label"].shape[0] for c in chunked)
+    assert any(" dropped: needs " in c.reason for c in timed)
+    for c in timed:  # never a path whose working set is known not to fit
+        shape = path_cost.LayerShape(batch["label"].shape[0], c.positions, c.fan_in, c.fan_out, c.kind == "WSConv")
+        held, per_example = path_cost.working_set(c.strategy, shape)
+        assert held + per_example * (c.chunk or shape.examples) <= tuning.memory_bytes
+    size = batch["label"].shape[0]
+    mask = jnp.ones(size).at[0].set(0.0)
+    loops = nets.scan_lengths(jax.make_jaxpr(fn)(params, {}, batch, mask).jaxpr)
+
+    assert all(size // c.chunk in loops for c in chunked)  # the guard's chunks are the loops that run
+    out = jax.jit(fn)(params, {}, batch, mask)
+    losses, grads = per_example_gradients(loss_fn, params, {}, batch)
+    ref = clipped_sum_from_gradients(grads, mask, clip_norm=0.05, losses=losses)
+    assert int(out.num_clipped) == int(ref.num_clipped) and int(out.num_examples) == size - 1
+    nets.assert_trees_close(out.value, ref.value, rtol=3e-2)
+
+
+def test_a_rule_path_that_does_not_fit_gives_way_to_one_that_does(nets):
+    loss_fn, params, batch = _cnn(nets, 1)
+    # The stem (144 positions, 9 -> 16): the rule's explicit holds 3.5 KB and needs 6.3 KB an example;
+    # streamed needs 6.9 KB an example and holds nothing.
+    tuning = dataclasses.replace(GPU, choose="rule", memory_bytes=8000)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=tuning)
+    stem = next(c for c in fn.layers if c.path == ("backbone", "conv_0"))
+    assert (stem.strategy, stem.chunk) == ("streamed", 1)
+    assert stem.reason.startswith("rule; explicit does not fit the memory budget; chunked 6 x 1 examples")
+    assert "chosen by rule (" in describe(fn.layers) and "chunked" not in describe(fn.layers)
+    size = batch["label"].shape[0]
+    mask = jnp.ones(size)
+    out = jax.jit(fn)(params, {}, batch, mask)
+    losses, grads = per_example_gradients(loss_fn, params, {}, batch)
+    ref = clipped_sum_from_gradients(grads, mask, clip_norm=0.05, losses=losses)
+    nets.assert_trees_close(out.value, ref.value, rtol=3e-2)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_chunked_by_the_memory_guard_one_example_moves_the_sum_by_at_most_one(strategy, nets):
+    loss_fn, params, batch = _cnn(nets, 2, scale=30.0)  # large inputs: every example is clipped
+    size = batch["label"].shape[0]
+    one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+    paths = [c.path for c in plan_layers(loss_fn, params, {}, one) if type(c.module) in (WSConv, nn.Dense)]
+    tuning = dataclasses.replace(GPU, choose="rule", memory_bytes=300_000, precision=ClipPrecision("tf32", "tf32"))
+    made = make_ghost_clipped_sum_fn(
+        loss_fn, clip_norm=0.01, example=(params, {}, batch), strategies={p: strategy for p in paths}, tuning=tuning
+    )
+    assert any(c.chunk for c in made.layers)
+    fn = jax.jit(made)
+    full = fn(params, {}, batch, jnp.ones(size))
+    assert int(full.num_clipped) == size
+    for i in range(size):
+        without = fn(params, {}, batch, jnp.ones(size).at[i].set(0.0))
+        diff = [
+            np.asarray(a, np.float64) - np.asarray(b, np.float64)
+            for a, b in zip(jax.tree_util.tree_leaves(full.value), jax.tree_util.tree_leaves(without.value))
+        ]
+        assert np.sqrt(sum(np.sum(d * d) for d in diff)) <= 1.0
+
+
+def test_pruned_candidates_are_said_in_the_reason_and_in_clip_paths(nets):
+    loss_fn, params, batch = _cnn(nets, 1)
+    tuning = dataclasses.replace(GPU, prune_factor=1.0001)  # all but the two cheapest by the model
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=tuning)
+    timed = [c for c in fn.layers if c.strategy != "book-keeping"]
+    for choice in timed:
+        assert choice.reason.count(" ms") + choice.reason.count(" pruned: est. ") == len(GPU.candidates)
+        assert choice.reason.count(" ms") >= 2
+    assert any(" pruned: est. " in c.reason for c in timed)
+    written = json.loads(json.dumps([dataclasses.asdict(c) for c in fn.layers]))  # as the trainer writes them
+    assert any("pruned: est." in layer["reason"] for layer in written) and all("chunk" in layer for layer in written)

@@ -3,7 +3,8 @@
 The inputs are built to break a rounded norm: per-example gradients along the standardised kernel
 (a WS Jacobian with condition number ~10^5), views whose gradients cancel to 10^-6 of their size,
 constant images (whose centred gradient is pure rounding), scales from 1e-39 (denormal) to 1e20,
-and all of these in one batch; K = 1 and 4 views. One example at a time is unmasked and the
+and all of these in one batch; K = 1 and 4 views; WS, dense and EfficientNet-Lite's layers
+(plain, depthwise and 1x1 convolutions, frozen BatchNorm). One example at a time is unmasked and the
 clipped sum's norm, taken in float64, must be <= 1 with no slack: that is the clip weight times
 what the path adds for that example, with every rounding of its norm, weight, product and fold in
 it. (The rounding of a sum over *other* examples is not per example: docs/privacy.md,
@@ -19,6 +20,7 @@ import optax
 import pytest
 from flax import linen as nn
 
+from dpscale.models.efficientnet_lite import DepthwiseConv
 from dpscale.models.layers import WSConv, standardize_kernel
 from dpscale.privacy.bookkeeping import UnsupportedModelError, make_bookkeeping_clipped_sum_fn
 from dpscale.privacy.clipping import make_clipped_sum_fn
@@ -151,7 +153,52 @@ def biases_case(views):
     return _cross_entropy, params, batches
 
 
-CASES = {"ws": ws_case, "dense": dense_case, "biases": biases_case}
+class LiteLayers(nn.Module):
+    """EfficientNet-Lite's layers: a plain convolution, frozen BatchNorm, a depthwise and a 1x1 convolution."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(4, (3, 3), strides=2, name="plain")(x)
+        x = nn.BatchNorm(use_running_average=True, epsilon=1e-3, name="bn")(x)
+        x = DepthwiseConv(3, name="dw")(x)
+        return nn.Conv(3, (1, 1), use_bias=False, name="project")(x)
+
+
+def lite_case(views):
+    """Inputs at every scale, constant ones, and views whose gradients cancel; one BatchNorm channel's
+    variance far below its epsilon. The statistics are constants of the loss."""
+    rng = np.random.default_rng(5)
+    abstract = jax.eval_shape(LiteLayers().init, jax.random.key(0), jnp.zeros((1, 5, 5, 2)))
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), abstract["params"])
+    stats = {"mean": jnp.asarray(rng.normal(size=4), jnp.float32), "var": jnp.asarray([1e-30, 0.5, 2.0, 1e4])}
+
+    def loss_fn(params, model_state, views):
+        y = LiteLayers().apply({"params": params, "batch_stats": {"bn": stats}}, views["input"])
+        return jnp.mean(jnp.sum((y * views["target"]).reshape(y.shape[0], -1), axis=1))
+
+    natural, target = rng.normal(size=(5, 5, 2)), rng.normal(size=(3, 3, 3))
+    drift = 1 + 1e-6 * np.arange(views)[:, None, None, None]
+
+    def same(image, t=target):
+        return np.repeat(image[None], views, axis=0), np.repeat(t[None], views, axis=0)
+
+    batches = {
+        "scales": [same(natural * c) for c in SCALES],
+        "tiny": [
+            same(natural * 1e-39),
+            same(natural, target * 1e-39),
+            same(natural * 1e-20, target * 1e-20),
+            same(natural),
+        ],
+        "constant": [same(np.full((5, 5, 2), c)) for c in (1.0, -2.0, 5.0, 100.0)],
+        "cancelling": [
+            (natural[None] * drift * c, _signs(views)[:, None, None, None] * target[None]) for c in (1.0, 3.0, 1e3, 1e8)
+        ],
+    }
+    return loss_fn, params, {k: _stack(v, views) for k, v in batches.items()}
+
+
+CASES = {"ws": ws_case, "dense": dense_case, "biases": biases_case, "lite": lite_case}
 
 
 def single_example_norms(fn, params, batch, *, clipped=None):

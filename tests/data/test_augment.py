@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from dpscale.training.augment import augment_views
+from dpscale.data.augment import augment_views
 
 
 def test_views_are_crops_of_the_reflect_padded_image_or_their_flips():

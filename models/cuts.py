@@ -1,0 +1,165 @@
+"""A backbone split at a named cut: the frozen part below it, cached once; the top above it, trained.
+
+Training only the top of a pretrained network (or a small CNN on a fixed scattering
+transform) under DP needs the frozen part's forward pass once per image, not once per step:
+``dpscale featurize --cut NAME`` stores the activations at the cut in the feature cache and
+``dpscale train`` trains a top on them with the per-layer clipping of images mode.
+
+Cuts and tops, by backbone:
+
+* EfficientNet-Lite0/1/2: ``blocks_<i>``, the output of MBConv block ``i`` (0-based). Top
+  ``pretrained``: the blocks after ``i`` and the head, initialised from the backbone's own
+  weights (BatchNorm frozen at its ImageNet statistics, which come from public data), with a
+  zero classifier as in De et al. (2022).
+* ``scatternet-linear`` / ``scatternet-cnn``: ``scattering``, the per-example normalised
+  scattering maps (no parameters). Tops ``cnn`` and ``cnn-wide``: GroupNorm + WS-conv CNNs from
+  random initialisation (Tramer & Boneh 2021's ScatterNet+CNN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dpscale.errors import DataError, InvalidConfigError
+from dpscale.models import efficientnet_lite, scattering
+from dpscale.models.classifier import Classifier, ImageClassifier
+
+PyTree = Any
+SCATTERING = "scattering"
+PRETRAINED_TOP = "pretrained"
+_BLOCK = "blocks_"
+#: The CNN tops on scattering maps: their WS-conv channels (GroupNorm of 16 groups after each).
+SCATTER_TOPS = {"cnn": (64, 64), "cnn-wide": (128, 128)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TopModel:
+    """What is trained above a cut: the module, its initial parameters, its frozen state."""
+
+    model: ImageClassifier
+    init_params: Callable[[int], PyTree]  # the INIT stream's key -> parameters
+    model_state: PyTree  # non-trainable collections (frozen BatchNorm statistics), else {}
+
+
+def _backbone(model: Any) -> Any:
+    return model.backbone if isinstance(model, ImageClassifier) else model
+
+
+def _is_lite(model: Any) -> bool:
+    return isinstance(_backbone(model), efficientnet_lite.EfficientNetLiteBackbone)
+
+
+def _is_scattering(model: Any) -> bool:
+    return isinstance(_backbone(model), (scattering.ScatterLinearBackbone, scattering.ScatterCNNBackbone))
+
+
+def _num_blocks(model: Any) -> int:
+    backbone = _backbone(model)
+    return len(efficientnet_lite.block_specs(backbone.width, backbone.depth))
+
+
+def cut_names(model: Any) -> tuple[str, ...]:
+    """The cuts of a built model (``registry.get_model``), shallowest first; () if it has none."""
+    if _is_lite(model):
+        return tuple(f"{_BLOCK}{i}" for i in range(_num_blocks(model)))
+    if _is_scattering(model):
+        return (SCATTERING,)
+    return ()
+
+
+def top_names(model: Any) -> tuple[str, ...]:
+    """The tops that can be trained above this model's cuts, the default first."""
+    if _is_lite(model):
+        return (PRETRAINED_TOP,)
+    if _is_scattering(model):
+        return tuple(SCATTER_TOPS)
+    return ()
+
+
+def check_cut(model: Any, name: str, cut: str) -> None:
+    """``InvalidConfigError`` naming the cuts there are, when ``cut`` is not one of ``model``'s."""
+    cuts = cut_names(model)
+    if cut not in cuts:
+        have = f"its cuts: {', '.join(cuts)}" if cuts else "it has no cuts"
+        raise InvalidConfigError(f"{name!r} has no cut {cut!r} ({have})")
+
+
+def activations_fn(model: Any, cut: str, variables: PyTree) -> Callable[[jax.Array], jax.Array]:
+    """Preprocessed images ``(B, H, W, C)`` -> the activations at ``cut`` ``(B, h, w, c)``."""
+    backbone = _backbone(model)
+    if _is_scattering(model):
+        maps = scattering.ScatterMaps(J=backbone.J, L=backbone.L, num_groups=_scatter_groups(backbone))
+        return lambda x: maps.apply({}, x)
+    index = _block_index(model, cut)
+    below = backbone.clone(stop_after=index)
+    frozen = {name: collection["backbone"] for name, collection in variables.items() if "backbone" in collection}
+    return lambda x: below.apply(frozen, x)
+
+
+def _scatter_groups(backbone: Any) -> int:
+    if isinstance(backbone, scattering.ScatterCNNBackbone):
+        return backbone.scatter_groups
+    return backbone.num_groups
+
+
+def _block_index(model: Any, cut: str) -> int:
+    if not cut.startswith(_BLOCK) or not cut[len(_BLOCK) :].isdigit():
+        raise InvalidConfigError(f"unknown cut {cut!r}")
+    index = int(cut[len(_BLOCK) :])
+    if index >= _num_blocks(model):
+        raise InvalidConfigError(f"unknown cut {cut!r}: the backbone has {_num_blocks(model)} blocks")
+    return index
+
+
+def build_top(
+    model: Any,
+    cut: str,
+    top: str,
+    *,
+    variables: PyTree,
+    num_classes: int,
+    activation_shape: tuple[int, int, int],
+) -> TopModel:
+    """The top ``top`` above ``cut`` of ``model`` (built by the registry, weights in ``variables``)."""
+    if top not in top_names(model):
+        raise InvalidConfigError(f"no top {top!r} above cut {cut!r} (tops: {', '.join(top_names(model))})")
+    sample = jnp.zeros((1, *activation_shape), jnp.float32)
+    if _is_scattering(model):
+        module = ImageClassifier(
+            backbone=scattering.ScatterCNNTop(channels=SCATTER_TOPS[top]), head=Classifier(num_classes)
+        )
+        init = jax.jit(module.init)
+        return TopModel(module, lambda key: init(key, sample)["params"], {})
+    backbone = _backbone(model)
+    module = ImageClassifier(
+        backbone=efficientnet_lite.EfficientNetLiteTop(
+            width=backbone.width, depth=backbone.depth, cut=_block_index(model, cut), dtype=backbone.dtype
+        ),
+        head=Classifier(num_classes),
+    )
+    abstract = jax.eval_shape(module.init, jax.random.key(0), sample)
+    chosen = {name: _taken(abstract[name]["backbone"], variables[name]["backbone"], name) for name in abstract}
+    head = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract["params"]["head"])
+    params = {"backbone": chosen.pop("params"), "head": head}
+    state = {name: {"backbone": tree} for name, tree in chosen.items()}
+    return TopModel(module, lambda key: params, state)
+
+
+def _taken(wanted: PyTree, have: PyTree, collection: str) -> PyTree:
+    """The backbone's variables by the top's names; a missing name or other shape is a broken backbone."""
+    out = {}
+    for name, sub in wanted.items():
+        if name not in have:
+            raise DataError(f"the backbone's {collection} have no {name!r}: not the model its metadata names")
+        if isinstance(sub, dict):
+            out[name] = _taken(sub, have[name], collection)
+        elif tuple(sub.shape) != tuple(have[name].shape):
+            raise DataError(f"the backbone's {collection} {name!r} have shape {have[name].shape}, expected {sub.shape}")
+        else:
+            out[name] = jnp.asarray(have[name], sub.dtype)
+    return out
