@@ -66,7 +66,7 @@ def count(args: argparse.Namespace) -> None:
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         calls = bookkeeping.plan_layers(loss_fn, params, {}, one)
         _, _, groups = path_timing.candidate_groups(
-            loss_fn, calls, ghost._timed_calls(calls, {}), params, {}, batch, tuning, budget=budget
+            loss_fn, calls, ghost.timed_calls(calls, {}), params, {}, batch, tuning, budget=budget
         )
         timed = sum(len(g.candidates.timed) for g in groups)
         print(f"\n{args.model}, micro-batch {args.microbatch}, K = {views}, budget {budget / 1e9:.1f} GB:")

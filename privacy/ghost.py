@@ -218,7 +218,7 @@ def _booked_paths(calls: tuple[bookkeeping.LayerCall, ...]) -> set[Path]:
     return {call.path for call in calls if uses[call.path] > 1 or not _plain(call.module)}
 
 
-def _timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, Strategy]) -> list[int]:
+def timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, Strategy]) -> list[int]:
     """The calls whose path is worth timing: those with a path to choose that is not forced."""
     skip = _booked_paths(calls) | set(forced)
     return [i for i, call in enumerate(calls) if call.path not in skip]
@@ -277,7 +277,7 @@ def _planned(
     budget = memory_budget(tuning)
     if example is not None and tuning.choose == "measure":
         calls = calls_of(*example)
-        measured = measure_paths(loss_fn, calls, _timed_calls(calls, forced), *example, tuning, budget=budget)
+        measured = measure_paths(loss_fn, calls, timed_calls(calls, forced), *example, tuning, budget=budget)
 
     def plan(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
         calls = calls_of(params, model_state, batch)

@@ -302,6 +302,11 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
     from dpscale.cache.feature_store import open_features
 
     store = open_features(data)
+    if store.key.cut:
+        raise DataError(
+            f"{data!r} holds activations at the cut {store.key.cut!r}, not pooled features: train the layers above "
+            "the cut on it (--mode activations, the default for such an entry)"
+        )
     _check_training_split(data, config.train_split, store.splits, store.num_examples)
     dim, classes = store.feature_dim, len(store.class_names)
     total = store.num_examples(config.train_split)

@@ -94,6 +94,9 @@ def test_cut_runs_refuse_more_views_than_cached_a_backbone_flag_and_an_unknown_t
         run(env["views1"], backbone="efficientnet-lite0")
     with pytest.raises(InvalidConfigError, match="tops: cnn, cnn-wide"):
         run(env["views1"], model="wrn-16-4")
+    features = TrainingConfig(mode="features", batch_size=64, steps=2, show_progress=False)
+    with pytest.raises(DataError, match="holds activations at the cut 'scattering', not pooled features"):
+        train.run(train.TrainConfig(env["views1"], str(tmp_path / "f"), features))
 
 
 def test_featurize_cli_refuses_a_cut_the_backbone_does_not_have_and_views_without_a_cut(env, tmp_path):
