@@ -225,9 +225,15 @@ TRAINING_OPTIONS = options(
         type=StageChoice("train.MODES"),
         default=None,
         help="images: all layers of --model on ingested DATA; features: the last layer on a feature "
-        "cache entry. Default: features when DATA is a feature cache entry, else images.",
+        "cache entry; activations: the layers above the cut on an entry of `featurize --cut`. Default: "
+        "read off DATA.",
     ),
-    click.option("--model", default="cnn-small", show_default=True, help="A name from `dpscale models` (images mode)."),
+    click.option(
+        "--model",
+        default="cnn-small",
+        show_default=True,
+        help="A name from `dpscale models` (images mode); above a cut, one of its tops (default: the first).",
+    ),
     click.option(
         "--backbone",
         default=None,
