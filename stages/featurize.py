@@ -138,12 +138,14 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     )
 
 
-def _size(size: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+def _size(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} bytes"
+    for unit in ("KiB", "MiB"):
         size /= 1024
-    raise AssertionError("unreachable")
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GiB"
 
 
 def _absolute(path: str, *, only_if_exists: bool = False) -> str:

@@ -413,11 +413,16 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
             raise DataError(f"the cache entry has no split {split!r} (has {store.splits}{held})")
         return source, rows
 
-    def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
-        """View 0 of every row: the activations of the image itself."""
+    def activations(split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Every view of the split's rows ``[n, V, h, w, c]`` and their labels."""
         source, rows = rows_of(split)
         flat = np.asarray(store.features(source)[rows], np.float32)
-        return flat.reshape(len(flat), views, *activation_shape)[:, 0], store.labels(source)[rows]
+        return flat.reshape(len(flat), views, *activation_shape), store.labels(source)[rows]
+
+    def eval_inputs(split: str, state: PyTree = None) -> tuple[np.ndarray, np.ndarray]:
+        """View 0 of every row: the activations of the image itself."""
+        cached, labels = activations(split)
+        return cached[:, 0], labels
 
     def make_feed(key: jax.Array, placement: Any = None, state: PyTree = None) -> ActivationFeed:
         if settings.augmult > views:  # checked here, for training: evaluation reads view 0 only
@@ -425,12 +430,8 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
                 f"augmult {settings.augmult} needs {settings.augmult} cached views per image, the entry has "
                 f"{views}: featurize with --augmult-views {settings.augmult}"
             )
-        source, rows = rows_of(config.train_split)
-        flat = np.asarray(store.features(source)[rows], np.float32)
-        activations = flat.reshape(len(flat), views, *activation_shape)
-        return ActivationFeed(
-            activations, store.labels(source)[rows], augmult=settings.augmult, key=key, placement=placement
-        )
+        cached, labels = activations(config.train_split)
+        return ActivationFeed(cached, labels, augmult=settings.augmult, key=key, placement=placement)
 
     _check_memory(config, loss_fn, init_params, model_state, activation_shape)
     return TrainModel(
