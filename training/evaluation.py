@@ -47,6 +47,10 @@ class Scores:
     def as_dict(self) -> dict[str, Any]:
         payload = dataclasses.asdict(self)
         payload["epsilon"] = self.epsilon if math.isfinite(self.epsilon) else "inf"  # strict JSON
+        if self.split == "test" and not self.other_data:
+            # The headline figure under the name quickstart gives it: the EMA parameters' top-1 on the
+            # run's own test split (the recipe scores the EMA, not the last iterate).
+            payload["test_accuracy"] = self.ema_top1
         return payload
 
 

@@ -53,6 +53,7 @@ def test_images_holdout_trains_on_the_rest_and_scores_the_held_rows_only_as_a_di
     assert not (run / "metrics.holdout.NOT-PRIVATE.json").exists()
     held = evaluate.run(evaluate.EvaluateConfig(run_dir=str(run), split="holdout", private_diagnostics=True))
     assert held.num_examples == 100 and not held.covered_by_epsilon
+    assert "test_accuracy" not in held.as_dict()  # a held-out score never passes for a test score
     assert held.path.endswith("metrics.holdout.NOT-PRIVATE.json")
     assert os.stat(held.path).st_mode & 0o777 == 0o600 and held.warnings
     assert not (run / "metrics.json").exists()  # the covered scores file holds no held-out score
