@@ -210,10 +210,8 @@ def join(
             raise DataError("the joined model is not the scattering the activations were cut with, then this top")
         return {"params": params}
     below, joined = _backbone(model), _backbone(whole)
-    if not isinstance(joined, efficientnet_lite.EfficientNetLiteBackbone) or (joined.width, joined.depth) != (
-        below.width,
-        below.depth,
-    ):
+    lite = isinstance(joined, efficientnet_lite.EfficientNetLiteBackbone)
+    if not lite or (joined.width, joined.depth) != (below.width, below.depth):
         raise DataError("the joined model is not the backbone the activations were cut from")
     backbone = dict(variables["params"]["backbone"])
     backbone.update(params["backbone"])  # the top's names are a subset: checked against the top above
@@ -222,16 +220,19 @@ def join(
 
 def _difference(expected: PyTree, found: PyTree) -> str:
     """The first path where two trees of (shape, dtype) differ, in words."""
-    want = dict(jax.tree_util.tree_flatten_with_path(expected, is_leaf=lambda x: isinstance(x, tuple))[0])
-    have = dict(jax.tree_util.tree_flatten_with_path(found, is_leaf=lambda x: isinstance(x, tuple))[0])
-    name = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)  # noqa: E731
-    for path in sorted(set(want) | set(have), key=name):
+
+    def leaves(tree: PyTree) -> dict[str, tuple]:
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))
+        return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
+
+    want, have = leaves(expected), leaves(found)
+    for path in sorted(set(want) | set(have)):
         if path not in have:
-            return f"{name(path)} is missing"
+            return f"{path} is missing"
         if path not in want:
-            return f"{name(path)} is not the top's"
+            return f"{path} is not the top's"
         if want[path] != have[path]:
-            return f"{name(path)} is {have[path][0]} {have[path][1]}, expected {want[path][0]} {want[path][1]}"
+            return f"{path} is {have[path][0]} {have[path][1]}, expected {want[path][0]} {want[path][1]}"
     return "other structure"
 
 
