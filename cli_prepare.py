@@ -359,7 +359,9 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
     """Write the finished image run RUN_DIR as a backbone directory OUT_DIR.
 
     OUT_DIR works with `featurize --backbone` and `train --backbone`; it holds the
-    parameters and the preprocessing the run trained with. Exporting a DP run is
+    parameters and the preprocessing the run trained with. A run above a cut is
+    exported as its top joined to the backbone's own, unchanged weights below the
+    cut (a scattering top as `scatternet-top-<top>`). Exporting a DP run is
     post-processing (no extra privacy cost); a non-private run's backbone carries NO
     guarantee for the data it was trained on, so export those only from public data.
     """

@@ -14,6 +14,11 @@ Cuts and tops, by backbone:
 * ``scatternet-linear`` / ``scatternet-cnn``: ``scattering``, the per-example normalised
   scattering maps (no parameters). Tops ``cnn`` and ``cnn-wide``: GroupNorm + WS-conv CNNs from
   random initialisation (Tramer & Boneh 2021's ScatterNet+CNN).
+
+A trained top joined to the frozen part below its cut (``join``) is one network from images
+again, which ``export-backbone`` writes as a backbone: a Lite top's is the backbone's own model
+(its weights below the cut, the top's above it); a scattering top's is the model registered as
+``scatternet-top-<top>`` (``SCATTER_TOP_MODELS``), the maps and then the top.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ PRETRAINED_TOP = "pretrained"
 _BLOCK = "blocks_"
 #: The CNN tops on scattering maps: their WS-conv channels (GroupNorm of 16 groups after each).
 SCATTER_TOPS = {"cnn": (64, 64), "cnn-wide": (128, 128)}
+#: The registered model each scattering top makes with the maps below it (``scattering.ScatterTopBackbone``).
+SCATTER_TOP_MODELS = {top: f"scatternet-top-{top}" for top in SCATTER_TOPS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +57,15 @@ def _backbone(model: Any) -> Any:
     return model.backbone if isinstance(model, ImageClassifier) else model
 
 
+_SCATTER_BACKBONES = (scattering.ScatterLinearBackbone, scattering.ScatterCNNBackbone, scattering.ScatterTopBackbone)
+
+
 def _is_lite(model: Any) -> bool:
     return isinstance(_backbone(model), efficientnet_lite.EfficientNetLiteBackbone)
 
 
 def _is_scattering(model: Any) -> bool:
-    return isinstance(_backbone(model), (scattering.ScatterLinearBackbone, scattering.ScatterCNNBackbone))
+    return isinstance(_backbone(model), _SCATTER_BACKBONES)
 
 
 def _num_blocks(model: Any) -> int:
@@ -102,7 +112,7 @@ def activations_fn(model: Any, cut: str, variables: PyTree) -> Callable[[jax.Arr
 
 
 def _scatter_groups(backbone: Any) -> int:
-    if isinstance(backbone, scattering.ScatterCNNBackbone):
+    if isinstance(backbone, (scattering.ScatterCNNBackbone, scattering.ScatterTopBackbone)):
         return backbone.scatter_groups
     return backbone.num_groups
 
@@ -163,3 +173,72 @@ def _taken(wanted: PyTree, have: PyTree, collection: str) -> PyTree:
         else:
             out[name] = jnp.asarray(have[name], sub.dtype)
     return out
+
+
+def joined_model_name(name: str, model: Any, top: str) -> str:
+    """The registered model that a ``top`` above a cut of ``model`` (registered as ``name``) makes with
+    the frozen part below the cut: one network from images."""
+    return SCATTER_TOP_MODELS[top] if _is_scattering(model) else name
+
+
+def join(
+    model: Any, cut: str, top: TopModel, *, whole: Any, variables: PyTree, params: PyTree, state: PyTree
+) -> PyTree:
+    """The variables of ``whole`` (``joined_model_name``'s model): the backbone's own ``variables`` below
+    ``cut``, the trained top's ``params`` above it.
+
+    ``params`` must have the top's exact names and shapes, and ``state`` (the frozen BatchNorm
+    statistics the top trained with) must be the backbone's own, value for value: anything else is not
+    a top trained above this cut of this backbone (``DataError``).
+    """
+    expected = jax.tree.map(
+        lambda a: (tuple(a.shape), str(a.dtype)), jax.eval_shape(top.init_params, jax.random.key(0))
+    )
+    found = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params)
+    if expected != found:
+        raise DataError(f"the run's parameters are not those of a top above {cut!r} ({_difference(expected, found)})")
+    if not _same_values(state, top.model_state):
+        raise DataError(f"the run's frozen statistics above {cut!r} are not the backbone's own")
+    if _is_scattering(model):
+        below, joined = _backbone(model), _backbone(whole)
+        stages = top.model.backbone
+        same = isinstance(joined, scattering.ScatterTopBackbone) and (
+            (joined.J, joined.L, joined.scatter_groups, joined.channels, joined.num_groups)
+            == (below.J, below.L, _scatter_groups(below), stages.channels, stages.num_groups)
+        )
+        if not same:
+            raise DataError("the joined model is not the scattering the activations were cut with, then this top")
+        return {"params": params}
+    below, joined = _backbone(model), _backbone(whole)
+    lite = isinstance(joined, efficientnet_lite.EfficientNetLiteBackbone)
+    if not lite or (joined.width, joined.depth) != (below.width, below.depth):
+        raise DataError("the joined model is not the backbone the activations were cut from")
+    backbone = dict(variables["params"]["backbone"])
+    backbone.update(params["backbone"])  # the top's names are a subset: checked against the top above
+    return {**variables, "params": {**variables["params"], "backbone": backbone, "head": params["head"]}}
+
+
+def _difference(expected: PyTree, found: PyTree) -> str:
+    """The first path where two trees of (shape, dtype) differ, in words."""
+
+    def leaves(tree: PyTree) -> dict[str, tuple]:
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))
+        return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
+
+    want, have = leaves(expected), leaves(found)
+    for path in sorted(set(want) | set(have)):
+        if path not in have:
+            return f"{path} is missing"
+        if path not in want:
+            return f"{path} is not the top's"
+        if want[path] != have[path]:
+            return f"{path} is {have[path][0]} {have[path][1]}, expected {want[path][0]} {want[path][1]}"
+    return "other structure"
+
+
+def _same_values(a: PyTree, b: PyTree) -> bool:
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        x.shape == y.shape and bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models import catalogue, cnn, efficientnet_lite, nf_resnet, nfnet, scattering, wrn
+from dpscale.models import catalogue, cnn, cuts, efficientnet_lite, nf_resnet, nfnet, scattering, wrn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +163,16 @@ def _scattering_specs() -> Iterable[ModelSpec]:
         description="GroupNorm + WS CNN on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
         params=_PARAMS["scatternet-cnn"],
     )
+    for top, channels in cuts.SCATTER_TOPS.items():  # what export-backbone writes for a run of that top
+        yield ModelSpec(
+            name=cuts.SCATTER_TOP_MODELS[top],
+            build=functools.partial(scattering.scatter_top_cnn, channels=channels),
+            num_classes=10,
+            input_shape=(28, 28, 1),
+            feature_dim=channels[-1] * 4 * 4,  # 7x7 maps, one 2x2 max-pool (SAME), flattened
+            description=f"The {top!r} top above the scattering cut with the maps below it, 28x28 grayscale",
+            params=_PARAMS[cuts.SCATTER_TOP_MODELS[top]],
+        )
 
 
 def _efficientnet_lite_specs() -> Iterable[ModelSpec]:
@@ -274,7 +284,5 @@ def describe(name: str) -> dict:
 
 
 def _cuts_and_tops(spec: ModelSpec) -> dict[str, list[str]]:
-    from dpscale.models import cuts
-
     model = spec.build(num_classes=spec.num_classes)
     return {"cuts": list(cuts.cut_names(model)), "tops": list(cuts.top_names(model))}

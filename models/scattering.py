@@ -211,13 +211,36 @@ class ScatterCNNTop(nn.Module):
 
     @nn.compact
     def __call__(self, maps: Array) -> Array:
-        out = maps
-        for index, features in enumerate(self.channels):
-            if index > 0:
-                out = nn.max_pool(out, (2, 2), strides=(2, 2), padding="SAME")
-            out = WSConv(features, 3, name=f"conv_{index}")(out)
-            out = nn.relu(GroupNorm(num_groups=self.num_groups, name=f"norm_{index}")(out))
-        return out.reshape(out.shape[0], -1)
+        return _flat_cnn_stages(maps, self.channels, self.num_groups)
+
+
+class ScatterTopBackbone(nn.Module):
+    """Scattering -> per-example normalisation -> ``ScatterCNNTop``'s stages, as one network.
+
+    What a top trained above the ``scattering`` cut computes from images: its parameters have
+    the top's names (the scattering has none), so ``export-backbone`` writes such a run as this.
+    """
+
+    channels: tuple[int, ...] = (64, 64)
+    J: int = 2
+    L: int = 8
+    scatter_groups: int = 27
+    num_groups: int = 16
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        out = scatter_maps(x, J=self.J, L=self.L, num_groups=self.scatter_groups)
+        return _flat_cnn_stages(out, self.channels, self.num_groups)
+
+
+def _flat_cnn_stages(out: Array, channels: tuple[int, ...], num_groups: int) -> Array:
+    """WS-conv + GroupNorm + ReLU stages, 2x2 max-pooling between them, then flattened (in a compact module)."""
+    for index, features in enumerate(channels):
+        if index > 0:
+            out = nn.max_pool(out, (2, 2), strides=(2, 2), padding="SAME")
+        out = WSConv(features, 3, name=f"conv_{index}")(out)
+        out = nn.relu(GroupNorm(num_groups=num_groups, name=f"norm_{index}")(out))
+    return out.reshape(out.shape[0], -1)
 
 
 def _check_groups(channels_in: int, J: int, L: int, scatter_groups: int) -> None:
@@ -251,5 +274,24 @@ def scatter_cnn(
     channels = checked_channels(channels, num_groups)
     return ImageClassifier(
         backbone=ScatterCNNBackbone(channels=channels, J=J, L=L, scatter_groups=scatter_groups, num_groups=num_groups),
+        head=Classifier(num_classes),
+    )
+
+
+def scatter_top_cnn(
+    *,
+    num_classes: int = 10,
+    channels: tuple[int, ...] = (64, 64),
+    J: int = 2,
+    L: int = 8,
+    scatter_groups: int = 27,
+    num_groups: int = 16,
+    input_channels: int = 1,
+) -> ImageClassifier:
+    """A CNN top of the ``scattering`` cut with the maps below it: one model from images."""
+    _check_groups(input_channels, J, L, scatter_groups)
+    channels = checked_channels(channels, num_groups)
+    return ImageClassifier(
+        backbone=ScatterTopBackbone(channels=channels, J=J, L=L, scatter_groups=scatter_groups, num_groups=num_groups),
         head=Classifier(num_classes),
     )

@@ -6,12 +6,18 @@ run trained with, as a backbone that ``featurize --backbone DIR`` and ``train
 walked without downloaded weights: train on public data, export, featurize the
 private data with the export, train the last layer with DP.
 
+A run above a cut (activations mode) trained only the top: its export is the top joined
+to the frozen part below the cut (``models.cuts.join``), the backbone's own weights there,
+unchanged, with the preprocessing its activations were cached with, so the exported
+network computes from images what the run's top computed from the cached activations.
+
 Privacy: the exported weights are a function of the run's output only, so exporting a
 DP run is post-processing and costs no privacy; the backbone inherits the run's
 (epsilon, delta) for the data it was trained on. A non-private run (``epsilon=inf``)
 carries NO guarantee for its training data: export only runs on data that is public
 (or that you may disclose); the result says which it was, and the metadata's
-``source`` records it.
+``source`` records it. Above a cut, the layers below it were never trained on the run's
+data: ``source`` names the backbone they come from and that backbone's own source.
 """
 
 from __future__ import annotations
@@ -73,6 +79,48 @@ def _model_and_preprocessing(spec: RunSpec) -> tuple[str, int, pretrained.Prepro
     return settings.model, num_classes, prep
 
 
+def _joined_above_cut(spec: RunSpec, params: Any, state: Any) -> tuple[str, int, pretrained.Preprocessing, Any, str]:
+    """A top trained above a cut, joined to the frozen part below it (``models.cuts.join``): the model's
+    name, its classes, the preprocessing the cached activations were made with, its variables, and what
+    ``source`` says of the layers below the cut."""
+    from dpscale.cache.feature_store import open_features
+    from dpscale.models import cuts
+    from dpscale.training.model import cut_backbone, feature_inputs
+
+    data = spec.data_path()
+    store = open_features(data)
+    recorded = spec.inputs.get("feature_key")
+    if recorded is not None and recorded != feature_inputs(store)["feature_key"]:
+        raise DataError(f"the cache entry {data!r} is not the one the run trained on (another key)")
+    key = store.key
+    model, variables, meta = cut_backbone(store)
+    top_name = str(spec.inputs.get("top") or cuts.top_names(model)[0])
+    top = cuts.build_top(
+        model,
+        key.cut,
+        top_name,
+        variables=variables,
+        num_classes=store.num_classes,
+        activation_shape=tuple(store.feature_shape[1:]),
+    )
+    name = cuts.joined_model_name(key.model, model, top_name)
+    whole = pretrained.build_model(name, num_classes=store.num_classes)
+    joined = cuts.join(model, key.cut, top, whole=whole, variables=variables, params=params, state=state)
+    prep = pretrained.Preprocessing(resolution=key.resolution, mean=key.mean, std=key.std)
+    resize = (
+        f"; its activations were resized with {key.resize_method!r}: featurize with --resize-method "
+        f"{key.resize_method} to match them"
+        if key.resize_method != "bilinear"
+        else ""
+    )
+    below = (
+        f"; above the cut {key.cut!r}: the run's top {top_name!r}; below it: the pretrained backbone's own layers, "
+        f"unchanged, never trained on the run's data, so the guarantee covers the whole network for that data "
+        f"({key.model}, weights sha256 {key.weights_sha256}; its own source: {meta.source or 'not recorded'}){resize}"
+    )
+    return name, store.num_classes, prep, joined, below
+
+
 def _check_fits(name: str, num_classes: int, prep: pretrained.Preprocessing, variables: Any) -> None:
     model = pretrained.build_model(name, num_classes=num_classes)
     shape = (1, prep.resolution, prep.resolution, len(prep.mean))
@@ -99,7 +147,7 @@ def _progress(run_dir: RunDirectory, planned: int) -> str:
 
 
 def run(config: ExportBackboneConfig) -> ExportBackboneResult:
-    """Export the parameters of the finished image run ``config.run_dir`` as a backbone."""
+    """Export the parameters of the finished image (or above-a-cut) run ``config.run_dir`` as a backbone."""
     run_dir = RunDirectory.existing(config.run_dir)
     if run_dir.simulated:
         raise DataError(
@@ -112,21 +160,20 @@ def run(config: ExportBackboneConfig) -> ExportBackboneResult:
             f"{config.run_dir!r} is a features-mode run: it holds only a classifier "
             "over cached features, not an image backbone"
         )
-    if spec.training.mode == "activations":
-        raise DataError(
-            f"{config.run_dir!r} trained the layers above a cut on cached activations: exporting them "
-            "joined to the frozen layers below the cut is not supported yet"
-        )
     ledger = run_dir.read_ledger()
     if not ledger.finished or not run_dir.has_params:
         raise DataError(
             f"{config.run_dir!r} is not finished ({_progress(run_dir, ledger.planned_steps)}); "
             f"finish it with `dpscale train --resume {config.run_dir}` first"
         )
-    name, num_classes, prep = _model_and_preprocessing(spec)
     trained = run_dir.load_params()
     params = trained["ema_params" if config.parameters == "ema" else "params"]
-    variables = {"params": params, **(trained.get("model_state") or {})}
+    state = trained.get("model_state") or {}
+    if spec.training.mode == "activations":
+        name, num_classes, prep, variables, below = _joined_above_cut(spec, params, state)
+    else:
+        name, num_classes, prep = _model_and_preprocessing(spec)
+        variables, below = {"params": params, **state}, ""
     _check_fits(name, num_classes, prep, variables)
     epsilon = ledger.epsilon_spent if ledger.private else math.inf
     guarantee = (
@@ -134,7 +181,7 @@ def run(config: ExportBackboneConfig) -> ExportBackboneResult:
         if ledger.private
         else "NON-PRIVATE: no guarantee for its training data"
     )
-    source = f"dpscale run {run_dir.path}: {config.parameters} parameters after {ledger.steps_done} steps; {guarantee}"
+    source = f"dpscale run {run_dir.path}: {config.parameters} parameters after {ledger.steps_done} steps; {guarantee}{below}"
     with storage_faults(path=config.output_dir, stopped="the backbone was not exported", then="export it again"):
         metadata = pretrained.save_pretrained(
             config.output_dir,

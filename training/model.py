@@ -381,7 +381,7 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
     settings = config.images
     if settings.backbone:
         raise InvalidConfigError("--backbone does not apply above a cut: the cache entry names its backbone")
-    backbone, variables = _cut_backbone(store)
+    backbone, variables, _ = cut_backbone(store)
     tops = cuts.top_names(backbone)
     # The images default names no top: above a cut it means the cut's default top.
     top_name = tops[0] if settings.model == ImageSettings.model else settings.model
@@ -449,8 +449,9 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
     )
 
 
-def _cut_backbone(store: Any) -> tuple[Any, PyTree]:
-    """The backbone an entry was cut from (its recorded directory or name), checked against the key's weights."""
+def cut_backbone(store: Any) -> tuple[Any, PyTree, pretrained.BackboneMetadata]:
+    """The backbone an entry was cut from (its recorded directory or name), checked against the key's weights:
+    its model, variables and metadata."""
     key, where = store.key, store.layout.backbone or store.key.model
     try:
         meta = pretrained.read_metadata(pretrained.resolve_backbone(where))
@@ -465,7 +466,7 @@ def _cut_backbone(store: Any) -> tuple[Any, PyTree]:
             "restore that backbone, or featurize again with this one"
         )
     model, variables, _ = pretrained.load_pretrained(where)
-    return model, variables
+    return model, variables, meta
 
 
 def feature_inputs(store: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import linen as nn
 
-from dpscale.errors import InvalidConfigError
+from dpscale.errors import DataError, InvalidConfigError
 from dpscale.models import cuts, registry, scattering
 from dpscale.models.classifier import Classifier
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
@@ -186,3 +186,46 @@ def test_the_activation_feed_takes_k_distinct_cached_views_and_zeroes_padding():
     assert len(other_steps) > 1  # drawn afresh each step
     every = ActivationFeed(activations, labels, augmult=views, key=jax.random.key(0)).microbatches(batch, step=3)
     np.testing.assert_array_equal(np.asarray(every[0][0]["image"])[0].ravel(), 1 + views * 5 + np.arange(views))
+
+
+@pytest.mark.parametrize("top_name", ["cnn", "cnn-wide"])
+def test_a_scattering_top_joined_below_its_cut_is_the_registered_model_from_images(top_name):
+    backbone = registry.get_model("scatternet-linear", num_classes=10)
+    x = jax.random.normal(jax.random.key(1), (3, 28, 28, 1))
+    maps = cuts.activations_fn(backbone, "scattering", {})(x)
+    top = cuts.build_top(backbone, "scattering", top_name, variables={}, num_classes=10, activation_shape=(7, 7, 81))
+    params = _perturbed(top.init_params(jax.random.key(0)), 1)
+    name = cuts.joined_model_name("scatternet-linear", backbone, top_name)
+    whole = registry.get_model(name, num_classes=10)
+    joined = cuts.join(backbone, "scattering", top, whole=whole, variables={}, params=params, state={})
+    np.testing.assert_allclose(whole.apply(joined, x), top.model.apply({"params": params}, maps), rtol=1e-4, atol=1e-5)
+    assert cuts.cut_names(whole) == ("scattering",)  # its maps are the same cut
+    other = registry.get_model(cuts.SCATTER_TOP_MODELS["cnn-wide" if top_name == "cnn" else "cnn"], num_classes=10)
+    with pytest.raises(DataError, match="not the scattering the activations were cut with, then this top"):
+        cuts.join(backbone, "scattering", top, whole=other, variables={}, params=params, state={})
+
+
+def test_a_lite_top_joins_only_as_the_top_it_is():
+    model = registry.get_model("efficientnet-lite0", num_classes=10)
+    variables = _perturbed(model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3))), 2)
+    top = cuts.build_top(
+        model, "blocks_13", "pretrained", variables=variables, num_classes=4, activation_shape=(1, 1, 192)
+    )
+    params = _perturbed(top.init_params(jax.random.key(0)), 3)
+    whole = registry.get_model("efficientnet-lite0", num_classes=4)
+
+    def join(p, s=top.model_state):
+        return cuts.join(model, "blocks_13", top, whole=whole, variables=variables, params=p, state=s)
+
+    joined = join(params)
+    assert joined["batch_stats"] is variables["batch_stats"] and joined["params"]["head"] is params["head"]
+    np.testing.assert_array_equal(joined["params"]["backbone"]["blocks_14"]["project_conv"]["kernel"],
+                                  params["backbone"]["blocks_14"]["project_conv"]["kernel"])  # fmt: skip
+    np.testing.assert_array_equal(joined["params"]["backbone"]["blocks_13"]["project_conv"]["kernel"],
+                                  variables["params"]["backbone"]["blocks_13"]["project_conv"]["kernel"])  # fmt: skip
+    with pytest.raises(DataError, match=r"\(backbone/blocks_13/\S+ is not the top.s\)"):
+        join({**params, "backbone": {**params["backbone"], "blocks_13": params["backbone"]["blocks_14"]}})
+    with pytest.raises(DataError, match=r"\(backbone/head_conv/kernel is missing\)"):
+        join({**params, "backbone": {k: v for k, v in params["backbone"].items() if k != "head_conv"}})
+    with pytest.raises(DataError, match="frozen statistics above 'blocks_13' are not the backbone's own"):
+        join(params, jax.tree.map(lambda a: a + 1, top.model_state))
