@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", help="write the plot here (PNG)")
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
-    real = [r for d in args.real for r in read_runs(d) if r["kind"] != "baseline"]
-    sim = [r for d in args.sim for r in read_runs(d) if r["kind"] != "baseline"]
+    real = [r for d in args.real for r in read_runs(d)]  # a sweep's baseline runs are in a table of their own
+    sim = [r for d in args.sim for r in read_runs(d)]
     points = trend(real, sim, args.option)
     print(table(points, args.option))
     if args.out:
