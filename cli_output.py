@@ -269,14 +269,19 @@ def _end() -> None:
     if not _ending.acquire(blocking=False):
         return  # another thread is ending the process
     line = interrupted_line()
+    out, err = sys.stdout, sys.stderr
     with contextlib.suppress(Exception):
-        sys.stdout.flush()
+        out.flush()
+    # The main thread runs on until os._exit: whatever it would print now (a progress line) goes nowhere,
+    # so that the interrupted line stays the last one.
     with contextlib.suppress(Exception):
-        terminal = sys.stderr.isatty()
-        # on a terminal: past a live progress bar, and the cursor it hid shown again
-        sys.stderr.write(("\n\x1b[?25h" if terminal else "") + line + "\n")
-        sys.stderr.flush()
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # open until the process ends
     _stop_children()
+    with contextlib.suppress(Exception):
+        terminal = err.isatty()
+        # on a terminal: past a live progress bar, and the cursor it hid shown again
+        err.write(("\n\x1b[?25h" if terminal else "") + line + "\n")
+        err.flush()
     os._exit(INTERRUPTED)
 
 

@@ -156,3 +156,29 @@ def test_ctrl_c_during_a_beam_pipeline_stops_its_worker_processes_too(tmp_path):
     _one_line(process, err, seconds, resume=None)
     _, alive = psutil.wait_procs([psutil.Process(pid) for pid in children if psutil.pid_exists(pid)], timeout=5)
     assert not alive, f"worker processes left running: {alive}"
+
+
+# A thread that keeps printing progress lines (the main thread of a run prints them) until the process ends.
+PRINTING_WHEN_INTERRUPTED = """
+import sys, threading, time
+from dpscale import cli_output
+
+def progress():
+    while True:
+        print("train: 0/12, compiling the DP step ...", file=sys.stderr, flush=True)
+        time.sleep(0.0002)
+
+threading.Thread(target=progress, daemon=True).start()
+time.sleep(0.05)
+cli_output._end()
+"""
+
+
+def test_the_interrupted_line_is_the_last_even_while_another_thread_prints():
+    """The race seen under load: a progress line printed between the interrupted line and the exit."""
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", PRINTING_WHEN_INTERRUPTED], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == INTERRUPTED, done.stderr[-2000:]
+        assert done.stderr.rstrip().splitlines()[-1] == "dpscale: interrupted", done.stderr[-500:]
