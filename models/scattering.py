@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -278,20 +279,19 @@ def scatter_cnn(
     )
 
 
-def scatter_top_cnn(
-    *,
-    num_classes: int = 10,
-    channels: tuple[int, ...] = (64, 64),
-    J: int = 2,
-    L: int = 8,
-    scatter_groups: int = 27,
-    num_groups: int = 16,
-    input_channels: int = 1,
-) -> ImageClassifier:
-    """A CNN top of the ``scattering`` cut with the maps below it: one model from images."""
-    _check_groups(input_channels, J, L, scatter_groups)
-    channels = checked_channels(channels, num_groups)
-    return ImageClassifier(
-        backbone=ScatterTopBackbone(channels=channels, J=J, L=L, scatter_groups=scatter_groups, num_groups=num_groups),
-        head=Classifier(num_classes),
+def scatter_top_cnn(**options: Any) -> ImageClassifier:
+    """A CNN top of the ``scattering`` cut with the maps below it: one model from images.
+
+    ``scatter_cnn``'s options and checks; only the stages differ (they flatten the maps, as the top does).
+    """
+    cnn = scatter_cnn(**options)
+    stages = cnn.backbone
+    return cnn.clone(
+        backbone=ScatterTopBackbone(
+            channels=stages.channels,
+            J=stages.J,
+            L=stages.L,
+            scatter_groups=stages.scatter_groups,
+            num_groups=stages.num_groups,
+        )
     )
