@@ -115,7 +115,7 @@ def _joined_above_cut(spec: RunSpec, params: Any, state: Any) -> tuple[str, int,
     )
     below = (
         f"; above the cut {key.cut!r}: the run's top {top_name!r}; below it: the pretrained backbone's own layers, "
-        f"unchanged, never trained on the run's data, so the guarantee covers the whole network for that data "
+        f"unchanged, never trained on the run's data, so what is said above of that data holds for the whole network "
         f"({key.model}, weights sha256 {key.weights_sha256}; its own source: {meta.source or 'not recorded'}){resize}"
     )
     return name, store.num_classes, prep, joined, below
