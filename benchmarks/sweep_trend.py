@@ -103,7 +103,7 @@ def plot(points: Sequence[dict[str, Any]], option: str, out: str, *, title: str)
     ax.set_ylabel(f"{split} top-1 (%)")
     ax.set_title(title + note, fontsize=8, wrap=True)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    fig.legend(fontsize=7, loc="outside lower center", ncols=2, frameon=False)  # below the axes: covers no point
     fig.savefig(out)
     plt.close(fig)
 
