@@ -4,7 +4,8 @@
     python -m benchmarks.clip_candidates fit
 
 ``count``: each distinct layer shape of the model at one device's micro-batch, with the GPU's settings
-(``privacy.device_tuning``) forced: the candidates timed (each a compilation), those pruned by the cost
+(``privacy.device_tuning``) forced and its candidates timed (``choose="measure"``; by default a GPU
+takes the cost model's cheapest and times none): the candidates timed (each a compilation), those pruned by the cost
 model or dropped by the memory guard, and those chunked. ``--memory`` is the device's ``bytes_limit``
 (default: an H200's as JAX sees it, 0.75 of 141 GB). ``fit``: the cost model's estimate of each
 candidate against the H200's timings it was fitted to (benchmarks/results/gpu_step_cost.md), as

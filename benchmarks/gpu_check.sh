@@ -14,21 +14,22 @@
 # Writes $OUT/gpu-check.txt (a line a measurement), $OUT/gpu-check.jsonl (the peers' JSON lines) and
 # $OUT/clip-paths-k{1,4}.json (the DP runs' clip_paths.json);
 # BUDGET (s, default 540) skips what no longer fits, STEPS (default 40: every second step logs epsilon and is left out) the train runs' steps; MODEL,
-# MICRO and BATCH (defaults above) make a small try on a CPU before a GPU's short lease.
+# MICRO and BATCH (defaults above) make a small try on a CPU before a GPU's short lease; KS (default "1 4")
+# the train runs' K; PEERS=0 leaves out the peers' step. XLA_FLAGS, if set, is said in the log.
 set -u
 data=${1:?usage: gpu_check.sh DATA [WHEELS]}; wheels=${2:-}
 out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"; log=$out/gpu-check.txt; : > "$log"
 work=$(mktemp -d)  # stderr of each process: its tail goes to the log when it fails
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 start=$SECONDS; budget=${BUDGET:-540}; steps=${STEPS:-40}
-model=${MODEL:-wrn-16-4}; micro=${MICRO:-256}; batch=${BATCH:-1024}
+model=${MODEL:-wrn-16-4}; micro=${MICRO:-256}; batch=${BATCH:-1024}; ks=${KS:-1 4}; peers=${PEERS:-1}
 if [[ -n $wheels ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl 2>&1 | tail -2
   mkdir -p /tmp/pkg; ln -sfn "$PWD" /tmp/pkg/dpscale; export PYTHONPATH=/tmp/site:/tmp/pkg
 fi
 say() { echo "$*" | tee -a "$log"; }
 left() { echo $(( budget - (SECONDS - start) )); }
-say "== $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) | $(python3 -c 'import jax; print("jax", jax.__version__, jax.default_backend())' 2>&1 | tail -1) | commit $(git rev-parse --short HEAD 2>/dev/null)"
+say "== $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) | $(python3 -c 'import jax; print("jax", jax.__version__, jax.default_backend())' 2>&1 | tail -1) | commit $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)${XLA_FLAGS:+ | XLA_FLAGS=$XLA_FLAGS}"
 
 peers() {  # peers NAME ARGS...: one peers' step measurement, its JSON line kept
   local name=$1; shift
@@ -66,9 +67,7 @@ PY
   [[ -f $run/clip_paths.json ]] && cp "$run/clip_paths.json" "$out/clip-paths-k$k.json"
 }
 
-peers nonprivate --framework dpscale-nonprivate
-peers dp-device-tuning --framework dpscale
-train 1 inf; train 1 8
-train 4 inf; train 4 8
-peers dp-cpu-tuning --framework dpscale --clip-tuning cpu
+if (( peers )); then peers nonprivate --framework dpscale-nonprivate; peers dp-device-tuning --framework dpscale; fi
+for k in $ks; do train "$k" inf; train "$k" 8; done
+if (( peers )); then peers dp-cpu-tuning --framework dpscale --clip-tuning cpu; fi
 say "== done in $((SECONDS - start)) s"

@@ -6,12 +6,12 @@ cache-sized chunks of examples (``lax.map``) at full float32, and a shape rule m
 (``ghost.GHOST_RATIO``) picks each layer's path. On a GPU a chunked loop is a sequential loop of
 small kernels, full float32 contractions skip the tensor cores (the non-private step's convolutions
 use them), and a rule measured on a CPU says nothing about the cost of a Gram matrix against a held
-gradient there. So a GPU or TPU runs each micro-batch's per-example work at once, and *measures*
-each distinct layer shape's candidate paths (and precisions, where a lower one costs no margin) on
-the device when the clipped sum is built (``privacy.path_timing``), as cuDNN times its convolution
-algorithms, less those the device's cost model shows hopeless and within a memory budget
-(``privacy.path_cost``); a run's clip_paths.json says what was chosen, from what times, and what was
-left out or chunked.
+gradient there. So a GPU or TPU runs each micro-batch's per-example work at once, and chooses each
+distinct layer shape's path (and precision, where a lower one costs no margin) within a memory
+budget: by a cost model whose constants were measured on that kind of device (``privacy.path_cost``;
+NVIDIA GPUs), or, where none was, by timing the candidates on the device when the clipped sum is
+built (``privacy.path_timing``), as cuDNN times its convolution algorithms. A run's clip_paths.json
+says what was chosen, from what estimates or times, and what was left out or chunked.
 
 Every choice here is a speed choice only: each path and precision clips with a proven upper bound of
 the norm (``privacy.rounding``), so a lower precision costs a larger margin, never the bound.
@@ -30,8 +30,8 @@ from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_choice
 from dpscale.privacy.rounding import ClipPrecision
 
-Choice = Literal["rule", "measure"]
-CHOICES: tuple[str, ...] = ("rule", "measure")
+Choice = Literal["rule", "estimate", "measure"]
+CHOICES: tuple[str, ...] = ("rule", "estimate", "measure")
 # Bytes of one chunk's per-example working set (patches, Gram matrices) on a CPU: about what stays
 # in its last-level cache; measured fastest, per layer, on a 2-core CPU.
 CPU_CHUNK_BYTES = 8 * 2**20
@@ -80,9 +80,10 @@ H200_COST = CostModel(macs_per_second=(("highest", 2e13), ("tf32", 1e14)), bytes
 class DeviceTuning:
     """``precision``: the contractions' formats where nothing is measured (book-keeping layers, the
     rule); ``chunk_bytes``: one chunk's per-example working set; ``choose``: each layer's path and
-    precision by the shape rule, or the fastest of ``candidates`` ((path, precision) pairs) timed
-    on the device. ``cost``: the device's cost model, which leaves out of the timing each candidate
-    estimated at ``prune_factor`` times the cheapest or more (None: every candidate is timed);
+    precision by the shape rule, the cheapest of ``candidates`` ((path, precision) pairs) by the
+    device's cost model (``estimate``: nothing compiled), or the fastest of them timed on the device
+    (``measure``). ``cost``: the device's cost model, which also leaves out of the timing each
+    candidate estimated at ``prune_factor`` times the cheapest or more (None: every candidate is timed);
     ``memory_bytes``: what one layer's per-example work may take at once (None:
     ``MEMORY_FRACTION`` of the device's memory)."""
 
@@ -96,6 +97,8 @@ class DeviceTuning:
 
     def __post_init__(self) -> None:
         check_choice(self.choose, CHOICES, "how paths are chosen")
+        if self.choose == "estimate" and self.cost is None:
+            raise InvalidConfigError("choosing paths by estimate needs the device's cost model (cost)")
         if self.chunk_bytes < 1 or not self.candidates:
             raise InvalidConfigError("chunk_bytes must be positive and candidates non-empty")
         if self.prune_factor <= 1 or (self.memory_bytes is not None and self.memory_bytes < 1):
@@ -113,13 +116,16 @@ class DeviceTuning:
 # bounds cover TF32's rounding of products they do not hold, measured 34% and 5.7% above the norm
 # on WRN-16-4 (docs/privacy.md, "Sensitivity under floating point"): a clipped example would lose
 # that much of its signal against the same noise, for a faster step.
-# Only NVIDIA GPUs have a measured cost model: elsewhere every candidate is timed.
+# Only NVIDIA GPUs have a measured cost model, and there it chooses: timing the candidates took
+# 133-155 s of a first run on an H200 (WRN-16-4, K = 1; longer at K = 4), while the model's choices
+# cost ~3% of the clipping's time against the timed ones there (benchmarks/results/gpu_step_cost.md).
+# Elsewhere every candidate is timed.
 _ACCELERATOR = DeviceTuning(
     chunk_bytes=WHOLE_MICROBATCH,
     choose="measure",
     candidates=(("ghost", _HIGHEST), ("streamed", _HIGHEST), ("explicit", _HIGHEST), ("explicit", _TF32)),
 )
-_NVIDIA = dataclasses.replace(_ACCELERATOR, cost=H200_COST)
+_NVIDIA = dataclasses.replace(_ACCELERATOR, cost=H200_COST, choose="estimate")
 BACKEND_TUNING: dict[str, DeviceTuning] = {
     "cpu": DeviceTuning(),
     "gpu": _NVIDIA,

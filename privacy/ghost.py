@@ -52,8 +52,9 @@ Speed: the device decides (``privacy.device_tuning``). On a CPU per-example work
 chunks of examples (``lax.map``) sized so one chunk's patches stay in cache (forming a whole
 micro-batch's patches at once is memory-bound and cost more than the contraction itself), and the
 shape rule ``choose_strategy`` picks each path. On a GPU or TPU a micro-batch's per-example work
-runs at once, and each layer's path and precision are timed on the device
-(``privacy.path_timing``) when the clipped sum is built with an example of the micro-batch.
+runs at once, and each layer's path and precision are chosen, when the clipped sum is built with an
+example of the micro-batch, by the device's cost model (NVIDIA GPUs) or by timing the candidates on
+the device (``privacy.path_timing``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
 from dpscale.privacy.device_tuning import STRATEGIES, DeviceTuning, memory_budget, tuning_for
 from dpscale.privacy.layer_bounds import Strategy
-from dpscale.privacy.path_timing import Measured, candidate_name, measure_paths
+from dpscale.privacy.path_timing import Measured, candidate_name, estimate_paths, measure_paths
 from dpscale.privacy.rounding import ClipPrecision, norm_bound
 
 PyTree = Any
@@ -119,7 +120,7 @@ class LayerChoice:
     fan_in: int = 0
     fan_out: int = 0
     precision: ClipPrecision = ClipPrecision()
-    reason: str = "rule"  # "rule", "forced", or the timings it was chosen from ("measured: ...")
+    reason: str = "rule"  # "rule", "forced", or the times it was chosen from ("measured: ...", "estimated: ...")
     chunk: int = 0  # examples a chunk where the memory guard split the micro-batch (0: it did not)
 
 
@@ -154,7 +155,8 @@ def plan_strategies(
     budget: int | None = None,
 ) -> tuple[LayerChoice, ...]:
     """Each layer call's path and precision: book-keeping for shared or normalisation layers; else
-    forced (``overrides``), measured on the device (``measured``), or by the shape rule. With
+    forced (``overrides``), measured on the device or estimated by its cost model (``measured``), or
+    by the shape rule. With
     ``budget`` (bytes) and ``examples`` (one device's micro-batch), the memory guard chunks a layer
     whose work does not fit at once (``path_cost.fit``)."""
     overrides, measured = dict(overrides or {}), measured or {}
@@ -227,7 +229,7 @@ def timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, 
 def describe(choices: tuple[LayerChoice, ...]) -> str:
     """One line for the log: how many layers take each path and precision, how chosen, which are ghost."""
     counts = collections.Counter(candidate_name(c.strategy, c.precision) for c in choices)
-    how = collections.Counter(  # "measured", "rule" or "forced", whatever the guard added
+    how = collections.Counter(  # "measured", "estimated", "rule" or "forced", whatever the guard added
         c.reason.split(";")[0].split(":")[0] for c in choices if c.strategy != "book-keeping"
     )
     ghost = ["/".join(c.path) for c in choices if c.strategy == "ghost"]
@@ -275,9 +277,10 @@ def _planned(
 
     measured: dict[Path, Measured] = {}
     budget = memory_budget(tuning)
-    if example is not None and tuning.choose == "measure":
+    if example is not None and tuning.choose != "rule":
         calls = calls_of(*example)
-        measured = measure_paths(loss_fn, calls, timed_calls(calls, forced), *example, tuning, budget=budget)
+        choose = measure_paths if tuning.choose == "measure" else estimate_paths
+        measured = choose(loss_fn, calls, timed_calls(calls, forced), *example, tuning, budget=budget)
 
     def plan(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
         calls = calls_of(params, model_state, batch)
@@ -352,8 +355,9 @@ def make_ghost_clipped_sum_fn(
     ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
     ``[b, K, ...]`` with b the micro-batch per device) checks support now, as book-keeping does,
     fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped and why) and,
-    where the device's tuning measures (``privacy.device_tuning``: GPUs, TPUs), times each layer's
-    candidate paths on the device at that micro-batch (``privacy.path_timing``). ``strategies``
+    where the device's tuning chooses (``privacy.device_tuning``: GPUs, TPUs), picks each layer's
+    path at that micro-batch by the device's cost model or by timing the candidates on the device
+    (``privacy.path_timing``). ``strategies``
     forces a layer's path (``{("backbone", "conv_0"): "ghost"}``), for tests and benchmarks.
     ``precision`` forces the per-example contractions' precision (``privacy.rounding``); ``tuning``
     the device settings (default: the backend's).

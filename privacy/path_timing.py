@@ -1,4 +1,5 @@
-"""Each layer's clipping path and precision, chosen by timing the candidates on the device itself.
+"""Each layer's clipping path and precision, chosen by timing the candidates on the device itself
+(or, where the device has a measured cost model, by its estimates).
 
 Why: whether a layer's per-example norm is cheapest as ghost Gram matrices, held per-example
 gradients (explicit) or a streamed product, and at which precision, depends on the device as much
@@ -55,6 +56,7 @@ class Measured:
     precision: ClipPrecision
     seconds: tuple[tuple[str, float], ...]  # ("ghost/tf32", 0.00041), ...
     left_out: tuple[tuple[str, str], ...] = ()  # ("ghost/highest", "pruned: est. 13.6x explicit/tf32"), ...
+    how: str = "measured"  # or "estimated": the seconds are the device's cost model's
 
     def summary(self) -> str:
         """``measured: ghost/tf32 0.41 ms (explicit/highest 1.20 ms, ...); streamed/highest pruned:
@@ -63,7 +65,7 @@ class Measured:
         shown = [
             f"{name} {seconds * 1e3:.2f} ms" if math.isfinite(seconds) else f"{name} failed" for name, seconds in ranked
         ]
-        said = f"measured: {shown[0]}" + (f" ({', '.join(shown[1:])})" if len(shown) > 1 else "")
+        said = f"{self.how}: {shown[0]}" + (f" ({', '.join(shown[1:])})" if len(shown) > 1 else "")
         return "; ".join([said, *(f"{name} {why}" for name, why in self.left_out)])
 
 
@@ -186,6 +188,38 @@ def candidate_groups(
         )
         found.append(ShapeGroup(tuple(indices), shape, plan, key))
     return inputs, out_grads, found
+
+
+def estimate_paths(
+    loss_fn: Callable[..., jax.Array],
+    calls: Sequence[bookkeeping.LayerCall],
+    chosen_calls: Sequence[int],
+    params: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    tuning: DeviceTuning,
+    *,
+    budget: int,
+) -> dict[Path, Measured]:
+    """The cheapest candidate of each call in ``chosen_calls`` by the device's cost model
+    (``tuning.cost``), among those that fit ``budget``: as ``measure_paths`` chooses, from shapes
+    alone, with nothing compiled or run."""
+    _, _, groups = candidate_groups(loss_fn, calls, chosen_calls, params, model_state, batch, tuning, budget=budget)
+    chosen = {}
+    for group in groups:
+        if not group.candidates.timed:
+            continue  # no candidate fits: the shape rule decides, within the memory guard
+        best = min(group.candidates.timed, key=lambda c: c.seconds)
+        estimated = Measured(
+            best.strategy,
+            best.precision,
+            tuple((candidate_name(c.strategy, c.precision), c.seconds) for c in group.candidates.timed),
+            group.candidates.left_out,
+            how="estimated",
+        )
+        for index in group.indices:
+            chosen[calls[index].path] = estimated
+    return chosen
 
 
 def measure_paths(

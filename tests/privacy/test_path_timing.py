@@ -1,7 +1,8 @@
-"""Clipping tuned for the device: each backend's settings, and paths chosen by timing them.
+"""Clipping tuned for the device: each backend's settings, and paths chosen by a cost model or by
+timing them.
 
 A CPU runs the same arithmetic as a GPU, so the GPU's settings (a whole micro-batch at once,
-TF32 contractions, each layer's path and precision timed) are forced here and checked as every
+TF32 contractions, each layer's path and precision estimated or timed) are forced here and checked as every
 other path is: against ``vmap(grad)`` at K = 1 and 4, and one example moving the sum by at most 1.
 """
 
@@ -28,6 +29,7 @@ from dpscale.privacy.ghost import STRATEGIES, describe, describe_layers, make_gh
 from dpscale.privacy.rounding import ClipPrecision
 
 GPU = tuning_for("gpu")
+TIMED = dataclasses.replace(GPU, choose="measure")  # a GPU's candidates timed on the device
 SHAPE = (12, 12, 1)
 
 
@@ -47,7 +49,7 @@ def _timings_kept_nowhere(monkeypatch):
 def test_each_backend_has_its_settings_and_an_unknown_one_the_cpus():
     cpu = tuning_for("cpu")
     assert (cpu.choose, cpu.chunk_bytes, cpu.precision) == ("rule", CPU_CHUNK_BYTES, ClipPrecision())
-    assert GPU.choose == "measure" and GPU.chunk_bytes > 2**40
+    assert GPU.choose == "estimate" and GPU.chunk_bytes > 2**40
     # TF32 only for held gradients, whose bound costs no margin at TF32 (ghost's and streamed's do).
     assert GPU.precision == ClipPrecision() and ("explicit", ClipPrecision("tf32", "tf32")) in GPU.candidates
     assert {s for s, _ in GPU.candidates} == set(STRATEGIES)
@@ -56,6 +58,8 @@ def test_each_backend_has_its_settings_and_an_unknown_one_the_cpus():
     assert tuning_for("some-new-backend") == cpu
     with pytest.raises(InvalidConfigError, match="how paths are chosen"):
         DeviceTuning(choose="guess")
+    with pytest.raises(InvalidConfigError, match="cost model"):
+        DeviceTuning(choose="estimate")
     with pytest.raises(InvalidConfigError, match="candidates non-empty"):
         DeviceTuning(candidates=())
     with pytest.raises(InvalidConfigError, match="a candidate's path"):
@@ -86,11 +90,11 @@ def test_the_gpu_settings_time_every_layer_and_clip_as_vmap_does(views, nets):
     loss_fn, params, batch = _cnn(nets, views)
     size = batch["label"].shape[0]
     mask = jnp.ones(size).at[0].set(0.0)
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=GPU)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=TIMED)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     assert timed and all(c.reason.startswith("measured: ") for c in timed)
     for choice in timed:  # every candidate was timed (none is hopeless here), the chosen one named first
-        assert choice.reason.count(" ms") == len(GPU.candidates) and choice.chunk == 0
+        assert choice.reason.count(" ms") == len(TIMED.candidates) and choice.chunk == 0
         chosen = path_timing.candidate_name(choice.strategy, choice.precision)
         assert choice.reason.startswith(f"measured: {chosen} ")
     assert "chosen by measured" in describe(fn.layers) and len(describe_layers(fn.layers)) == len(timed)
@@ -99,6 +103,31 @@ def test_the_gpu_settings_time_every_layer_and_clip_as_vmap_does(views, nets):
     ref = clipped_sum_from_gradients(grads, mask, clip_norm=0.05, losses=losses)
     assert int(out.num_clipped) == int(ref.num_clipped) and int(out.num_examples) == size - 1
     # Bounds a little above the norms (ghost's most: privacy/layer_bounds.py).
+    nets.assert_trees_close(out.value, ref.value, rtol=3e-2)
+
+
+@pytest.mark.parametrize("views", [1, 4])
+def test_the_gpu_default_chooses_by_its_cost_model_compiling_nothing_and_clips_as_vmap_does(views, nets, monkeypatch):
+    def never(*args):
+        raise AssertionError("a candidate was timed")
+
+    monkeypatch.setattr(path_timing, "_time", never)
+    loss_fn, params, batch = _cnn(nets, views)
+    size = batch["label"].shape[0]
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=GPU)
+    chosen = [c for c in fn.layers if c.strategy != "book-keeping"]
+    assert chosen and "chosen by estimated" in describe(fn.layers)
+    for c in chosen:  # the cheapest of the candidates by the model, named first with every estimate
+        shape = path_cost.LayerShape(size, c.positions, c.fan_in, c.fan_out, c.kind == "WSConv")
+        estimates = {path_cost.name(s, p): path_cost.estimate(s, p, shape, size, GPU.cost) for s, p in GPU.candidates}
+        name = path_timing.candidate_name(c.strategy, c.precision)
+        assert estimates[name] == min(estimates.values())
+        assert c.reason.startswith(f"estimated: {name} ") and c.reason.count(" ms") >= 2
+    mask = jnp.ones(size).at[0].set(0.0)
+    out = jax.jit(fn)(params, {}, batch, mask)
+    losses, grads = per_example_gradients(loss_fn, params, {}, batch)
+    ref = clipped_sum_from_gradients(grads, mask, clip_norm=0.05, losses=losses)
+    assert int(out.num_clipped) == int(ref.num_clipped) and int(out.num_examples) == size - 1
     nets.assert_trees_close(out.value, ref.value, rtol=3e-2)
 
 
@@ -144,7 +173,7 @@ def test_a_candidate_that_fails_is_said_and_never_chosen(nets, monkeypatch):
         return out_of_memory
 
     monkeypatch.setattr(path_timing, "_layer_fn", ghost_fails)
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     assert timed and all(c.strategy != "ghost" and "ghost/highest failed" in c.reason for c in timed)
 
@@ -153,7 +182,7 @@ def test_timings_are_kept_for_the_next_process_and_a_corrupt_file_is_timed_again
     loss_fn, params, batch = _cnn(nets, 1)
     kept = tmp_path / "cache" / "clip_timings.json"
     monkeypatch.setenv("DPSCALE_CLIP_TIMINGS", str(kept))
-    first = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    first = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     timings = json.loads(kept.read_text())
     assert len(timings) == len(GPU.candidates) * sum(c.strategy != "book-keeping" for c in first.layers)
 
@@ -161,11 +190,11 @@ def test_timings_are_kept_for_the_next_process_and_a_corrupt_file_is_timed_again
         raise AssertionError("timed again")
 
     monkeypatch.setattr(path_timing, "_time", never)
-    again = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    again = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     assert again.layers == first.layers
     kept.write_text("{not json")
     monkeypatch.setattr(path_timing, "_time", lambda fn, args, repeats: 1.0)
-    make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=GPU)
+    make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     assert set(json.loads(kept.read_text()).values()) == {1.0}
     monkeypatch.delenv("DPSCALE_CLIP_TIMINGS")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -250,7 +279,7 @@ def test_chunked_by_the_memory_guard_one_example_moves_the_sum_by_at_most_one(st
 
 def test_pruned_candidates_are_said_in_the_reason_and_in_clip_paths(nets):
     loss_fn, params, batch = _cnn(nets, 1)
-    tuning = dataclasses.replace(GPU, prune_factor=1.0001)  # all but the two cheapest by the model
+    tuning = dataclasses.replace(TIMED, prune_factor=1.0001)  # all but the two cheapest by the model
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=tuning)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     for choice in timed:
