@@ -240,7 +240,7 @@ def _layerwise_clipped_sum(
     augmult = config.images.augmult
 
     def clipped_sum(clip_norm: float) -> ClippedSumFn | None:
-        # The example has one device's micro-batch: on a GPU or TPU each layer's path is timed there.
+        # The example has one device's micro-batch: on a GPU or TPU each layer's path is chosen for it.
         examples = _examples_per_device(config)
         batch = {
             "image": jax.ShapeDtypeStruct((examples, augmult, *input_shape), jnp.float32),
@@ -253,9 +253,10 @@ def _layerwise_clipped_sum(
             _log.info("per-example gradients: vmap(grad) (%s)", error)
             return None
         _log.info("per-example gradients: per-layer norms from one batched backward: %s", describe(fn.layers))
-        measured = any(choice.reason.startswith("measured") for choice in fn.layers)
-        for line in describe_layers(fn.layers):  # what the device's timings chose, in the run's log
-            _log.log(logging.INFO if measured else logging.DEBUG, "clip path of %s", line)
+        # What the device's timings or cost model chose, and from what, in the run's log.
+        chosen_for_device = any(choice.reason.startswith(("measured", "estimated")) for choice in fn.layers)
+        for line in describe_layers(fn.layers):
+            _log.log(logging.INFO if chosen_for_device else logging.DEBUG, "clip path of %s", line)
         return fn
 
     return clipped_sum

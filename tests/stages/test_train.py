@@ -190,6 +190,21 @@ def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_pat
     assert scores.num_examples == IngestedDataset(digits).num_examples("test")
 
 
+def test_a_gpus_choices_by_its_cost_model_are_logged_per_layer_and_kept_in_the_run(
+    digits, tmp_path, monkeypatch, caplog
+):
+    from dpscale.privacy import device_tuning, ghost
+
+    monkeypatch.setattr(ghost, "tuning_for", lambda: device_tuning.tuning_for("gpu"))  # as on an NVIDIA GPU
+    with caplog.at_level("INFO", logger="dpscale.training.model"):
+        train.run(_config(digits, tmp_path / "gpu", steps=1))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("clip path of ")]
+    assert lines and all(", estimated: " in line for line in lines)  # each layer, what it chose from
+    paths = json.loads((tmp_path / "gpu" / "clip_paths.json").read_text())
+    chosen = [layer for layer in paths["layers"] if layer["strategy"] != "book-keeping"]
+    assert len(chosen) == len(lines) and all(layer["reason"].startswith("estimated: ") for layer in chosen)
+
+
 def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path, monkeypatch, caplog):
     from dpscale.training import model as train_model
     from dpscale.training import trainer
