@@ -85,7 +85,7 @@ def _joined_above_cut(spec: RunSpec, params: Any, state: Any) -> tuple[str, int,
     ``source`` says of the layers below the cut."""
     from dpscale.cache.feature_store import open_features
     from dpscale.models import cuts
-    from dpscale.training.model import cut_backbone, feature_inputs
+    from dpscale.training.model import cut_top, feature_inputs
 
     data = spec.data_path()
     store = open_features(data)
@@ -93,19 +93,11 @@ def _joined_above_cut(spec: RunSpec, params: Any, state: Any) -> tuple[str, int,
     if recorded is not None and recorded != feature_inputs(store)["feature_key"]:
         raise DataError(f"the cache entry {data!r} is not the one the run trained on (another key)")
     key = store.key
-    model, variables, meta = cut_backbone(store)
-    top_name = str(spec.inputs.get("top") or cuts.top_names(model)[0])
-    top = cuts.build_top(
-        model,
-        key.cut,
-        top_name,
-        variables=variables,
-        num_classes=store.num_classes,
-        activation_shape=tuple(store.feature_shape[1:]),
-    )
+    sides = cut_top(store, spec.inputs.get("top"))
+    model, variables, meta, top_name = sides.backbone, sides.variables, sides.metadata, sides.name
     name = cuts.joined_model_name(key.model, model, top_name)
     whole = pretrained.build_model(name, num_classes=store.num_classes)
-    joined = cuts.join(model, key.cut, top, whole=whole, variables=variables, params=params, state=state)
+    joined = cuts.join(model, key.cut, sides.top, whole=whole, variables=variables, params=params, state=state)
     prep = pretrained.Preprocessing(resolution=key.resolution, mean=key.mean, std=key.std)
     resize = (
         f"; its activations were resized with {key.resize_method!r}: featurize with --resize-method "

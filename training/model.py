@@ -370,7 +370,6 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
 def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
     """A top trained above a cut, on activations cached by ``featurize --cut`` (``models.cuts``)."""
     from dpscale.cache.feature_store import open_features
-    from dpscale.models import cuts
 
     store = open_features(data)
     key = store.key
@@ -382,18 +381,9 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
     settings = config.images
     if settings.backbone:
         raise InvalidConfigError("--backbone does not apply above a cut: the cache entry names its backbone")
-    backbone, variables, _ = cut_backbone(store)
-    tops = cuts.top_names(backbone)
     # The images default names no top: above a cut it means the cut's default top.
-    top_name = tops[0] if settings.model == ImageSettings.model else settings.model
-    top = cuts.build_top(
-        backbone,
-        key.cut,
-        top_name,
-        variables=variables,
-        num_classes=store.num_classes,
-        activation_shape=activation_shape,
-    )
+    sides = cut_top(store, None if settings.model == ImageSettings.model else settings.model)
+    top = sides.top
     validate_dp_model(
         top.model, activation_shape, variables={"params": top.init_params(jax.random.key(0)), **top.model_state}
     )
@@ -446,7 +436,7 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
         logits_fn=lambda params, state, x: top.model.apply({"params": params, **state}, x),
         eval_inputs=eval_inputs,
         clipped_sum_fn=_layerwise_clipped_sum(config, loss_fn, init_params, model_state, activation_shape),
-        inputs=feature_inputs(store) | {"top": top_name},
+        inputs=feature_inputs(store) | {"top": sides.name},
     )
 
 
@@ -468,6 +458,36 @@ def cut_backbone(store: Any) -> tuple[Any, PyTree, pretrained.BackboneMetadata]:
         )
     model, variables, _ = pretrained.load_pretrained(where)
     return model, variables, meta
+
+
+@dataclasses.dataclass(frozen=True)
+class CutTop:
+    """An activations entry's two sides: the backbone it was cut from (model, variables, metadata) and the
+    top named ``name`` above the cut, built for the entry's classes and activation shape."""
+
+    backbone: Any
+    variables: PyTree
+    metadata: pretrained.BackboneMetadata
+    name: str
+    top: Any
+
+
+def cut_top(store: Any, top_name: str | None) -> CutTop:
+    """The backbone and the top ``top_name`` (None: the cut's first) of an activations entry: what a run
+    above the cut trains, and what ``export-backbone`` joins to the layers below it."""
+    from dpscale.models import cuts
+
+    backbone, variables, metadata = cut_backbone(store)
+    name = top_name or cuts.top_names(backbone)[0]
+    top = cuts.build_top(
+        backbone,
+        store.key.cut,
+        name,
+        variables=variables,
+        num_classes=store.num_classes,
+        activation_shape=tuple(store.feature_shape[1:]),
+    )
+    return CutTop(backbone, variables, metadata, name, top)
 
 
 def feature_inputs(store: Any) -> dict[str, Any]:
