@@ -40,7 +40,7 @@ PRETRAINED_TOP = "pretrained"
 _BLOCK = "blocks_"
 #: The CNN tops on scattering maps: their WS-conv channels (GroupNorm of 16 groups after each).
 SCATTER_TOPS = {"cnn": (64, 64), "cnn-wide": (128, 128)}
-#: The registered model each scattering top makes with the maps below it (``scattering.ScatterTopBackbone``).
+#: The registered model each scattering top makes with the maps below it (``scattering.ScatterCNNBackbone``, flattened).
 SCATTER_TOP_MODELS = {top: f"scatternet-top-{top}" for top in SCATTER_TOPS}
 
 
@@ -57,7 +57,7 @@ def _backbone(model: Any) -> Any:
     return model.backbone if isinstance(model, ImageClassifier) else model
 
 
-_SCATTER_BACKBONES = (scattering.ScatterLinearBackbone, scattering.ScatterCNNBackbone, scattering.ScatterTopBackbone)
+_SCATTER_BACKBONES = (scattering.ScatterLinearBackbone, scattering.ScatterCNNBackbone)
 
 
 def _is_lite(model: Any) -> bool:
@@ -112,7 +112,7 @@ def activations_fn(model: Any, cut: str, variables: PyTree) -> Callable[[jax.Arr
 
 
 def _scatter_groups(backbone: Any) -> int:
-    if isinstance(backbone, (scattering.ScatterCNNBackbone, scattering.ScatterTopBackbone)):
+    if isinstance(backbone, scattering.ScatterCNNBackbone):
         return backbone.scatter_groups
     return backbone.num_groups
 
@@ -202,9 +202,13 @@ def join(
     if _is_scattering(model):
         below, joined = _backbone(model), _backbone(whole)
         stages = top.model.backbone
-        same = isinstance(joined, scattering.ScatterTopBackbone) and (
-            (joined.J, joined.L, joined.scatter_groups, joined.channels, joined.num_groups)
-            == (below.J, below.L, _scatter_groups(below), stages.channels, stages.num_groups)
+        same = (
+            isinstance(joined, scattering.ScatterCNNBackbone)
+            and joined.flatten
+            and (
+                (joined.J, joined.L, joined.scatter_groups, joined.channels, joined.num_groups)
+                == (below.J, below.L, _scatter_groups(below), stages.channels, stages.num_groups)
+            )
         )
         if not same:
             raise DataError("the joined model is not the scattering the activations were cut with, then this top")

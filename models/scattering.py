@@ -185,18 +185,26 @@ class ScatterLinearBackbone(nn.Module):
 
 
 class ScatterCNNBackbone(nn.Module):
-    """Scattering -> per-example normalisation -> WS-conv + GroupNorm stages -> pooled features."""
+    """Scattering -> per-example normalisation -> WS-conv + GroupNorm stages -> pooled features, or,
+    with ``flatten``, ``ScatterCNNTop``'s stages (maps max-pooled between stages, then flattened).
+
+    Flattened, it is what a top trained above the ``scattering`` cut computes from images: its
+    parameters have the top's names (the scattering has none), so ``export-backbone`` writes such a
+    run as this.
+    """
 
     channels: tuple[int, ...] = (64, 64)
     J: int = 2
     L: int = 8
     scatter_groups: int = 27
     num_groups: int = 16
+    flatten: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         out = scatter_maps(x, J=self.J, L=self.L, num_groups=self.scatter_groups)
-        return _cnn_stages(out, self.channels, self.num_groups)
+        stages = _flat_cnn_stages if self.flatten else _cnn_stages
+        return stages(out, self.channels, self.num_groups)
 
 
 class ScatterCNNTop(nn.Module):
@@ -213,25 +221,6 @@ class ScatterCNNTop(nn.Module):
     @nn.compact
     def __call__(self, maps: Array) -> Array:
         return _flat_cnn_stages(maps, self.channels, self.num_groups)
-
-
-class ScatterTopBackbone(nn.Module):
-    """Scattering -> per-example normalisation -> ``ScatterCNNTop``'s stages, as one network.
-
-    What a top trained above the ``scattering`` cut computes from images: its parameters have
-    the top's names (the scattering has none), so ``export-backbone`` writes such a run as this.
-    """
-
-    channels: tuple[int, ...] = (64, 64)
-    J: int = 2
-    L: int = 8
-    scatter_groups: int = 27
-    num_groups: int = 16
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        out = scatter_maps(x, J=self.J, L=self.L, num_groups=self.scatter_groups)
-        return _flat_cnn_stages(out, self.channels, self.num_groups)
 
 
 def _flat_cnn_stages(out: Array, channels: tuple[int, ...], num_groups: int) -> Array:
@@ -285,13 +274,4 @@ def scatter_top_cnn(**options: Any) -> ImageClassifier:
     ``scatter_cnn``'s options and checks; only the stages differ (they flatten the maps, as the top does).
     """
     cnn = scatter_cnn(**options)
-    stages = cnn.backbone
-    return cnn.clone(
-        backbone=ScatterTopBackbone(
-            channels=stages.channels,
-            J=stages.J,
-            L=stages.L,
-            scatter_groups=stages.scatter_groups,
-            num_groups=stages.num_groups,
-        )
-    )
+    return cnn.clone(backbone=cnn.backbone.clone(flatten=True))

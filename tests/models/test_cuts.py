@@ -201,8 +201,10 @@ def test_a_scattering_top_joined_below_its_cut_is_the_registered_model_from_imag
     np.testing.assert_allclose(whole.apply(joined, x), top.model.apply({"params": params}, maps), rtol=1e-4, atol=1e-5)
     assert cuts.cut_names(whole) == ("scattering",)  # its maps are the same cut
     other = registry.get_model(cuts.SCATTER_TOP_MODELS["cnn-wide" if top_name == "cnn" else "cnn"], num_classes=10)
-    with pytest.raises(DataError, match="not the scattering the activations were cut with, then this top"):
-        cuts.join(backbone, "scattering", top, whole=other, variables={}, params=params, state={})
+    pooled = registry.get_model("scatternet-cnn", num_classes=10)  # the same stages, pooled, not flattened
+    for wrong in (other, pooled):
+        with pytest.raises(DataError, match="not the scattering the activations were cut with, then this top"):
+            cuts.join(backbone, "scattering", top, whole=wrong, variables={}, params=params, state={})
 
 
 def test_a_lite_top_joins_only_as_the_top_it_is():
