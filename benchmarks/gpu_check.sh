@@ -15,7 +15,8 @@
 # $OUT/clip-paths-k{1,4}.json (the DP runs' clip_paths.json);
 # BUDGET (s, default 540) skips what no longer fits, STEPS (default 40: every second step logs epsilon and is left out) the train runs' steps; MODEL,
 # MICRO and BATCH (defaults above) make a small try on a CPU before a GPU's short lease; KS (default "1 4")
-# the train runs' K; PEERS=0 leaves out the peers' step. XLA_FLAGS, if set, is said in the log.
+# the train runs' K; PEERS=0 leaves out the peers' step; DP_NEED (s, default 90) the budget a DP train run
+# must have left to start (one stopped while compiling measures nothing). XLA_FLAGS, if set, is said in the log.
 set -u
 data=${1:?usage: gpu_check.sh DATA [WHEELS]}; wheels=${2:-}
 out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"; log=$out/gpu-check.txt; : > "$log"
@@ -45,8 +46,9 @@ print({k: r.get(k) for k in ("status", "examples_per_s", "platform", "clip_paths
 }
 
 train() {  # train K EPSILON
-  local k=$1 eps=$2 run=$work/runs/k$1-eps$2
-  if (( $(left) < 40 )); then say "SKIP (time) train K=$k eps=$eps"; return; fi
+  local k=$1 eps=$2 run=$work/runs/k$1-eps$2 need=40
+  [[ $eps != inf ]] && need=${DP_NEED:-90}  # a DP run on an H200: ~20 s to start, 35-40 s compiling, its steps
+  if (( $(left) < need )); then say "SKIP (time: $(left) s left, a run needs $need) train K=$k eps=$eps"; return; fi
   rm -rf "$run"; mkdir -p "$(dirname "$run")"; local s=$SECONDS
   timeout "$(left)" python3 -m dpscale train "$data" "$run" --model "$model" --epsilon "$eps" --batch-size "$batch" \
     --microbatch-size "$micro" --augmult "$k" --steps "$steps" --checkpoint-every 100000 --seed 7 --private-diagnostics \
