@@ -7,8 +7,9 @@
 # dependencies the machine lacks (installed to /tmp/site first, for a machine without a package
 # registry). From the repository's root. Runs, each in a fresh process:
 #   1. the peers' step (benchmarks.peers_run_jax), WRN-16-4 at physical 256 / logical 1,024:
-#      non-private, DP with the device's clip tuning (its paths timed on the device), and DP with
-#      the CPU's tuning (chunks sized for a cache, the CPU's shape rule, full float32);
+#      non-private, DP with the device's clip tuning (its paths chosen by its cost model), DP with
+#      each layer's held-gradient paths timed (explicit against grouped, ghost beside: gpu-timed),
+#      and, last, DP with the CPU's tuning (chunks sized for a cache, the CPU's shape rule, full float32);
 #   2. `dpscale train` on DATA at K = 1 and 4, epsilon inf and 8 (B = 1,024, micro-batch 256),
 #      the median step after warm-up and the first (compiling) step, and each run's clip_paths.json.
 # Writes $OUT/gpu-check.txt (a line a measurement), $OUT/gpu-check.jsonl (the peers' JSON lines) and
@@ -69,7 +70,10 @@ PY
   [[ -f $run/clip_paths.json ]] && cp "$run/clip_paths.json" "$out/clip-paths-k$k.json"
 }
 
-if (( peers )); then peers nonprivate --framework dpscale-nonprivate; peers dp-device-tuning --framework dpscale; fi
+if (( peers )); then
+  peers nonprivate --framework dpscale-nonprivate; peers dp-device-tuning --framework dpscale
+  peers dp-gpu-timed --framework dpscale --clip-tuning gpu-timed  # explicit vs grouped, timed per layer
+fi
 for k in $ks; do train "$k" inf; train "$k" 8; done
 if (( peers )); then peers dp-cpu-tuning --framework dpscale --clip-tuning cpu; fi
 say "== done in $((SECONDS - start)) s"

@@ -77,7 +77,8 @@ def parse_runner_args(frameworks: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument(
         "--clip-tuning",
         default=None,
-        help="dpscale: clip with this backend's device tuning (cpu, gpu; default: the running one's)",
+        help="dpscale: clip with these device settings (a backend's: cpu, gpu, ...; or gpu-timed: explicit "
+        "against grouped per-example gradients timed per layer; default: the running backend's)",
     )
     parser.add_argument(
         "--device",

@@ -82,7 +82,7 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
     import jax
     import optax
 
-    from dpscale.privacy.device_tuning import tuning_for
+    from dpscale.privacy.device_tuning import NAMED_TUNING
     from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
     from dpscale.privacy.linear import softmax_regression_clipped_sum
     from dpscale.privacy.plan import PrivacyPlan
@@ -103,7 +103,9 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
     elif private and linear:
         clipped = softmax_regression_clipped_sum(clip_norm=1.0)
     elif private:
-        tuning = tuning_for(args.clip_tuning) if args.clip_tuning else None
+        if args.clip_tuning and args.clip_tuning not in NAMED_TUNING:
+            raise SystemExit(f"--clip-tuning must be one of {sorted(NAMED_TUNING)}, got {args.clip_tuning!r}")
+        tuning = NAMED_TUNING[args.clip_tuning] if args.clip_tuning else None
         start = time.perf_counter()
         clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]), tuning=tuning)
         extra["clip_paths"] = describe(clipped.layers)

@@ -49,6 +49,9 @@ DEFAULT_DEVICE_BYTES = 16 * 2**30
 
 _HIGHEST, _TF32 = ClipPrecision(), ClipPrecision(norms="tf32", sums="tf32")
 STRATEGIES: tuple[str, ...] = ("ghost", "explicit", "streamed")
+# Every path a layer can be forced to or timed on: ``grouped`` (explicit, formed as a grouped
+# convolution) has no measured cost yet, so neither the shape rule nor an estimate picks it.
+ALL_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "grouped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +107,7 @@ class DeviceTuning:
         if self.prune_factor <= 1 or (self.memory_bytes is not None and self.memory_bytes < 1):
             raise InvalidConfigError("prune_factor must exceed 1 and memory_bytes be positive")
         for strategy, _ in self.candidates:
-            check_choice(strategy, STRATEGIES, "a candidate's path")
+            check_choice(strategy, ALL_STRATEGIES, "a candidate's path")
 
     def with_precision(self, precision: ClipPrecision) -> DeviceTuning:
         """These settings with every contraction at ``precision`` (each path a candidate)."""
@@ -133,6 +136,15 @@ BACKEND_TUNING: dict[str, DeviceTuning] = {
     "rocm": _ACCELERATOR,
     "tpu": _ACCELERATOR,
 }
+
+
+# For measuring on an NVIDIA GPU what its cost model cannot yet say: each layer's held-gradient paths
+# timed on the device, explicit (from patches) against grouped (one grouped convolution), beside ghost.
+# Benchmarks name it (``--clip-tuning gpu-timed``); no backend runs it by default.
+GPU_TIMED = dataclasses.replace(
+    _NVIDIA, choose="measure", candidates=(("explicit", _TF32), ("grouped", _TF32), ("ghost", _HIGHEST))
+)
+NAMED_TUNING: dict[str, DeviceTuning] = {**BACKEND_TUNING, "gpu-timed": GPU_TIMED}
 
 
 def tuning_for(backend: str | None = None) -> DeviceTuning:

@@ -75,7 +75,7 @@ from dpscale.models.layers import WSConv
 from dpscale.privacy import bookkeeping, layer_bounds, path_cost
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
-from dpscale.privacy.device_tuning import STRATEGIES, DeviceTuning, memory_budget, tuning_for
+from dpscale.privacy.device_tuning import ALL_STRATEGIES, DeviceTuning, memory_budget, tuning_for
 from dpscale.privacy.layer_bounds import Strategy
 from dpscale.privacy.path_timing import Measured, candidate_name, estimate_paths, measure_paths
 from dpscale.privacy.rounding import ClipPrecision, norm_bound
@@ -184,8 +184,8 @@ def plan_strategies(
             strategy, chosen, reason = found.strategy, found.precision, found.summary()
         else:
             strategy, chosen, reason = choose_strategy(**shape), precision, "rule"
-        if strategy not in STRATEGIES:
-            raise InvalidConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if strategy not in ALL_STRATEGIES:
+            raise InvalidConfigError(f"strategy must be one of {ALL_STRATEGIES}, got {strategy!r}")
         chunk = 0
         if budget is not None and examples:
             layer = path_cost.LayerShape(examples, **shape, conv=kind == "WSConv")

@@ -1,4 +1,5 @@
-"""One layer's per-example squared-norm bounds and weighted sum, by path (explicit, streamed, ghost).
+"""One layer's per-example squared-norm bounds and weighted sum, by path (explicit, grouped, streamed,
+ghost).
 
 For a WS convolution or a dense layer with input patches ``A_i`` (P x d) and output gradient
 ``G_i`` (P x p), each path returns ``(q, summer)``: ``q_i`` is an upper bound of the squared norm
@@ -8,6 +9,10 @@ batch. The bound is proven (``privacy.rounding``) for the vector the summer adds
 * explicit holds each example's gradient ``v_i`` as computed and sums exactly those: only the
   rounding of ``||v_i||^2`` enters. With weight standardisation the fold is applied per example
   before the sum (``v_i = fold(centre(A_i^T G_i))``), so the norm and the sum see the same vector.
+  ``grouped`` is explicit with ``A_i^T G_i`` formed as the convolution's weight gradient of the one
+  example (vmapped: one convolution with the examples as feature groups) instead of from its
+  patches, which a GPU would otherwise write out (P x d floats an example): the held vector, and so
+  the bound, are of the same kind; how it is formed changes only the speed.
 * streamed and ghost sum by one backward contraction over the batch, and compute the norm from
   other numbers. Their ``v_i`` is the exact gradient of the recorded ``(A_i, G_i)`` (with the
   computed WS scales and kernel), and the bound adds, to the computed norm, bounds of (1) the
@@ -63,7 +68,7 @@ from dpscale.privacy.rounding import (
 )
 
 PyTree = Any
-Strategy = Literal["ghost", "explicit", "streamed"]
+Strategy = Literal["ghost", "explicit", "streamed", "grouped"]
 Summer = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -99,6 +104,8 @@ def chunked(
 def chunk_work(strategy: Strategy, positions: int, fan_in: int, fan_out: int) -> int:
     """The bytes per example that a path's ``chunked`` loop sizes its chunks by (patches and output
     gradient; ghost adds its P x P Gram matrices); a dense layer's explicit path is not chunked."""
+    if strategy == "grouped":  # no patches: the output gradient and the product, formed and folded
+        return 4 * (positions * fan_out + 2 * fan_in * fan_out)
     return 4 * positions * (fan_in + fan_out + (3 * positions if strategy == "ghost" else 0))
 
 
@@ -174,6 +181,29 @@ def _patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
     kh, kw = as_pair(module.kernel_size)
     windows = layer_rules.shifted_windows(x_one, (kh, kw), as_pair(module.strides), module.padding)
     return windows.reshape(-1, d)
+
+
+def _kernel_gradient(
+    module: WSConv, shape: tuple[int, ...], fmt: Format, x_one: jax.Array, g_one: jax.Array
+) -> jax.Array:
+    """One example's ``A_i^T G_i`` as the layer's convolution transposed to its kernel (``[kh, kw, c, p]``),
+    over the example's views (``x_one``: ``[K, h, w, c]``; ``g_one``: ``[K, h', w', p]``), at ``fmt``.
+    Vmapped over examples, JAX batches it as one convolution with the examples as feature groups."""
+
+    def conv(kernel: jax.Array) -> jax.Array:
+        return jax.lax.conv_general_dilated(
+            fmt.round(x_one),
+            kernel,
+            window_strides=as_pair(module.strides),
+            padding=module.padding,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=module.feature_group_count,
+            precision=fmt.lax_precision,
+            preferred_element_type=jnp.float32,
+        )
+
+    (product,) = jax.linear_transpose(conv, jax.ShapeDtypeStruct(shape, jnp.float32))(fmt.round(g_one))
+    return product
 
 
 def _patches_square_bound(module: WSConv, x: jax.Array) -> jax.Array:
@@ -301,13 +331,17 @@ def wsconv(
     bias_q = [held_square_bound(bias)] if bias else []
     work = chunk_work(strategy, positions, d, p)
 
-    if strategy == "explicit":
+    if strategy in ("explicit", "grouped"):
 
         def folded_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             # The fold per example, before the sum: what is summed is what is measured.
-            return geometry.fold(geometry.centre(contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)))
+            if strategy == "grouped":
+                product = _kernel_gradient(module, kernel.shape, fmt, x_one, g_one).reshape(d, p)
+            else:
+                product = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one.reshape(-1, p))
+            return geometry.fold(geometry.centre(product))
 
-        folded = chunked(folded_one, (x, g.reshape(g.shape[0], positions, p)), work, chunk_bytes=chunk_bytes, held=True)
+        folded = chunked(folded_one, (x, g), work, chunk_bytes=chunk_bytes, held=True)
         if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
             folded = hold(folded)
         per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
@@ -381,7 +415,7 @@ def dense(
     positions, fmt = flat_x.shape[1], precision.norm_format
     bias = hold({"bias": jnp.sum(flat_g, axis=1)}) if module.use_bias else {}
     bias_q = [held_square_bound(bias)] if bias else []
-    if strategy == "explicit":
+    if strategy in ("explicit", "grouped"):  # a dense layer has no patches: one contraction either way
         per_example = {"kernel": hold(contract(fmt, "btf,bto->bfo", flat_x, flat_g)), **bias}
         return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
 

@@ -10,7 +10,7 @@ shapes alone (P positions an example with the K views stacked, fan-in d, fan-out
 * ``estimate``: multiply-adds at the contractions' formats and bytes moved, at the device's rates
   (``device_tuning.CostModel``); ``plan`` leaves out a candidate estimated at the tuning's
   ``prune_factor`` times the cheapest or more, keeping at least two;
-* ``working_set``: bytes held for the whole micro-batch (explicit's per-example gradients, d*p) and
+* ``working_set``: bytes held for the whole micro-batch (explicit's and grouped's per-example gradients, d*p) and
   in flight an example (patches P*d, products d*p, Gram matrices P^2); ``fit`` the most examples a
   chunk that keep one layer's work within the memory budget, or None where one example at a time
   does not fit (the candidate is dropped).
@@ -78,6 +78,8 @@ def working_set(strategy: Strategy, shape: LayerShape) -> tuple[int, int]:
     patches = positions * d if shape.conv else 0
     if strategy == "explicit":  # a dense layer's explicit product is one contraction, not chunked
         return _FLOAT * shape.examples * d * p, _FLOAT * (patches + 2 * d * p) if shape.conv else 0
+    if strategy == "grouped":  # explicit without the patches
+        return _FLOAT * shape.examples * d * p, _FLOAT * 2 * d * p if shape.conv else 0
     if strategy == "streamed":
         return 0, _FLOAT * (patches + 3 * d * p)
     return 0, _FLOAT * (2 * patches + 3 * positions * positions)
@@ -115,6 +117,8 @@ def estimate(strategy: Strategy, precision: ClipPrecision, shape: LayerShape, ch
     patches = positions * d if shape.conv else 0
     if strategy == "explicit":
         seconds = product / norm_rate + _FLOAT * (2 * patches + PRODUCT_PASSES * d * p) / cost.bytes_per_second
+    elif strategy == "grouped":  # not fitted to any timing: optimistic, so timing prunes it never
+        seconds = product / norm_rate + _FLOAT * (positions * p + PRODUCT_PASSES * d * p) / cost.bytes_per_second
     elif strategy == "streamed":
         seconds = product / norm_rate + product / sum_rate
         seconds += _FLOAT * (3 * patches + PRODUCT_PASSES * d * p) / cost.bytes_per_second

@@ -135,7 +135,7 @@ class _Zoo(nn.Module):
         return nn.Dense(5, name="fc")(jnp.mean(x, axis=(1, 2)))
 
 
-@pytest.mark.parametrize("strategy", ["ghost", "explicit", "streamed"])
+@pytest.mark.parametrize("strategy", ["ghost", "explicit", "streamed", "grouped"])
 @pytest.mark.parametrize("views", [1, 3])
 def test_each_path_equals_vmap_on_every_layer_kind(strategy, views, nets):
     model = _Zoo()
@@ -157,7 +157,7 @@ def test_each_path_equals_vmap_on_every_layer_kind(strategy, views, nets):
     _assert_same(out, ref, nets, margin=GHOST_MARGIN if strategy == "ghost" else MARGIN)
 
 
-@pytest.mark.parametrize("strategy", ["ghost", "explicit", "streamed"])
+@pytest.mark.parametrize("strategy", ["ghost", "explicit", "streamed", "grouped"])
 def test_one_example_moves_the_sum_by_at_most_one(strategy, nets):
     model = registry.get_model("cnn-small", num_classes=4)
     shape = (12, 12, 1)

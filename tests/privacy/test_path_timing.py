@@ -24,8 +24,15 @@ from dpscale.models.layers import WSConv
 from dpscale.privacy import device_tuning, path_cost, path_timing
 from dpscale.privacy.bookkeeping import plan_layers
 from dpscale.privacy.clipping import clipped_sum_from_gradients, per_example_gradients
-from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES, DeviceTuning, memory_budget, tuning_for
-from dpscale.privacy.ghost import STRATEGIES, describe, describe_layers, make_ghost_clipped_sum_fn
+from dpscale.privacy.device_tuning import (
+    ALL_STRATEGIES,
+    CPU_CHUNK_BYTES,
+    STRATEGIES,
+    DeviceTuning,
+    memory_budget,
+    tuning_for,
+)
+from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
 from dpscale.privacy.rounding import ClipPrecision
 
 GPU = tuning_for("gpu")
@@ -132,7 +139,7 @@ def test_the_gpu_default_chooses_by_its_cost_model_compiling_nothing_and_clips_a
 
 
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", list(ALL_STRATEGIES))
 def test_a_whole_micro_batch_at_once_moves_the_sum_by_at_most_one(strategy, precision, nets):
     loss_fn, params, batch = _cnn(nets, 2, scale=30.0)  # large inputs: every example is clipped
     size = batch["label"].shape[0]
@@ -254,7 +261,7 @@ def test_a_rule_path_that_does_not_fit_gives_way_to_one_that_does(nets):
     nets.assert_trees_close(out.value, ref.value, rtol=3e-2)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", list(ALL_STRATEGIES))
 def test_chunked_by_the_memory_guard_one_example_moves_the_sum_by_at_most_one(strategy, nets):
     loss_fn, params, batch = _cnn(nets, 2, scale=30.0)  # large inputs: every example is clipped
     size = batch["label"].shape[0]

@@ -219,7 +219,7 @@ def single_example_norms(fn, params, batch, *, clipped=None):
 def _builders(loss_fn, params, precision):
     kwargs = {} if precision == "highest" else {"precision": ClipPrecision(norms=precision, sums=precision)}
     yield "book-keeping", make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=CLIP, **kwargs)
-    for strategy in ("explicit", "streamed", "ghost"):
+    for strategy in ("explicit", "grouped", "streamed", "ghost"):
         forced = {path: strategy for path in (("conv",), ("fc",)) if path[0] in params}
         yield strategy, make_ghost_clipped_sum_fn(loss_fn, clip_norm=CLIP, strategies=forced, **kwargs)
 
