@@ -10,7 +10,10 @@ minutes and then dies out of memory with a traceback (NFNet-F0, micro-batch 64: 
 * per example of a micro-batch: the larger of two parameter-sized gradients (per-example
   ``vmap`` gradients and their transformed copy through weight standardisation) and one
   gradient plus the example's forward activations (the outputs that depend on the input,
-  counted in the traced loss over the example's K views).
+  counted in the traced loss over the example's K views);
+* with per-layer clipping, checked again once each layer's path is chosen: the largest layer's
+  patches, products or Gram matrices in flight (``with_clip_paths``), which on an accelerator run
+  for a whole micro-batch at once.
 
 Checked against XLA's own memory analysis of the compiled clipped sum on this machine:
 cnn-small (micro-batch 64) 72 MB estimated vs 71 MB compiled, WRN-16-4 (8) 206 vs 170 MB,
@@ -20,8 +23,9 @@ NFNet-F0 on 8x8 digits (2) 1.10 GB vs 1.06 GB.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -86,6 +90,27 @@ def estimate(
         per_example_bytes=max(2 * params, params + activations),
         examples=examples,
     )
+
+
+def with_clip_paths(
+    estimate_: MemoryEstimate, layers: Sequence[Any], *, examples: int, chunk_bytes: int
+) -> MemoryEstimate:
+    """``estimate_`` with the per-layer clipping's working set in flight added per example: the
+    largest of the chosen paths' patches, products or Gram matrices at once (``path_cost.working_set``),
+    over ``examples`` (one device's micro-batch) in chunks of the memory guard's size, else of
+    ``chunk_bytes`` (the device's setting: a CPU's cache, an accelerator's whole micro-batch). The
+    held per-example gradients are in the estimate already (at most the parameters)."""
+    from dpscale.privacy import layer_bounds, path_cost
+
+    def in_flight(layer: Any) -> float:  # bytes an example
+        shape = path_cost.LayerShape(examples, layer.positions, layer.fan_in, layer.fan_out, layer.kind == "WSConv")
+        _, per_example = path_cost.working_set(layer.strategy, shape)
+        work = layer_bounds.chunk_work(layer.strategy, layer.positions, layer.fan_in, layer.fan_out)
+        at_once = layer.chunk or min(examples, max(1, chunk_bytes // max(1, work)))
+        return per_example * at_once / examples
+
+    work = max((in_flight(layer) for layer in layers if layer.strategy != "book-keeping"), default=0.0)
+    return dataclasses.replace(estimate_, per_example_bytes=estimate_.per_example_bytes + int(math.ceil(work)))
 
 
 def available_bytes() -> tuple[int, str]:

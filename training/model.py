@@ -25,6 +25,7 @@ the other rows only, and split ``train`` means those rows too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -43,7 +44,8 @@ from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
 from dpscale.privacy.bookkeeping import UnsupportedModelError
 from dpscale.privacy.clipping import ClippedSumFn
-from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
+from dpscale.privacy.device_tuning import tuning_for
+from dpscale.privacy.ghost import LayerChoice, describe, describe_layers, make_ghost_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
 from dpscale.training import feature_normalization, memory
@@ -212,7 +214,7 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
             placement=placement,
         )
 
-    _check_memory(config, loss_fn, init_params, model_state, input_shape)
+    fits = _check_memory(config, loss_fn, init_params, model_state, input_shape)
     return TrainModel(
         num_examples=trained_rows,
         num_classes=len(dataset.class_names),
@@ -223,7 +225,7 @@ def _image_model(data: str, config: TrainingConfig) -> TrainModel:
         make_feed=make_feed,
         logits_fn=lambda params, state, x: model.apply({"params": params, **state}, x),
         eval_inputs=eval_inputs,
-        clipped_sum_fn=_layerwise_clipped_sum(config, loss_fn, init_params, model_state, input_shape),
+        clipped_sum_fn=_layerwise_clipped_sum(config, loss_fn, init_params, model_state, input_shape, fits),
         inputs=inputs,
     )
 
@@ -234,9 +236,11 @@ def _layerwise_clipped_sum(
     init_params: Callable[[int], PyTree],
     model_state: PyTree,
     input_shape: tuple[int, ...],
+    fits: Callable[[tuple[LayerChoice, ...]], None] = lambda layers: None,
 ) -> Callable[[float], ClippedSumFn | None]:
     """A network's ``clipped_sum_fn``: per-layer norms (ghost or book-keeping) when every parameter has
-    a rule, else None (vmap). Inputs are ``{"image": [b, K, *input_shape], "label": [b, K]}``."""
+    a rule, else None (vmap). Inputs are ``{"image": [b, K, *input_shape], "label": [b, K]}``. ``fits``
+    refuses layer paths whose working sets would not fit beside the rest of the step."""
     augmult = config.images.augmult
 
     def clipped_sum(clip_norm: float) -> ClippedSumFn | None:
@@ -253,6 +257,7 @@ def _layerwise_clipped_sum(
             _log.info("per-example gradients: vmap(grad) (%s)", error)
             return None
         _log.info("per-example gradients: per-layer norms from one batched backward: %s", describe(fn.layers))
+        fits(fn.layers)
         # What the device's timings or cost model chose, and from what, in the run's log.
         chosen_for_device = any(choice.reason.startswith(("measured", "estimated")) for choice in fn.layers)
         for line in describe_layers(fn.layers):
@@ -273,8 +278,12 @@ def _check_memory(
     init_params: Callable[[int], PyTree],
     model_state: PyTree,
     input_shape: tuple[int, ...],
-) -> None:
-    """Refuse, before anything compiles, a network and micro-batch whose estimate exceeds the memory."""
+) -> Callable[[tuple[LayerChoice, ...]], None]:
+    """Refuse, before anything compiles, a network and micro-batch whose estimate exceeds the memory.
+
+    Returns the same check with the per-layer clipping's working set added, once its paths are chosen
+    (``memory.with_clip_paths``): the largest layer's patches, products or Gram matrices in flight, on
+    top of what the estimate holds (which already counts the held per-example gradients)."""
     settings = config.images
     views = {
         "image": jax.ShapeDtypeStruct((settings.augmult, *input_shape), jnp.float32),
@@ -291,12 +300,16 @@ def _check_memory(
         examples=examples,
         momentum=bool(config.momentum),
     )
-    memory.check_fits(
-        found,
+    check = functools.partial(
+        memory.check_fits,
         model=settings.backbone or settings.model,
         microbatch_size=config.effective_microbatch_size,
         devices=1 if on_cpu else devices,
     )
+    check(found)
+    chunk_bytes = tuning_for().chunk_bytes
+    per_device = _examples_per_device(config)
+    return lambda layers: check(memory.with_clip_paths(found, layers, examples=per_device, chunk_bytes=chunk_bytes))
 
 
 def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
@@ -424,7 +437,7 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
         cached, labels = activations(config.train_split)
         return ActivationFeed(cached, labels, augmult=settings.augmult, key=key, placement=placement)
 
-    _check_memory(config, loss_fn, init_params, model_state, activation_shape)
+    fits = _check_memory(config, loss_fn, init_params, model_state, activation_shape)
     return TrainModel(
         num_examples=trained_rows,
         num_classes=store.num_classes,
@@ -435,7 +448,7 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
         make_feed=make_feed,
         logits_fn=lambda params, state, x: top.model.apply({"params": params, **state}, x),
         eval_inputs=eval_inputs,
-        clipped_sum_fn=_layerwise_clipped_sum(config, loss_fn, init_params, model_state, activation_shape),
+        clipped_sum_fn=_layerwise_clipped_sum(config, loss_fn, init_params, model_state, activation_shape, fits),
         inputs=feature_inputs(store) | {"top": sides.name},
     )
 

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from dpscale.cli import cli
 from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InfeasiblePrivacyTargetError
+from dpscale.privacy import device_tuning
 from dpscale.privacy.plan import PrivacyTarget
 from dpscale.stages import evaluate, ingest, train
 from dpscale.training.config import FeatureSettings, ImageSettings, TrainingConfig, training_config
@@ -203,6 +204,22 @@ def test_a_gpus_choices_by_its_cost_model_are_logged_per_layer_and_kept_in_the_r
     paths = json.loads((tmp_path / "gpu" / "clip_paths.json").read_text())
     chosen = [layer for layer in paths["layers"] if layer["strategy"] != "book-keeping"]
     assert len(chosen) == len(lines) and all(layer["reason"].startswith("estimated: ") for layer in chosen)
+
+
+def test_the_memory_check_is_made_again_with_the_chosen_clip_paths_working_set(digits, tmp_path, monkeypatch):
+    from dpscale.training import memory
+    from dpscale.training.model import build_train_model
+
+    checked = []
+    monkeypatch.setattr(memory, "check_fits", lambda found, **kwargs: checked.append(found))
+    config = _config(digits, tmp_path / "run", steps=1)
+    model = build_train_model(config.data, config.training)
+    assert len(checked) == 1  # the estimate alone, before anything compiles
+    fn = model.clipped_sum_fn(1.0)
+    assert len(checked) == 2 and checked[1].per_example_bytes > checked[0].per_example_bytes
+    examples = config.training.effective_microbatch_size // jax.device_count()
+    chunk = device_tuning.tuning_for().chunk_bytes
+    assert checked[1] == memory.with_clip_paths(checked[0], fn.layers, examples=examples, chunk_bytes=chunk)
 
 
 def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path, monkeypatch, caplog):

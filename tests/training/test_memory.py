@@ -1,5 +1,7 @@
 """The memory estimate of an images-mode run against XLA's own analysis of the compiled clipped sum."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -42,3 +44,26 @@ def test_a_run_that_cannot_fit_is_refused_with_the_micro_batch_that_would():
     memory.check_fits(found, model="big", microbatch_size=64, devices=1, available=(69 * 2**30, "RAM"))
     with pytest.raises(InvalidConfigError, match="smaller --model"):
         memory.check_fits(found, model="big", microbatch_size=64, devices=1, available=(4 * 2**30, "RAM"))
+
+
+def test_the_clip_paths_working_set_is_added_per_example_as_each_path_is_chunked():
+    from dpscale.privacy.ghost import LayerChoice
+    from dpscale.privacy.path_cost import LayerShape, working_set
+
+    found = memory.MemoryEstimate(state_bytes=0, per_example_bytes=1000, examples=64)
+    ghost = LayerChoice(("conv",), "WSConv", "ghost", positions=4096, fan_in=576, fan_out=64)
+    booked = LayerChoice(("norm",), "GroupNorm", "book-keeping")
+    gram = working_set("ghost", LayerShape(64, 4096, 576, 64))[1]  # bytes an example, Gram matrices
+    whole = memory.with_clip_paths(found, [booked, ghost], examples=64, chunk_bytes=2**62)
+    assert whole.per_example_bytes == 1000 + gram  # every example's at once (an accelerator)
+    by_guard = memory.with_clip_paths(
+        found, [booked, dataclasses.replace(ghost, chunk=8)], examples=64, chunk_bytes=2**62
+    )
+    assert by_guard.per_example_bytes == 1000 + gram * 8 // 64  # the guard's chunks of 8
+    on_cpu = memory.with_clip_paths(found, [ghost], examples=64, chunk_bytes=1)  # one example at a time
+    assert on_cpu.per_example_bytes == 1000 + -(-gram // 64)
+    assert memory.with_clip_paths(found, [booked], examples=64, chunk_bytes=2**62) == found
+    # A run the estimate alone lets through is refused once the paths' working set is known.
+    memory.check_fits(found, model="m", microbatch_size=64, devices=1, available=(2 * 64 * 1000, "RAM"))
+    with pytest.raises(InvalidConfigError, match="--microbatch-size"):
+        memory.check_fits(whole, model="m", microbatch_size=64, devices=1, available=(2 * 64 * 1000, "RAM"))
