@@ -17,7 +17,9 @@
 # BUDGET (s, default 540) skips what no longer fits, STEPS (default 40: every second step logs epsilon and is left out) the train runs' steps; MODEL,
 # MICRO and BATCH (defaults above) make a small try on a CPU before a GPU's short lease; KS (default "1 4")
 # the train runs' K; PEERS=0 leaves out the peers' step; DP_NEED (s, default 90) the budget a DP train run
-# must have left to start (one stopped while compiling measures nothing). XLA_FLAGS, if set, is said in the log.
+# must have left to start (one stopped while compiling measures nothing); PROBE_XLA_FLAGS (e.g.
+# --xla_gpu_autotune_level=0) one more K = 1 DP run with those flags added, to see where its compilation goes
+# (its clip-paths file overwrites the first's). XLA_FLAGS, if set, is said in the log.
 set -u
 data=${1:?usage: gpu_check.sh DATA [WHEELS]}; wheels=${2:-}
 out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"; log=$out/gpu-check.txt; : > "$log"
@@ -75,5 +77,9 @@ if (( peers )); then
   peers dp-gpu-timed --framework dpscale --clip-tuning gpu-timed  # explicit vs grouped, timed per layer
 fi
 for k in $ks; do train "$k" inf; train "$k" 8; done
+if [[ -n ${PROBE_XLA_FLAGS:-} ]]; then  # where the DP step's compilation goes: one K = 1 DP run again, flags added
+  say "-- probe: XLA_FLAGS+=$PROBE_XLA_FLAGS"
+  XLA_FLAGS="${XLA_FLAGS:-} $PROBE_XLA_FLAGS" train 1 8
+fi
 if (( peers )); then peers dp-cpu-tuning --framework dpscale --clip-tuning cpu; fi
 say "== done in $((SECONDS - start)) s"
