@@ -115,7 +115,7 @@ class LayerChoice:
 
     path: Path
     kind: str  # "WSConv", "Dense", ...
-    strategy: str  # "ghost", "explicit", "streamed", or "book-keeping" (shared or normalisation layers)
+    strategy: str  # "ghost", "explicit", "grouped", "streamed", or "book-keeping" (shared or normalisation layers)
     positions: int = 0
     fan_in: int = 0
     fan_out: int = 0
@@ -156,9 +156,8 @@ def plan_strategies(
 ) -> tuple[LayerChoice, ...]:
     """Each layer call's path and precision: book-keeping for shared or normalisation layers; else
     forced (``overrides``), measured on the device or estimated by its cost model (``measured``), or
-    by the shape rule. With
-    ``budget`` (bytes) and ``examples`` (one device's micro-batch), the memory guard chunks a layer
-    whose work does not fit at once (``path_cost.fit``)."""
+    by the shape rule. With ``budget`` (bytes) and ``examples`` (one device's micro-batch), the memory
+    guard chunks a layer whose work does not fit at once (``path_cost.fit``)."""
     overrides, measured = dict(overrides or {}), measured or {}
     booked = _booked_paths(calls)
     choices = []
@@ -357,8 +356,8 @@ def make_ghost_clipped_sum_fn(
     fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped and why) and,
     where the device's tuning chooses (``privacy.device_tuning``: GPUs, TPUs), picks each layer's
     path at that micro-batch by the device's cost model or by timing the candidates on the device
-    (``privacy.path_timing``). ``strategies``
-    forces a layer's path (``{("backbone", "conv_0"): "ghost"}``), for tests and benchmarks.
+    (``privacy.path_timing``). ``strategies`` forces a layer's path (``{("backbone", "conv_0"):
+    "ghost"}``), for tests and benchmarks.
     ``precision`` forces the per-example contractions' precision (``privacy.rounding``); ``tuning``
     the device settings (default: the backend's).
     """
