@@ -183,16 +183,16 @@ def _patches(module: WSConv, x_one: jax.Array, d: int) -> jax.Array:
     return windows.reshape(-1, d)
 
 
-def _kernel_gradient(
-    module: WSConv, shape: tuple[int, ...], fmt: Format, x_one: jax.Array, g_one: jax.Array
-) -> jax.Array:
-    """One example's ``A_i^T G_i`` as the layer's convolution transposed to its kernel (``[kh, kw, c, p]``),
-    over the example's views (``x_one``: ``[K, h, w, c]``; ``g_one``: ``[K, h', w', p]``), at ``fmt``.
-    Vmapped over examples, JAX batches it as one convolution with the examples as feature groups."""
+def _kernel_gradient(module: WSConv, shape: tuple[int, ...], fmt: Format, x: jax.Array, g: jax.Array) -> jax.Array:
+    """``sum_n A_n^T G_n`` over the leading axis of ``x`` (``[n, h, w, c]``) and ``g`` (``[n, h', w', p]``):
+    the layer's convolution transposed to its kernel (``shape``: ``[kh, kw, c, p]``), products at ``fmt``
+    (the inputs are rounded to it by the caller). Over one example's views it is that example's
+    product; vmapped over examples, JAX batches it as one convolution with the examples as feature
+    groups."""
 
     def conv(kernel: jax.Array) -> jax.Array:
         return jax.lax.conv_general_dilated(
-            fmt.round(x_one),
+            x,
             kernel,
             window_strides=as_pair(module.strides),
             padding=module.padding,
@@ -202,7 +202,7 @@ def _kernel_gradient(
             preferred_element_type=jnp.float32,
         )
 
-    (product,) = jax.linear_transpose(conv, jax.ShapeDtypeStruct(shape, jnp.float32))(fmt.round(g_one))
+    (product,) = jax.linear_transpose(conv, jax.ShapeDtypeStruct(shape, jnp.float32))(g)
     return product
 
 
@@ -242,21 +242,7 @@ def _ws_batch_summer(
         flat_x = fmt.round(guard(finite, x)).reshape((-1,) + x.shape[2:])
         scaled = guard(finite, g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype))
         scaled = fmt.round(scaled).reshape((-1,) + g.shape[2:])
-        kernel = fmt.round(geometry.w.reshape(kernel_shape))
-
-        def conv(k: jax.Array) -> jax.Array:
-            return jax.lax.conv_general_dilated(
-                flat_x,
-                k,
-                window_strides=as_pair(module.strides),
-                padding=module.padding,
-                dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                precision=fmt.lax_precision,
-                preferred_element_type=jnp.float32,
-            )
-
-        _, vjp = jax.vjp(conv, kernel)
-        u_sum = vjp(scaled)[0].astype(jnp.float32).reshape(geometry.d, -1)
+        u_sum = _kernel_gradient(module, kernel_shape, fmt, flat_x, scaled).reshape(geometry.d, -1)
         return geometry.fold(geometry.centre(u_sum)).reshape(kernel_shape)
 
     return kernel_sum
@@ -336,7 +322,8 @@ def wsconv(
         def folded_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             # The fold per example, before the sum: what is summed is what is measured.
             if strategy == "grouped":
-                product = _kernel_gradient(module, kernel.shape, fmt, x_one, g_one).reshape(d, p)
+                product = _kernel_gradient(module, kernel.shape, fmt, fmt.round(x_one), fmt.round(g_one))
+                product = product.reshape(d, p)
             else:
                 product = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one.reshape(-1, p))
             return geometry.fold(geometry.centre(product))
