@@ -148,9 +148,18 @@ NAMED_TUNING: dict[str, DeviceTuning] = {**BACKEND_TUNING, "gpu-timed": GPU_TIME
 
 
 def tuning_for(backend: str | None = None) -> DeviceTuning:
-    """The settings of ``backend`` (``jax.default_backend()`` unless named); a backend not listed
-    gets the CPU's, which assume nothing of the device."""
-    return BACKEND_TUNING.get(backend or jax.default_backend(), DeviceTuning())
+    """The settings of ``backend`` (the running one unless named); a backend not listed gets the
+    CPU's, which assume nothing of the device."""
+    return BACKEND_TUNING.get(backend or _running_backend(), DeviceTuning())
+
+
+def _running_backend() -> str:
+    """``jax.default_backend()``, but ``rocm`` for a "gpu" that is not NVIDIA's: JAX names both GPU
+    kinds "gpu", and only NVIDIA's have a measured cost model (the others time their candidates)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and not jax.devices()[0].device_kind.upper().startswith("NVIDIA"):
+        return "rocm"
+    return backend
 
 
 def memory_budget(tuning: DeviceTuning) -> int:

@@ -142,6 +142,9 @@ def plan(
     least two are kept where two fit."""
     fitting, left_out = [], []
     for strategy, precision in candidates:
+        if strategy == "grouped" and not shape.conv:  # no patches to spare: explicit's one contraction
+            left_out.append((name(strategy, precision), "not timed: explicit's contraction on a dense layer"))
+            continue
         chunk = fit(strategy, shape, budget)
         if chunk is None:
             held, per_example = working_set(strategy, shape)

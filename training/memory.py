@@ -97,8 +97,9 @@ def with_clip_paths(
 ) -> MemoryEstimate:
     """``estimate_`` with the per-layer clipping's working set in flight added per example: the
     largest of the chosen paths' patches, products or Gram matrices at once (``path_cost.working_set``),
-    over ``examples`` (one device's micro-batch) in chunks of the memory guard's size, else of
-    ``chunk_bytes`` (the device's setting: a CPU's cache, an accelerator's whole micro-batch). The
+    over ``examples`` (one device's micro-batch) in chunks of the memory guard's size or of
+    ``chunk_bytes`` (the device's setting: a CPU's cache, an accelerator's whole micro-batch), the
+    smaller. The
     held per-example gradients are in the estimate already (at most the parameters)."""
     from dpscale.privacy import layer_bounds, path_cost
 
@@ -106,7 +107,8 @@ def with_clip_paths(
         shape = path_cost.LayerShape(examples, layer.positions, layer.fan_in, layer.fan_out, layer.kind == "WSConv")
         _, per_example = path_cost.working_set(layer.strategy, shape)
         work = layer_bounds.chunk_work(layer.strategy, layer.positions, layer.fan_in, layer.fan_out)
-        at_once = layer.chunk or min(examples, max(1, chunk_bytes // max(1, work)))
+        # The loop runs the smaller of the memory guard's chunk and the device's (ghost.py: chunk_bytes).
+        at_once = min(layer.chunk or examples, max(1, chunk_bytes // max(1, work)))
         return per_example * at_once / examples
 
     work = max((in_flight(layer) for layer in layers if layer.strategy != "book-keeping"), default=0.0)

@@ -118,3 +118,13 @@ def test_estimates_name_and_describe():
     assert path_cost.describe_chunk("ghost", shape, 256, 10**9) == ""
     said = path_cost.describe_chunk("ghost", shape, 64, 26 * 10**9)
     assert said.startswith("chunked 4 x 64 examples (") and said.endswith(" at once > budget 26 GB)")
+
+
+def test_grouped_is_timed_on_convolutions_only_and_never_pruned_there():
+    from dpscale.privacy.device_tuning import GPU_TIMED
+
+    conv = _plan(path_cost.LayerShape(256, 1024, 576, 64), tuning=GPU_TIMED)
+    assert "grouped" in {c.strategy for c in conv.timed}  # its estimate is no fit: optimistic, so timed
+    dense = _plan(path_cost.LayerShape(256, 1, 256, 10, conv=False), tuning=GPU_TIMED)
+    assert "grouped" not in {c.strategy for c in dense.timed}
+    assert ("grouped/tf32", "not timed: explicit's contraction on a dense layer") in dense.left_out

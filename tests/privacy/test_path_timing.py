@@ -79,6 +79,18 @@ def test_each_backend_has_its_settings_and_an_unknown_one_the_cpus():
     assert GPU.cost is not None and tuning_for("tpu").cost is None and cpu.cost is None
 
 
+def test_a_gpu_not_nvidias_times_its_candidates_rather_than_use_nvidias_cost_model(monkeypatch):
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for kind, expected in (("NVIDIA H200", "estimate"), ("AMD Instinct MI300X", "measure")):
+        monkeypatch.setattr(jax, "devices", lambda kind=kind: [Device(kind)])
+        assert tuning_for().choose == expected
+    assert tuning_for("gpu").choose == "estimate"  # named, as benchmarks do: that backend's settings
+
+
 def test_the_memory_budget_is_a_fraction_of_what_the_device_says(monkeypatch):
     assert memory_budget(dataclasses.replace(GPU, memory_bytes=123)) == 123
     default = device_tuning.DEFAULT_DEVICE_BYTES

@@ -62,6 +62,8 @@ def test_the_clip_paths_working_set_is_added_per_example_as_each_path_is_chunked
     assert by_guard.per_example_bytes == 1000 + gram * 8 // 64  # the guard's chunks of 8
     on_cpu = memory.with_clip_paths(found, [ghost], examples=64, chunk_bytes=1)  # one example at a time
     assert on_cpu.per_example_bytes == 1000 + -(-gram // 64)
+    guarded_on_cpu = memory.with_clip_paths(found, [dataclasses.replace(ghost, chunk=8)], examples=64, chunk_bytes=1)
+    assert guarded_on_cpu == on_cpu  # the smaller of the guard's chunk and the device's runs
     assert memory.with_clip_paths(found, [booked], examples=64, chunk_bytes=2**62) == found
     # A run the estimate alone lets through is refused once the paths' working set is known.
     memory.check_fits(found, model="m", microbatch_size=64, devices=1, available=(2 * 64 * 1000, "RAM"))
