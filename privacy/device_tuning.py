@@ -122,7 +122,7 @@ class DeviceTuning:
 # Only NVIDIA GPUs have a measured cost model, and there it chooses: timing the candidates took
 # 133-155 s of a first run on an H200 (WRN-16-4, K = 1; longer at K = 4), while the model's choices
 # cost ~3% of the clipping's time against the timed ones there (benchmarks/results/gpu_step_cost.md).
-# Elsewhere every candidate is timed.
+# Other NVIDIA GPUs use the H200's constants too, unmeasured; elsewhere every candidate is timed.
 _ACCELERATOR = DeviceTuning(
     chunk_bytes=WHOLE_MICROBATCH,
     choose="measure",
