@@ -42,7 +42,7 @@ def _blocks(count: int) -> tuple[str, ...]:
     return tuple(f"blocks_{i}" for i in range(count))
 
 
-_SCATTER = {"cuts": ("scattering",), "tops": ("cnn", "cnn-wide")}
+_SCATTER = {"cuts": ("scattering",), "tops": ("cnn", "cnn-wide", "cnn-tanh")}
 
 
 #: ``registry.describe(name)`` of every listed model, in the registry's order.
@@ -194,6 +194,15 @@ MODELS: tuple[dict[str, Any], ...] = (
         classes=10,
         features=2048,
         description="The 'cnn-wide' top above the scattering cut with the maps below it, 28x28 grayscale",
+        **_SCATTER,
+    ),
+    _row(
+        "scatternet-top-cnn-tanh",
+        94_026,
+        (28, 28, 1),
+        classes=10,
+        features=1024,
+        description="The 'cnn-tanh' top above the scattering cut with the maps below it, 28x28 grayscale",
         **_SCATTER,
     ),
     _row(

@@ -12,8 +12,8 @@ Cuts and tops, by backbone:
   weights (BatchNorm frozen at its ImageNet statistics, which come from public data), with a
   zero classifier as in De et al. (2022).
 * ``scatternet-linear`` / ``scatternet-cnn``: ``scattering``, the per-example normalised
-  scattering maps (no parameters). Tops ``cnn`` and ``cnn-wide``: GroupNorm + WS-conv CNNs from
-  random initialisation (Tramer & Boneh 2021's ScatterNet+CNN).
+  scattering maps (no parameters). Tops ``cnn``, ``cnn-wide`` and ``cnn-tanh``: GroupNorm + WS-conv
+  CNNs from random initialisation (Tramer & Boneh 2021's ScatterNet+CNN; theirs uses tanh).
 
 A trained top joined to the frozen part below its cut (``join``) is one network from images
 again, which ``export-backbone`` writes as a backbone: a Lite top's is the backbone's own model
@@ -38,8 +38,22 @@ PyTree = Any
 SCATTERING = "scattering"
 PRETRAINED_TOP = "pretrained"
 _BLOCK = "blocks_"
-#: The CNN tops on scattering maps: their WS-conv channels (GroupNorm of 16 groups after each).
-SCATTER_TOPS = {"cnn": (64, 64), "cnn-wide": (128, 128)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatterTop:
+    """A CNN top on scattering maps: its WS-conv channels (GroupNorm of 16 groups after each) and activation."""
+
+    channels: tuple[int, ...]
+    activation: str = "relu"
+
+
+#: The CNN tops on scattering maps, the default first.
+SCATTER_TOPS = {
+    "cnn": ScatterTop((64, 64)),
+    "cnn-wide": ScatterTop((128, 128)),
+    "cnn-tanh": ScatterTop((64, 64), "tanh"),
+}
 #: The registered model each scattering top makes with the maps below it (``scattering.ScatterCNNBackbone``, flattened).
 SCATTER_TOP_MODELS = {top: f"scatternet-top-{top}" for top in SCATTER_TOPS}
 
@@ -141,7 +155,10 @@ def build_top(
     sample = jnp.zeros((1, *activation_shape), jnp.float32)
     if _is_scattering(model):
         module = ImageClassifier(
-            backbone=scattering.ScatterCNNTop(channels=SCATTER_TOPS[top]), head=Classifier(num_classes)
+            backbone=scattering.ScatterCNNTop(
+                channels=SCATTER_TOPS[top].channels, activation=SCATTER_TOPS[top].activation
+            ),
+            head=Classifier(num_classes),
         )
         init = jax.jit(module.init)
         return TopModel(module, lambda key: init(key, sample)["params"], {})
@@ -206,8 +223,8 @@ def join(
             isinstance(joined, scattering.ScatterCNNBackbone)
             and joined.flatten
             and (
-                (joined.J, joined.L, joined.scatter_groups, joined.channels, joined.num_groups)
-                == (below.J, below.L, _scatter_groups(below), stages.channels, stages.num_groups)
+                (joined.J, joined.L, joined.scatter_groups, joined.channels, joined.num_groups, joined.activation)
+                == (below.J, below.L, _scatter_groups(below), stages.channels, stages.num_groups, stages.activation)
             )
         )
         if not same:

@@ -163,13 +163,13 @@ def _scattering_specs() -> Iterable[ModelSpec]:
         description="GroupNorm + WS CNN on a fixed scattering transform, 28x28 grayscale (Tramer & Boneh 2021)",
         params=_PARAMS["scatternet-cnn"],
     )
-    for top, channels in cuts.SCATTER_TOPS.items():  # what export-backbone writes for a run of that top
+    for top, spec in cuts.SCATTER_TOPS.items():  # what export-backbone writes for a run of that top
         yield ModelSpec(
             name=cuts.SCATTER_TOP_MODELS[top],
-            build=functools.partial(scattering.scatter_top_cnn, channels=channels),
+            build=functools.partial(scattering.scatter_top_cnn, channels=spec.channels, activation=spec.activation),
             num_classes=10,
             input_shape=(28, 28, 1),
-            feature_dim=channels[-1] * 4 * 4,  # 7x7 maps, one 2x2 max-pool (SAME), flattened
+            feature_dim=spec.channels[-1] * 4 * 4,  # 7x7 maps, one 2x2 max-pool (SAME), flattened
             description=f"The {top!r} top above the scattering cut with the maps below it, 28x28 grayscale",
             params=_PARAMS[cuts.SCATTER_TOP_MODELS[top]],
         )

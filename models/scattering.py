@@ -151,11 +151,24 @@ def scatter_maps(x: Array, *, J: int, L: int, num_groups: int) -> Array:
     return ScatterNorm(num_groups)(Scattering2D(J, L)(x))
 
 
-def _cnn_stages(out: Array, channels: tuple[int, ...], num_groups: int) -> Array:
-    """WS-conv + GroupNorm + ReLU stages, then global average pooling (inside a compact module)."""
+#: The activations a scattering CNN may use. Papernot et al. (2021) and Tramer & Boneh (2021) train
+#: under DP with tanh: a bounded activation keeps the clipped gradients' directions more informative.
+ACTIVATIONS = {"relu": nn.relu, "tanh": jnp.tanh}
+
+
+def activation_fn(name: str):
+    """The activation called ``name``; ``InvalidConfigError`` naming the known ones otherwise."""
+    if name not in ACTIVATIONS:
+        raise InvalidConfigError(f"unknown activation {name!r} (known: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def _cnn_stages(out: Array, channels: tuple[int, ...], num_groups: int, activation: str = "relu") -> Array:
+    """WS-conv + GroupNorm + activation stages, then global average pooling (inside a compact module)."""
+    act = activation_fn(activation)
     for index, features in enumerate(channels):
         out = WSConv(features, 3, name=f"conv_{index}")(out)
-        out = nn.relu(GroupNorm(num_groups=num_groups, name=f"norm_{index}")(out))
+        out = act(GroupNorm(num_groups=num_groups, name=f"norm_{index}")(out))
     return jnp.mean(out, axis=(1, 2))
 
 
@@ -199,37 +212,40 @@ class ScatterCNNBackbone(nn.Module):
     scatter_groups: int = 27
     num_groups: int = 16
     flatten: bool = False
+    activation: str = "relu"
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         out = scatter_maps(x, J=self.J, L=self.L, num_groups=self.scatter_groups)
         stages = _flat_cnn_stages if self.flatten else _cnn_stages
-        return stages(out, self.channels, self.num_groups)
+        return stages(out, self.channels, self.num_groups, self.activation)
 
 
 class ScatterCNNTop(nn.Module):
     """A CNN on cached scattering maps (trained above the ``scattering`` cut), after Tramer & Boneh.
 
-    WS-conv + GroupNorm + ReLU stages with 2x2 max-pooling between them, then the maps flattened:
-    the classifier sees where each response is (a global average would discard the positions that
-    the linear model on the same maps uses).
+    WS-conv + GroupNorm + activation stages with 2x2 max-pooling between them, then the maps
+    flattened: the classifier sees where each response is (a global average would discard the
+    positions that the linear model on the same maps uses).
     """
 
     channels: tuple[int, ...] = (64, 64)
     num_groups: int = 16
+    activation: str = "relu"
 
     @nn.compact
     def __call__(self, maps: Array) -> Array:
-        return _flat_cnn_stages(maps, self.channels, self.num_groups)
+        return _flat_cnn_stages(maps, self.channels, self.num_groups, self.activation)
 
 
-def _flat_cnn_stages(out: Array, channels: tuple[int, ...], num_groups: int) -> Array:
-    """WS-conv + GroupNorm + ReLU stages, 2x2 max-pooling between them, then flattened (in a compact module)."""
+def _flat_cnn_stages(out: Array, channels: tuple[int, ...], num_groups: int, activation: str = "relu") -> Array:
+    """WS-conv + GroupNorm + activation stages, 2x2 max-pooling between them, then flattened (in a compact module)."""
+    act = activation_fn(activation)
     for index, features in enumerate(channels):
         if index > 0:
             out = nn.max_pool(out, (2, 2), strides=(2, 2), padding="SAME")
         out = WSConv(features, 3, name=f"conv_{index}")(out)
-        out = nn.relu(GroupNorm(num_groups=num_groups, name=f"norm_{index}")(out))
+        out = act(GroupNorm(num_groups=num_groups, name=f"norm_{index}")(out))
     return out.reshape(out.shape[0], -1)
 
 
@@ -258,12 +274,21 @@ def scatter_cnn(
     scatter_groups: int = 27,
     num_groups: int = 16,
     input_channels: int = 1,
+    activation: str = "relu",
 ) -> ImageClassifier:
     """A GroupNorm + WS CNN on normalised scattering maps (Tramer & Boneh's ScatterNet+CNN)."""
     _check_groups(input_channels, J, L, scatter_groups)
     channels = checked_channels(channels, num_groups)
+    activation_fn(activation)
     return ImageClassifier(
-        backbone=ScatterCNNBackbone(channels=channels, J=J, L=L, scatter_groups=scatter_groups, num_groups=num_groups),
+        backbone=ScatterCNNBackbone(
+            channels=channels,
+            J=J,
+            L=L,
+            scatter_groups=scatter_groups,
+            num_groups=num_groups,
+            activation=activation,
+        ),
         head=Classifier(num_classes),
     )
 

@@ -37,12 +37,13 @@ def _merged(full, top_params):
 class ScatterThenTop(nn.Module):
     """What a top above the scattering cut computes from images: the maps, then the top (one network)."""
 
-    channels: tuple[int, ...]
+    top: cuts.ScatterTop
 
     @nn.compact
     def __call__(self, x):
         maps = scattering.scatter_maps(x, J=2, L=8, num_groups=27)
-        return Classifier(10, name="head")(scattering.ScatterCNNTop(self.channels, name="backbone")(maps))
+        stages = scattering.ScatterCNNTop(self.top.channels, activation=self.top.activation, name="backbone")
+        return Classifier(10, name="head")(stages(maps))
 
 
 CASES = [
@@ -52,7 +53,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("top_name", ["cnn", "cnn-wide"])
+@pytest.mark.parametrize("top_name", ["cnn", "cnn-wide", "cnn-tanh"])
 def test_a_scattering_top_on_cached_maps_is_the_network_from_images(top_name):
     model = registry.get_model("scatternet-linear", num_classes=10)
     x = jax.random.normal(jax.random.key(1), (3, 28, 28, 1))
@@ -188,7 +189,7 @@ def test_the_activation_feed_takes_k_distinct_cached_views_and_zeroes_padding():
     np.testing.assert_array_equal(np.asarray(every[0][0]["image"])[0].ravel(), 1 + views * 5 + np.arange(views))
 
 
-@pytest.mark.parametrize("top_name", ["cnn", "cnn-wide"])
+@pytest.mark.parametrize("top_name", ["cnn", "cnn-wide", "cnn-tanh"])
 def test_a_scattering_top_joined_below_its_cut_is_the_registered_model_from_images(top_name):
     backbone = registry.get_model("scatternet-linear", num_classes=10)
     x = jax.random.normal(jax.random.key(1), (3, 28, 28, 1))
@@ -200,6 +201,7 @@ def test_a_scattering_top_joined_below_its_cut_is_the_registered_model_from_imag
     joined = cuts.join(backbone, "scattering", top, whole=whole, variables={}, params=params, state={})
     np.testing.assert_allclose(whole.apply(joined, x), top.model.apply({"params": params}, maps), rtol=1e-4, atol=1e-5)
     assert cuts.cut_names(whole) == ("scattering",)  # its maps are the same cut
+    # cnn-tanh's other is cnn: the same shapes, another activation
     other = registry.get_model(cuts.SCATTER_TOP_MODELS["cnn-wide" if top_name == "cnn" else "cnn"], num_classes=10)
     pooled = registry.get_model("scatternet-cnn", num_classes=10)  # the same stages, pooled, not flattened
     for wrong in (other, pooled):

@@ -72,6 +72,18 @@ def test_registered_models_build_and_the_linear_backbone_is_parameter_free():
         scattering.scatter_linear(num_groups=10)
     with pytest.raises(InvalidConfigError, match="divisible by num_groups=16"):
         scattering.scatter_cnn(channels=(64, 40))
+    with pytest.raises(InvalidConfigError, match="unknown activation 'gelu'"):
+        scattering.scatter_cnn(activation="gelu")
+
+
+def test_the_tanh_top_applies_tanh_where_the_default_applies_relu():
+    maps = jax.random.normal(jax.random.key(3), (2, 7, 7, 81))
+    # one stage, so both activations see the same normalised maps
+    relu, tanh = scattering.ScatterCNNTop((16,)), scattering.ScatterCNNTop((16,), activation="tanh")
+    params = relu.init(jax.random.key(0), maps)  # the same parameters: the activation has none
+    relu_out, tanh_out = np.asarray(relu.apply(params, maps)), np.asarray(tanh.apply(params, maps))
+    assert relu_out.min() == 0.0 and tanh_out.min() < -0.1 and np.abs(tanh_out).max() <= 1.0
+    assert np.all((relu_out > 0) == (tanh_out > 0))  # both keep the normalised map's sign
 
 
 def test_parameter_free_backbone_is_built_on_first_use_only(tmp_path, monkeypatch):
