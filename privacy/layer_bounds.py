@@ -94,11 +94,16 @@ def chunked(
     there are two examples, so the outputs are a loop's, buffers that no consumer recomputes
     (``clipping.hold``; XLA inlines a loop of one iteration).
     """
-    size = arrays[0].shape[0]
+    chunk = chunk_size(arrays[0].shape[0], bytes_per_example, chunk_bytes=chunk_bytes, held=held)
+    return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
+
+
+def chunk_size(size: int, bytes_per_example: int, *, chunk_bytes: int, held: bool) -> int:
+    """The examples a chunk that ``chunked`` runs ``size`` examples in (the memory check counts the
+    same chunk: ``training.memory.with_clip_paths``)."""
     most = (size // 2 or 1) if held else size
     target = max(1, min(most, chunk_bytes // max(1, bytes_per_example)))
-    chunk = max(c for c in range(1, target + 1) if size % c == 0)
-    return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
+    return max(c for c in range(1, target + 1) if size % c == 0)
 
 
 def chunk_work(strategy: Strategy, positions: int, fan_in: int, fan_out: int) -> int:

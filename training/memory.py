@@ -97,18 +97,19 @@ def with_clip_paths(
 ) -> MemoryEstimate:
     """``estimate_`` with the per-layer clipping's working set in flight added per example: the
     largest of the chosen paths' patches, products or Gram matrices at once (``path_cost.working_set``),
-    over ``examples`` (one device's micro-batch) in chunks of the memory guard's size or of
-    ``chunk_bytes`` (the device's setting: a CPU's cache, an accelerator's whole micro-batch), the
-    smaller. The
-    held per-example gradients are in the estimate already (at most the parameters)."""
+    over ``examples`` (one device's micro-batch) in the chunks that ``layer_bounds.chunked`` runs:
+    those of the memory guard or of ``chunk_bytes`` (the device's setting: a CPU's cache, an
+    accelerator's whole micro-batch), the smaller, as ``privacy.ghost`` passes them. The held
+    per-example gradients are in the estimate already (at most the parameters)."""
     from dpscale.privacy import layer_bounds, path_cost
 
     def in_flight(layer: Any) -> float:  # bytes an example
         shape = path_cost.LayerShape(examples, layer.positions, layer.fan_in, layer.fan_out, layer.kind == "WSConv")
         _, per_example = path_cost.working_set(layer.strategy, shape)
         work = layer_bounds.chunk_work(layer.strategy, layer.positions, layer.fan_in, layer.fan_out)
-        # The loop runs the smaller of the memory guard's chunk and the device's (ghost.py: chunk_bytes).
-        at_once = min(layer.chunk or examples, max(1, chunk_bytes // max(1, work)))
+        device = path_cost.chunk_bytes(layer.strategy, shape, layer.chunk, chunk_bytes) if layer.chunk else chunk_bytes
+        held = layer.strategy in ("explicit", "grouped")
+        at_once = layer_bounds.chunk_size(examples, work, chunk_bytes=device, held=held)
         return per_example * at_once / examples
 
     work = max((in_flight(layer) for layer in layers if layer.strategy != "book-keeping"), default=0.0)

@@ -48,6 +48,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_micro_batch_that_would():
 
 def test_the_clip_paths_working_set_is_added_per_example_as_each_path_is_chunked():
     from dpscale.privacy.ghost import LayerChoice
+    from dpscale.privacy.layer_bounds import chunk_work
     from dpscale.privacy.path_cost import LayerShape, working_set
 
     found = memory.MemoryEstimate(state_bytes=0, per_example_bytes=1000, examples=64)
@@ -65,6 +66,15 @@ def test_the_clip_paths_working_set_is_added_per_example_as_each_path_is_chunked
     guarded_on_cpu = memory.with_clip_paths(found, [dataclasses.replace(ghost, chunk=8)], examples=64, chunk_bytes=1)
     assert guarded_on_cpu == on_cpu  # the smaller of the guard's chunk and the device's runs
     assert memory.with_clip_paths(found, [booked], examples=64, chunk_bytes=2**62) == found
+    # The chunk is the one layer_bounds.chunked runs: a divisor of the micro-batch (room for 5 of
+    # 64 runs 4), and an explicit path's held loop has at least two chunks (32 of 64 at once).
+    work = chunk_work("ghost", 4096, 576, 64)
+    five = memory.with_clip_paths(found, [ghost], examples=64, chunk_bytes=5 * work)
+    assert five.per_example_bytes == 1000 + -(-gram * 4 // 64)
+    explicit = dataclasses.replace(ghost, strategy="explicit")
+    product = working_set("explicit", LayerShape(64, 4096, 576, 64))[1]
+    halves = memory.with_clip_paths(found, [explicit], examples=64, chunk_bytes=2**62)
+    assert halves.per_example_bytes == 1000 + product * 32 // 64
     # A run the estimate alone lets through is refused once the paths' working set is known.
     memory.check_fits(found, model="m", microbatch_size=64, devices=1, available=(2 * 64 * 1000, "RAM"))
     with pytest.raises(InvalidConfigError, match="--microbatch-size"):
