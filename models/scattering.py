@@ -152,7 +152,9 @@ def scatter_maps(x: Array, *, J: int, L: int, num_groups: int) -> Array:
 
 
 #: The activations a scattering CNN may use. Papernot et al. (2021) and Tramer & Boneh (2021) train
-#: under DP with tanh: a bounded activation keeps the clipped gradients' directions more informative.
+#: under DP with tanh: a bounded activation keeps activations, and so per-example gradient norms, from
+#: growing, so clipping discards less. (Above the scattering cut, with GroupNorm, it did not help here:
+#: benchmarks/results/above_a_cut.md.)
 ACTIVATIONS = {"relu": nn.relu, "tanh": jnp.tanh}
 
 
