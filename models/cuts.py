@@ -154,10 +154,9 @@ def build_top(
         raise InvalidConfigError(f"no top {top!r} above cut {cut!r} (tops: {', '.join(top_names(model))})")
     sample = jnp.zeros((1, *activation_shape), jnp.float32)
     if _is_scattering(model):
+        spec = SCATTER_TOPS[top]
         module = ImageClassifier(
-            backbone=scattering.ScatterCNNTop(
-                channels=SCATTER_TOPS[top].channels, activation=SCATTER_TOPS[top].activation
-            ),
+            backbone=scattering.ScatterCNNTop(channels=spec.channels, activation=spec.activation),
             head=Classifier(num_classes),
         )
         init = jax.jit(module.init)

@@ -69,6 +69,9 @@ from dpscale.privacy.rounding import (
 
 PyTree = Any
 Strategy = Literal["ghost", "explicit", "streamed", "grouped"]
+#: The paths that hold every example's gradient (their ``chunked`` loop runs ``held``); the others
+#: bound a norm and form the weighted sum apart.
+HELD_STRATEGIES = ("explicit", "grouped")
 Summer = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -322,7 +325,7 @@ def wsconv(
     bias_q = [held_square_bound(bias)] if bias else []
     work = chunk_work(strategy, positions, d, p)
 
-    if strategy in ("explicit", "grouped"):
+    if strategy in HELD_STRATEGIES:
 
         def folded_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             # The fold per example, before the sum: what is summed is what is measured.
@@ -407,7 +410,7 @@ def dense(
     positions, fmt = flat_x.shape[1], precision.norm_format
     bias = hold({"bias": jnp.sum(flat_g, axis=1)}) if module.use_bias else {}
     bias_q = [held_square_bound(bias)] if bias else []
-    if strategy in ("explicit", "grouped"):  # a dense layer has no patches: one contraction either way
+    if strategy in HELD_STRATEGIES:  # a dense layer has no patches: one contraction either way
         per_example = {"kernel": hold(contract(fmt, "btf,bto->bfo", flat_x, flat_g)), **bias}
         return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
 
