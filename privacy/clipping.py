@@ -26,7 +26,7 @@ so each example's contribution has norm at most 1 exactly, not only up to roundi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -113,16 +113,37 @@ def hold(tree: PyTree) -> PyTree:
     (an optimisation barrier does not do it: XLA's CPU backend removes it before fusing).
     ``x * 1`` is exact (a subnormal may be flushed to zero: the held value is then the smaller).
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    (held,) = hold_all([(lambda values: values, (tree,))])
+    return held
+
+
+def hold_all(work: Sequence[tuple[Callable[..., PyTree], tuple[PyTree, ...]]]) -> list[PyTree]:
+    """``fn(*args)`` for each ``(fn, args)``, per example, all in one loop (``hold``): each output is a
+    buffer that every consumer reads.
+
+    Every leaf of every ``args`` has the examples on its leading axis (the same number); ``fn`` maps
+    a part of them (``part_size`` examples) to per-example outputs. One loop for every layer of a
+    model, not one each: each loop is a program of its own for the compiler, and a boundary that no
+    fusion crosses (measured on 2 CPU cores, WRN-16-4's DP micro-batch program with an accelerator's
+    settings: 19 loops compiled in about 1.4 s more than none).
+    """
+    leaves = jax.tree_util.tree_leaves([args for _, args in work])
     if not leaves:
-        return tree
+        return [fn(*args) for fn, args in work]
     size = leaves[0].shape[0]
-    _, out = jax.lax.scan(
-        lambda one, xs: (one, [x * one.astype(x.dtype) for x in xs]),
-        jnp.ones((), jnp.float32),
-        [_in_parts(x) for x in leaves],
-    )
-    return jax.tree_util.tree_unflatten(treedef, [x.reshape((-1,) + x.shape[2:])[:size] for x in out])
+
+    def body(one: jax.Array, parts: list[tuple[PyTree, ...]]) -> tuple[jax.Array, list[PyTree]]:
+        outs = [fn(*args) for (fn, _), args in zip(work, parts)]
+        return one, jax.tree_util.tree_map(lambda y: y * one.astype(y.dtype), outs)
+
+    parts = [jax.tree_util.tree_map(_in_parts, args) for _, args in work]
+    _, out = jax.lax.scan(body, jnp.ones((), jnp.float32), parts)
+    return jax.tree_util.tree_map(lambda y: y.reshape((-1,) + y.shape[2:])[:size], out)
+
+
+def part_size(size: int) -> int:
+    """The examples of one iteration of ``hold_all``'s loop over ``size`` examples."""
+    return 1 if size == 1 else size // next(k for k in range(2, size + 1) if size % k == 0)
 
 
 def _in_parts(x: jax.Array) -> jax.Array:
@@ -131,8 +152,7 @@ def _in_parts(x: jax.Array) -> jax.Array:
     size = x.shape[0]
     if size == 1:
         return jnp.stack([x, jnp.zeros_like(x)])
-    parts = next(k for k in range(2, size + 1) if size % k == 0)
-    return x.reshape((parts, size // parts) + x.shape[1:])
+    return x.reshape((-1, part_size(size)) + x.shape[1:])
 
 
 def per_example_norms(per_example_grads: PyTree) -> jax.Array:
