@@ -124,8 +124,8 @@ def hold_all(work: Sequence[tuple[Callable[..., PyTree], tuple[PyTree, ...]]]) -
     Every leaf of every ``args`` has the examples on its leading axis (the same number); ``fn`` maps
     a part of them (``part_size`` examples) to per-example outputs. One loop for every layer of a
     model, not one each: each loop is a program of its own for the compiler, and a boundary that no
-    fusion crosses (measured on 2 CPU cores, WRN-16-4's DP micro-batch program with an accelerator's
-    settings: 19 loops compiled in about 1.4 s more than none).
+    fusion crosses (WRN-16-4's DP micro-batch program with an accelerator's settings, on 2 CPU cores:
+    one loop instead of 19, compiled in 5.2-5.9 s instead of 6.0-7.5 s; benchmarks/results/gpu_step_cost.md).
     """
     leaves = jax.tree_util.tree_leaves([args for _, args in work])
     if not leaves:
