@@ -26,7 +26,7 @@ so each example's contribution has norm at most 1 exactly, not only up to roundi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -111,39 +111,25 @@ def hold(tree: PyTree) -> PyTree:
     2e-6 over on a WS layer, 24% on a constant image's gradient). A loop's outputs are buffers,
     which no consumer recomputes, so the values pass through a scan of at least two iterations
     (an optimisation barrier does not do it: XLA's CPU backend removes it before fusing).
-    ``x * 1`` is exact (a subnormal may be flushed to zero: the held value is then the smaller).
+    The values are multiplied by a loop-carried 1, which is exact (a subnormal may be flushed to zero:
+    the held value is then the smaller) and which XLA may fold away: what keeps them buffers is the
+    loop's two iterations or more (XLA inlines a loop of one).
+
+    One loop a layer, not one for the whole model: tried (2026-11-28), one loop compiled WRN-16-4's DP
+    program with an accelerator's settings 15% faster on a CPU, but XLA then kept more of the layers'
+    working sets live at once (temporary memory +17-25%, 2.7x with every layer ghost), which the memory
+    guard, counting one layer at a time, does not see (benchmarks/results/gpu_step_cost.md).
     """
-    (held,) = hold_all([(lambda values: values, (tree,))])
-    return held
-
-
-def hold_all(work: Sequence[tuple[Callable[..., PyTree], tuple[PyTree, ...]]]) -> list[PyTree]:
-    """``fn(*args)`` for each ``(fn, args)``, per example, all in one loop (``hold``): each output is a
-    buffer that every consumer reads.
-
-    Every leaf of every ``args`` has the examples on its leading axis (the same number); ``fn`` maps
-    a part of them (``part_size`` examples) to per-example outputs. One loop for every layer of a
-    model, not one each: each loop is a program of its own for the compiler, and a boundary that no
-    fusion crosses (WRN-16-4's DP micro-batch program with an accelerator's settings, on 2 CPU cores:
-    one loop instead of 19, compiled in 5.2-5.9 s instead of 6.0-7.5 s; benchmarks/results/gpu_step_cost.md).
-    """
-    leaves = jax.tree_util.tree_leaves([args for _, args in work])
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
-        return [fn(*args) for fn, args in work]
+        return tree
     size = leaves[0].shape[0]
-
-    def body(one: jax.Array, parts: list[tuple[PyTree, ...]]) -> tuple[jax.Array, list[PyTree]]:
-        outs = [fn(*args) for (fn, _), args in zip(work, parts)]
-        return one, jax.tree_util.tree_map(lambda y: y * one.astype(y.dtype), outs)
-
-    parts = [jax.tree_util.tree_map(_in_parts, args) for _, args in work]
-    _, out = jax.lax.scan(body, jnp.ones((), jnp.float32), parts)
-    return jax.tree_util.tree_map(lambda y: y.reshape((-1,) + y.shape[2:])[:size], out)
-
-
-def part_size(size: int) -> int:
-    """The examples of one iteration of ``hold_all``'s loop over ``size`` examples."""
-    return 1 if size == 1 else size // next(k for k in range(2, size + 1) if size % k == 0)
+    _, out = jax.lax.scan(
+        lambda one, xs: (one, [x * one.astype(x.dtype) for x in xs]),
+        jnp.ones((), jnp.float32),
+        [_in_parts(x) for x in leaves],
+    )
+    return jax.tree_util.tree_unflatten(treedef, [x.reshape((-1,) + x.shape[2:])[:size] for x in out])
 
 
 def _in_parts(x: jax.Array) -> jax.Array:
@@ -152,7 +138,8 @@ def _in_parts(x: jax.Array) -> jax.Array:
     size = x.shape[0]
     if size == 1:
         return jnp.stack([x, jnp.zeros_like(x)])
-    return x.reshape((-1, part_size(size)) + x.shape[1:])
+    parts = next(k for k in range(2, size + 1) if size % k == 0)
+    return x.reshape((parts, size // parts) + x.shape[1:])
 
 
 def per_example_norms(per_example_grads: PyTree) -> jax.Array:

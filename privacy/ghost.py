@@ -74,7 +74,7 @@ from dpscale.errors import InvalidConfigError
 from dpscale.models.layers import WSConv
 from dpscale.privacy import bookkeeping, layer_bounds, path_cost
 from dpscale.privacy.checks import check_clip_norm
-from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold_all
+from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
 from dpscale.privacy.device_tuning import ALL_STRATEGIES, DeviceTuning, memory_budget, tuning_for
 from dpscale.privacy.layer_bounds import Strategy
 from dpscale.privacy.path_timing import Measured, candidate_name, estimate_paths, measure_paths
@@ -302,7 +302,7 @@ def _planned(
         by_path: dict[Path, list[int]] = collections.defaultdict(list)
         for index, call in enumerate(calls):
             by_path[call.path].append(index)
-        pending, booked = [], {}
+        squares, summers, booked = [], [], {}
         for path, indices in by_path.items():
             first, choice = calls[indices[0]], choices[indices[0]]
             own = bookkeeping.layer_params(first, params)
@@ -322,16 +322,10 @@ def _planned(
             if choice.chunk:  # the memory guard's chunks
                 shape = path_cost.LayerShape(x.shape[0], choice.positions, choice.fan_in, choice.fan_out)
                 chunk_bytes = path_cost.chunk_bytes(choice.strategy, shape, choice.chunk, chunk_bytes)
-            found = rule(first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=chunk_bytes)
-            pending.append((path, found))
-        # One loop holds every layer's per-example values (clipping.hold_all).
-        *held, held_booked = hold_all([(p.fn, p.args) for _, p in pending] + [(lambda tree: tree, (booked,))])
-        squares, summers = [], []
-        for (path, found), values in zip(pending, held):
-            square, summer = found.finish(values)
-            squares.append(square)
+            part, summer = rule(first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=chunk_bytes)
+            squares.append(part)
             summers.append((path, summer))
-        for path, per_example in held_booked.items():
+        for path, per_example in hold(booked).items():  # one loop holds them all (clipping.hold)
             if per_example:  # a normalisation may have neither scale nor bias
                 squares.append(layer_bounds.held_square_bound(per_example))
                 summers.append((path, functools.partial(layer_bounds.held_sum, per_example)))

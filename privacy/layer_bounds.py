@@ -49,7 +49,7 @@ from flax import linen as nn
 
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping, layer_rules
-from dpscale.privacy.clipping import hold_all, part_size
+from dpscale.privacy.clipping import hold
 from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES
 from dpscale.privacy.rounding import (
     ClipPrecision,
@@ -69,8 +69,8 @@ from dpscale.privacy.rounding import (
 
 PyTree = Any
 Strategy = Literal["ghost", "explicit", "streamed", "grouped"]
-#: The paths that hold every example's gradient (formed inside the hold's loop); the others bound a
-#: norm and form the weighted sum apart.
+#: The paths that hold every example's gradient (their ``chunked`` loop runs ``held``); the others
+#: bound a norm and form the weighted sum apart.
 HELD_STRATEGIES = ("explicit", "grouped")
 Summer = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -87,47 +87,26 @@ def chunked(
     bytes_per_example: int,
     *,
     chunk_bytes: int = CPU_CHUNK_BYTES,
+    held: bool = False,
 ) -> PyTree:
     """``fn`` over examples (leading axis), ``chunk_bytes`` of working set at a time (a CPU's
     cache; on an accelerator the whole micro-batch: ``privacy.device_tuning``).
 
     The chunk divides the number of examples: a remainder chunk costs a second program and
-    copies of the inputs, more than the chunk size gains.
+    copies of the inputs, more than the chunk size gains. ``held``: at least two chunks where
+    there are two examples, so the outputs are a loop's, buffers that no consumer recomputes
+    (``clipping.hold``; XLA inlines a loop of one iteration).
     """
-    chunk = chunk_size(arrays[0].shape[0], bytes_per_example, chunk_bytes=chunk_bytes)
+    chunk = chunk_size(arrays[0].shape[0], bytes_per_example, chunk_bytes=chunk_bytes, held=held)
     return jax.lax.map(lambda xs: fn(*xs), arrays, batch_size=chunk)
 
 
-def chunk_size(size: int, bytes_per_example: int, *, chunk_bytes: int) -> int:
+def chunk_size(size: int, bytes_per_example: int, *, chunk_bytes: int, held: bool) -> int:
     """The examples a chunk that ``chunked`` runs ``size`` examples in (the memory check counts the
     same chunk: ``training.memory.with_clip_paths``)."""
-    target = max(1, min(size, chunk_bytes // max(1, bytes_per_example)))
+    most = (size // 2 or 1) if held else size
+    target = max(1, min(most, chunk_bytes // max(1, bytes_per_example)))
     return max(c for c in range(1, target + 1) if size % c == 0)
-
-
-def loop_examples(strategy: Strategy, examples: int) -> int:
-    """The examples a path's ``chunked`` loop runs over: a held path forms its per-example gradients
-    inside the hold's loop (``clipping.hold_all``), a part of the micro-batch at a time."""
-    return part_size(examples) if strategy in HELD_STRATEGIES else examples
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    """A layer's norm bound and weighted sum, once its per-example values are held.
-
-    ``fn(*args)`` gives those values per example (the per-example gradients of a held path; the
-    recorded input and output gradient of the others); ``finish`` the bound and summer from them.
-    A model's layers are held together, in one loop (``clipping.hold_all``).
-    """
-
-    fn: Callable[..., PyTree]
-    args: tuple[jax.Array, ...]
-    finish: Callable[[PyTree], tuple[jax.Array, Summer]]
-
-    def alone(self) -> tuple[jax.Array, Summer]:
-        """The bound and summer with this layer held in a loop of its own (one layer: tests, timing)."""
-        (held,) = hold_all([(self.fn, self.args)])
-        return self.finish(held)
 
 
 def chunk_work(strategy: Strategy, positions: int, fan_in: int, fan_out: int) -> int:
@@ -337,15 +316,14 @@ def wsconv(
     precision: ClipPrecision,
     *,
     chunk_bytes: int = CPU_CHUNK_BYTES,
-) -> Pending:
+) -> tuple[jax.Array, Summer]:
     kernel = params["kernel"]
     geometry = WsGeometry.of(module, kernel)
     d, p, fmt = geometry.d, kernel.shape[-1], precision.norm_format
     positions = math.prod(g.shape[1:-1])
+    bias = hold({"bias": jnp.sum(g.reshape(g.shape[0], positions, p), axis=1)}) if module.use_bias else {}
+    bias_q = [held_square_bound(bias)] if bias else []
     work = chunk_work(strategy, positions, d, p)
-
-    def bias_of(g_part: jax.Array) -> dict[str, jax.Array]:
-        return {"bias": jnp.sum(g_part.reshape(g_part.shape[0], positions, p), axis=1)} if module.use_bias else {}
 
     if strategy in HELD_STRATEGIES:
 
@@ -358,78 +336,63 @@ def wsconv(
                 product = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one.reshape(-1, p))
             return geometry.fold(geometry.centre(product))
 
-        def per_example(x_part: jax.Array, g_part: jax.Array) -> dict[str, jax.Array]:
-            folded = chunked(folded_one, (x_part, g_part), work, chunk_bytes=chunk_bytes)
-            return {"kernel": folded.reshape((-1,) + kernel.shape), **bias_of(g_part)}
+        folded = chunked(folded_one, (x, g), work, chunk_bytes=chunk_bytes, held=True)
+        if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
+            folded = hold(folded)
+        per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
+        return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
 
-        return Pending(per_example, (x, g), _held_finish)
+    x, g = hold((x, g))  # the norm and the sum read the same recorded values
+    flat_g = g.reshape(g.shape[0], positions, p)
+    g2 = upper_sum_of_squares(flat_g)
+    kappa = geometry.kappa
+    if strategy == "streamed":
 
-    def recorded(x_part: jax.Array, g_part: jax.Array) -> dict[str, Any]:
-        # The norm and the sum read the same recorded values.
-        return {"x": x_part, "g": g_part, "bias": bias_of(g_part)}
+        def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+            u_one = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)
+            folded = geometry.fold(geometry.centre(u_one))
+            return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
 
-    def finish(held: dict[str, Any]) -> tuple[jax.Array, Summer]:
-        x, g, bias = held["x"], held["g"], held["bias"]
-        bias_q = [held_square_bound(bias)] if bias else []
-        flat_g = g.reshape(g.shape[0], positions, p)
-        g2 = upper_sum_of_squares(flat_g)
-        kappa = geometry.kappa
-        if strategy == "streamed":
+        q_folded, q_u = chunked(norm_one, (x, flat_g), work, chunk_bytes=chunk_bytes)
+        a2 = _patches_square_bound(module, x)
+        ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
+        sum_error = _summer_error(precision, positions, d, p, a2, g2)
+        # ||v|| <= ||fold(centre(u~))|| + s_hat (kappa ||u~|| + err(u~)); the sum adds
+        # s_hat (err_sum + kappa ||U~||) with ||U~|| <= ||u~|| + err(u~) + err_sum. (The u~ whose
+        # norm is taken may be another evaluation of the product than the one folded: within
+        # 2 err(u~) of it.)
+        u_norm = upper_sqrt(q_u)
+        slack = geometry.s_hat_max * (
+            np.float32(2 * kappa) * u_norm + np.float32(1 + 3 * kappa) * norm_error + np.float32(1 + kappa) * sum_error
+        )
+        layer = upper_sqrt(q_folded) + monotone(slack, 8)
+    else:
+        scaled_g = flat_g * geometry.s_hat
 
-            def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
-                u_one = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)
-                folded = geometry.fold(geometry.centre(u_one))
-                return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
+        def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+            patches = _patches(module, x_one, d)
+            rows_a2 = upper_sum_of_squares(patches)
+            total, _ = blocked_sum(patches)
+            centred = patches - (total / np.float32(d))[:, None]
+            rows_g2 = monotone(upper_sum_of_squares(g_one), 1)  # of the exact s_hat G: one rounding more
+            terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
+            return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
 
-            q_folded, q_u = chunked(norm_one, (x, flat_g), work, chunk_bytes=chunk_bytes)
-            a2 = _patches_square_bound(module, x)
-            ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
-            sum_error = _summer_error(precision, positions, d, p, a2, g2)
-            # ||v|| <= ||fold(centre(u~))|| + s_hat (kappa ||u~|| + err(u~)); the sum adds
-            # s_hat (err_sum + kappa ||U~||) with ||U~|| <= ||u~|| + err(u~) + err_sum. (The u~ whose
-            # norm is taken may be another evaluation of the product than the one folded: within
-            # 2 err(u~) of it.)
-            u_norm = upper_sqrt(q_u)
-            slack = geometry.s_hat_max * (
-                np.float32(2 * kappa) * u_norm
-                + np.float32(1 + 3 * kappa) * norm_error
-                + np.float32(1 + kappa) * sum_error
-            )
-            layer = upper_sqrt(q_folded) + monotone(slack, 8)
-        else:
-            scaled_g = flat_g * geometry.s_hat
+        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), work, chunk_bytes=chunk_bytes)
+        square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
+        ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
+        sum_error = _summer_error(precision, positions, d, p, a2, g2)
+        # The sum: s_hat (err_sum + kappa ||U~||), ||U~|| <= ||A|| ||G|| + err_sum.
+        layer = upper_sqrt(square) + monotone(
+            geometry.s_hat_max * (sum_error + np.float32(kappa) * (ag + sum_error)), 4
+        )
 
-            def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
-                patches = _patches(module, x_one, d)
-                rows_a2 = upper_sum_of_squares(patches)
-                total, _ = blocked_sum(patches)
-                centred = patches - (total / np.float32(d))[:, None]
-                rows_g2 = monotone(upper_sum_of_squares(g_one), 1)  # of the exact s_hat G: one rounding more
-                terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
-                return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
+    kernel_sum = _ws_batch_summer(module, geometry, kernel.shape, precision.sum_format, x, g)
 
-            *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), work, chunk_bytes=chunk_bytes)
-            square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
-            ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
-            sum_error = _summer_error(precision, positions, d, p, a2, g2)
-            # The sum: s_hat (err_sum + kappa ||U~||), ||U~|| <= ||A|| ||G|| + err_sum.
-            layer = upper_sqrt(square) + monotone(
-                geometry.s_hat_max * (sum_error + np.float32(kappa) * (ag + sum_error)), 4
-            )
+    def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
+        return {"kernel": kernel_sum(weights, finite), **held_sum(bias, weights, finite)}
 
-        kernel_sum = _ws_batch_summer(module, geometry, kernel.shape, precision.sum_format, x, g)
-
-        def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
-            return {"kernel": kernel_sum(weights, finite), **held_sum(bias, weights, finite)}
-
-        return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
-
-    return Pending(recorded, (x, g), finish)
-
-
-def _held_finish(per_example: dict[str, jax.Array]) -> tuple[jax.Array, Summer]:
-    """A held path's bound and summer: both read the held per-example gradients."""
-    return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
+    return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
 
 
 def dense(
@@ -441,61 +404,49 @@ def dense(
     precision: ClipPrecision,
     *,
     chunk_bytes: int = CPU_CHUNK_BYTES,
-) -> Pending:
+) -> tuple[jax.Array, Summer]:
     b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
     flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
     positions, fmt = flat_x.shape[1], precision.norm_format
-
-    def bias_of(g_part: jax.Array) -> dict[str, jax.Array]:
-        return {"bias": jnp.sum(g_part, axis=1)} if module.use_bias else {}
-
+    bias = hold({"bias": jnp.sum(flat_g, axis=1)}) if module.use_bias else {}
+    bias_q = [held_square_bound(bias)] if bias else []
     if strategy in HELD_STRATEGIES:  # a dense layer has no patches: one contraction either way
+        per_example = {"kernel": hold(contract(fmt, "btf,bto->bfo", flat_x, flat_g)), **bias}
+        return held_square_bound(per_example), lambda weights, finite: held_sum(per_example, weights, finite)
 
-        def per_example(x_part: jax.Array, g_part: jax.Array) -> dict[str, jax.Array]:
-            return {"kernel": contract(fmt, "btf,bto->bfo", x_part, g_part), **bias_of(g_part)}
+    flat_x, flat_g = hold((flat_x, flat_g))  # the norm and the sum read the same recorded values
+    a2, g2 = upper_sum_of_squares(flat_x), upper_sum_of_squares(flat_g)
+    ag, norm_error = _product_errors(fmt, positions, fan_in, fan_out, a2, g2)
+    sum_error = _summer_error(precision, positions, fan_in, fan_out, a2, g2)
+    if strategy == "streamed":
 
-        return Pending(per_example, (flat_x, flat_g), _held_finish)
+        def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+            return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
 
-    def recorded(x_part: jax.Array, g_part: jax.Array) -> dict[str, Any]:
-        # The norm and the sum read the same recorded values.
-        return {"x": x_part, "g": g_part, "bias": bias_of(g_part)}
-
-    def finish(held: dict[str, Any]) -> tuple[jax.Array, Summer]:
-        flat_x, flat_g, bias = held["x"], held["g"], held["bias"]
-        bias_q = [held_square_bound(bias)] if bias else []
-        a2, g2 = upper_sum_of_squares(flat_x), upper_sum_of_squares(flat_g)
-        ag, norm_error = _product_errors(fmt, positions, fan_in, fan_out, a2, g2)
-        sum_error = _summer_error(precision, positions, fan_in, fan_out, a2, g2)
         work = chunk_work(strategy, positions, fan_in, fan_out)
-        if strategy == "streamed":
+        q = chunked(norm_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
+        layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
+    else:
 
-            def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
-                return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
+        def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+            rows_x = upper_sqrt(upper_sum_of_squares(x_one))
+            rows_g = upper_sqrt(upper_sum_of_squares(g_one))
+            return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
 
-            q = chunked(norm_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
-            layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
-        else:
+        work = chunk_work(strategy, positions, fan_in, fan_out)
+        terms = chunked(ghost_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
+        square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
+        layer = upper_sqrt(square) + sum_error
+    sum_fmt = precision.sum_format
 
-            def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
-                rows_x = upper_sqrt(upper_sum_of_squares(x_one))
-                rows_g = upper_sqrt(upper_sum_of_squares(g_one))
-                return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
+    def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
+        scaled = guard(finite, flat_g * weights[:, None, None])
+        return {
+            "kernel": contract(sum_fmt, "btf,bto->fo", guard(finite, flat_x), scaled),
+            **held_sum(bias, weights, finite),
+        }
 
-            terms = chunked(ghost_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
-            square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
-            layer = upper_sqrt(square) + sum_error
-        sum_fmt = precision.sum_format
-
-        def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
-            scaled = guard(finite, flat_g * weights[:, None, None])
-            return {
-                "kernel": contract(sum_fmt, "btf,bto->fo", guard(finite, flat_x), scaled),
-                **held_sum(bias, weights, finite),
-            }
-
-        return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
-
-    return Pending(recorded, (flat_x, flat_g), finish)
+    return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
 
 
 def book_keeping_gradients(
@@ -507,7 +458,7 @@ def book_keeping_gradients(
     precision: ClipPrecision,
 ) -> dict[str, jax.Array]:
     """Per-example gradients by book-keeping's rules, summed over the calls of one layer: to be held
-    (``clipping.hold_all``, with the other layers) before ``held_square_bound`` and ``held_sum``."""
+    (``clipping.hold``, all such layers at once) before ``held_square_bound`` and ``held_sum``."""
     per_example: dict[str, jax.Array] = {}
     for call, x, g, state in zip(calls, xs, gs, states):
         grads = bookkeeping.per_example_layer_gradients(call, params, x, g, state, precision=precision.norm_format)

@@ -93,7 +93,7 @@ def _layer_fn(module: Any, strategy: Strategy, precision: ClipPrecision, chunk_b
     rule = layer_bounds.wsconv if isinstance(module, WSConv) else layer_bounds.dense
 
     def run(own: PyTree, x: jax.Array, g: jax.Array, weights: jax.Array, finite: jax.Array) -> Any:
-        square, summer = rule(module, own, x, g, strategy, precision, chunk_bytes=chunk_bytes).alone()
+        square, summer = rule(module, own, x, g, strategy, precision, chunk_bytes=chunk_bytes)
         return square, summer(weights, finite)
 
     return run

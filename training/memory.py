@@ -108,8 +108,8 @@ def with_clip_paths(
         _, per_example = path_cost.working_set(layer.strategy, shape)
         work = layer_bounds.chunk_work(layer.strategy, layer.positions, layer.fan_in, layer.fan_out)
         device = path_cost.chunk_bytes(layer.strategy, shape, layer.chunk, chunk_bytes) if layer.chunk else chunk_bytes
-        looped = layer_bounds.loop_examples(layer.strategy, examples)
-        at_once = layer_bounds.chunk_size(looped, work, chunk_bytes=device)
+        held = layer.strategy in layer_bounds.HELD_STRATEGIES
+        at_once = layer_bounds.chunk_size(examples, work, chunk_bytes=device, held=held)
         return per_example * at_once / examples
 
     work = max((in_flight(layer) for layer in layers if layer.strategy != "book-keeping"), default=0.0)

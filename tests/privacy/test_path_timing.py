@@ -307,19 +307,3 @@ def test_pruned_candidates_are_said_in_the_reason_and_in_clip_paths(nets):
     assert any(" pruned: est. " in c.reason for c in timed)
     written = json.loads(json.dumps([dataclasses.asdict(c) for c in fn.layers]))  # as the trainer writes them
     assert any("pruned: est." in layer["reason"] for layer in written) and all("chunk" in layer for layer in written)
-
-
-@pytest.mark.parametrize("views", [1, 4])
-def test_with_an_accelerators_settings_one_loop_holds_every_layer(views, nets):
-    # Each loop is a program of its own for the compiler and a boundary no fusion crosses: with a
-    # whole micro-batch at a time, the only loop left is the one that holds every layer's per-example
-    # values (clipping.hold_all), whichever paths the layers take.
-    loss_fn, params, batch = _cnn(nets, views)
-    paths = [c.path for c in plan_layers(loss_fn, params, {}, jax.tree_util.tree_map(lambda a: a[0], batch))]
-    convs = [p for p in paths if p[-1].startswith("conv")]
-    forced = dict(zip(convs, ["explicit", "ghost", "streamed", "grouped"]))
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), strategies=forced, tuning=GPU)
-    assert {c.strategy for c in fn.layers} == {"explicit", "ghost", "streamed", "grouped", "book-keeping"}
-    mask = jnp.ones(batch["label"].shape[0])
-    text = jax.jit(fn).lower(params, {}, batch, mask).compile().as_text()
-    assert text.count(" while(") == 1

@@ -9,7 +9,7 @@ import pytest
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
-from dpscale.privacy.clipping import hold, hold_all
+from dpscale.privacy.clipping import hold
 from dpscale.privacy.rounding import (
     BLOCK,
     FORMATS,
@@ -108,21 +108,6 @@ def test_hold_keeps_the_values_and_the_structure():
         held = jax.jit(hold)(tree)
         for key in tree:
             np.testing.assert_array_equal(np.asarray(held[key]), np.asarray(tree[key]))
-
-
-def test_hold_all_computes_each_function_per_example_in_one_loop():
-    for size in (1, 2, 6, 7):
-        x = jnp.arange(size * 3, dtype=jnp.float32).reshape(size, 3) - 2.5
-        y = jnp.ones((size, 2, 2), jnp.float32) * 1e-30
-        work = [(lambda a: {"sq": a * a, "sum": jnp.sum(a, axis=1)}, (x,)), (lambda t: t, ({"y": y, "none": {}},))]
-        squares, same = jax.jit(lambda: hold_all(work))()
-        np.testing.assert_array_equal(np.asarray(squares["sq"]), np.asarray(x * x))
-        np.testing.assert_array_equal(np.asarray(squares["sum"]), np.asarray(jnp.sum(x, axis=1)))
-        np.testing.assert_array_equal(np.asarray(same["y"]), np.asarray(y))
-        assert same["none"] == {}
-    text = jax.jit(lambda a, b: hold_all([(jnp.sin, (a,)), (jnp.cos, (b,))])).lower(x, x).compile().as_text()
-    assert text.count(" while(") == 1
-    assert hold_all([(lambda t: t, ({},))]) == [{}]
 
 
 def test_a_clip_norm_below_the_floor_is_refused():

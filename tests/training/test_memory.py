@@ -67,8 +67,7 @@ def test_the_clip_paths_working_set_is_added_per_example_as_each_path_is_chunked
     assert guarded_on_cpu == on_cpu  # the smaller of the guard's chunk and the device's runs
     assert memory.with_clip_paths(found, [booked], examples=64, chunk_bytes=2**62) == found
     # The chunk is the one layer_bounds.chunked runs: a divisor of the micro-batch (room for 5 of
-    # 64 runs 4); an explicit path's runs inside the hold's loop, over half of the micro-batch (32 of
-    # 64 at once; room for 4 of 12 runs 3, a divisor of the 6 of a part).
+    # 64 runs 4), and an explicit path's held loop has at least two chunks (32 of 64 at once).
     work = chunk_work("ghost", 4096, 576, 64)
     five = memory.with_clip_paths(found, [ghost], examples=64, chunk_bytes=5 * work)
     assert five.per_example_bytes == 1000 + -(-gram * 4 // 64)
@@ -76,10 +75,6 @@ def test_the_clip_paths_working_set_is_added_per_example_as_each_path_is_chunked
     product = working_set("explicit", LayerShape(64, 4096, 576, 64))[1]
     halves = memory.with_clip_paths(found, [explicit], examples=64, chunk_bytes=2**62)
     assert halves.per_example_bytes == 1000 + product * 32 // 64
-    room_for_four = memory.with_clip_paths(
-        found, [explicit], examples=12, chunk_bytes=4 * chunk_work("explicit", 4096, 576, 64)
-    )
-    assert room_for_four.per_example_bytes == 1000 + -(-product * 3 // 12)
     # A run the estimate alone lets through is refused once the paths' working set is known.
     memory.check_fits(found, model="m", microbatch_size=64, devices=1, available=(2 * 64 * 1000, "RAM"))
     with pytest.raises(InvalidConfigError, match="--microbatch-size"):
