@@ -19,7 +19,10 @@ and ``XLA_FLAGS`` it was measured under: a timing is only worth something when n
 
 On a shared machine, ``--xla-cost`` adds what does not depend on the load: XLA's cost analysis of
 the micro-batch program each kind of run compiles (the trainer's own accumulate, at its layout),
-times the number of micro-batches a step runs. A program or layout that changed shows there.
+times the number of micro-batches a step runs. A program or layout that changed shows there. XLA
+counts a loop's body once, whatever its trip count, and the DP program runs its per-example work in
+loops (chunks of examples): its flops and bytes are lower bounds, to compare with the same program's
+at another commit, not with the non-private program's.
 """
 
 from __future__ import annotations
