@@ -17,6 +17,7 @@ import pytest
 from flax import linen as nn
 
 from dpscale.models.layers import WSConv
+from dpscale.privacy import layer_bounds
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.layer_bounds import WsGeometry
 from dpscale.privacy.layer_rules import shifted_windows
@@ -123,3 +124,31 @@ def test_the_norm_clipped_with_bounds_the_exact_gradient(case, strategy, views, 
         assert np.all(bounds >= exact), (kind, bounds / exact)
         if kind == "natural" and precision == "highest":
             assert np.all(bounds <= exact * (1 + TIGHT[case, strategy])), bounds / exact - 1
+
+
+@pytest.mark.parametrize(
+    "layer,strategy",
+    [("conv", s) for s in ("explicit", "grouped", "streamed", "ghost")]
+    + [("dense", s) for s in ("explicit", "streamed", "ghost")],
+)
+def test_each_path_reads_its_per_example_values_from_a_loop(layer, strategy):
+    # A held value must be a loop's output (clipping.hold), which no consumer recomputes with other
+    # roundings. With a whole micro-batch a chunk (an accelerator's setting) the norm loops are one
+    # iteration, which XLA inlines: the one loop left in a layer's program is the one that holds its
+    # per-example values. Without it, the norm and the sum could read different roundings.
+    rng = np.random.default_rng(5)
+    if layer == "conv":
+        module, rule = WSConv(3, 3, padding="VALID"), layer_bounds.wsconv
+        params = {"kernel": jnp.asarray(rng.normal(size=(3, 3, 2, 3)), jnp.float32)}
+        x, g = jnp.ones((SIZE, 1, 5, 5, 2)), jnp.ones((SIZE, 1, 3, 3, 3))
+    else:
+        module, rule = nn.Dense(5, use_bias=False), layer_bounds.dense
+        params = {"kernel": jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)}
+        x, g = jnp.ones((SIZE, 1, 4)), jnp.ones((SIZE, 1, 5))
+
+    def run(x, g, weights, finite):
+        square, summer = rule(module, params, x, g, strategy, ClipPrecision(), chunk_bytes=2**62)
+        return square, summer(weights, finite)
+
+    args = (x, g, jnp.full((SIZE,), 0.5), jnp.ones((SIZE,), bool))
+    assert jax.jit(run).lower(*args).compile().as_text().count(" while(") == 1
