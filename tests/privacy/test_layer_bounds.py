@@ -18,6 +18,7 @@ from flax import linen as nn
 
 from dpscale.models.layers import WSConv
 from dpscale.privacy import layer_bounds
+from dpscale.privacy.device_tuning import WHOLE_MICROBATCH
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.layer_bounds import WsGeometry
 from dpscale.privacy.layer_rules import shifted_windows
@@ -147,7 +148,7 @@ def test_each_path_reads_its_per_example_values_from_a_loop(layer, strategy):
         x, g = jnp.ones((SIZE, 1, 4)), jnp.ones((SIZE, 1, 5))
 
     def run(x, g, weights, finite):
-        square, summer = rule(module, params, x, g, strategy, ClipPrecision(), chunk_bytes=2**62)
+        square, summer = rule(module, params, x, g, strategy, ClipPrecision(), chunk_bytes=WHOLE_MICROBATCH)
         return square, summer(weights, finite)
 
     args = (x, g, jnp.full((SIZE,), 0.5), jnp.ones((SIZE,), bool))
