@@ -16,7 +16,7 @@ weighted sum ``sum_i w_i U_i``. Per layer, two ways to the norm (mixed ghost cli
 
 Ghost wins where positions are few and the kernel large (late, low-resolution convolutions,
 dense heads); explicit wins at high resolution, and is streamed where holding ``U_i`` would
-take more memory than the output gradient the layer already records. ``choose_strategy``
+take more memory than the input and output gradient the layer already records. ``choose_strategy``
 decides from the shapes at trace time. With augmentation multiplicity the K views' positions
 are stacked (P = K*T) and the 1/K of the view average is already inside ``G``: the norm is
 that of the averaged gradient, exactly what the vmap path clips.
@@ -71,7 +71,7 @@ import jax
 from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models.layers import WSConv
+from dpscale.models.layers import WSConv, as_pair
 from dpscale.privacy import bookkeeping, layer_bounds, path_cost
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
@@ -92,21 +92,35 @@ _log = logging.getLogger(__name__)
 GHOST_RATIO = 300
 
 
-def choose_strategy(*, positions: int, fan_in: int, fan_out: int) -> Strategy:
+def choose_strategy(*, positions: int, fan_in: int, fan_out: int, inputs: int) -> Strategy:
     """Ghost when its Gram matrices cost less than holding the per-example gradient, else explicit.
 
     Both paths contract P*d*p per example once (explicit: to form ``U_i``; ghost: in the
     batch's weight gradient). On top, ghost forms two P x P Gram matrices, ``P^2 (d + p)``
     multiply-adds, while explicit writes ``d * p`` floats per example and reads them back for
     the norm and the sum: memory traffic, which costs ~GHOST_RATIO multiply-adds a float here.
-    Explicit holds ``U_i`` (d*p floats per example) only where that is no more than the
-    layer's recorded output gradient (P*p), i.e. d <= P; else it is streamed (one more
-    contraction, the batch's weight gradient, instead of the held ``U_i``).
+    Explicit holds ``U_i`` (d*p floats per example) where that is no more than what the tape
+    already records for the layer, its input (``inputs`` floats an example) and output gradient
+    (P*p): held gradients at most double a layer's recorded memory. Else it is streamed: one more
+    contraction, the batch's weight gradient, which on a CPU costs more than holding (WRN-16-4,
+    micro-batch 52: 16x16 layers 64-72 ms streamed against 23-34 ms held at K = 1, 671 against
+    151 ms at K = 4; benchmarks/results/dp_step_cost.md).
     """
     cost_ghost = positions * positions * (fan_in + fan_out)
     if cost_ghost < GHOST_RATIO * fan_in * fan_out:
         return "ghost"
-    return "explicit" if fan_in <= positions else "streamed"
+    return "explicit" if fan_in * fan_out <= inputs + positions * fan_out else "streamed"
+
+
+def input_floats(module: nn.Module, kernel: jax.Array, positions: int) -> int:
+    """Floats of one example's recorded input to a WS convolution or dense layer with ``positions``
+    output positions: a convolution's output position reads ``strides`` input positions of
+    ``kernel.shape[-2] * groups`` channels (padding aside: an estimate for the shape rule's memory
+    comparison, nothing else)."""
+    if isinstance(module, WSConv):
+        channels = kernel.shape[-2] * module.feature_group_count
+        return positions * math.prod(as_pair(module.strides)) * channels
+    return positions * kernel.shape[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +196,8 @@ def plan_strategies(
             found = measured[call.path]
             strategy, chosen, reason = found.strategy, found.precision, found.summary()
         else:
-            strategy, chosen, reason = choose_strategy(**shape), precision, "rule"
+            inputs = input_floats(call.module, params_of(call)["kernel"], positions)
+            strategy, chosen, reason = choose_strategy(**shape, inputs=inputs), precision, "rule"
         if strategy not in ALL_STRATEGIES:
             raise InvalidConfigError(f"strategy must be one of {ALL_STRATEGIES}, got {strategy!r}")
         chunk = 0

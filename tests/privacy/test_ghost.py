@@ -20,7 +20,7 @@ from dpscale.models.layers import GroupNorm, WSConv
 from dpscale.privacy.bookkeeping import UnsupportedModelError, plan_layers
 from dpscale.privacy.clipping import ClippedSum, clipped_sum_from_gradients, per_example_gradients
 from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
-from dpscale.privacy.ghost import choose_strategy, make_ghost_clipped_sum_fn
+from dpscale.privacy.ghost import choose_strategy, input_floats, make_ghost_clipped_sum_fn
 
 RTOL = 1e-5
 # The ghost, streamed and explicit norms are proven upper bounds, a little above the vmap path's
@@ -180,17 +180,29 @@ def test_one_example_moves_the_sum_by_at_most_one(strategy, nets):
 
 
 def test_ghost_for_late_layers_explicit_or_streamed_for_early_ones():
-    # cnn-small on 32x32 images (P = positions, d = fan-in, p = fan-out): the measured choices.
-    assert choose_strategy(positions=32 * 32, fan_in=27, fan_out=16) == "explicit"
-    assert choose_strategy(positions=16 * 16, fan_in=144, fan_out=32) == "explicit"
-    assert choose_strategy(positions=8 * 8, fan_in=288, fan_out=64) == "ghost"
-    assert choose_strategy(positions=4 * 4, fan_in=576, fan_out=128) == "ghost"
+    # cnn-small on 32x32 images (P = positions, d = fan-in, p = fan-out, inputs: floats of one
+    # example's layer input): the measured choices.
+    assert choose_strategy(positions=32 * 32, fan_in=27, fan_out=16, inputs=32 * 32 * 3) == "explicit"
+    assert choose_strategy(positions=16 * 16, fan_in=144, fan_out=32, inputs=16 * 16 * 16) == "explicit"
+    assert choose_strategy(positions=8 * 8, fan_in=288, fan_out=64, inputs=8 * 8 * 32) == "ghost"
+    assert choose_strategy(positions=4 * 4, fan_in=576, fan_out=128, inputs=4 * 4 * 64) == "ghost"
     # WRN-16-4: the 8x8 stage is ghost; with K = 4 views it has 256 positions and is ghost still
     # (its per-example gradient is 590k floats).
-    assert choose_strategy(positions=8 * 8, fan_in=2304, fan_out=256) == "ghost"
-    assert choose_strategy(positions=4 * 8 * 8, fan_in=2304, fan_out=256) == "ghost"
-    # Its 16x16 stage's per-example gradient (147k floats) is larger than the layer's output
-    # gradient (32k): streamed, not held; the 32x32 stage's (37k) is smaller than its 65k.
-    assert choose_strategy(positions=16 * 16, fan_in=1152, fan_out=128) == "streamed"
-    assert choose_strategy(positions=4 * 16 * 16, fan_in=1152, fan_out=128) == "streamed"
-    assert choose_strategy(positions=32 * 32, fan_in=576, fan_out=64) == "explicit"
+    assert choose_strategy(positions=8 * 8, fan_in=2304, fan_out=256, inputs=8 * 8 * 256) == "ghost"
+    assert choose_strategy(positions=4 * 8 * 8, fan_in=2304, fan_out=256, inputs=4 * 8 * 8 * 256) == "ghost"
+    # Its 16x16 stage's per-example gradient (147k floats) is larger than the layer's input and
+    # output gradient (33k + 33k): streamed, not held; with K = 4 views those are 131k + 131k: held.
+    assert choose_strategy(positions=16 * 16, fan_in=1152, fan_out=128, inputs=16 * 16 * 128) == "streamed"
+    assert choose_strategy(positions=4 * 16 * 16, fan_in=1152, fan_out=128, inputs=4 * 16 * 16 * 128) == "explicit"
+    # The stage's first, strided layer reads 32x32x64 (65k) for a 74k gradient: held.
+    assert choose_strategy(positions=16 * 16, fan_in=576, fan_out=128, inputs=32 * 32 * 64) == "explicit"
+    assert choose_strategy(positions=32 * 32, fan_in=576, fan_out=64, inputs=32 * 32 * 64) == "explicit"
+
+
+def test_the_rule_reads_a_layers_input_size_from_its_module():
+    # A 3x3 WS convolution of stride 2 from 64 channels to 128 at 16x16 output positions reads
+    # 32x32x64 floats; a dense layer its fan-in at each position.
+    kernel = jnp.zeros((3, 3, 64, 128))
+    assert input_floats(WSConv(128, (3, 3), strides=2), kernel, 16 * 16) == 32 * 32 * 64
+    assert input_floats(WSConv(128, (3, 3)), kernel, 16 * 16) == 16 * 16 * 64
+    assert input_floats(nn.Dense(10), jnp.zeros((256, 10)), 1) == 256
