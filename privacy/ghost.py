@@ -103,8 +103,8 @@ def choose_strategy(*, positions: int, fan_in: int, fan_out: int, inputs: int) -
     already records for the layer, its input (``inputs`` floats an example) and output gradient
     (P*p): held gradients at most double a layer's recorded memory. Else it is streamed: one more
     contraction, the batch's weight gradient, which on a CPU costs more than holding (WRN-16-4,
-    micro-batch 52: 16x16 layers 64-72 ms streamed against 23-34 ms held at K = 1, 671 against
-    151 ms at K = 4; benchmarks/results/dp_step_cost.md).
+    micro-batch 52, a layer alone: (256, 576 -> 128) 64-72 ms streamed against 23-54 ms held at
+    K = 1; (1024, 1152 -> 128) 671 against 151 ms at K = 4; benchmarks/results/dp_step_cost.md).
     """
     cost_ghost = positions * positions * (fan_in + fan_out)
     if cost_ghost < GHOST_RATIO * fan_in * fan_out:
