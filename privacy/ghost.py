@@ -151,9 +151,8 @@ def _plain(module: nn.Module) -> bool:
     )
 
 
-def _shape_of(call: bookkeeping.LayerCall, params: PyTree) -> tuple[int, int, int]:
+def _shape_of(call: bookkeeping.LayerCall, kernel: jax.Array) -> tuple[int, int, int]:
     """(positions per example, fan-in, fan-out) of a WS convolution or dense call."""
-    kernel = params["kernel"]
     positions = math.prod(call.out.shape[:-1])  # one example's output: [K, ..., p]
     return positions, math.prod(kernel.shape[:-1]), kernel.shape[-1]
 
@@ -188,7 +187,8 @@ def plan_strategies(
                 )
             )
             continue
-        positions, fan_in, fan_out = _shape_of(call, params_of(call))
+        kernel = params_of(call)["kernel"]
+        positions, fan_in, fan_out = _shape_of(call, kernel)
         shape = {"positions": positions, "fan_in": fan_in, "fan_out": fan_out}
         if call.path in overrides:
             strategy, chosen, reason = overrides.pop(call.path), precision, "forced"
@@ -196,7 +196,7 @@ def plan_strategies(
             found = measured[call.path]
             strategy, chosen, reason = found.strategy, found.precision, found.summary()
         else:
-            inputs = input_floats(call.module, params_of(call)["kernel"], positions)
+            inputs = input_floats(call.module, kernel, positions)
             strategy, chosen, reason = choose_strategy(**shape, inputs=inputs), precision, "rule"
         if strategy not in ALL_STRATEGIES:
             raise InvalidConfigError(f"strategy must be one of {ALL_STRATEGIES}, got {strategy!r}")
