@@ -23,6 +23,7 @@ count computed from the private data (such as the number of candidates).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import apache_beam as beam
@@ -138,7 +139,7 @@ class _Verify(_WithDatasets):
     (uncrowded pages) and private images expanded.
     """
 
-    def process(self, group: tuple[tuple[str, int], dict[str, list[Any]]]):
+    def process(self, group: tuple[tuple[str, int], dict[str, Iterable[Any]]]):
         s = self.settings
         block, parts = group
         images = list(parts["images"])
@@ -178,9 +179,9 @@ class _Verify(_WithDatasets):
         mark(s.progress_dir, method.k * images[0])
 
 
-def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *, settings: GraphSettings):
+def _filter_shard(group: tuple[tuple[str, int], dict[str, Iterable[Any]]], *, settings: GraphSettings):
     (split, shard), parts = group
-    if not parts["shard"]:  # a match for a shard we did not plan: a bug, not data
+    if not list(parts["shard"]):  # a match for a shard we did not plan: a bug, not data
         raise RuntimeError(f"match for unknown public shard {split}/{shard}")
     summary, removed = output.filter_shard(
         settings.public,
@@ -197,12 +198,13 @@ def _filter_shard(group: tuple[tuple[str, int], dict[str, list[Any]]], *, settin
     yield "summaries", summary
 
 
-def _ready_task(group: tuple[int, dict[str, list[Any]]]):
+def _ready_task(group: tuple[int, dict[str, Iterable[Any]]]):
     """A neighbour task, once every descriptor file is written (its group holds the signal)."""
     _, parts = group
-    if parts["task"] and not parts["described"]:  # the join is the barrier: it cannot be missing
+    tasks = list(parts["task"])
+    if tasks and not list(parts["described"]):  # the join is the barrier: it cannot be missing
         raise RuntimeError("a neighbour task ran before the descriptors were written")
-    yield from parts["task"]
+    yield from tasks
 
 
 def _write_report(parts: dict[str, list[Any]], **kwargs: Any) -> Any:

@@ -8,7 +8,7 @@ and a retried bundle simply rewrites its chunk and marker.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterable
 
 import apache_beam as beam
 
@@ -55,7 +55,7 @@ class _FeaturizeChunk(beam.DoFn):
         self.store = FeatureStore.for_writing(self.settings.entry)
         self.featurizer = Featurizer(self.settings.backbone, self.store.layout.key, batch_size=self.settings.batch_size)
 
-    def process(self, element: tuple[str, int]) -> Any:
+    def process(self, element: tuple[str, int]) -> Iterable[tuple[str, int, int]]:
         from dpscale.cache.featurizer import featurize_chunk
 
         split, chunk = element

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import apache_beam as beam
@@ -73,10 +74,13 @@ class _ProcessTask(beam.DoFn):
             yield "batches", batch
 
 
-def _write_shard(group: tuple[tuple[str, int], dict[str, Any]], *, settings: GraphSettings, num_classes: int):
+def _write_shard(
+    group: tuple[tuple[str, int], dict[str, Iterable[Any]]], *, settings: GraphSettings, num_classes: int
+):
     """One shard's batches (with the majority shape) -> ``("summaries", ...)`` and ``("rejected", ...)``."""
     (split, shard), parts = group
-    if not parts["batches"]:  # a planned shard that no example hashed to: no file, as before
+    batches = list(parts["batches"])  # a join's values are iterables (maybe not lists): no truth value
+    if not batches:  # a planned shard that no example hashed to: no file, as before
         return
     [shape] = parts["shape"]
     summary, rejected = write_shard(
@@ -84,7 +88,7 @@ def _write_shard(group: tuple[tuple[str, int], dict[str, Any]], *, settings: Gra
         split,
         shard,
         settings.shards_per_split.get(split, 1),
-        itertools.chain.from_iterable(parts["batches"]),
+        itertools.chain.from_iterable(batches),
         num_classes=num_classes,
         shape=shape,
     )
