@@ -112,8 +112,9 @@ def _drop_beam_bigquery_warning(record: logging.LogRecord) -> bool:
 
 def _drop_beam_filesystem_warnings(record: logging.LogRecord) -> bool:
     """Beam warns on import that the file systems of extras not installed cannot be loaded (``Failed to import
-    GCSFileSystem; ...`` on a plain install). dpscale reads and writes ``gs://`` itself (``files``), and a
-    ``gs://`` path without the gcp extra is already one line naming what to install."""
+    GCSFileSystem; ...`` on a plain install before Beam 2.78, which loads that one without the GCS client).
+    dpscale reads and writes ``gs://`` itself (``files``), and a ``gs://`` path without the gcp extra is already
+    one line naming what to install."""
     return not str(record.msg).startswith("Failed to import ")
 
 
