@@ -34,6 +34,7 @@ from dpscale.cli_options import (
     floats,
     grid_axes,
     ints,
+    typed_options,
 )
 from dpscale.cli_output import (
     DpscaleGroup,
@@ -143,7 +144,7 @@ def train_command(
         return
     if not (data and run_dir):
         raise click.UsageError("give DATA and RUN_DIR (or --resume RUN_DIR)")
-    config = train.TrainConfig.from_options(data, run_dir, **options)
+    config = train.TrainConfig.from_options(data, run_dir, given=typed_options(click.get_current_context()), **options)
     with _resume_hint_on_interrupt(run_dir):
         result = train.run(config)
     echo_warnings(result.warnings)
@@ -318,7 +319,7 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
     ]
     if unused:
         echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
-    result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, **options))
+    result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, given=typed_options(ctx), **options))
     echo_warnings(result.warnings)
     for line in (*result.report(), _privacy_line(result)):
         click.echo(f"dpscale: {line}", err=True)

@@ -322,6 +322,13 @@ TRAINING_OPTIONS = options(
 )
 
 
+def typed_options(ctx: click.Context) -> frozenset[str]:
+    """The parameters a user gave (on the command line or in the environment), even at their default value:
+    a stage refuses one its run would not use (``training.option_use``) rather than drop it."""
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    return frozenset(p.name for p in ctx.command.params if p.name and ctx.get_parameter_source(p.name) in given)
+
+
 #: ``--grid`` names that stand for a sweep's own list flags (``--epsilons``, ``--learning-rates``).
 GRID_SHORTHANDS = {"epsilon": "epsilons", "learning_rate": "learning_rates"}
 

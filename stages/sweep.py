@@ -51,8 +51,9 @@ from dpscale.errors import InvalidConfigError
 from dpscale.stages import evaluate, train
 from dpscale.training import release, sweep_report
 from dpscale.training.config import Mode, TrainingConfig, training_config
+from dpscale.training.data_kind import resolve_mode
 from dpscale.training.grid import SIMULATION_NOTE, Axis, GridPoint, Simulation, check_axes, flag, grid_points, simulate
-from dpscale.training.model import HOLDOUT_SPLIT, build_train_model, detect_mode
+from dpscale.training.model import HOLDOUT_SPLIT, build_train_model
 from dpscale.training.run_directory import CONFIG, RunDirectory
 from dpscale.training.sweep_directory import BASELINE_DIR, PRIVACY_JSON, RECORD, RUNS, SweepDirectory, finite
 from dpscale.training.sweep_progress import SweepProgress
@@ -164,7 +165,7 @@ class SweepConfig:
         for name in ("batch_size", "steps"):  # gridded: every point gives its own (the shared one is a stand-in)
             if name in axes and options.get(name) is None and axes[name]:
                 options[name] = axes[name][0]
-        training = training_config(mode or detect_mode(data), epsilon=math.inf, **options)
+        training = training_config(resolve_mode(data, mode), epsilon=math.inf, **options)
         return cls(
             data=data,
             out_dir=out_dir,

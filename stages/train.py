@@ -21,8 +21,16 @@ from dpscale import files
 from dpscale.distributed import initialize as initialize_distributed
 from dpscale.privacy.checks import ACCOUNTANTS, SAMPLING_SCHEMES
 from dpscale.training import trainer
-from dpscale.training.config import FEATURE_NORMALIZATIONS, MODES, Mode, TrainingConfig, training_config
-from dpscale.training.model import detect_mode
+from dpscale.training.config import (
+    FEATURE_NORMALIZATIONS,
+    MODES,
+    Mode,
+    TrainingConfig,
+    options_of,
+    refuse_unused,
+    training_config,
+)
+from dpscale.training.data_kind import resolve_mode
 from dpscale.training.release import SIMULATION_NOTE
 from dpscale.training.run_directory import CONFIG, RunDirectory
 from dpscale.training.trainer import TrainResult
@@ -51,8 +59,15 @@ class TrainConfig:
 
     @classmethod
     def from_options(cls, data: str, run_dir: str, *, mode: Mode | None = None, **options: Any) -> TrainConfig:
-        """A run from flat options (``training.config.training_config``); the mode defaults to the data's kind."""
-        return cls(data, run_dir, training_config(mode or detect_mode(data), **options))
+        """A run from flat options (``training.config.training_config``) in the mode of the data's kind.
+
+        An option the run would not use is refused (``training.option_use``), here with whether it is
+        private known: one run, so a DP-only option given to a non-private one is refused too.
+        """
+        mode = resolve_mode(data, mode)
+        training = training_config(mode, **options)
+        refuse_unused(mode, options_of(training), options.get("given", ()), private=training.private)
+        return cls(data, run_dir, training)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,14 +15,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import Accountant, SamplingScheme, check_clip_norm, check_ema_decay, check_positive
 from dpscale.privacy.plan import PrivacyTarget
+from dpscale.training.option_use import MODES, unused
 
 Mode = Literal["images", "features", "activations"]
-MODES = ("images", "features", "activations")
 CACHE_MODES = ("features", "activations")  # modes that read a feature-cache entry, not images
 FEATURE_NORMALIZATIONS = ("none", "l2", "center-l2")
 # Physical batch when none is given: small for networks on images (memory of per-example
@@ -191,13 +192,19 @@ def training_config(
     feature_normalization: str = FeatureSettings.normalization,
     feature_mean_noise_multiplier: float = FeatureSettings.mean_noise_multiplier,
     feature_scale: float = FeatureSettings.scale,
+    given: Iterable[str] = (),
 ) -> TrainingConfig:
     """A ``TrainingConfig`` from flat options, one per flag of ``train`` and ``sweep``.
 
-    Commands take every setting side by side; this nests them. The settings of the other
-    mode keep their defaults, so an images-only flag given to a features run (or the other
-    way round) changes nothing.
+    Commands take every setting side by side; this nests them. An option that a run of ``mode``
+    would not use (``training.option_use``) is refused, not dropped: one that differs from its
+    default, or that is named in ``given`` (the flags a user typed, its default value included).
+    Whether the run is private is left to the caller (a sweep's settings serve its baseline too).
     """
+    _check(mode in MODES, f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    flat = dict(locals())  # the flat options, as they were passed
+    del flat["mode"], flat["given"]
+    refuse_unused(mode, flat, given)
     target = PrivacyTarget(epsilon=epsilon, delta=delta, accountant=accountant, sampling=sampling)
     images = ImageSettings(
         model=model, backbone=backbone, augmult=augmult, augment_pad=augment_pad, augment_flip=augment_flip
@@ -222,9 +229,23 @@ def training_config(
         devices=devices,
         private_diagnostics=private_diagnostics,
         holdout=holdout,
-        images=images if mode in ("images", "activations") else ImageSettings(),
-        features=features if mode == "features" else FeatureSettings(),
+        images=images,
+        features=features,
     )
+
+
+def refuse_unused(
+    mode: str, flat: Mapping[str, Any], given: Iterable[str] = (), *, private: bool | None = None
+) -> None:
+    """Refuse the first flat option that a run of ``mode`` would not use (``training.option_use``), of those
+    that differ from their defaults and those named in ``given`` (flags typed with their default value).
+
+    ``private``: whether the run is private, where that is known (one run; not a sweep's shared settings).
+    """
+    defaults = options_of(TrainingConfig())
+    asked = {name for name in given if name in flat} | {name for name in flat if flat[name] != defaults[name]}
+    refusal = unused(mode, flat, asked, private=private)
+    _check(refusal is None, str(refusal))
 
 
 def options_of(config: TrainingConfig) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import numpy as np
 from dpscale.data import shards
 from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.training.config import CACHE_MODES
+from dpscale.training.data_kind import check_kind_for_run
 from dpscale.training.model import HOLDOUT_SPLIT, build_train_model
 from dpscale.training.run_directory import RunDirectory, RunSpec
 
@@ -132,6 +133,18 @@ def _check_made_alike(
     )
 
 
+def _made_like(mode: str, trained: dict[str, Any]) -> str:
+    """What data a run of ``mode`` is scored on, and how it is made (its recorded backbone and cut)."""
+    key = trained.get("feature_key") or {}
+    backbone = key.get("model", "BACKBONE")
+    if mode == "activations":
+        cut = key.get("cut", "CUT")
+        return f"activations at its cut (`dpscale featurize DATA --backbone {backbone} --cut {cut}`)"
+    if mode == "features":
+        return f"pooled features of its backbone (`dpscale featurize DATA --backbone {backbone}`)"
+    return "ingested images of its classes"
+
+
 def _identity(data: str, mode: str) -> str:
     """What tells two data sets apart without reading them: the content hash of an ingested dataset's
     manifest, the digest of a feature entry (its backbone, preprocessing and keyed data identity)."""
@@ -189,6 +202,7 @@ def score_run(
         )
     path = spec.data_path(data)
     trained = _stored_inputs(spec)
+    check_kind_for_run(path, spec.training.mode, made_with=_made_like(spec.training.mode, trained))
     if spec.training.mode == "images":  # before building a model for images it cannot take
         manifest = shards.read_manifest(path)
         _check_made_alike(

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +49,7 @@ from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
 from dpscale.training import feature_normalization, memory
 from dpscale.training.config import CACHE_MODES, ImageSettings, TrainingConfig
+from dpscale.training.data_kind import KINDS, detect_mode
 from dpscale.training.feeds import ActivationFeed, FeatureFeed, ImageFeed, resize_views
 
 PyTree = Any
@@ -316,11 +316,6 @@ def _feature_model(data: str, config: TrainingConfig) -> TrainModel:
     from dpscale.cache.feature_store import open_features
 
     store = open_features(data)
-    if store.key.cut:
-        raise DataError(
-            f"{data!r} holds activations at the cut {store.key.cut!r}, not pooled features: train the layers above "
-            "the cut on it (--mode activations, the default for such an entry)"
-        )
     _check_training_split(data, config.train_split, store.splits, store.num_examples)
     dim, classes = store.feature_dim, len(store.class_names)
     total = store.num_examples(config.train_split)
@@ -385,9 +380,6 @@ def _activation_model(data: str, config: TrainingConfig) -> TrainModel:
     from dpscale.cache.feature_store import open_features
 
     store = open_features(data)
-    key = store.key
-    if not key.cut:
-        raise DataError(f"{data!r} holds pooled features, not activations at a cut: train it with --mode features")
     _check_training_split(data, config.train_split, store.splits, store.num_examples)
     views, *activation_shape = store.feature_shape
     activation_shape = tuple(activation_shape)
@@ -525,21 +517,8 @@ def data_hash(data: str, config: TrainingConfig) -> str:
 
 def build_train_model(data: str, config: TrainingConfig) -> TrainModel:
     """The model of a run on ``data`` (an ingested dataset, or a feature-cache entry)."""
+    kind = detect_mode(data)
+    if kind != config.mode:  # the commands refuse it first, saying how to make the kind asked for
+        raise DataError(f"{data!r} holds {KINDS[kind]}, not the {KINDS[config.mode]} a {config.mode} run reads")
     builders = {"features": _feature_model, "activations": _activation_model, "images": _image_model}
     return builders[config.mode](data, config)
-
-
-def detect_mode(data: str) -> str:
-    """``features`` for a feature-cache entry of pooled features, ``activations`` for one cut at a
-    layer, else ``images`` (an ingested dataset)."""
-    from dpscale import files
-    from dpscale.cache.feature_store import METADATA
-
-    path = files.join(data, METADATA)
-    if not files.isfile(path):
-        return "images"
-    try:
-        cut = json.loads(files.read_text(path)).get("key", {}).get("cut")
-    except (OSError, ValueError, AttributeError):
-        return "features"  # opening it says what is wrong
-    return "activations" if cut else "features"

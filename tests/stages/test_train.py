@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from dpscale.cli import cli
 from dpscale.data.dataset import IngestedDataset
-from dpscale.errors import DataError, InfeasiblePrivacyTargetError
+from dpscale.errors import DataError, InfeasiblePrivacyTargetError, InvalidConfigError
 from dpscale.privacy import device_tuning
 from dpscale.privacy.plan import PrivacyTarget
 from dpscale.stages import evaluate, ingest, train
@@ -252,15 +252,28 @@ def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path,
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-2 * moved)
 
 
-def test_flat_options_nest_into_a_training_config_and_the_other_mode_keeps_its_defaults():
+def test_flat_options_nest_into_a_training_config_and_an_option_of_another_mode_is_refused():
     assert training_config("images") == TrainingConfig()
-    features = training_config("features", holdout=3, feature_scale=2.0, model="wrn-16-4", augment_flip=False)
-    assert features.features == FeatureSettings(scale=2.0) and features.images == ImageSettings()
+    features = training_config("features", holdout=3, feature_normalization="l2", feature_scale=2.0)
+    assert features.features == FeatureSettings(normalization="l2", scale=2.0) and features.images == ImageSettings()
     assert features.holdout == 3
-    images = training_config("images", epsilon=2.0, accountant="rdp", augment_flip=False, holdout=3, feature_scale=2.0)
+    images = training_config("images", epsilon=2.0, accountant="rdp", augment_flip=False, holdout=3)
     assert images.images == ImageSettings(augment_flip=False) and images.features == FeatureSettings()
     assert images.holdout == 3
     assert images.target == PrivacyTarget(epsilon=2.0, accountant="rdp")
+    for mode, option, says in (
+        ("features", dict(model="wrn-16-4"), "--model does not apply to features mode"),
+        ("features", dict(augment_flip=False), "--no-flip does not apply to features mode"),
+        ("images", dict(feature_scale=2.0), "--feature-scale does not apply to images mode"),
+        ("activations", dict(feature_normalization="l2"), "--feature-normalization does not apply to activations"),
+        ("activations", dict(augment_pad=2), "--augment-pad does not apply to activations mode"),
+        ("features", dict(feature_scale=2.0), "--feature-scale is used only with --feature-normalization l2"),
+        ("images", dict(model="wrn-16-4", backbone="bb"), "--model is used only without --backbone"),
+    ):
+        with pytest.raises(InvalidConfigError, match=says):
+            training_config(mode, **option)
+    with pytest.raises(InvalidConfigError, match="--model does not apply"):  # typed, even at its default value
+        training_config("features", model="cnn-small", given=("model",))
 
 
 def test_a_run_from_options_takes_the_mode_of_its_data(tmp_path):
@@ -269,7 +282,14 @@ def test_a_run_from_options_takes_the_mode_of_its_data(tmp_path):
     (tmp_path / METADATA).write_text("{}")
     assert train.TrainConfig.from_options(str(tmp_path), "run").training.mode == "features"
     assert train.TrainConfig.from_options(str(tmp_path / "images"), "run").training.mode == "images"
-    assert train.TrainConfig.from_options(str(tmp_path), "run", mode="images").training.mode == "images"
+    assert train.TrainConfig.from_options(str(tmp_path), "run", mode="features").training.mode == "features"
+    with pytest.raises(DataError, match="--mode images trains on ingested images, and .* holds pooled features"):
+        train.TrainConfig.from_options(str(tmp_path), "run", mode="images")
+    one = dict(epsilon=math.inf, batch_size=8, steps=2)  # a non-private run uses no DP-only option
+    with pytest.raises(InvalidConfigError, match="--clip-norm is used only under DP"):
+        train.TrainConfig.from_options(str(tmp_path), "run", clip_norm=2.0, **one)
+    with pytest.raises(InvalidConfigError, match="--delta is used only under DP"):
+        train.TrainConfig.from_options(str(tmp_path), "run", delta=1e-5, given=("delta",), **one)
 
 
 @pytest.mark.parametrize("command", ["train", "sweep"])
