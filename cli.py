@@ -317,8 +317,11 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
         for name in ("baseline_learning_rate", "baseline_momentum")
         if not options["baseline"] and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
     ]
-    if unused:
-        echo_warnings((f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline",))
+    if unused:  # used by nothing else: refused, not dropped
+        raise click.UsageError(
+            f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline: "
+            "add --baseline, or leave them out"
+        )
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, given=typed_options(ctx), **options))
     echo_warnings(result.warnings)
     for line in (*result.report(), _privacy_line(result)):

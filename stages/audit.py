@@ -47,6 +47,17 @@ MODELS_BY_THREAT: dict[str, tuple[str, ...]] = {
     "sampler": ("linear",),
 }
 MODELS: tuple[str, ...] = tuple(dict.fromkeys(m for models in MODELS_BY_THREAT.values() for m in models))
+#: The options only some audits use: (threat models, the model it needs or ""). An option given to an
+#: audit that does not use it is refused, never dropped (every other option applies to every audit).
+OPTION_USE: dict[str, tuple[tuple[str, ...], str]] = {
+    "canary": (("black-box",), ""),  # white-box and sampler audits insert a gradient canary
+    "one_run_canaries": (("black-box",), ""),
+    "hidden": (("black-box",), "mlp"),
+    "microbatches": (("white-box",), ""),
+    "per_example": (("white-box",), "cnn"),
+    "devices": (("white-box",), ""),
+    "canary_norm": (("white-box", "sampler"), ""),
+}
 
 _log = logging.getLogger(__name__)
 
@@ -107,15 +118,27 @@ class AuditConfig:
             raise InvalidConfigError(
                 f"the white-box audit uses full batches: --batch-size must be |D| ({self.num_examples}) or left out"
             )
-        if self.devices != 1 and self.threat_model != "white-box":
-            raise InvalidConfigError("only the white-box audit runs on several devices (--devices)")
-        if self.threat_model != "black-box" and self.one_run_canaries:
-            raise InvalidConfigError("the one-run audit is black-box only")
+        self._refuse_unused()
         if self.threat_model == "sampler" and not 1 <= self.effective_batch_size <= self.num_examples:
             raise InvalidConfigError(
                 "the sampler audit needs q < 1: --batch-size at most |D| (the plan samples "
                 f"|D| + 1 rows, D and the canary's slot); got {self.batch_size}"
             )
+
+    def _refuse_unused(self) -> None:
+        """Refuse an option (``OPTION_USE``) set away from its default for an audit that does not use it."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, (threats, model) in OPTION_USE.items():
+            if getattr(self, name) == defaults[name]:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if self.threat_model not in threats:
+                raise InvalidConfigError(
+                    f"{flag} does not apply to the {self.threat_model} audit, only to the {' and '.join(threats)} "
+                    f"audit{'s' if len(threats) > 1 else ''}: leave it out"
+                )
+            if model and self.model != model:
+                raise InvalidConfigError(f"{flag} applies to --model {model} only: leave it out")
 
     @property
     def effective_batch_size(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dpscale.errors import InvalidConfigError
 from dpscale.training import release
 from dpscale.training.evaluation import Scores, score_run
 
@@ -26,6 +27,10 @@ class EvaluateConfig:
     private_diagnostics: bool = False  # allow scoring the run's private training rows
     force_other_data: bool = False  # score data other than the run's (made alike) into a file of its own
     save: bool = True  # False: return the scores, write nothing (a sweep's choice leaves no trace in its runs)
+
+    def __post_init__(self) -> None:
+        if self.force_other_data and self.data is None:
+            raise InvalidConfigError("--force-other-data applies to the data given with --data: give --data")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,8 @@ class IngestConfig:
             raise InvalidConfigError("examples per shard must be at least 1")
         if self.image_encoding not in ENCODINGS:
             raise InvalidConfigError(f"image encoding must be one of {sorted(ENCODINGS)}, got {self.image_encoding!r}")
+        if self.tfds_data_dir is not None and not self.source.startswith("tfds:"):
+            raise InvalidConfigError(f"--tfds-data-dir applies to tfds:NAME sources only, not {self.source!r}")
 
 
 @dataclasses.dataclass(frozen=True)
