@@ -149,3 +149,21 @@ def check_mechanism(
     check_steps(steps)
     check_accounted_steps(steps)
     check_sampling(sampling)
+
+
+# The largest mean number of runs of a private selection: past it the runs, not the accounting, are the problem.
+MAX_REPETITIONS_MEAN = 10**6
+
+
+def check_repetitions(distribution: str, mean: float, shape: float, distributions: Sequence[str]) -> None:
+    """A private selection's number of runs: a known family, a mean above 1 (>= 1 for Poisson), eta >= 0."""
+    check_choice(distribution, distributions, "the distribution of the number of runs")
+    if distribution == "poisson":
+        if not (_is_number(mean) and 1 <= mean <= MAX_REPETITIONS_MEAN):
+            raise InvalidConfigError(f"the mean number of runs must be in [1, {MAX_REPETITIONS_MEAN:g}], got {mean}")
+    elif not (_is_number(mean) and 1 < mean <= MAX_REPETITIONS_MEAN):
+        raise InvalidConfigError(
+            f"the mean number of runs must be in (1, {MAX_REPETITIONS_MEAN:g}] (1 would be a single run), got {mean}"
+        )
+    if not (_is_number(shape) and 0 <= shape < math.inf):
+        raise InvalidConfigError(f"the negative binomial's shape eta must be >= 0 and finite, got {shape}")

@@ -1,4 +1,4 @@
-"""Every random stream drawn from a run's secret seed, in one registry.
+"""Every random stream drawn from a run's (or a private selection's) secret seed, in one registry.
 
 A run has one secret seed (``privacy.seeds``: 63 bits of OS entropy by default). Each use of
 it (noise, batch sampling, augmentation, initialisation, one-off releases, the audit's
@@ -29,6 +29,7 @@ class Stream(enum.IntEnum):
     INIT = 4  # initial parameters of a model trained from scratch
     FEATURE_MEAN = 5  # the Gaussian release of the centring mean of cached features
     AUDIT_DATA = 6  # which rows form an audit's data set D, and its canaries
+    SELECTION = 7  # a private selection's draws: its number of runs, each run's setting, each score's noise
 
 
 def stream_key(seed: int, stream: Stream, *path: int | jax.Array) -> jax.Array:
