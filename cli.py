@@ -26,6 +26,7 @@ from dpscale.cli_options import (
     GRID_SHORTHANDS,
     POSITIVE,
     SEED,
+    SELECTION_OPTIONS,
     TRAINING_OPTIONS,
     CommaList,
     ListOption,
@@ -34,6 +35,7 @@ from dpscale.cli_options import (
     floats,
     grid_axes,
     ints,
+    private_selection,
     typed_options,
 )
 from dpscale.cli_output import (
@@ -278,6 +280,7 @@ def evaluate_command(
     help="Also print the held-out and baseline scores (and the settings chosen on held-out rows) in the "
     "JSON line: NOT covered by epsilon. Without it the line names the owner-only files that hold them.",
 )
+@SELECTION_OPTIONS
 @TRAINING_OPTIONS
 @click.pass_context
 def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, ...], **options: Any) -> None:
@@ -322,6 +325,7 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
             f"{' and '.join(unused)} apply to the non-private baseline, which runs only with --baseline: "
             "add --baseline, or leave them out"
         )
+    options["private_selection"] = private_selection(options, "sweep")
     result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, given=typed_options(ctx), **options))
     echo_warnings(result.warnings)
     for line in (*result.report(), _privacy_line(result)):
@@ -330,6 +334,8 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
 
 
 def _privacy_line(result: Any) -> str:
+    if hasattr(result, "privacy_line"):  # a private selection's
+        return result.privacy_line()
     line = (
         f"releasing every DP result in this sweep's directory together ({result.private_runs} private runs) is "
         f"({result.composed_epsilon:.4g}, {result.delta:g})-DP (see privacy.json)"
@@ -528,6 +534,7 @@ def audit_command(data: str, epsilons: tuple[float, ...], **options) -> None:
 @click.option(
     "--accountant", type=StageChoice("epsilon.ACCOUNTANTS"), default="pld", show_default=True, help=ACCOUNTANT_HELP
 )
+@SELECTION_OPTIONS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def epsilon_command(
     noise_multiplier: float,
@@ -538,6 +545,7 @@ def epsilon_command(
     delta: float,
     accountant: str,
     as_json: bool,
+    **selection: Any,
 ) -> None:
     """Epsilon spent by T steps of DP-SGD with (truncated) Poisson sampling.
 
@@ -562,11 +570,15 @@ def epsilon_command(
             delta=delta,
             accountant=accountant,
             batch_capacity=batch_capacity or 0,
+            private_selection=private_selection(selection, "epsilon"),
         )
     )
     echo_warnings(result.warnings)
     if as_json:
         print_json_line(result.as_dict())
+        return
+    if result.private_selection:
+        click.echo(_selection_text(result))
         return
     click.echo(
         f"epsilon = {result.epsilon:.6g} at delta = {result.delta:g} "
@@ -592,6 +604,7 @@ def epsilon_command(
     show_default=True,
     help="Relative tolerance on a solved noise multiplier (steps and batch size are exact).",
 )
+@SELECTION_OPTIONS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def calibrate_command(
     epsilon: float,
@@ -603,6 +616,7 @@ def calibrate_command(
     accountant: str,
     rtol: float,
     as_json: bool,
+    **selection: Any,
 ) -> None:
     """Solve for the one of --noise-multiplier, --steps, --batch-size left out.
 
@@ -627,6 +641,7 @@ def calibrate_command(
             noise_multiplier=noise_multiplier,
             accountant=accountant,
             rtol=rtol,
+            private_selection=private_selection(selection, "calibrate"),
         )
     )
     echo_warnings(result.warnings)
@@ -640,6 +655,19 @@ def calibrate_command(
     click.echo(
         f"epsilon           {result.epsilon:.6g} <= {result.target_epsilon:g} at delta "
         f"{result.delta:g} ({result.accountant.upper()} accountant, {result.seconds:.1f} s)"
+    )
+    if result.private_selection:
+        click.echo(_selection_text(result))
+
+
+def _selection_text(result: Any) -> str:
+    """A private selection's epsilon in words: what it covers, one run's alone, how many runs to expect."""
+    s = result.private_selection
+    return (
+        f"epsilon = {s['epsilon']:.6g} at delta = {result.delta:g} for a private selection (RDP accountant): "
+        f"{s['covers']}; one run alone: epsilon {s['run_epsilon']:.6g} ({s['run_accountant'].upper()}, "
+        f"sigma = {result.noise_multiplier:g}, {result.steps} steps, q = {result.sampling_rate:.6g} truncated to "
+        f"{result.batch_capacity}); 99% of selections make at most {s['runs_99th_percentile']} runs"
     )
 
 

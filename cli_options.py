@@ -329,6 +329,62 @@ def typed_options(ctx: click.Context) -> frozenset[str]:
     return frozenset(p.name for p in ctx.command.params if p.name and ctx.get_parameter_source(p.name) in given)
 
 
+#: A private selection (Papernot & Steinke 2022): the best of a random, secret number of DP runs, accounted
+#: with its repetitions and noisy scores (``privacy.selection``); for ``sweep``, ``epsilon`` and ``calibrate``.
+SELECTION_OPTIONS = options(
+    click.option(
+        "--private-selection",
+        is_flag=True,
+        help="Account (or, in sweep, make) a private selection: per epsilon the best of a random, secret number "
+        "of runs, each scored on held-out rows with noise; epsilon covers the chosen model with its choice.",
+    ),
+    click.option(
+        "--repetitions",
+        type=StageChoice("epsilon.REPETITIONS"),
+        default=None,
+        cls=StageHelpOption,
+        help="How the number of runs is drawn (with --private-selection) [default: {epsilon.DEFAULT_REPETITIONS}].",
+    ),
+    click.option(
+        "--repetitions-mean",
+        type=floats(1),
+        default=None,
+        cls=StageHelpOption,
+        help="Mean number of runs (with --private-selection) [default: {epsilon.DEFAULT_REPETITIONS_MEAN:g}].",
+    ),
+    click.option(
+        "--repetitions-shape",
+        type=floats(0),
+        default=None,
+        cls=StageHelpOption,
+        help="negative-binomial's eta: 0 logarithmic, 1 geometric; smaller costs less epsilon but draws more "
+        "runs in its tail (with --private-selection) [default: {epsilon.DEFAULT_REPETITIONS_SHAPE:g}].",
+    ),
+    click.option(
+        "--score-noise",
+        type=POSITIVE,
+        default=None,
+        cls=StageHelpOption,
+        help="Std of the Gaussian noise on each run's count of correct held-out predictions, in rows "
+        "(with --private-selection) [default: {epsilon.DEFAULT_SCORE_NOISE:g}].",
+    ),
+)
+_SELECTION_FLAGS = ("repetitions", "repetitions_mean", "repetitions_shape", "score_noise")
+
+
+def private_selection(options: dict[str, Any], stage: str) -> Any:
+    """Take the selection flags out of ``options``: the stage's ``Selection`` with --private-selection, else
+    None (the other selection flags are then refused: they would change nothing)."""
+    on = options.pop("private_selection")
+    given = {name: value for name in _SELECTION_FLAGS if (value := options.pop(name)) is not None}
+    if not on:
+        if given:
+            names = " ".join(f"--{name.replace('_', '-')}" for name in given)
+            raise click.UsageError(f"{names}: only with --private-selection")
+        return None
+    return from_stage(f"{stage}.Selection").of(**given)
+
+
 #: ``--grid`` names that stand for a sweep's own list flags (``--epsilons``, ``--learning-rates``).
 GRID_SHORTHANDS = {"epsilon": "epsilons", "learning_rate": "learning_rates"}
 

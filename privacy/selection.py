@@ -53,6 +53,20 @@ class Selection:
     def __post_init__(self) -> None:
         check_positive(self.score_noise, "the score's noise (--score-noise)")
 
+    @classmethod
+    def of(
+        cls,
+        *,
+        repetitions: str | None = None,
+        repetitions_mean: float | None = None,
+        repetitions_shape: float | None = None,
+        score_noise: float | None = None,
+    ) -> Selection:
+        """From the command line's flat options; None: the default."""
+        given = {"distribution": repetitions, "mean": repetitions_mean, "shape": repetitions_shape}
+        kept = Repetitions(**{k: v for k, v in given.items() if v is not None})
+        return cls(kept, DEFAULT_SCORE_NOISE if score_noise is None else score_noise)
+
     def to_json(self) -> dict[str, Any]:
         return {"repetitions": self.repetitions.to_json(), "score_noise": self.score_noise}
 
@@ -159,6 +173,23 @@ class SelectionPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run.to_json(), **self.selection.to_json()}
+
+    def report(self) -> dict[str, Any]:
+        """What ``dpscale epsilon`` and ``calibrate`` say of it: the selection's epsilon beside one run's alone."""
+        repetitions = self.selection.repetitions
+        return {
+            "epsilon": self.epsilon(),
+            "accountant": "rdp",
+            "run_epsilon": self.run.epsilon(),
+            "run_accountant": self.run.accountant,
+            "repetitions": repetitions.to_json(),
+            "runs_99th_percentile": repetitions.quantile(0.99),
+            "score_noise": self.selection.score_noise,
+            "covers": (
+                f"the best of K runs (K {repetitions.describe()}, secret), each scored on held-out rows by a "
+                f"count with Gaussian noise of {self.selection.score_noise:g}: the chosen run and its noisy score"
+            ),
+        }
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> SelectionPlan:

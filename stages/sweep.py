@@ -19,6 +19,10 @@ them as not private). A later sweep in OUT_DIR never makes owner-only tables rea
 (``sweep_report.remove_stale_tables``). Without held-out rows nothing is chosen: every grid point
 is reported with its test score.
 
+Private selection (``private_selection``, Papernot & Steinke 2022): per epsilon, the best of a random, secret
+number of runs, each a setting drawn from the grid and scored on held-out rows with noise; the choice, its
+scores and the chosen run are covered by epsilon (``training.selection_sweep``, ``privacy.selection``).
+
 Reuse: a run directory that already holds this sweep's run is reused, so an interrupted sweep
 continues where it stopped instead of redoing (or re-spending) finished runs. A directory is
 reused only for the data and settings it was made with: ``sweep.json`` records the data (by a
@@ -48,8 +52,9 @@ from typing import Any
 
 from dpscale import files
 from dpscale.errors import InvalidConfigError
+from dpscale.privacy.selection import Selection
 from dpscale.stages import evaluate, train
-from dpscale.training import release, sweep_report
+from dpscale.training import release, selection_sweep, sweep_report
 from dpscale.training.config import Mode, TrainingConfig, training_config
 from dpscale.training.data_kind import resolve_mode
 from dpscale.training.grid import SIMULATION_NOTE, Axis, GridPoint, Simulation, check_axes, flag, grid_points, simulate
@@ -102,6 +107,7 @@ class SweepConfig:
     baseline_momentum: float = 0.9
     simulate_batch: int | None = None  # run every point as a TAN simulation at this expected batch
     print_private_diagnostics: bool = False  # the JSON line carries held-out and baseline scores too
+    private_selection: Selection | None = None  # per epsilon, the best of K random runs: covered (selection_sweep)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple((name, tuple(values)) for name, values in self.grid))
@@ -120,7 +126,9 @@ class SweepConfig:
             raise InvalidConfigError(
                 "a sweep calibrates the noise multiplier for each epsilon; drop --noise-multiplier"
             )
-        if self.training.holdout and not self.training.private_diagnostics:
+        if self.private_selection is not None:
+            self.as_selection()  # refuses what a private selection cannot do, before anything is written
+        elif self.training.holdout and not self.training.private_diagnostics:
             raise InvalidConfigError(
                 f"scoring split {HOLDOUT_SPLIT!r} (private training rows) makes the sweep's tables private "
                 "diagnostics that epsilon does not cover; pass --private-diagnostics to run it anyway"
@@ -141,6 +149,7 @@ class SweepConfig:
         baseline_momentum: float = 0.9,
         simulate_batch: int | None = None,
         print_private_diagnostics: bool = False,
+        private_selection: Selection | None = None,
         mode: Mode | None = None,
         **options: Any,
     ) -> SweepConfig:
@@ -179,7 +188,16 @@ class SweepConfig:
             baseline_momentum=baseline_momentum,
             simulate_batch=simulate_batch,
             print_private_diagnostics=print_private_diagnostics,
+            private_selection=private_selection,
         )
+
+    def as_selection(self) -> selection_sweep.SelectionSweepConfig:
+        """With ``private_selection``: the selections this sweep stands for (no baseline, simulation or diagnostics)."""
+        asked = (("--baseline", self.baseline), ("--simulate-batch", self.simulate_batch))
+        refused = tuple(f for f, on in (*asked, ("--print-private-diagnostics", self.print_private_diagnostics)) if on)
+        return selection_sweep.SelectionSweepConfig(
+            self.data, self.out_dir, self.training, self.epsilons, self.axes[1:], self.private_selection, self.repeats
+        ).refusing(refused)
 
     @property
     def grid_learning_rates(self) -> tuple[float, ...]:
@@ -440,7 +458,9 @@ def _head(config: SweepConfig, record: dict[str, Any], selection: str) -> list[s
     return head
 
 
-def run(config: SweepConfig) -> SweepResult:
+def run(config: SweepConfig) -> SweepResult | selection_sweep.SelectionSweepResult:
+    if config.private_selection is not None:
+        return selection_sweep.run(config.as_selection())
     points, simulations = _points(config)
     directory = SweepDirectory(config.out_dir)
     directory.check_data(config.data, config.training)

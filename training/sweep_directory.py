@@ -36,6 +36,7 @@ RECORD = "sweep.json"
 PRIVACY_JSON = "privacy.json"
 RUNS = "runs"
 BASELINE_DIR = f"baseline.{release.NOT_PRIVATE}"
+SELECTION_DIR = f"selection.{release.NOT_PRIVATE}"  # a private selection's workspace (training.selection_sweep)
 _NEW_DIR = "use a new OUT_DIR"
 
 
@@ -76,14 +77,19 @@ class SweepDirectory:
 
     # -- what may be reused ---------------------------------------------------------------------
 
-    def check_data(self, data: str, training: TrainingConfig) -> None:
-        """Runs here are of ``data`` only: recorded on first use, and other data refused afterwards."""
+    def check_data(self, data: str, training: TrainingConfig, *, selection: bool = False) -> None:
+        """Runs here are of ``data`` only: recorded on first use, and other data refused afterwards.
+
+        ``selection``: a private-selection sweep (``training.selection_sweep``); the two kinds never share a
+        directory, whose privacy.json composes one kind only.
+        """
         files.makedirs(self.path)
         record = {
             "data": files.absolute(data),
             "mode": training.mode,
             "train_split": training.train_split,
             "data_identity": keyed_identity(directory_secret(self.path), data_hash(data, training)),
+            "private_selection": selection,
         }
         hint = f"{_NEW_DIR} (or give the data and settings of the sweep it holds to continue it)"
         if files.exists(self.file(RECORD)):
@@ -96,16 +102,17 @@ class SweepDirectory:
                 ("mode", "another mode"),
                 ("train_split", "another split"),
                 ("data_identity", "other data (at the same path, other content)"),
+                ("private_selection", "private selections" if not selection else "a grid without private selection"),
             ):
-                if found.get(key) != record[key]:
-                    shown = "" if key == "data_identity" else f": {found.get(key)}"
+                if found.get(key, False) != record[key]:
+                    shown = "" if key in ("data_identity", "private_selection") else f": {found.get(key)}"
                     raise DataError(
                         f"{self.path!r} holds a sweep on {what}{shown}; its results are not those of {data!r}: {hint}"
                     )
             return
         started = [
             d
-            for d in (self.file(RUNS), files.join(self.file(BASELINE_DIR), RUNS))
+            for d in (self.file(RUNS), files.join(self.file(BASELINE_DIR), RUNS), self.file(SELECTION_DIR))
             if files.isdir(d) and files.listdir(d)
         ]
         if started:

@@ -271,15 +271,20 @@ def _locked(lock: RunLock | None) -> contextlib.AbstractContextManager:
     return lock if lock is not None else contextlib.nullcontext()
 
 
-def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
+def start(data: str, run_dir: str, config: TrainingConfig, *, plan: PrivacyPlan | None = None) -> TrainResult:
     """A fresh run; with several processes, call it on every one with the same arguments.
 
     Everything is built and validated before the run directory is written, and it is
     written (secrets, then config.json) under the run's lock, held until the run ends.
+    ``plan``: the mechanism to run instead of one calibrated from ``config`` (a private
+    selection's runs execute exactly the plan its accounting was calibrated for).
     """
     run = RunDirectory.new(run_dir)
     model = build_train_model(data, config)
-    plan = plan_for(config, model, show_progress=config.show_progress and distributed.is_primary())
+    if plan is None:
+        plan = plan_for(config, model, show_progress=config.show_progress and distributed.is_primary())
+    else:
+        _check_given_plan(plan, config, model)
     # The seed, even a fixed one, lives only in the run's secrets: config.json is a released file.
     spec = RunSpec.new(data, dataclasses.replace(config, seed=None), plan, inputs=model.inputs)
     _check_processes_agree(spec, model)
@@ -295,6 +300,16 @@ def start(data: str, run_dir: str, config: TrainingConfig) -> TrainResult:
         with trainer.stopping_cleanly():
             state, metrics, seconds = trainer.loop(state, 0)
             return trainer.finish(state, metrics, seconds)
+
+
+def _check_given_plan(plan: PrivacyPlan, config: TrainingConfig, model: TrainModel) -> None:
+    """A plan given to ``start`` is of this model's rows and releases and of the config's batch size and steps."""
+    given = (plan.num_examples, plan.releases, plan.batch_size, plan.steps, plan.private, plan.batch_capacity > 0)
+    expected = (model.num_examples, tuple(model.releases), config.batch_size, config.steps, config.private, True)
+    if given != expected:
+        raise InvalidConfigError(
+            f"the plan given (N, releases, B, T, private, capacity recorded: {given}) is not this run's ({expected})"
+        )
 
 
 def _check_redone_steps_keep_their_noise(run: RunDirectory, first: int) -> None:

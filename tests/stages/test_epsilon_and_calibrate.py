@@ -417,3 +417,53 @@ def test_a_calibration_that_takes_a_while_says_so_on_stderr(capsys, monkeypatch)
         CalibrateConfig(epsilon=3.0, accountant="rdp", noise_multiplier=1.1, steps=2000, **SMALL, show_progress=False)
     )
     assert capsys.readouterr().err == ""
+
+
+# --- a private selection ------------------------------------------------------------
+
+
+def test_cli_epsilon_and_calibrate_answer_for_a_private_selection():
+    """The selection's epsilon (RDP, repetitions and scores in) heads the JSON; one run's alone is beside it."""
+    from dpscale.privacy.repetitions import Repetitions
+    from dpscale.privacy.selection import Selection, SelectionPlan
+
+    args = ["--num-examples", "50000", "--batch-size", "5000", "--steps", "200", "--delta", "1e-5", "--json"]
+    selection = ["--private-selection", "--repetitions", "poisson", "--repetitions-mean", "5", "--score-noise", "20"]
+    calibrated = json.loads(_invoke("calibrate", "--epsilon", "2", *args, *selection).stdout)
+    assert calibrated["epsilon"] <= 2 and calibrated["accountant"] == calibrated["epsilon_bound"] == "rdp"
+    report = calibrated["private_selection"]
+    assert report["epsilon"] == calibrated["epsilon"] and report["run_epsilon"] < calibrated["epsilon"]
+    assert report["repetitions"] == {"distribution": "poisson", "mean": 5.0, "shape": 1.0}
+    sigma, capacity = calibrated["noise_multiplier"], calibrated["batch_capacity"]
+    spent = json.loads(
+        _invoke(
+            "epsilon", "--noise-multiplier", repr(sigma), "--batch-capacity", str(capacity), *args, *selection
+        ).stdout
+    )
+    assert spent["epsilon"] == calibrated["epsilon"]  # the run the calibration planned, accounted again
+    plan = PrivacyPlan(
+        num_examples=50000, batch_size=5000, steps=200, noise_multiplier=sigma, delta=1e-5, batch_capacity=capacity
+    )
+    assert spent["epsilon"] == SelectionPlan(plan, Selection(Repetitions("poisson", 5.0), 20.0)).epsilon()
+    plain = json.loads(_invoke("calibrate", "--epsilon", "2", *args).stdout)
+    assert plain["noise_multiplier"] < sigma  # one run alone needs less noise than the best of several
+
+
+def test_selection_flags_without_private_selection_are_refused(capfd):
+    result = CliRunner().invoke(
+        cli,
+        [
+            "epsilon",
+            "--noise-multiplier",
+            "2",
+            "--steps",
+            "10",
+            "--batch-size",
+            "10",
+            "--num-examples",
+            "100",
+            "--repetitions-mean",
+            "4",
+        ],
+    )
+    assert result.exit_code == 2 and "--repetitions-mean: only with --private-selection" in result.stderr
