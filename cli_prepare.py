@@ -436,6 +436,14 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
     help="Rows per Zarr chunk: one worker task, and the unit of resume.",
 )
 @click.option(
+    "--repair",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="ENTRY",
+    help="Finish or repair this cache entry in place (its own key, preprocessing and chunking), from the DATA "
+    "and --backbone it was made from: what a damaged entry's error gives.",
+)
+@click.option(
     "--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure)."
 )
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
@@ -450,6 +458,7 @@ def featurize_command(
     augmult_views: int,
     batch_size: int,
     chunk_rows: int,
+    repair: str | None,
     verbose: bool,
     pipeline_args: tuple[str, ...],
 ) -> None:
@@ -476,6 +485,7 @@ def featurize_command(
             chunk_rows=chunk_rows,
             verbose=verbose,
             pipeline_args=tuple(pipeline_args),
+            repair=repair,
         )
     )
     status = "cache hit" if result.cache_hit else f"computed {result.chunks_computed} of {result.chunks_total} chunks"

@@ -284,6 +284,21 @@ def isfile(path: str) -> bool:
         return False
 
 
+def size(path: str) -> int | None:
+    """The size of the regular file at ``path``; None if there is none (absent, or a directory in its place)."""
+    if not is_url(path):
+        try:
+            found = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return found.st_size if stat.S_ISREG(found.st_mode) else None
+    try:
+        info = filesystem(path).info(path)
+    except FileNotFoundError:
+        return None
+    return int(info["size"]) if info.get("type") == "file" else None
+
+
 def makedirs(path: str, *, mode: int = 0o777) -> None:
     """``os.makedirs(path, exist_ok=True)`` locally; nothing for a URL (prefixes need no creation)."""
     if not is_url(path):

@@ -18,9 +18,9 @@ Reading (what the trainer uses)::
 
 Both refuse (``DataError``) an entry that is incomplete (an interrupted run), whose stored
 key does not hash to its digest or does not equal the key asked for (stale or moved), whose
-arrays do not have the recorded shapes, or that misses a chunk; a chunk that fails its
-checksum when read is refused too (``cache.integrity``), naming the chunk and the
-``dpscale featurize`` command that recomputes it.
+arrays do not have the recorded shapes, or one of whose chunks is missing, not a file or not the
+size written; a chunk read back as other bytes than were written is refused too (``cache.integrity``),
+naming the chunk and the ``dpscale featurize --repair ENTRY`` command that repairs the entry in place.
 
 Layout of one entry, ``<cache_dir>/<key digest>/``::
 
@@ -28,7 +28,9 @@ Layout of one entry, ``<cache_dir>/<key digest>/``::
     data.zarr/              zarr 3 group: <split>/features [N, d] float32, <split>/labels [N]
                             int32, <split>/ids [N, 32] uint8, all chunked by the same rows,
                             each chunk zstd-compressed with a CRC32C checksum
-    chunks/<split>/<i>.done one marker per chunk, written after that chunk's data
+    chunks/<split>/<i>.done one marker per chunk, written after that chunk's data, with the size and
+                            sha256 of each of its objects as written (``cache.chunk_digests``)
+    chunk_digests.json      every chunk's size and sha256, gathered from the markers when sealed
     COMPLETE                written last, after every marker is present: the entry is whole
 
 Writers (Beam workers) each write whole chunks (``write_chunk``), so no two touch the same
@@ -53,7 +55,7 @@ import numpy as np
 import zarr
 
 from dpscale import files
-from dpscale.cache import integrity
+from dpscale.cache import chunk_digests, integrity
 from dpscale.cache.keys import FEATURE_FORMAT_VERSION, FeatureKey
 from dpscale.errors import DataError
 
@@ -76,19 +78,29 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser(cache), "dpscale", "features")
 
 
-def _zarr_store(path: str, *, read_only: bool = False) -> Any:
-    """What zarr opens: a local path as is; a URL through ``dpscale.files``'s file system.
+def _zarr_store(
+    path: str,
+    *,
+    read_only: bool = False,
+    digests: dict[str, chunk_digests.Digest] | None = None,
+    written: dict[str, chunk_digests.Digest] | None = None,
+) -> chunk_digests.DigestStore:
+    """What zarr opens: a local path, or a URL through ``dpscale.files``'s file system, behind a store that
+    checks every read of a chunk in ``digests`` and records what it writes into ``written``.
 
     zarr would build its own asynchronous client per call for a URL, whose sessions end in
     errors on stderr at exit; the synchronous one, wrapped, is shared and closes cleanly.
     """
     if not files.is_url(path):
-        return path
+        from zarr.storage import LocalStore
+
+        return chunk_digests.DigestStore(LocalStore(path, read_only=read_only), digests, written)
     from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
     from zarr.storage import FsspecStore
 
     fs = AsyncFileSystemWrapper(files.filesystem(path), asynchronous=True)
-    return FsspecStore(fs, path=path.split("://", 1)[1], read_only=read_only)
+    store = FsspecStore(fs, path=path.split("://", 1)[1], read_only=read_only)
+    return chunk_digests.DigestStore(store, digests, written)
 
 
 def entry_path(cache_dir: str, key: FeatureKey) -> str:
@@ -134,6 +146,9 @@ class EntryLayout:
     # compared), for the command that repairs a damaged entry.
     source: str = dataclasses.field(default="", compare=False)
     backbone: str = dataclasses.field(default="", compare=False)
+    # The key id (not secret) of the cache the entry was made in, whose secret keys its data identity:
+    # a copy of the entry in another cache is checked and repaired in place with it.
+    cache_key_id: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if bool(self.feature_shape) != bool(self.key.cut):
@@ -160,6 +175,7 @@ class EntryLayout:
             "splits": {s: dataclasses.asdict(v) for s, v in sorted(self.splits.items())},
             "source": self.source,
             "backbone": self.backbone,
+            "cache_key_id": self.cache_key_id,
         }
 
     @classmethod
@@ -180,46 +196,24 @@ class EntryLayout:
                 splits={s: SplitLayout(**v) for s, v in meta["splits"].items()},
                 source=str(meta.get("source", "")),
                 backbone=str(meta.get("backbone", "")),
+                cache_key_id=str(meta.get("cache_key_id", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"malformed feature-store metadata: {exc}") from None
 
     def repair_command(self, path: str) -> str:
-        """The featurize command that finishes or repairs the entry at ``path`` (same key, same chunks)."""
-        key = self.key
-        cache_dir = os.path.dirname(path.rstrip("/")) or "."
-        cache_dir = files.absolute(cache_dir)  # works from any directory
-        parts = [
-            "dpscale featurize",
-            self.source or "DATA",
-            "--backbone",
-            self.backbone or "BACKBONE",
-            "--cache-dir",
-            cache_dir,
-            "--resolution",
-            str(key.resolution),
-        ]
-        if key.resize_method != "bilinear":
-            parts += ["--resize-method", key.resize_method]
-        if key.flip_average:
-            parts.append("--flip-average")
-        if key.cut:
-            parts += ["--cut", key.cut]
-        if key.views > 1:
-            parts += ["--augmult-views", str(key.views)]
-        rows = {layout.chunk_rows for layout in self.splits.values()}
-        if rows != {DEFAULT_CHUNK_ROWS}:
-            parts += ["--chunk-rows", str(max(rows))]
-        return " ".join(parts)
+        """The featurize command that finishes or repairs the entry at ``path`` in place, from any directory."""
+        return f"dpscale featurize {self.source or 'DATA'} --backbone {self.backbone or 'BACKBONE'} --repair {files.absolute(path)}"
 
 
-def _read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
+def read_layout(path: str) -> tuple[EntryLayout, dict[str, Any]]:
+    """An entry's layout and metadata, checked against its digest and its directory's name."""
     try:
         meta = json.loads(files.read_text(files.join(path, METADATA)))
     except (OSError, ValueError) as exc:
         raise DataError(
-            f"{path!r} is not a feature-store entry (no readable {METADATA}); "
-            "it may be an unfinished run: featurize again"
+            f"{path!r} is not a feature-cache entry (no readable {METADATA}): give the entry directory that "
+            "`dpscale featurize` printed"
         ) from exc
     layout = EntryLayout.from_metadata(meta)
     if meta.get("digest") != layout.key.digest:
@@ -249,6 +243,7 @@ class FeatureStore:
         self.path = path
         self.layout = layout
         self._arrays: dict[tuple[str, str], Any] = {}
+        self._written: dict[str, chunk_digests.Digest] = {}  # what this writer's store wrote, by store key
 
     # ---- creating and resuming ------------------------------------------------------------
     @classmethod
@@ -259,9 +254,14 @@ class FeatureStore:
         An existing entry with the same layout keeps its finished chunks; one with another
         layout (other chunking, or unreadable metadata) is cleared first.
         """
-        path = entry_path(cache_dir, layout.key)
+        return cls.create_at(entry_path(cache_dir, layout.key), layout)
+
+    @classmethod
+    @files.owner_only
+    def create_at(cls, path: str, layout: EntryLayout) -> FeatureStore:
+        """``create`` at ``path``: the entry's own directory, wherever it is (an entry repaired in place)."""
         try:
-            existing, _ = _read_layout(path)
+            existing, _ = read_layout(path)
         except DataError:
             existing = None
         store = cls(path, layout)
@@ -292,7 +292,7 @@ class FeatureStore:
     @classmethod
     def for_writing(cls, path: str) -> FeatureStore:
         """A worker's handle on an entry the launcher created."""
-        layout, _ = _read_layout(path)
+        layout, _ = read_layout(path)
         return cls(path, layout)
 
     @classmethod
@@ -307,9 +307,14 @@ class FeatureStore:
     def _marker(self, split: str, chunk: int) -> str:
         return files.join(self.path, MARKERS, split, f"{chunk:06d}.done")
 
-    def _marker_text(self, split: str, chunk: int) -> str:
+    def _marker_text(self, split: str, chunk: int, records: dict[str, chunk_digests.Digest]) -> str:
         start, stop = self.layout.splits[split].rows(chunk)
-        return f"{self.layout.key.digest} {split} {chunk} {start} {stop}\n"
+        header = {"digest": self.layout.key.digest, "split": split, "chunk": chunk, "rows": [start, stop]}
+        return chunk_digests.marker_text(header, records)
+
+    def marked_records(self, chunks: list[tuple[str, int]]) -> dict[tuple[str, int], dict[str, Any] | None]:
+        """The digests each chunk's marker holds (None: a marker of an older dpscale, without them)."""
+        return {c: chunk_digests.marker_records(files.read_text(self._marker(*c))) for c in chunks}
 
     def done_chunks(self) -> set[tuple[str, int]]:
         """Chunks whose marker is present (one directory listing per split)."""
@@ -332,13 +337,17 @@ class FeatureStore:
     def invalidate_damaged(self) -> list[integrity.ChunkDamage]:
         """Check every chunk that has a marker (reads it all); drop the damaged ones' markers.
 
-        They then count as missing, so the next pipeline recomputes exactly those (and the
-        entry is sealed again only once they are whole). Returns what was damaged.
+        They then count as missing, so the next pipeline recomputes exactly those (and the entry is
+        sealed again only once they are whole). A whole chunk whose marker predates digests gets them
+        recorded from its files (checked by their CRC32C). Returns what was damaged.
         """
-        done = self.done_chunks()
+        done = sorted(self.done_chunks())
+        records = self.marked_records(done)
+        digests = {key: value for found in records.values() if found for key, value in found.items()}
+        data = files.join(self.path, DATA)
         try:
-            group = zarr.open_group(store=_zarr_store(files.join(self.path, DATA), read_only=True), mode="r")
-            damage = integrity.unreadable_chunks(files.join(self.path, DATA), group, self.layout.splits, chunks=done)
+            group = zarr.open_group(store=_zarr_store(data, read_only=True, digests=digests), mode="r")
+            damage = integrity.unreadable_chunks(data, group, self.layout.splits, digests=digests, chunks=done)
         except Exception:  # noqa: BLE001 - unreadable arrays: nothing marked can be trusted
             damage = [
                 integrity.ChunkDamage(s, "features", c, self.layout.splits[s].rows(c), "unreadable") for s, c in done
@@ -348,6 +357,13 @@ class FeatureStore:
             for path in [files.join(self.path, COMPLETE)] + [self._marker(s, c) for s, c in bad]:
                 if files.exists(path):
                     files.remove(path)
+        for path in (files.join(data, d.key) for d in damage if d.key):
+            if files.exists(path) and files.size(path) is None:  # a directory in a chunk's place blocks its rewrite
+                files.rmtree(path)
+        for split, chunk in (c for c in done if records[c] is None and c not in bad):
+            keys = [integrity.chunk_key(split, name, group[f"{split}/{name}"], chunk) for name in integrity.ARRAYS]
+            found = {key: chunk_digests.digest(files.read_bytes(files.join(data, key))) for key in keys}
+            _write_text(self._marker(split, chunk), self._marker_text(split, chunk, found))
         return damage
 
     def is_complete(self) -> bool:
@@ -360,7 +376,7 @@ class FeatureStore:
     def _array(self, split: str, name: str) -> Any:
         if (split, name) not in self._arrays:
             self._arrays[split, name] = zarr.open_array(
-                store=_zarr_store(files.join(self.path, DATA)),
+                store=_zarr_store(files.join(self.path, DATA), written=self._written),
                 path=f"{split}/{name}",
                 mode="r+",
                 config=integrity.WRITE_CONFIG,
@@ -387,17 +403,24 @@ class FeatureStore:
         self._array(split, "features")[start:stop] = features
         self._array(split, "labels")[start:stop] = np.asarray(labels, dtype=np.int32)
         self._array(split, "ids")[start:stop] = id_array
-        _write_text(self._marker(split, chunk), self._marker_text(split, chunk))
+        keys = [integrity.chunk_key(split, name, self._array(split, name), chunk) for name in integrity.ARRAYS]
+        records = {key: self._written.pop(key) for key in keys}  # as the store wrote them
+        _write_text(self._marker(split, chunk), self._marker_text(split, chunk, records))
 
     @files.owner_only
     def finalize(self) -> None:
-        """Write ``COMPLETE`` if (and only if) every chunk has its marker."""
+        """Seal the chunks' digests and write ``COMPLETE`` if (and only if) every chunk has its marker."""
         missing = self.missing_chunks()
         if missing:
             raise RuntimeError(
                 f"{len(missing)} of {len(self.all_chunks())} chunks were not "
                 f"written (first: {missing[0]}); the entry stays incomplete"
             )
+        records = self.marked_records(self.all_chunks())
+        unrecorded = [chunk for chunk, found in records.items() if found is None]
+        if unrecorded:
+            raise RuntimeError(f"the markers of {unrecorded[:3]} hold no digests; the entry stays incomplete")
+        chunk_digests.write(self.path, {key: value for found in records.values() for key, value in found.items()})
         _write_text(files.join(self.path, COMPLETE), self.layout.key.digest + "\n")
 
 
@@ -411,8 +434,10 @@ class FeatureSplitSet:
         self.metadata = metadata
         self.repair = layout.repair_command(path)
         self._data = files.join(path, DATA)
+        self._digests = chunk_digests.read(path, repair=self.repair)
         try:
-            self._group = zarr.open_group(store=_zarr_store(self._data, read_only=True), mode="r")
+            store = _zarr_store(self._data, read_only=True, digests=self._digests)
+            self._group = zarr.open_group(store=store, mode="r")
             shapes = {s: {name: self._group[f"{s}/{name}"].shape for name in integrity.ARRAYS} for s in layout.splits}
         except Exception as exc:
             raise DataError(
@@ -429,8 +454,10 @@ class FeatureSplitSet:
                 raise DataError(
                     f"{path!r}: arrays of split {split!r} have shapes {shapes[split]}, metadata says {want}"
                 )
-        check = integrity.unreadable_chunks if verify else integrity.missing_chunks
-        damage = check(self._data, self._group, layout.splits)
+        if verify:
+            damage = integrity.unreadable_chunks(self._data, self._group, layout.splits, digests=self._digests)
+        else:
+            damage = integrity.missing_chunks(self._data, self._group, layout.splits, self._digests)
         if damage:
             raise integrity.damage_error(path, damage, self.repair)
 
@@ -443,6 +470,7 @@ class FeatureSplitSet:
             layout=self._split(split),
             path=self.path,
             repair=self.repair,
+            digests=self._digests,
         )
 
     @property
@@ -520,7 +548,7 @@ def open_features(
     ``featurize`` does before it calls an entry a cache hit.
     """
     path = os.fspath(path)
-    layout, meta = _read_layout(path)
+    layout, meta = read_layout(path)
     if expected_key is not None and layout.key != expected_key:
         mine, theirs = layout.key.as_dict(), expected_key.as_dict()
         differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))

@@ -1,12 +1,13 @@
 """Integrity of a feature-store entry's chunks: every read is checked, and damage is one line.
 
-Each Zarr chunk is stored with a CRC32C checksum (zarr's ``crc32c`` codec, computed when the
-chunk is written and verified by zarr whenever it is read), so a flipped or truncated chunk
-fails to read instead of decoding to garbage. A *missing* chunk is different: Zarr reads it
-back as the array's fill value (NaN features, label -1) without complaint, so every chunk's
-object is looked for when an entry is opened. Either way the user gets one ``DataError``
-naming the chunk and the ``dpscale featurize`` command that recomputes it (featurize checks
-every chunk, drops the damaged ones' markers and redoes only those).
+Each chunk's size and sha256 are recorded when it is written (``cache.chunk_digests``) and every read
+is checked against them; Zarr's CRC32C codec also guards each chunk's stored bytes. What Zarr would
+read without complaint is what needs looking for: a chunk that is *missing* or *not a file* reads back
+as the array's fill value (NaN features, label -1), so opening an entry stats every chunk file (present,
+a regular file, the size written), and a read that finds other bytes fails instead of decoding them.
+Either way the user gets one ``DataError`` naming the chunk and the ``dpscale featurize`` command that
+repairs the entry in place (featurize checks every chunk, drops the damaged ones' markers and redoes
+only those).
 
 This module knows nothing of entry layouts beyond what it is given (``splits``: split ->
 an object with ``num_chunks`` and ``rows(chunk)``), so ``cache.feature_store`` can use it
@@ -20,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dpscale import files
+from dpscale.cache.chunk_digests import ChunkDamaged, Digest, file_problem
 from dpscale.errors import DataError
 
 ARRAYS = ("features", "labels", "ids")
@@ -44,32 +46,32 @@ class ChunkDamage:
     array: str
     chunk: int
     rows: tuple[int, int]
-    problem: str  # "missing" or "corrupt (...)"
+    problem: str  # "missing", "not a file", "N bytes where M were written", "corrupt (...)", ...
+    key: str = ""  # its store key (``train/features/c/1/0``), where known
 
     def describe(self) -> str:
         start, stop = self.rows
         return f"chunk {self.chunk} of {self.split}/{self.array} (rows {start}-{stop - 1}) is {self.problem}"
 
 
-def _chunk_key(array: Any, chunk: int) -> str:
-    return array.metadata.encode_chunk_key((chunk,) + (0,) * (len(array.shape) - 1))
+def chunk_key(split: str, name: str, array: Any, chunk: int) -> str:
+    """The store key of one chunk of ``split/name`` (``train/features/c/1/0``)."""
+    return f"{split}/{name}/" + array.metadata.encode_chunk_key((chunk,) + (0,) * (len(array.shape) - 1))
 
 
-def _present(data_path: str, split: str, name: str, array: Any, chunk: int) -> bool:
-    return files.exists(files.join(data_path, split, name, _chunk_key(array, chunk)))
-
-
-def missing_chunks(data_path: str, group: Any, splits: Mapping[str, Any]) -> list[ChunkDamage]:
-    """Chunks whose stored object is absent (cheap: one existence check per chunk, no reads)."""
+def missing_chunks(
+    data_path: str, group: Any, splits: Mapping[str, Any], digests: Mapping[str, Digest]
+) -> list[ChunkDamage]:
+    """Chunks whose file is absent, not a file, or not the size written (cheap: one stat per chunk, no reads)."""
     missing = []
     for split, layout in sorted(splits.items()):
         for name in ARRAYS:
             array = group[f"{split}/{name}"]
-            missing += [
-                ChunkDamage(split, name, chunk, layout.rows(chunk), "missing")
-                for chunk in range(layout.num_chunks)
-                if not _present(data_path, split, name, array, chunk)
-            ]
+            for chunk in range(layout.num_chunks):
+                key = chunk_key(split, name, array, chunk)
+                problem = file_problem(files.join(data_path, key), digests.get(key))
+                if problem:
+                    missing.append(ChunkDamage(split, name, chunk, layout.rows(chunk), problem, key))
     return missing
 
 
@@ -78,10 +80,15 @@ def unreadable_chunks(
     group: Any,
     splits: Mapping[str, Any],
     *,
+    digests: Mapping[str, Digest],
     chunks: Iterable[tuple[str, int]] | None = None,
     arrays: tuple[str, ...] = ARRAYS,
 ) -> list[ChunkDamage]:
-    """Chunks that are missing or fail to decode (reads every chunk asked for: featurize's full check)."""
+    """Chunks that are missing, not what was written, or fail to decode (reads every chunk asked for).
+
+    ``group`` reads through a ``DigestStore`` holding ``digests``; a chunk without a record (a marker
+    written before markers held them) is checked by its file and its CRC32C only.
+    """
     damaged = []
     wanted = (
         sorted(chunks)
@@ -92,13 +99,17 @@ def unreadable_chunks(
         start, stop = splits[split].rows(chunk)
         for name in arrays:
             array = group[f"{split}/{name}"]
-            if not _present(data_path, split, name, array, chunk):
-                damaged.append(ChunkDamage(split, name, chunk, (start, stop), "missing"))
+            key = chunk_key(split, name, array, chunk)
+            problem = file_problem(files.join(data_path, key), digests.get(key))
+            if problem:
+                damaged.append(ChunkDamage(split, name, chunk, (start, stop), problem, key))
                 continue
             try:
                 array[start:stop]
+            except ChunkDamaged as exc:
+                damaged.append(ChunkDamage(split, name, chunk, (start, stop), exc.problem, key))
             except Exception as exc:  # noqa: BLE001 - any failure to decode stored bytes is damage
-                damaged.append(ChunkDamage(split, name, chunk, (start, stop), f"corrupt ({_why(exc)})"))
+                damaged.append(ChunkDamage(split, name, chunk, (start, stop), f"corrupt ({_why(exc)})", key))
     return damaged
 
 
@@ -125,11 +136,20 @@ class CheckedArray:
     """A read-only Zarr array whose failed reads become ``damage_error`` naming the damaged chunk."""
 
     def __init__(
-        self, group: Any, *, data_path: str, split: str, name: str, layout: Any, path: str, repair: str
+        self,
+        group: Any,
+        *,
+        data_path: str,
+        split: str,
+        name: str,
+        layout: Any,
+        path: str,
+        repair: str,
+        digests: Mapping[str, Digest],
     ) -> None:
         self._group, self._data_path, self._split, self._name = group, data_path, split, name
         self._array = group[f"{split}/{name}"]
-        self._layout, self._path, self._repair = layout, path, repair
+        self._layout, self._path, self._repair, self._digests = layout, path, repair, digests
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -156,7 +176,9 @@ class CheckedArray:
         try:
             return read()
         except Exception as exc:
-            damage = unreadable_chunks(self._data_path, self._group, {self._split: self._layout}, arrays=(self._name,))
+            damage = unreadable_chunks(
+                self._data_path, self._group, {self._split: self._layout}, digests=self._digests, arrays=(self._name,)
+            )
             if not damage:
                 raise
             raise damage_error(self._path, damage, self._repair) from exc

@@ -86,6 +86,16 @@ def directory_secret(directory: str) -> bytes:
     path = secret_path(key_id(directory), "secret")
     if not os.path.exists(path):
         _write_new(path, secrets.token_bytes(SECRET_BYTES))
+    return _read_secret(path)
+
+
+def existing_secret(ident: str) -> bytes | None:
+    """The secret of the directory whose key id is ``ident``, if this user's key store holds it (never made)."""
+    path = secret_path(ident, "secret")
+    return _read_secret(path) if os.path.exists(path) else None
+
+
+def _read_secret(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
             secret = f.read()

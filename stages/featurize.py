@@ -8,6 +8,11 @@ markers of chunks that are damaged (deleted or corrupt after the entry was seale
 the Beam graph of ``pipelines.featurize`` over the chunks that have no marker (the per-chunk
 work is ``cache.featurizer``): so featurize is also the repair of a damaged entry, and it
 recomputes only what is missing. Only when every chunk is marked is the entry sealed.
+
+``repair`` names an entry to repair in place, wherever it is (a copy in another cache keeps the key
+it was made with, which this cache's secret would not give): its key, preprocessing and chunking are
+the entry's own, and the data and backbone given must be the ones it was made from (the backbone by
+its weights, the data by its identity under the secret of the cache the entry records).
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ import logging
 import math
 import os
 import time
+from typing import Any
 
 from dpscale.cache import feature_store as fstore
 from dpscale.cache import featurizer
 from dpscale.cache.keys import RESIZE_METHODS  # also --resize-method's choices
 from dpscale.data.dataset import IngestedDataset
+from dpscale.data.identity import keyed_identity
+from dpscale.data.key_store import existing_secret, key_id
 from dpscale.errors import DataError, InvalidConfigError
 from dpscale.files import owner_only
 
@@ -53,8 +61,17 @@ class FeaturizeConfig:
     chunk_rows: int = 1024
     pipeline_args: tuple[str, ...] = ()
     verbose: bool = False  # Beam's own logging on stderr (else in a log file)
+    repair: str | None = None  # an entry to finish or repair in place, with its own key and chunking
 
     def __post_init__(self) -> None:
+        if self.repair is not None:
+            fixed = {"cache_dir": None, "resolution": None, "resize_method": "bilinear", "flip_average": False}
+            fixed |= {"cut": "", "augmult_views": 1, "chunk_rows": 1024}
+            given = [f"--{name.replace('_', '-')}" for name, value in fixed.items() if getattr(self, name) != value]
+            if given:
+                raise InvalidConfigError(
+                    f"--repair keeps the entry's own key, preprocessing and chunking: leave out {', '.join(given)}"
+                )
         if self.resolution is not None and self.resolution < 1:
             raise InvalidConfigError(f"resolution must be positive, got {self.resolution}")
         if self.resize_method not in RESIZE_METHODS:
@@ -85,8 +102,10 @@ class FeaturizeResult:
 def run(config: FeaturizeConfig) -> FeaturizeResult:
     """Featurize ``config.data`` with ``config.backbone`` into the cache (or find it there)."""
     start = time.monotonic()  # also the start of the progress bar's throughput: images/s is the result's
-    cache_dir = config.cache_dir or fstore.default_cache_dir()
     dataset = IngestedDataset(config.data)
+    if config.repair is not None:
+        return _repair(config, dataset, since=start)
+    cache_dir = config.cache_dir or fstore.default_cache_dir()
     key, meta = featurizer.feature_key(
         dataset,
         config.backbone,
@@ -112,8 +131,52 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
         splits={s: fstore.SplitLayout(n, config.chunk_rows) for s, n in sizes.items()},
         source=_absolute(config.data),
         backbone=_absolute(config.backbone, only_if_exists=True),
+        cache_key_id=key_id(cache_dir),
     )
-    store = fstore.FeatureStore.create(cache_dir, layout)
+    return _fill(config, fstore.FeatureStore.create(cache_dir, layout), meta, shape, sizes, since=start)
+
+
+def _repair(config: FeaturizeConfig, dataset: IngestedDataset, *, since: float) -> FeaturizeResult:
+    """Finish or repair the entry ``config.repair`` in place, from the data and backbone it was made from."""
+    from dpscale.models.pretrained import read_metadata, resolve_backbone
+
+    path = config.repair
+    layout, _ = fstore.read_layout(path)
+    key = layout.key
+    sizes = {s: dataset.num_examples(s) for s in dataset.splits}
+    meta = read_metadata(resolve_backbone(config.backbone))
+    if (meta.weights_sha256, meta.model) != (key.weights_sha256, key.model):
+        raise DataError(
+            f"backbone {config.backbone!r} is not the one {path!r} was made with (other weights or model): "
+            f"give that backbone ({layout.backbone or 'its directory'})"
+        )
+    secret = existing_secret(layout.cache_key_id or _key_id(os.path.dirname(path.rstrip("/"))))
+    if secret is None:
+        raise DataError(
+            f"{path!r} was made in a cache whose secret is not in your key store, so its data cannot be checked: "
+            f"featurize {config.data} into a cache of your own (`dpscale featurize {config.data} --backbone "
+            f"{config.backbone} --cache-dir DIR`)"
+        )
+    if keyed_identity(secret, dataset.content_hash) != key.data_identity:
+        raise DataError(f"{config.data!r} is not the data {path!r} was made from: give that data ({layout.source})")
+    with contextlib.suppress(DataError):
+        fstore.open_features(path, verify=True)
+        log.info("featurize: %s is whole", path)
+        return FeaturizeResult(path, key.digest, True, 0, 0, sizes, time.monotonic() - since)
+    return _fill(config, fstore.FeatureStore.create_at(path, layout), meta, layout.feature_shape, sizes, since=since)
+
+
+def _fill(
+    config: FeaturizeConfig,
+    store: fstore.FeatureStore,
+    meta: Any,
+    shape: tuple[int, ...],
+    sizes: dict[str, int],
+    *,
+    since: float,
+) -> FeaturizeResult:
+    """Compute the entry's missing and damaged chunks, then seal it."""
+    start, key, layout, path = since, store.layout.key, store.layout, store.path
     for damage in store.invalidate_damaged():
         log.warning("featurize: %s: recomputing it", damage.describe())
     missing = store.missing_chunks()
@@ -136,6 +199,14 @@ def run(config: FeaturizeConfig) -> FeaturizeResult:
     return FeaturizeResult(
         path, key.digest, False, len(missing), total, sizes, time.monotonic() - start, images_computed=rows
     )
+
+
+def _key_id(cache_dir: str) -> str:
+    """The key id of the cache an older entry is in (it recorded none), "" if it has none."""
+    try:
+        return key_id(cache_dir, create=False)
+    except DataError:
+        return ""
 
 
 def _size(size: float) -> str:

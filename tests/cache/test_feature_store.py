@@ -146,7 +146,7 @@ def test_completion_marker_of_another_key_is_not_complete(complete):
 def test_missing_or_foreign_entries_are_data_errors(tmp_path):
     with pytest.raises(DataError, match="run dpscale featurize"):
         fstore.FeatureStore.open(str(tmp_path), KEY)
-    with pytest.raises(DataError, match="not a feature-store entry"):
+    with pytest.raises(DataError, match="not a feature-cache entry .*give the entry directory"):
         fstore.open_features(str(tmp_path))
     (tmp_path / fstore.METADATA).write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(DataError, match="not a dpscale feature-store entry"):

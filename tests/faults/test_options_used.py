@@ -69,6 +69,7 @@ SAMPLES = {
     "cache_dir": "other-cache",
     "cut": "scattering",
     "tfds_data_dir": "tfds-dir",
+    "repair": "entry",
     "resume_dir": "killed-run",
     "grid": "ema-decay=0.9,0.99",
     "public_classes": "0,1",

@@ -22,7 +22,7 @@ from dpscale.cli import cli
 from dpscale.training.checkpoints import Checkpoints
 from dpscale.training.run_directory import CONFIG, LEDGER, PARAMS, PARAMS_DIGESTS, SCORES
 
-from ..conftest import write_synthetic_feature_cache
+from ..conftest import write_feature_cache, write_synthetic_feature_cache
 
 SIZES = {"train": 300, "test": 100}
 TRAIN = ["--epsilon", "4", "--batch-size", "64", "--steps", "6"]
@@ -132,6 +132,35 @@ def test_a_deleted_labels_chunk_is_refused_not_read_as_minus_one(entry, tmp_path
     refused(capfd, "train", entry, tmp_path / "r", *TRAIN, saying="chunk 4 of train/labels (rows 256-299) is missing")
 
 
+def test_a_chunk_replaced_by_a_directory_is_refused_not_read_as_nan(entry, tmp_path, capfd):
+    """B21: zarr reads a chunk it cannot open as the fill value; every recorded chunk must be a file."""
+    path = chunk_file(entry, "train", "features", 1)
+    os.remove(path)
+    os.mkdir(path)
+    refused(
+        capfd,
+        "train",
+        entry,
+        tmp_path / "r",
+        *TRAIN,
+        saying=("chunk 1 of train/features (rows 64-127) is not a file", f"--repair {entry}"),
+    )
+    assert not os.path.exists(tmp_path / "r" / CONFIG)
+
+
+def test_another_chunks_valid_bytes_in_its_place_are_refused(tmp_path, capfd):
+    """A chunk that decodes, and passes its CRC32C, but is not the chunk written there (of the same size)."""
+    rng = np.random.default_rng(0)
+    labels = {"train": np.repeat([1, 2, 0, 1, 2], 64)[:300], "test": np.arange(100) % 3}
+    splits = {split: (rng.normal(size=(len(y), 16)), y) for split, y in labels.items()}
+    entry = write_feature_cache(str(tmp_path / "c"), splits, chunk_rows=64, data_hash_char="f")
+    shutil.copyfile(chunk_file(entry, "train", "labels", 0), chunk_file(entry, "train", "labels", 1))
+    refused(capfd, "train", entry, tmp_path / "r", *TRAIN, saying="chunk 1 of train/labels (rows 64-127) is corrupt")
+    fs = fstore.open_features(entry)  # the sizes are alike: opening stats only; the read is what finds it
+    with pytest.raises(fstore.DataError, match="not the bytes written: its sha256 differs"):
+        fs.labels("train")
+
+
 def test_corrupt_bytes_fail_their_checksum_instead_of_decoding(entry, run, capfd):
     flip_byte(chunk_file(entry, "test", "features", 1))
     scores = (run / SCORES).read_text() if (run / SCORES).exists() else None
@@ -141,7 +170,7 @@ def test_corrupt_bytes_fail_their_checksum_instead_of_decoding(entry, run, capfd
         run,
         "--data",
         entry,
-        saying=("chunk 1 of test/features (rows 64-99) is corrupt", "CRC32C", "dpscale featurize"),
+        saying=("chunk 1 of test/features (rows 64-99) is corrupt", "sha256 differs", "dpscale featurize"),
     )
     assert ((run / SCORES).read_text() if (run / SCORES).exists() else None) == scores
 
@@ -213,6 +242,39 @@ def test_featurize_repairs_only_the_damaged_chunks_and_is_no_cache_hit_on_damage
         np.testing.assert_array_equal(repaired.features(split)[:], features)
         np.testing.assert_array_equal(repaired.labels(split), labels)
     assert featurized(capfd, *args)["cache_hit"]
+
+
+def test_a_copied_entry_is_repaired_in_place_and_an_older_one_gets_its_digests(digits, tmp_path, capfd):
+    """The repair command in the error repairs the entry it names, even a copy in another cache (whose own
+    secret would key the data otherwise: featurize into that cache made a second entry, the copy stayed
+    damaged); an entry made before chunk digests gets them recorded without recomputing anything."""
+    data, backbone = digits
+    args = ["featurize", data, "--backbone", backbone, "--chunk-rows", 512, "--", *IN_MEMORY]
+    original = featurized(capfd, *args[:4], "--cache-dir", tmp_path / "a", *args[4:])["path"]
+    copy = str(tmp_path / "b" / os.path.basename(original))
+    shutil.copytree(original, copy)
+    path = chunk_file(copy, "train", "features", 1)
+    os.remove(path)
+    os.mkdir(path)
+    repair = refused(capfd, "train", copy, tmp_path / "r", *TRAIN, saying="is not a file").split("`")[1]
+    assert repair == f"dpscale featurize {data} --backbone {backbone} --repair {copy}"
+    out = featurized(capfd, *repair.split()[1:], "--", *IN_MEMORY)
+    assert out["path"] == copy and (out["chunks_computed"], out["chunks_total"]) == (1, 4)
+    assert os.listdir(tmp_path / "b") == [os.path.basename(original)]  # no second entry
+    repaired, whole = fstore.open_features(copy, verify=True), fstore.open_features(original)
+    np.testing.assert_array_equal(repaired.features("train")[:], whole.features("train")[:])
+    # An entry of an older dpscale: no digests sealed, markers without them.
+    os.remove(os.path.join(copy, "chunk_digests.json"))
+    for marker in Path(copy, fstore.MARKERS).rglob("*.done"):
+        marker.write_text("old marker\n")
+    refused(capfd, "train", copy, tmp_path / "r", *TRAIN, saying=("records no chunk digests", f"--repair {copy}"))
+    out = featurized(capfd, *repair.split()[1:], "--", *IN_MEMORY)
+    assert (out["chunks_computed"], out["cache_hit"]) == (0, False)
+    assert featurized(capfd, *repair.split()[1:], "--", *IN_MEMORY)["cache_hit"]
+    # Not the data the entry was made from: refused, nothing written.
+    other = str(tmp_path / "other")
+    ok(capfd, "ingest", "digits", other, "--classes", "0,1", "--", *IN_MEMORY)
+    refused(capfd, "featurize", other, "--backbone", backbone, "--repair", copy, saying="is not the data")
 
 
 # --- 2. evaluate on features made otherwise ---------------------------------------------------
