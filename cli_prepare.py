@@ -518,13 +518,14 @@ def models_command(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"{'model':<22} {'parameters':>13}  {'input':<11} {'classes':>7}  {'weights':<9} cuts (tops)")
+    name = max(len("model"), *(len(row["name"]) for row in rows))  # columns as wide as their longest entry
+    click.echo(f"{'model':<{name}} {'parameters':>13}  {'input':<11} {'classes':>7}  {'weights':<9} cuts (tops)")
     for row in rows:
         shape = "x".join(str(d) for d in row["input_shape"])
         weights = "ImageNet" if row["pretrained"] else "-"
         cuts = _brief_cuts(row["cuts"]) + (f" ({', '.join(row['tops'])})" if row["tops"] else "")
         click.echo(
-            f"{row['name']:<22} {row['params']:>13,}  {shape:<11} {row['num_classes']:>7}  {weights:<9} {cuts}".rstrip()
+            f"{row['name']:<{name}} {row['params']:>13,}  {shape:<11} {row['num_classes']:>7}  {weights:<9} {cuts}".rstrip()
         )
     click.echo(
         "\nparameters: at the default classes and input (--json adds feature sizes and descriptions)\n"

@@ -176,7 +176,7 @@ def save_pretrained(
     meta_path = path / METADATA_FILE
     if meta_path.exists():
         if not force:
-            raise DataError(f"{path} already holds a backbone; pass force=True (--force) to overwrite")
+            raise DataError(f"{path} already holds a backbone; save with force=True to replace it")
         meta_path.unlink()  # an interrupted overwrite must not look complete
     metadata = BackboneMetadata(
         model=model,
@@ -221,7 +221,28 @@ def resolve_backbone(path_or_name: str | os.PathLike[str]) -> epath.Path:
         if not is_complete(directory):
             _write_parameter_free_backbone(spec, directory)
         return _path(directory)
+    if not files.is_url(text):  # a URL that is not there says so when it is read
+        raise _no_backbone(text)
     return _path(text)
+
+
+def _no_backbone(text: str) -> DataError:
+    """Why ``text`` names no backbone, with the names that do (a model without weights is not one of them)."""
+    import difflib
+
+    from dpscale.models import registry
+
+    names = registry.list_models()
+    by_name = [*efficientnet_lite.VARIANTS, *(n for n in names if registry.get_spec(n).parameter_free_backbone)]
+    listed = f"backbones by name: {', '.join(by_name)}; or a directory of `dpscale export-backbone`"
+    if text in names:
+        return DataError(
+            f"{text} has no weights to load by name (`dpscale models` lists none for it): train it, export the run "
+            f"with `dpscale export-backbone RUN DIR` and give that directory ({listed})"
+        )
+    close = difflib.get_close_matches(text, [*by_name, *names], n=1)
+    guess = f"did you mean {close[0]}? " if close else ""
+    return DataError(f"no backbone {text!r}: no such directory, and not a backbone name ({guess}{listed})")
 
 
 def _parameter_free_spec(name: str) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from dpscale import files
 from dpscale.data.dataset import IngestedDataset
 from dpscale.data.image_data import PIXEL_MEAN, PIXEL_STD
 from dpscale.errors import DataError, InvalidConfigError, storage_faults
@@ -140,6 +141,11 @@ def _progress(run_dir: RunDirectory, planned: int) -> str:
 
 def run(config: ExportBackboneConfig) -> ExportBackboneResult:
     """Export the parameters of the finished image (or above-a-cut) run ``config.run_dir`` as a backbone."""
+    if not config.force and files.exists(files.join(config.output_dir, pretrained.METADATA_FILE)):  # before any work
+        raise DataError(
+            f"{config.output_dir!r} already holds a backbone: add --force to replace it, or export into another "
+            "directory"
+        )
     run_dir = RunDirectory.existing(config.run_dir)
     if run_dir.simulated:
         raise DataError(

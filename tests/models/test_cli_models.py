@@ -30,6 +30,10 @@ def test_models_table_has_a_header_one_line_per_model_and_says_what_its_columns_
     assert header.split() == ["model", "parameters", "input", "classes", "weights", "cuts", "(tops)"]
     rows, legend = rest[: len(list_models())], rest[len(list_models()) :]
     assert [row.split()[0] for row in rows] == list_models()
+    for column in ("parameters", "classes"):  # right-aligned under its header: no row shifted
+        end = header.index(column) + len(column)
+        assert all(row[end - 1].isdigit() and row[end] == " " for row in rows), (column, result.output)
+    assert len({row.index("ImageNet") if "ImageNet" in row else row.rindex("  -  ") + 2 for row in rows}) == 1
     assert rows[0].split()[-2:] == ["-", "-"] and "- = none published" in "\n".join(legend)
     assert "ImageNet = published weights" in "\n".join(legend)
     lite0 = next(row for row in rows if row.startswith("efficientnet-lite0 "))

@@ -102,5 +102,5 @@ def test_parameter_free_backbone_is_built_on_first_use_only(tmp_path, monkeypatc
     )
     np.testing.assert_allclose(model.apply(variables, prep(images), method="features"), expected, rtol=1e-5, atol=1e-5)
     # a model with trained backbone weights is never invented
-    with pytest.raises(Exception, match="not a dpscale backbone"):
+    with pytest.raises(Exception, match="cnn-small has no weights to load by name"):
         pretrained.read_metadata(pretrained.resolve_backbone("cnn-small"))
