@@ -305,6 +305,12 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
       baseline.NOT-PRIVATE/
                         with --baseline: its runs/, the same *.NOT-PRIVATE.*
                         tables and a plot of the DP runs beside it; owner-only
+      chosen/NAME/, chosen/NAME.json, summary.md, summary.csv, chosen.csv
+                        instead, with --private-selection --holdout N: per
+                        epsilon and repeat (NAME, e.g. eps8-r0) the chosen run
+                        and what the selection publishes, covered by epsilon
+      selection.NOT-PRIVATE/
+                        with --private-selection: every other run; owner-only
 
     At the end, stderr names the tables. Finished runs are reused only for the same data and
     settings, so an interrupted sweep continues where it stopped; anything else is refused.

@@ -15,7 +15,7 @@ from dpscale.dedup.output import REPORT as DEDUP_REPORT
 from dpscale.training import release, sweep_report
 from dpscale.training.grid import run_name
 from dpscale.training.run_directory import RunDirectory
-from dpscale.training.sweep_directory import BASELINE_DIR
+from dpscale.training.sweep_directory import BASELINE_DIR, SELECTION_DIR
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,7 @@ def test_every_not_private_file_the_privacy_docs_name_is_one_dpscale_writes():
         release.DIAGNOSTICS_FILE,
         release.SIMULATION_FILE,
         BASELINE_DIR,
+        SELECTION_DIR,
         DEDUP_REPORT,
         *(release.diagnostic_name(name) for name in sweep_report.TABLES),
         *(run.scores_file(split, diagnostic=True) for split in ("holdout", "train")),

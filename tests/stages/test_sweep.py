@@ -18,6 +18,7 @@ from dpscale.stages import evaluate, sweep
 from dpscale.training.config import FeatureSettings, TrainingConfig
 from dpscale.training.grid import SIMULATION_FILE, SIMULATION_NOTE
 from dpscale.training.run_directory import RunDirectory
+from dpscale.training.sweep_directory import SELECTION_DIR
 
 from ..conftest import write_feature_cache, write_synthetic_feature_cache
 
@@ -495,4 +496,6 @@ def test_the_help_names_every_file_a_sweep_writes():
         assert release.diagnostic_name(name) in text, name  # held-out and simulated sweeps
         assert name in text or name == sweep_report.CHOSEN_CSV, name  # a choice is made on held-out rows only
     for name in (sweep.PRIVACY_JSON, sweep.RECORD, f"{sweep.RUNS}/", f"{sweep.BASELINE_DIR}/"):
+        assert name in text, name
+    for name in ("chosen/NAME/", "chosen/NAME.json", f"{SELECTION_DIR}/"):  # a private selection's
         assert name in text, name
