@@ -336,7 +336,8 @@ SELECTION_OPTIONS = options(
         "--private-selection",
         is_flag=True,
         help="Account (or, in sweep, make) a private selection: per epsilon the best of a random, secret number "
-        "of runs, each scored on held-out rows with noise; epsilon covers the chosen model with its choice.",
+        "of runs, each scored on held-out rows with noise; epsilon covers the chosen model with its choice "
+        "(sweep: needs --holdout N; --repeats independent selections per epsilon, composed in privacy.json).",
     ),
     click.option(
         "--repetitions",
