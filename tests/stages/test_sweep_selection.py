@@ -76,7 +76,17 @@ def _run(config):
     )
 
 
-def test_a_selection_publishes_its_chosen_run_covered_and_nothing_of_the_others(features, tmp_path, umask_022):
+def test_a_selection_publishes_its_chosen_run_covered_and_nothing_of_the_others(
+    features, tmp_path, umask_022, monkeypatch
+):
+    noised = []
+    real = selection_sweep.gaussian_release
+
+    def spy(value, key, *, noise_multiplier):
+        noised.append(noise_multiplier)
+        return real(value, key, noise_multiplier=noise_multiplier)
+
+    monkeypatch.setattr(selection_sweep, "gaussian_release", spy)
     out = tmp_path / "sweep"
     config = _config(features, out, seed=13)
     assert selection_sweep._draws(13, config.selection, 2) == [1, 0]  # both settings run: a choice is made
@@ -99,7 +109,10 @@ def test_a_selection_publishes_its_chosen_run_covered_and_nothing_of_the_others(
     assert not any("NOT-PRIVATE" in p for p in readable), readable
     assert os.stat(out / "selection.NOT-PRIVATE").st_mode & 0o777 == 0o700
     runs = os.listdir(out / "selection.NOT-PRIVATE" / "eps4-r0" / "runs")
-    assert all(name.startswith("run-") and "eps" not in name for name in runs)  # no index, no setting
+    assert len(runs) == 1 and runs[0].startswith("run-") and "eps" not in runs[0]  # no index, no setting
+    # Every score was a noisy count, one per run; no exact held-out score was written anywhere.
+    assert len(noised) == 2 and all(sigma == 2.0 for sigma in noised)
+    assert not [f for _, _, names in os.walk(out) for f in names if "holdout" in f]
     assert not {"runs_trained", "runs_reused", "seconds", "private_runs", "rows", "runs"} & _keys(result.line())
     privacy = json.loads((out / sweep.PRIVACY_JSON).read_text())
     assert privacy["composed_epsilon"] == pytest.approx(outcome["epsilon"])
@@ -114,7 +127,7 @@ def test_a_selection_publishes_its_chosen_run_covered_and_nothing_of_the_others(
         f.endswith("selection-seed.json") for f in os.listdir(os.environ["DPSCALE_KEY_STORE"])
     )
     again = _run(config)
-    assert again.selections == result.selections
+    assert again.selections == result.selections and len(noised) == 2  # nothing trained or scored again
 
 
 def test_every_draw_comes_from_the_selections_secret_seed(tmp_path):
@@ -125,7 +138,7 @@ def test_every_draw_comes_from_the_selections_secret_seed(tmp_path):
     assert len({len(d) for d in draws.values()}) > 3 and {s for d in draws.values() for s in d} == {0, 1}
     place = selection_sweep._Selection(str(tmp_path / "a"), "eps1-r0")
     names = [os.path.basename(place.run_path(seed, j)) for seed in (4, 5) for j in range(3)]
-    assert len(set(names)) == 6 and all(n.startswith("run-") and str(j) not in n[4:5] for j, n in enumerate(names))
+    assert len(set(names)) == 6 and all(n.startswith("run-") and len(n) == 20 for n in names)
     seeds = [selection_sweep._Selection(str(tmp_path / d), "eps1-r0").begin({"asked": d}, None) for d in ("b", "c")]
     assert seeds[0] != seeds[1] and all(0 <= s < 2**63 for s in seeds)
     again = selection_sweep._Selection(str(tmp_path / "b"), "eps1-r0")
