@@ -9,6 +9,8 @@ secret seed (a fixed seed makes the noise reproducible, so the result would not 
 import pathlib
 import re
 import shlex
+import shutil
+import subprocess
 
 import click
 import pytest
@@ -71,3 +73,38 @@ def test_a_block_ends_in_a_private_test_score(name):
 def test_the_block_parser_sees_every_command():
     block = "apt-get install x\ndpscale ingest a b && dpscale train a r \\\n  --steps 3  # comment --seed 1\n"
     assert _dpscale_commands(block) == [["ingest", "a", "b"], ["train", "a", "r", "--steps", "3"]]
+
+
+def _system_installs(block: str) -> str:
+    """A block's lines up to its last that installs system packages (apt-get), to run as they are written."""
+    lines = block.splitlines()
+    last = max((i for i, line in enumerate(lines) if "apt-get" in line), default=-1)
+    return "\n".join(lines[: last + 1])
+
+
+@pytest.mark.parametrize("name", sorted(n for n, b in _blocks().items() if _system_installs(b)))
+@pytest.mark.parametrize("as_root", [True, False], ids=["root-without-sudo", "user-with-sudo"])
+def test_a_blocks_system_install_runs_as_root_and_as_a_user(name, as_root, tmp_path):
+    """Root (a container, often without sudo) runs apt-get itself; a user runs it through sudo."""
+    stubs, log = tmp_path / "bin", tmp_path / "calls"
+    stubs.mkdir()
+    scripts = {
+        "id": f'[ "$1" = -u ] && echo {0 if as_root else 1000}',
+        "apt-get": f'echo "${{THROUGH_SUDO:-direct}} apt-get $*" >> {log}',
+    }
+    if not as_root:
+        scripts["sudo"] = 'THROUGH_SUDO=sudo exec "$@"'
+    for command, body in scripts.items():
+        (stubs / command).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / command).chmod(0o755)
+    done = subprocess.run(
+        [shutil.which("bash"), "-euo", "pipefail", "-c", _system_installs(_blocks()[name])],
+        env={"PATH": str(stubs)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    assert any(c.endswith("apt-get update") for c in calls) and any(" apt-get install -y " in c for c in calls)
+    assert {c.split()[0] for c in calls} == {"direct" if as_root else "sudo"}, calls
