@@ -28,6 +28,7 @@ from dpscale.cli_options import (
     SEED,
     SELECTION_OPTIONS,
     TRAINING_OPTIONS,
+    VERBOSE,
     CommaList,
     ListOption,
     StageChoice,
@@ -45,6 +46,7 @@ from dpscale.cli_output import (
     interrupt_hint,
     print_json_line,
     quiet_library_logs,
+    rerun_hint,
     show_stage_progress,
 )
 from dpscale.cli_prepare import PREPARE_COMMANDS
@@ -332,7 +334,9 @@ def sweep_command(ctx: click.Context, data: str, out_dir: str, grid: tuple[str, 
             "add --baseline, or leave them out"
         )
     options["private_selection"] = private_selection(options, "sweep")
-    result = sweep.run(sweep.SweepConfig.from_options(data, out_dir, grid=axes, given=typed_options(ctx), **options))
+    config = sweep.SweepConfig.from_options(data, out_dir, grid=axes, given=typed_options(ctx), **options)
+    with rerun_hint("the sweep", "finished runs are reused, an interrupted one resumes from its last checkpoint"):
+        result = sweep.run(config)
     echo_warnings(result.warnings)
     for line in (*result.report(), _privacy_line(result)):
         click.echo(f"dpscale: {line}", err=True)
@@ -396,6 +400,7 @@ def _privacy_line(result: Any) -> str:
     is_flag=True,
     help="Also report how many public images dedup removed (depends on the private data; NOT covered).",
 )
+@VERBOSE
 def quickstart_command(**options: Any) -> None:
     """Public pre-training, then DP fine-tuning: the paper's path on a small offline data set.
 

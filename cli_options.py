@@ -206,6 +206,12 @@ def delta_option() -> Any:
     )
 
 
+#: ``--verbose`` of every command that runs a Beam pipeline (the line of a failed one names the flag).
+VERBOSE = click.option(
+    "--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure)."
+)
+
+
 def options(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Apply click option decorators in the order they are listed (as they read in --help)."""
 

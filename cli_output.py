@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -28,6 +29,8 @@ class DpscaleGroup(click.Group):
     """A click group whose user errors are one line on stderr with exit code 2."""
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
+        given = args[0] if args else kwargs.get("args")
+        _invoked[:] = list(sys.argv[1:] if given is None else given)
         with _warnings_as_lines():
             self._main(*args, **kwargs)
 
@@ -188,6 +191,21 @@ def note(line: str) -> None:
 def echo_warnings(warnings: tuple[str, ...]) -> None:
     for warning in warnings:
         click.echo(f"dpscale: warning: {warning}", err=True)
+
+
+_invoked: list[str] = []  # the arguments of the command running now
+
+
+def invoked_command() -> str:
+    """The command running now, as typed (quoted for a shell): what to run again to continue it."""
+    return shlex.join(["dpscale", *_invoked])
+
+
+def rerun_hint(what: str, why: str) -> contextlib.AbstractContextManager:
+    """On Ctrl-C, the interrupted line says to continue ``what`` by running the same command again, and ``why``
+    that continues it (work done is reused)."""
+    line = f"continue {what} with the same command, `{invoked_command()}` ({why})"
+    return interrupt_hint(lambda: line)
 
 
 # ---- Ctrl-C: one line, then the process ends at once ------------------------------------------

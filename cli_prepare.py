@@ -12,7 +12,17 @@ import logging
 
 import click
 
-from dpscale.cli_options import COUNT, FRACTION, SEED, ListOption, StageChoice, StageHelpOption, floats, ints
+from dpscale.cli_options import (
+    COUNT,
+    FRACTION,
+    SEED,
+    VERBOSE,
+    ListOption,
+    StageChoice,
+    StageHelpOption,
+    floats,
+    ints,
+)
 from dpscale.cli_output import note, per_second, print_json_line, show_stage_progress
 
 
@@ -42,9 +52,7 @@ from dpscale.cli_output import note, per_second, print_json_line, show_stage_pro
     help="Keep only these class names (relabelled 0..k-1 in the source's order), e.g. "
     "0,1,2,3,4 of digits as public data. Default: every class.",
 )
-@click.option(
-    "--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure)."
-)
+@VERBOSE
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def ingest(
     source: str,
@@ -197,9 +205,7 @@ def ingest(
     help="Only these splits of PRIVATE (default: all).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output dataset.")
-@click.option(
-    "--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure)."
-)
+@VERBOSE
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def dedup(
     public: str,
@@ -443,9 +449,7 @@ def export_backbone_command(run_dir: str, out_dir: str, ema: bool, force: bool) 
     help="Finish or repair this cache entry in place (its own key, preprocessing and chunking), from the DATA "
     "and --backbone it was made from: what a damaged entry's error gives.",
 )
-@click.option(
-    "--verbose", is_flag=True, help="Show Beam's own logging (by default it goes to a log file named on failure)."
-)
+@VERBOSE
 @click.argument("pipeline_args", nargs=-1, type=click.UNPROCESSED)
 def featurize_command(
     data: str,

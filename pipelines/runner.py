@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
@@ -252,16 +253,21 @@ def run_pipeline(
         return
     if isinstance(error, KeyboardInterrupt):
         raise error
-    if verbose:
-        log.error("Beam pipeline failed", exc_info=error)
+    if verbose:  # a progress line (not a second error line), then the trace
+        log.info("the Beam pipeline failed; its trace:", exc_info=error)
     user_error = worker_error(error, writes_to=writes_to, rerun=rerun)
     if user_error is not None:  # its own line says it all
         if log_path:
             os.unlink(log_path)
         raise user_error from None
-    where = f" (Beam's log: {log_path})" if log_path else ""
+    if log_path:  # the log the line names holds the failure's own trace, after Beam's logging
+        with open(log_path, "a") as f:
+            traceback.print_exception(error, file=f)
+    where = f" (its trace: Beam's log {log_path})" if log_path else " (its trace is above)"
     # One process cannot fail the way several can (pickling, worker start-up, the data plane).
     several = local and options.view_as(DirectOptions).direct_running_mode != "in_memory"
     hints = [TRY_IN_MEMORY] if several else [] if local else ["see the runner's job log"]
-    hints.append("add --verbose for the full trace")
-    raise PipelineError(f"the Beam pipeline failed: {one_line(error)}{where}; {', or '.join(hints)}") from error
+    if not verbose:
+        hints.append("add --verbose to see Beam's logging as it runs")
+    tried = f"; {', or '.join(hints)}" if hints else ""
+    raise PipelineError(f"the Beam pipeline failed: {one_line(error)}{where}{tried}") from error

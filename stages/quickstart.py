@@ -77,6 +77,7 @@ class QuickstartConfig:
     # Report how many public images dedup removed: a count that depends on the private data and
     # that epsilon does not cover (training.release); off by default.
     private_diagnostics: bool = False
+    verbose: bool = False  # Beam's own logging on stderr in ingest, dedup and featurize (else in a log file)
 
     def __post_init__(self) -> None:
         if not self.private.private:
@@ -107,6 +108,7 @@ class QuickstartConfig:
         steps: int,
         learning_rate: float,
         seed: int | None,
+        verbose: bool = False,
     ) -> QuickstartConfig:
         """A quickstart from flat options: ``model`` and ``pretrain_*`` change ``PRETRAIN``, the privacy
         target and the other knobs change ``PRIVATE``, and ``seed`` (debugging only) fixes both runs."""
@@ -134,6 +136,7 @@ class QuickstartConfig:
             pretrain=pretrain,
             private=private,
             private_diagnostics=private_diagnostics,
+            verbose=verbose,
         )
 
 
@@ -184,7 +187,12 @@ def _ingested(config: QuickstartConfig, name: str, classes: tuple[str, ...], val
         pass
     ingest.run(
         ingest.IngestConfig(
-            source=config.data, output_dir=data_dir, classes=classes, validation_fraction=validation, overwrite=True
+            source=config.data,
+            output_dir=data_dir,
+            classes=classes,
+            validation_fraction=validation,
+            overwrite=True,
+            verbose=config.verbose,
         )
     )
     return data_dir
@@ -201,7 +209,7 @@ def _deduplicated(config: QuickstartConfig, public: str, private: str) -> tuple[
             return out, provenance.num_removed
     except DpscaleError:
         pass
-    result = dedup.run(dedup.DedupConfig(public, private, out, overwrite=True))
+    result = dedup.run(dedup.DedupConfig(public, private, out, overwrite=True, verbose=config.verbose))
     return out, result.num_removed
 
 
@@ -303,7 +311,9 @@ def run(config: QuickstartConfig) -> QuickstartResult:
     backbone, pretrain = _pretrained_backbone(config, public, runs)
     now = lap("pretrain", now)
     features = featurize.run(
-        featurize.FeaturizeConfig(data=private, backbone=backbone, cache_dir=files.join(config.work_dir, "cache"))
+        featurize.FeaturizeConfig(
+            data=private, backbone=backbone, cache_dir=files.join(config.work_dir, "cache"), verbose=config.verbose
+        )
     )
     now = lap("featurize", now)
     run_dir = files.join(runs, "private")

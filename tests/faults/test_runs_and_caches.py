@@ -23,6 +23,7 @@ from dpscale.training.checkpoints import Checkpoints
 from dpscale.training.run_directory import CONFIG, LEDGER, PARAMS, PARAMS_DIGESTS, SCORES
 
 from ..conftest import write_feature_cache, write_synthetic_feature_cache
+from .advice import check_advice
 
 SIZES = {"train": 300, "test": 100}
 TRAIN = ["--epsilon", "4", "--batch-size", "64", "--steps", "6"]
@@ -48,7 +49,8 @@ def featurized(capfd, *args) -> dict:
 
 
 def refused(capfd, *args, saying=()):
-    """The command exits 2 with one ``dpscale: error:`` line containing every string of ``saying``.
+    """The command exits 2 with one ``dpscale: error:`` line containing every string of ``saying``, whose
+    advice names commands and flags that exist (``check_advice``).
 
     Progress lines (dated, e.g. ``12:00:00 train: 0/6, compiling the DP step ...``) may come before it:
     they say what was under way, not what went wrong.
@@ -59,6 +61,7 @@ def refused(capfd, *args, saying=()):
     assert "Traceback" not in err and out == ""
     for text in (saying,) if isinstance(saying, str) else saying:
         assert text in lines[0], lines[0]
+    check_advice(lines[0])  # what it tells the user to type exists
     return lines[0]
 
 
@@ -497,3 +500,8 @@ def test_export_backbone_of_a_moved_image_run_from_another_directory(digits, tmp
     monkeypatch.chdir(tmp_path)
     out = ok(capfd, "export-backbone", "moved", "bb")
     assert json.loads(out)["model"] == "cnn-small" and (tmp_path / "bb").is_dir()
+    before = (tmp_path / "bb" / "dpscale_backbone.json").read_bytes()
+    line = refused(capfd, "export-backbone", "moved", "bb", saying="already holds a backbone: add --force")
+    assert "force=True" not in line  # it said `pass force=True (--force)`
+    assert json.loads(ok(capfd, "export-backbone", "moved", "bb", "--force", "--last"))["parameters"] == "last"
+    assert (tmp_path / "bb" / "dpscale_backbone.json").read_bytes() != before

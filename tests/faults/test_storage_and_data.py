@@ -17,6 +17,7 @@ import pytest
 from dpscale.training.checkpoints import Checkpoints
 from dpscale.training.run_directory import CONFIG, LEDGER, SCORES
 
+from .advice import check_advice
 from .test_flags_and_limits import snapshot
 from .test_runs_and_caches import IN_MEMORY, SIZES, TRAIN, dpscale, ok, refused
 
@@ -54,6 +55,7 @@ def refused_after_progress(capfd, *args, saying=()):
     assert "Traceback" not in err and out == "" and err.strip().splitlines()[-1] == lines[0]
     for text in (saying,) if isinstance(saying, str) else saying:
         assert text in lines[0], lines[0]
+    check_advice(lines[0])
     return lines[0]
 
 
