@@ -124,9 +124,10 @@ def _settings(config: SelectionSweepConfig) -> list[GridPoint]:
 
 def _plan(config: SelectionSweepConfig, settings: list[GridPoint], epsilon: float) -> SelectionPlan:
     """One plan for every setting: the runs must share rows and releases (they do unless a grid changes them)."""
+    target = dataclasses.replace(config.training.target, epsilon=epsilon)
     models = {}
     for point in settings:
-        training = point.training
+        training = dataclasses.replace(point.training, target=target)  # private: its releases are DP ones
         key = repr((training.mode, training.holdout, training.train_split, training.features))
         if key not in models:
             model = build_train_model(config.data, training)
@@ -134,7 +135,6 @@ def _plan(config: SelectionSweepConfig, settings: list[GridPoint], epsilon: floa
     if len(set(models.values())) != 1:
         raise InvalidConfigError("the grid's settings make different mechanisms (rows or releases): one per selection")
     ((num_examples, releases),) = set(models.values())
-    target = dataclasses.replace(config.training.target, epsilon=epsilon)
     return SelectionPlan.calibrate(
         target,
         config.selection,

@@ -43,7 +43,7 @@ def _config(features, out_dir, *, seed=None, selection=None, **overrides):
         microbatch_size=64,
         show_progress=False,
         holdout=HOLDOUT,
-        features=FeatureSettings(normalization="l2"),
+        features=FeatureSettings(normalization="center-l2"),  # a DP mean release in every run
     )
     base = dict(
         data=features,
@@ -98,6 +98,7 @@ def test_a_selection_publishes_its_chosen_run_covered_and_nothing_of_the_others(
     # The selection's epsilon is at most the target, and each run was given the plan's noise.
     assert outcome["epsilon"] == plan.epsilon() <= 4.0 and result.covered_by_epsilon
     assert plan.run.noise_multiplier > 0 and outcome["run_epsilon"] < outcome["epsilon"]
+    assert plan.run.releases == (FeatureSettings().mean_noise_multiplier,)  # the mean's release is in each run
     chosen = outcome["chosen"]
     assert chosen["feature_scale"] == 1.0  # the signal wins on held-out rows
     assert chosen["test_top1"] > 0.9 and chosen["run_dir"] == "chosen/eps4-r0"
