@@ -48,6 +48,7 @@ from dpscale.cli_output import (
     quiet_library_logs,
     rerun_hint,
     show_stage_progress,
+    under_way,
 )
 from dpscale.cli_prepare import PREPARE_COMMANDS
 
@@ -570,20 +571,20 @@ def epsilon_command(
       dpscale epsilon --noise-multiplier 2.5 --steps 71589 --batch-size 16384 \\
                       --num-examples 1281167 --delta 5e-7
     """
+    under_way(f"epsilon: loading the {accountant.upper()} accountant, then accounting {steps} steps")
     from dpscale.stages import epsilon as stage
 
-    result = stage.run(
-        stage.EpsilonConfig(
-            noise_multiplier=noise_multiplier,
-            steps=steps,
-            batch_size=batch_size,
-            num_examples=num_examples,
-            delta=delta,
-            accountant=accountant,
-            batch_capacity=batch_capacity or 0,
-            private_selection=private_selection(selection, "epsilon"),
-        )
+    config = stage.EpsilonConfig(
+        noise_multiplier=noise_multiplier,
+        steps=steps,
+        batch_size=batch_size,
+        num_examples=num_examples,
+        delta=delta,
+        accountant=accountant,
+        batch_capacity=batch_capacity or 0,
+        private_selection=private_selection(selection, "epsilon"),
     )
+    result = stage.run(config)
     echo_warnings(result.warnings)
     if as_json:
         print_json_line(result.as_dict())
@@ -640,21 +641,21 @@ def calibrate_command(
       dpscale calibrate --epsilon 8 --delta 5e-7 --num-examples 1281167 \\
                         --batch-size 16384 --steps 71589
     """
+    under_way(f"calibrate: loading the {accountant.upper()} accountant, then solving for the setting left out")
     from dpscale.stages import calibrate as stage
 
-    result = stage.run(
-        stage.CalibrateConfig(
-            epsilon=epsilon,
-            delta=delta,
-            num_examples=num_examples,
-            batch_size=batch_size,
-            steps=steps,
-            noise_multiplier=noise_multiplier,
-            accountant=accountant,
-            rtol=rtol,
-            private_selection=private_selection(selection, "calibrate"),
-        )
+    config = stage.CalibrateConfig(
+        epsilon=epsilon,
+        delta=delta,
+        num_examples=num_examples,
+        batch_size=batch_size,
+        steps=steps,
+        noise_multiplier=noise_multiplier,
+        accountant=accountant,
+        rtol=rtol,
+        private_selection=private_selection(selection, "calibrate"),
     )
+    result = stage.run(config)
     echo_warnings(result.warnings)
     if as_json:
         print_json_line(result.as_dict())

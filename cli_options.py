@@ -46,6 +46,14 @@ class StageChoice(click.Choice):
     def choices(self) -> tuple[str, ...]:
         return tuple(from_stage(self.path))
 
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        """A value other than the flag's default is checked against the stage's list. The default is one of
+        them by construction (a test holds it), and reading the list imports the stage (seconds, for the
+        accountant's commands) before the command can say a word."""
+        if param is not None and value == param.default:
+            return value
+        return super().convert(value, param, ctx)
+
 
 class StageHelpOption(click.Option):
     """An option whose help names a stage's values (``[default: {dedup.CopySettings.cut}]``), filled in when shown."""

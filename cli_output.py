@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -191,6 +192,12 @@ def note(line: str) -> None:
 def echo_warnings(warnings: tuple[str, ...]) -> None:
     for warning in warnings:
         click.echo(f"dpscale: warning: {warning}", err=True)
+
+
+def under_way(label: str) -> None:
+    """A dated line on stderr at once, for a command whose libraries and first result take seconds (an
+    accountant) before its stage can say anything: the user sees that it started, and what it does."""
+    click.echo(f"{time.strftime('%H:%M:%S')} {label} ...", err=True)
 
 
 _invoked: list[str] = []  # the arguments of the command running now

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from dpscale.cli import cli
+from dpscale.cli_options import StageChoice
 from dpscale.errors import DataError
 
 
@@ -181,6 +182,11 @@ def test_a_choice_flag_offers_the_list_its_setting_is_checked_against():
     for command in ("train", "sweep"):
         assert choices(command, "sampling") == SAMPLING_SCHEMES and choices(command, "mode") == MODES
         assert choices(command, "feature_normalization") == FEATURE_NORMALIZATIONS
+    # A default is taken without reading the stage's list (which imports the stage): it must be on it.
+    for command in cli.commands.values():
+        for param in command.params:
+            if isinstance(param.type, StageChoice) and isinstance(param.default, str):
+                assert param.default in param.type.choices, (command.name, param.name)
 
 
 def test_rejecting_a_flag_imports_no_heavy_library():

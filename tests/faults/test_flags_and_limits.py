@@ -180,6 +180,20 @@ def test_a_run_whose_epsilon_would_take_too_long_is_refused_before_it_starts(cac
     assert not (tmp_path / "r" / "config.json").exists()
 
 
+@pytest.mark.parametrize(
+    "command, says",
+    [
+        ("epsilon", "epsilon: loading the RDP accountant, then accounting 100 steps ..."),
+        ("calibrate", "calibrate: loading"),
+    ],
+)
+def test_the_accountant_commands_say_at_once_what_they_compute(command, says, capfd):
+    """They took 6-7 s (loading dp-accounting, then accounting) before their first word; a refusal stays one line."""
+    args = [*PLAN, "--steps", "100"] if command == "epsilon" else ["--epsilon", "8", *PLAN[2:], "--steps", "100"]
+    code, _, err = dpscale(capfd, command, *args, "--accountant", "rdp", "--json")
+    assert code == 0 and re.match(rf"\d\d:\d\d:\d\d {re.escape(says)}", err.splitlines()[0]), err
+
+
 def test_the_most_steps_accounted_answer_in_seconds(capfd):
     started = time.perf_counter()
     out = ok(capfd, "epsilon", *PLAN, "--steps", "100000000", "--json")

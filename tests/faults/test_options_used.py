@@ -11,6 +11,7 @@ it reaches its stage or is refused where it does not apply.
 """
 
 import math
+import re
 
 import click
 import pytest
@@ -149,11 +150,12 @@ def _value(command: str, param: click.Option, current: str | None = None) -> lis
 
 
 def _outcome(runner, command, args):
-    """('handed', what the stage got) or ('refused', the error line) or ('other', what happened)."""
+    """('handed', what the stage got) or ('refused', the error line, after any dated progress lines) or
+    ('other', what happened)."""
     result = runner.invoke(cli, [command, *args])
     if isinstance(result.exception, Handed):
         return "handed", result.exception.config
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not re.match(r"\d\d:\d\d:\d\d ", line)]
     if result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("dpscale: error: "):
         return "refused", lines[0]
     return "other", f"exit {result.exit_code}: {result.stderr.strip()[-300:]!r} {result.exception!r}"
