@@ -205,6 +205,11 @@ def training_config(
     flat = dict(locals())  # the flat options, as they were passed
     del flat["mode"], flat["given"]
     refuse_unused(mode, flat, given)
+    _check(  # above a cut the images default stands for the cut's first top: typed, it names no top
+        not (mode == "activations" and "model" in given and model == ImageSettings.model),
+        f"--model {model} is a network for images, not a top above a cut: give one of the cut's tops "
+        "(`dpscale models` lists them) or leave --model out for the first",
+    )
     target = PrivacyTarget(epsilon=epsilon, delta=delta, accountant=accountant, sampling=sampling)
     images = ImageSettings(
         model=model, backbone=backbone, augmult=augmult, augment_pad=augment_pad, augment_flip=augment_flip

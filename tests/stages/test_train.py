@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from dpscale.cli import cli
 from dpscale.data.dataset import IngestedDataset
 from dpscale.errors import DataError, InfeasiblePrivacyTargetError, InvalidConfigError
-from dpscale.privacy import device_tuning
 from dpscale.privacy.plan import PrivacyTarget
+from dpscale.privacy.tuning import device as device_tuning
 from dpscale.stages import evaluate, ingest, train
 from dpscale.training.config import FeatureSettings, ImageSettings, TrainingConfig, training_config
 from dpscale.training.run_directory import RunDirectory
@@ -194,9 +194,9 @@ def test_fine_tunes_a_pretrained_backbone_with_its_preprocessing(digits, tmp_pat
 def test_a_gpus_choices_by_its_cost_model_are_logged_per_layer_and_kept_in_the_run(
     digits, tmp_path, monkeypatch, caplog
 ):
-    from dpscale.privacy import device_tuning, ghost
+    from dpscale.privacy.tuning import choose
 
-    monkeypatch.setattr(ghost, "tuning_for", lambda: device_tuning.tuning_for("gpu"))  # as on an NVIDIA GPU
+    monkeypatch.setattr(choose, "tuning_for", lambda: device_tuning.tuning_for("gpu"))  # as on an NVIDIA GPU
     with caplog.at_level("INFO", logger="dpscale.training.model"):
         train.run(_config(digits, tmp_path / "gpu", steps=1))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("clip path of ")]
@@ -218,8 +218,7 @@ def test_the_memory_check_is_made_again_with_the_chosen_clip_paths_working_set(d
     fn = model.clipped_sum_fn(1.0)
     assert len(checked) == 2 and checked[1].per_example_bytes > checked[0].per_example_bytes
     examples = config.training.effective_microbatch_size // jax.device_count()
-    chunk = device_tuning.tuning_for().chunk_bytes
-    assert checked[1] == memory.with_clip_paths(checked[0], fn.layers, examples=examples, chunk_bytes=chunk)
+    assert checked[1] == memory.with_clip_paths(checked[0], fn.layers, examples=examples)
 
 
 def test_per_layer_norms_are_used_and_train_like_the_vmap_path(digits, tmp_path, monkeypatch, caplog):
@@ -274,6 +273,8 @@ def test_flat_options_nest_into_a_training_config_and_an_option_of_another_mode_
             training_config(mode, **option)
     with pytest.raises(InvalidConfigError, match="--model does not apply"):  # typed, even at its default value
         training_config("features", model="cnn-small", given=("model",))
+    with pytest.raises(InvalidConfigError, match="not a top above a cut"):  # it stood for the cut's first top
+        training_config("activations", model="cnn-small", given=("model",))
 
 
 def test_a_run_from_options_takes_the_mode_of_its_data(tmp_path):
