@@ -74,9 +74,7 @@ class _ProcessTask(beam.DoFn):
             yield "batches", batch
 
 
-def _write_shard(
-    group: tuple[tuple[str, int], dict[str, Iterable[Any]]], *, settings: GraphSettings, num_classes: int
-):
+def _write_shard(group: tuple[tuple[str, int], dict[str, Iterable[Any]]], *, settings: GraphSettings, num_classes: int):
     """One shard's batches (with the majority shape) -> ``("summaries", ...)`` and ``("rejected", ...)``."""
     (split, shard), parts = group
     batches = list(parts["batches"])  # a join's values are iterables (maybe not lists): no truth value
