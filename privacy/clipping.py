@@ -20,7 +20,9 @@ inside ``vmap`` is several times slower on CPU (~400 vs ~2,600 examples/s for a 
 
 Floating point: the norms are proven upper bounds of the exact norms of what is summed
 (``privacy.rounding``), and the weights cover their own division and the product ``w_i g_i``,
-so each example's contribution has norm at most 1 exactly, not only up to rounding.
+so each example's contribution has norm at most 1 exactly, not only up to rounding; the weights'
+scale (``privacy.example_sum``) pays for the rounding of the sum over the other examples, so two
+micro-batches that differ in one example give sums at most 1 apart.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
+from dpscale.privacy.example_sum import pairwise_sum, room, weighted_tree_sum
 from dpscale.privacy.rounding import U, inflate, norm_bound, upper_sum_of_squares
 
 PyTree = Any
@@ -151,39 +155,26 @@ def per_example_norms(per_example_grads: PyTree) -> jax.Array:
     return norm_bound([upper_sum_of_squares(g) for g in leaves])
 
 
-# The division 1 / max(C, n) rounds by at most 2u (correctly rounded or not), and each product
+# The division c / max(C, n) rounds by at most 2u (correctly rounded or not), and each product
 # w_i g_i by u: a bound inflated by this many units of roundoff keeps ||w_i g_i|| <= 1 after both.
 _WEIGHT_ULPS = 8
 
 
-def clip_weights(norms: jax.Array, mask: jax.Array, *, clip_norm: float) -> tuple[jax.Array, jax.Array]:
-    """Weights w_i with ``w_i * g_i = clip_C(g_i) / C`` and a per-example finiteness flag.
+def clip_weights(
+    norms: jax.Array, mask: jax.Array, *, clip_norm: float, scale: np.float32 | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Weights w_i with ``w_i * g_i = c clip_C(g_i) / C`` and a per-example finiteness flag.
 
     ``min(1, C/n) / C == 1 / max(C, n)``; ``norms`` must be upper bounds of the norms of what
-    the weights multiply. Masked and non-finite examples get 0.
+    the weights multiply. ``c`` (``scale``; by default ``example_sum.room`` of the ``norms``' slots)
+    leaves room for the float32 sum over the micro-batch, so the whole sum, not only each example's
+    share, moves by at most 1. Masked and non-finite examples get 0.
     """
+    scale = room(norms.shape[0]) if scale is None else scale
     finite = jnp.isfinite(norms)
     bound = inflate(norms.astype(jnp.float32), _WEIGHT_ULPS * U)
-    weights = jnp.where(finite & (mask > 0), 1.0 / jnp.maximum(jnp.float32(clip_norm), bound), 0.0)
+    weights = jnp.where(finite & (mask > 0), scale / jnp.maximum(jnp.float32(clip_norm), bound), 0.0)
     return weights.astype(jnp.float32), finite
-
-
-def weighted_sum(per_example_grads: PyTree, weights: jax.Array, finite: jax.Array) -> PyTree:
-    """``sum_i w_i g_i`` per leaf, with non-finite g_i replaced by zero.
-
-    ``0 * NaN`` is NaN, so a zero weight alone does not stop a poisoned gradient: every
-    example's gradient goes through a select first. Always, not only when some example is
-    non-finite: one code path whatever the batch holds, so a step's time does not say whether
-    it sampled a NaN row (one extra pass over the per-example gradients; docs/privacy.md).
-    """
-
-    def zero_then_contract(g: jax.Array) -> jax.Array:
-        keep = finite.reshape((-1,) + (1,) * (g.ndim - 1))
-        kept = jnp.where(keep, g.astype(jnp.float32), jnp.zeros((), jnp.float32))
-        # Full float32: a TF32 default (GPUs) would round each g_i by 2^-11, beyond its norm's bound.
-        return jnp.tensordot(weights, kept, axes=1, precision=jax.lax.Precision.HIGHEST).astype(g.dtype)
-
-    return jax.tree_util.tree_map(zero_then_contract, per_example_grads)
 
 
 def clipped_sum_from_gradients(
@@ -198,19 +189,20 @@ def clipped_sum_from_gradients(
     A part of the examples at a time, in a scan of at least two iterations: each part's norms and
     its share of the weighted sum read the part from the scan's input, one buffer, so every norm
     bounds exactly the vector summed (``hold`` says why that takes a loop), with no copy of the
-    gradients.
+    gradients. The parts' sums are added pairwise (``privacy.example_sum``).
     """
     size = mask.shape[0]
+    scale = room(size)  # the whole micro-batch's, not a part's: the sum runs over all of it
 
-    def part(total: PyTree, xs: tuple[PyTree, jax.Array]) -> tuple[PyTree, jax.Array]:
+    def part(carry: None, xs: tuple[PyTree, jax.Array]) -> tuple[None, tuple[PyTree, jax.Array]]:
         grads, part_mask = xs
         norms = per_example_norms(grads)
-        weights, finite = clip_weights(norms, part_mask, clip_norm=clip_norm)
-        return jax.tree_util.tree_map(jnp.add, total, weighted_sum(grads, weights, finite)), norms
+        weights, finite = clip_weights(norms, part_mask, clip_norm=clip_norm, scale=scale)
+        return carry, (weighted_tree_sum(grads, weights, finite), norms)
 
-    zero = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype), per_example_grads)
     parts = (jax.tree_util.tree_map(_in_parts, per_example_grads), _in_parts(mask))
-    value, norms = jax.lax.scan(part, zero, parts)
+    _, (sums, norms) = jax.lax.scan(part, None, parts)
+    value = jax.tree_util.tree_map(pairwise_sum, sums)
     return clipped_sum_from_norms(
         norms.reshape(-1)[:size], mask, clip_norm=clip_norm, losses=losses, weighted=lambda weights, finite: value
     )

@@ -40,6 +40,7 @@ from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_ema_decay, check_noise_multiplier, check_positive
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn
 from dpscale.privacy.ema import ema_update
+from dpscale.privacy.example_sum import micro_batch_slots
 from dpscale.privacy.noise import add_gaussian_noise, step_key
 from dpscale.privacy.streams import Stream, stream_key
 
@@ -217,8 +218,11 @@ class DpsgdStep:
         rendezvous timeout. Under ``shard_map`` only the parameter-sized sums cross devices.
         """
 
+        slots = mask.shape[0]  # the whole micro-batch: its clip room is the same on any number of devices
+
         def local(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
-            return jax.lax.psum(self._clipped_sum(params, model_state, batch, mask), DATA_AXIS)
+            with micro_batch_slots(slots):
+                return jax.lax.psum(self._clipped_sum(params, model_state, batch, mask), DATA_AXIS)
 
         # check_vma=False: with it, differentiating w.r.t. the replicated parameters inside
         # would psum every per-example gradient over devices (mixing examples) before clipping.

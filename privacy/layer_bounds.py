@@ -3,8 +3,10 @@ ghost).
 
 For a WS convolution or a dense layer with input patches ``A_i`` (P x d) and output gradient
 ``G_i`` (P x p), each path returns ``(q, summer)``: ``q_i`` is an upper bound of the squared norm
-of example i's gradient of the layer, and ``summer(weights, finite)`` the weighted sum over the
-batch. The bound is proven (``privacy.rounding``) for the vector the summer adds:
+of the vector ``v_i`` that ``summer(weights, finite)`` adds for example i. Every summer adds
+per-example vectors, one block of examples at a time (``privacy.example_sum``), so the rounding of
+the sum over the *other* examples is bounded by their clipped norms too; what differs is how
+``v_i`` is formed and how its norm is bounded (``privacy.rounding``):
 
 * explicit holds each example's gradient ``v_i`` as computed and sums exactly those: only the
   rounding of ``||v_i||^2`` enters. With weight standardisation the fold is applied per example
@@ -13,26 +15,31 @@ batch. The bound is proven (``privacy.rounding``) for the vector the summer adds
   example (vmapped: one convolution with the examples as feature groups) instead of from its
   patches, which a GPU would otherwise write out (P x d floats an example): the held vector, and so
   the bound, are of the same kind; how it is formed changes only the speed.
-* streamed and ghost sum by one backward contraction over the batch, and compute the norm from
-  other numbers. Their ``v_i`` is the exact gradient of the recorded ``(A_i, G_i)`` (with the
-  computed WS scales and kernel), and the bound adds, to the computed norm, bounds of (1) the
-  norm's own errors: the contraction ``A_i^T G_i`` or the Gram matrices at the norm precision,
-  the centring and the fold; and (2) the errors example i alone makes in the summer: the weighted
-  ``w_i G_i`` and the contraction at the sum precision, then the centring and fold of the sum.
-  Each is a multiple of ``||A_i||_F ||G_i||_F`` or of the computed product's norm: an absolute
-  term per example, which is what the cancellation of the WS fold (its Jacobian has singular
-  values s and s(1 - a), a = var / (var + eps)) and of a ghost norm needs; a relative margin
-  would not be a proof.
+* streamed and ghost hold nothing of the parameter's size: the summer forms ``v_i`` again, a chunk
+  of examples at a time, at the sum precision, folds it per example, and adds the chunk. The norm
+  is computed from other numbers (streamed: the product formed once more at the norm precision;
+  ghost: Gram matrices), so the bound adds, to the computed norm, absolute terms that cover the
+  difference to the vector the summer adds: the products' rounding at both precisions, the
+  centring and the fold. Each is a multiple of ``||A_i||_F ||G_i||_F`` or of the computed product's
+  norm, which is what the cancellation of the WS fold (its Jacobian has singular values s and
+  s(1 - a), a = var / (var + eps)) and of a ghost norm needs; a relative margin would not be a proof.
+* a dense layer with one position an example (no views) adds ``x_i (w_i g_i)^T`` in block
+  contractions without forming it (``example_sum.weighted_outer_sum``): those products are the
+  entries of ``w_i v_i`` exactly, so its norm bound is of the exact gradient.
 
 Weight standardisation: ``w_o = s_o (k_o - mean(k_o))``, ``s_o = (var(k_o) + eps)^(-1/2)``; the
 kernel's gradient is ``fold(c) = s (c - w (w . c) / d)`` of the centred gradient ``c`` w.r.t. the
 standardised kernel. ``||fold(c)_o|| <= s_o max(1, a_o) ||c_o||``, so the ghost norm bounds it by
 ``sum_o s_o^2 max(1, a_o)^2 ||C u_o||^2`` without subtracting the part along ``w_o`` (the
 subtraction cancels, and its error bound needs the forward pass's rounding, which is not ours):
-a margin of 0.1-0.2% on those layers, measured in docs/privacy.md.
+a margin of 0.1-0.2% on those layers (benchmarks/results/norm_bounds.md).
 
-Not bounded here: the rounding of the sum over *other* examples (docs/privacy.md, "Sensitivity
-under floating point").
+Why not the layer's own weight gradient over the batch, one contraction of ``A`` and the weighted
+``G`` over all examples, then one fold: its rounding scales with every example's ``||A_i|| ||G_i||``
+(unfolded: up to ``1 / (1 - a)`` times the folded norm; a gradient that cancels over positions or
+views: any multiple of it), which no clip weight bounds. Measured before this change: one WS layer,
+127 other examples built along its kernel, moved the sum by 1.158 C
+(tests/privacy/test_neighbouring_batches.py holds the case).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from flax import linen as nn
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping, layer_rules
 from dpscale.privacy.clipping import hold
-from dpscale.privacy.device_tuning import CPU_CHUNK_BYTES
+from dpscale.privacy.example_sum import pairwise_sum, weighted_outer_sum, weighted_sum
 from dpscale.privacy.rounding import (
     ClipPrecision,
     Format,
@@ -68,6 +75,10 @@ from dpscale.privacy.rounding import (
 )
 
 PyTree = Any
+#: Bytes of one chunk's per-example working set (patches, products, Gram matrices) where nobody chose:
+#: about what stays in a CPU's last-level cache. A chunk is a speed choice: every chunk size sums the
+#: same vectors under the same bounds (the tuning's device settings choose it: privacy.tuning.device).
+DEFAULT_CHUNK_BYTES = 8 * 2**20
 Strategy = Literal["ghost", "explicit", "streamed", "grouped"]
 #: The paths that hold every example's gradient (their ``chunked`` loop runs ``held``); the others
 #: bound a norm and form the weighted sum apart.
@@ -76,21 +87,16 @@ Summer = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def guard(finite: jax.Array, a: jax.Array) -> jax.Array:
-    """``a`` with the rows of non-finite examples zeroed (a zero weight alone keeps a NaN)."""
-    return jnp.where(finite.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype))
-
-
 def chunked(
     fn: Callable[..., PyTree],
     arrays: tuple[jax.Array, ...],
     bytes_per_example: int,
     *,
-    chunk_bytes: int = CPU_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     held: bool = False,
 ) -> PyTree:
     """``fn`` over examples (leading axis), ``chunk_bytes`` of working set at a time (a CPU's
-    cache; on an accelerator the whole micro-batch: ``privacy.device_tuning``).
+    cache; on an accelerator the whole micro-batch: ``privacy.tuning.device``).
 
     The chunk divides the number of examples: a remainder chunk costs a second program and
     copies of the inputs, more than the chunk size gains. ``held``: at least two chunks where
@@ -117,13 +123,38 @@ def chunk_work(strategy: Strategy, positions: int, fan_in: int, fan_out: int) ->
     return 4 * positions * (fan_in + fan_out + (3 * positions if strategy == "ghost" else 0))
 
 
+def sum_work(positions: int, fan_in: int, fan_out: int) -> int:
+    """The bytes per example that the streamed and ghost summers' ``chunked_sum`` sizes its chunks by:
+    patches and output gradient, and the product formed, centred and folded."""
+    return 4 * (positions * (fan_in + fan_out) + 3 * fan_in * fan_out)
+
+
 def held_sum(per_example: dict[str, jax.Array], weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
-    """``sum_i w_i v_i`` of held per-example gradients, at full float32 (a TF32 default would round
-    each ``v_i`` by 2^-11, beyond its bound)."""
-    return {
-        name: jnp.tensordot(weights, guard(finite, grad.astype(jnp.float32)), axes=1, precision=_HIGHEST)
-        for name, grad in per_example.items()
-    }
+    """``sum_i w_i v_i`` of held per-example gradients (``example_sum.weighted_sum``)."""
+    return {name: weighted_sum(grad, weights, finite) for name, grad in per_example.items()}
+
+
+def chunked_sum(
+    form: Callable[..., jax.Array],
+    arrays: tuple[jax.Array, ...],
+    weights: jax.Array,
+    finite: jax.Array,
+    bytes_per_example: int,
+    *,
+    chunk_bytes: int,
+) -> jax.Array:
+    """``sum_i w_i form(arrays_i)`` with ``form`` per example, ``chunk_bytes`` of working set at a time:
+    each chunk's vectors are formed, weighted and summed in blocks (``example_sum.weighted_sum``), and
+    the chunks' sums added pairwise, so nothing of the parameter's size is held per example."""
+    size = arrays[0].shape[0]
+    chunk = chunk_size(size, bytes_per_example, chunk_bytes=chunk_bytes, held=False)
+
+    def one_chunk(xs: tuple[jax.Array, ...]) -> jax.Array:
+        *parts, w, f = xs
+        return weighted_sum(jax.vmap(form)(*parts), w, f)
+
+    split = [a.reshape((size // chunk, chunk) + a.shape[1:]) for a in (*arrays, weights, finite)]
+    return pairwise_sum(jax.lax.map(one_chunk, tuple(split)))
 
 
 def held_square_bound(per_example: dict[str, jax.Array]) -> jax.Array:
@@ -231,31 +262,6 @@ def _product_errors(
     return ag, monotone(np.float32(fmt.error(positions)) * ag + underflow(positions * fan_in * fan_out, a, g), 3)
 
 
-def _summer_error(
-    precision: ClipPrecision, positions: int, fan_in: int, fan_out: int, a2: jax.Array, g2: jax.Array
-) -> jax.Array:
-    """What example i alone adds to the batch contraction ``A^T (w G)`` beyond ``w A_i^T G_i``, per
-    unit of weight: the product ``w G`` rounds (u) and then the contraction at the sum precision."""
-    ag, error = _product_errors(precision.sum_format, positions, fan_in, fan_out, a2, g2)
-    return monotone(error * np.float32(1 + U) + np.float32(U) * ag, 3)
-
-
-def _ws_batch_summer(
-    module: WSConv, geometry: WsGeometry, kernel_shape: tuple[int, ...], fmt: Format, x: jax.Array, g: jax.Array
-) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """The kernel's weighted sum: one backward contraction of the convolution over the batch, then
-    the centring and fold of the sum (the same functions the norms used)."""
-
-    def kernel_sum(weights: jax.Array, finite: jax.Array) -> jax.Array:
-        flat_x = fmt.round(guard(finite, x)).reshape((-1,) + x.shape[2:])
-        scaled = guard(finite, g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype))
-        scaled = fmt.round(scaled).reshape((-1,) + g.shape[2:])
-        u_sum = _kernel_gradient(module, kernel_shape, fmt, flat_x, scaled).reshape(geometry.d, -1)
-        return geometry.fold(geometry.centre(u_sum)).reshape(kernel_shape)
-
-    return kernel_sum
-
-
 def _gram_terms(
     rows_a: jax.Array, bound_a: jax.Array, rows_g: jax.Array, bound_g: jax.Array, fmt: Format
 ) -> tuple[jax.Array, ...]:
@@ -315,8 +321,19 @@ def wsconv(
     strategy: Strategy,
     precision: ClipPrecision,
     *,
-    chunk_bytes: int = CPU_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[jax.Array, Summer]:
+    """A weight-standardised convolution's ``(q, summer)`` on ``strategy``, from its recorded input
+    ``x`` [b, K, h, w, c] and output gradient ``g`` [b, K, h', w', p].
+
+    Guarantee: for every example i, ``q_i >= ||v_i||^2`` exactly, where ``v_i`` is the kernel's (and
+    bias's) gradient that ``summer`` adds for i: the fold of i's own centred product, per example, as
+    computed (explicit, grouped: held; streamed, ghost: formed again by the summer, its distance to
+    what the norm measured bounded by the products' rounding at both precisions and the fold's), and
+    ``summer`` adds ``sum_i w_i v_i`` over examples in blocks (``example_sum``), whose rounding is
+    bounded by the clipped norms alone. Rounding model: ``privacy.rounding`` (each operation within
+    ``u`` relative plus the smallest normal; any order of summation; contractions at ``precision``).
+    """
     kernel = params["kernel"]
     geometry = WsGeometry.of(module, kernel)
     d, p, fmt = geometry.d, kernel.shape[-1], precision.norm_format
@@ -325,18 +342,16 @@ def wsconv(
     bias_q = [held_square_bound(bias)] if bias else []
     work = chunk_work(strategy, positions, d, p)
 
+    def folded_one(fmt: Format, x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+        """One example's kernel gradient, folded before any sum: what is summed is what is bounded."""
+        if strategy == "grouped":
+            product = _kernel_gradient(module, kernel.shape, fmt, fmt.round(x_one), fmt.round(g_one)).reshape(d, p)
+        else:
+            product = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one.reshape(-1, p))
+        return geometry.fold(geometry.centre(product))
+
     if strategy in HELD_STRATEGIES:
-
-        def folded_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
-            # The fold per example, before the sum: what is summed is what is measured.
-            if strategy == "grouped":
-                product = _kernel_gradient(module, kernel.shape, fmt, fmt.round(x_one), fmt.round(g_one))
-                product = product.reshape(d, p)
-            else:
-                product = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one.reshape(-1, p))
-            return geometry.fold(geometry.centre(product))
-
-        folded = chunked(folded_one, (x, g), work, chunk_bytes=chunk_bytes, held=True)
+        folded = chunked(lambda *xs: folded_one(fmt, *xs), (x, g), work, chunk_bytes=chunk_bytes, held=True)
         if x.shape[0] < 2:  # one example: one iteration, which XLA inlines
             folded = hold(folded)
         per_example = {"kernel": folded.reshape((-1,) + kernel.shape), **bias}
@@ -345,7 +360,10 @@ def wsconv(
     x, g = hold((x, g))  # the norm and the sum read the same recorded values
     flat_g = g.reshape(g.shape[0], positions, p)
     g2 = upper_sum_of_squares(flat_g)
+    a2 = _patches_square_bound(module, x)
     kappa = geometry.kappa
+    ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
+    _, sum_error = _product_errors(precision.sum_format, positions, d, p, a2, g2)
     if strategy == "streamed":
 
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
@@ -354,16 +372,14 @@ def wsconv(
             return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
 
         q_folded, q_u = chunked(norm_one, (x, flat_g), work, chunk_bytes=chunk_bytes)
-        a2 = _patches_square_bound(module, x)
-        ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
-        sum_error = _summer_error(precision, positions, d, p, a2, g2)
-        # ||v|| <= ||fold(centre(u~))|| + s_hat (kappa ||u~|| + err(u~)); the sum adds
-        # s_hat (err_sum + kappa ||U~||) with ||U~|| <= ||u~|| + err(u~) + err_sum. (The u~ whose
-        # norm is taken may be another evaluation of the product than the one folded: within
-        # 2 err(u~) of it.)
-        u_norm = upper_sqrt(q_u)
+        # The summer's v' = fold(centre(u')) and the measured v = fold(centre(u~)), u' and u~ two
+        # evaluations of the product (at the sum and the norm precision): ||v' - v|| <= s_hat
+        # (||u' - u~|| + kappa (||u'|| + ||u~||)), ||u' - u~|| <= err_norm + err_sum, and the u~ whose
+        # norm was taken may be a third evaluation, within 2 err_norm of the one folded.
         slack = geometry.s_hat_max * (
-            np.float32(2 * kappa) * u_norm + np.float32(1 + 3 * kappa) * norm_error + np.float32(1 + kappa) * sum_error
+            np.float32(1 + kappa) * sum_error
+            + np.float32(1 + 5 * kappa) * norm_error
+            + np.float32(2 * kappa) * upper_sqrt(q_u)
         )
         layer = upper_sqrt(q_folded) + monotone(slack, 8)
     else:
@@ -378,19 +394,27 @@ def wsconv(
             terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
             return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
 
-        *terms, a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), work, chunk_bytes=chunk_bytes)
-        square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
-        ag, _ = _product_errors(fmt, positions, d, p, a2, g2)
-        sum_error = _summer_error(precision, positions, d, p, a2, g2)
-        # The sum: s_hat (err_sum + kappa ||U~||), ||U~|| <= ||A|| ||G|| + err_sum.
+        *terms, ghost_a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), work, chunk_bytes=chunk_bytes)
+        square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, ghost_a2, scaled_g2)
+        # The summer's v' = fold(centre(u')): ||v' - J^T C u|| <= s_hat (err_sum + kappa ||u'||), and
+        # ||u'|| <= ||A|| ||G|| + err_sum.
         layer = upper_sqrt(square) + monotone(
             geometry.s_hat_max * (sum_error + np.float32(kappa) * (ag + sum_error)), 4
         )
 
-    kernel_sum = _ws_batch_summer(module, geometry, kernel.shape, precision.sum_format, x, g)
+    sum_fmt = precision.sum_format
+    summing = sum_work(positions, d, p)
 
     def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
-        return {"kernel": kernel_sum(weights, finite), **held_sum(bias, weights, finite)}
+        kernel_sum = chunked_sum(
+            lambda x_one, g_one: folded_one(sum_fmt, x_one, g_one),
+            (x, g),
+            weights,
+            finite,
+            summing,
+            chunk_bytes=chunk_bytes,
+        )
+        return {"kernel": kernel_sum.reshape(kernel.shape), **held_sum(bias, weights, finite)}
 
     return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
 
@@ -403,8 +427,17 @@ def dense(
     strategy: Strategy,
     precision: ClipPrecision,
     *,
-    chunk_bytes: int = CPU_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[jax.Array, Summer]:
+    """A plain dense layer's ``(q, summer)`` on ``strategy``, from its recorded input ``x`` [b, K, ..., f]
+    and output gradient ``g`` [b, K, ..., o].
+
+    Guarantee: for every example i, ``q_i >= ||v_i||^2`` exactly, where ``v_i`` is what ``summer``
+    adds for i: the held product (explicit, grouped), the product formed again at the sum precision
+    (streamed, ghost, several positions), or, with one position an example, the exact rank-one
+    ``x_i g_i^T`` whose entries the block contractions multiply out; the sum over examples is in
+    blocks (``example_sum``). Rounding model: ``privacy.rounding``, as for ``wsconv``.
+    """
     b, fan_in, fan_out = x.shape[0], x.shape[-1], g.shape[-1]
     flat_x, flat_g = x.reshape(b, -1, fan_in), g.reshape(b, -1, fan_out)
     positions, fmt = flat_x.shape[1], precision.norm_format
@@ -416,16 +449,21 @@ def dense(
 
     flat_x, flat_g = hold((flat_x, flat_g))  # the norm and the sum read the same recorded values
     a2, g2 = upper_sum_of_squares(flat_x), upper_sum_of_squares(flat_g)
-    ag, norm_error = _product_errors(fmt, positions, fan_in, fan_out, a2, g2)
-    sum_error = _summer_error(precision, positions, fan_in, fan_out, a2, g2)
+    _, norm_error = _product_errors(fmt, positions, fan_in, fan_out, a2, g2)
+    sum_fmt = precision.sum_format
+    # One position: the summer's block contractions add the exact products x_i (w_i g_i)^T, and only
+    # the exact gradient's norm needs a bound. Several (views): v' is formed again at the sum
+    # precision, within err_sum of the exact gradient.
+    _, sum_error = _product_errors(sum_fmt, positions, fan_in, fan_out, a2, g2)
+    formed = np.float32(0.0) if positions == 1 else sum_error
+    work = chunk_work(strategy, positions, fan_in, fan_out)
     if strategy == "streamed":
 
         def norm_one(x_one: jax.Array, g_one: jax.Array) -> jax.Array:
             return upper_sum_of_squares(contract(fmt, "tf,to->fo", x_one, g_one), keep=0)
 
-        work = chunk_work(strategy, positions, fan_in, fan_out)
         q = chunked(norm_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
-        layer = upper_sqrt(q) + monotone(norm_error + sum_error, 1)
+        layer = upper_sqrt(q) + monotone(norm_error + formed, 1)
     else:
 
         def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
@@ -433,18 +471,23 @@ def dense(
             rows_g = upper_sqrt(upper_sum_of_squares(g_one))
             return _gram_terms(x_one, rows_x, g_one, rows_g, fmt)
 
-        work = chunk_work(strategy, positions, fan_in, fan_out)
         terms = chunked(ghost_one, (flat_x, flat_g), work, chunk_bytes=chunk_bytes)
         square = _ghost_square(fmt, positions, fan_in, fan_out, 0.0, *terms, a2, g2)
-        layer = upper_sqrt(square) + sum_error
-    sum_fmt = precision.sum_format
+        layer = upper_sqrt(square) + formed
 
     def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
-        scaled = guard(finite, flat_g * weights[:, None, None])
-        return {
-            "kernel": contract(sum_fmt, "btf,bto->fo", guard(finite, flat_x), scaled),
-            **held_sum(bias, weights, finite),
-        }
+        if positions == 1:
+            kernel_sum = weighted_outer_sum(flat_x[:, 0], flat_g[:, 0], weights, finite)
+        else:
+            kernel_sum = chunked_sum(
+                lambda x_one, g_one: contract(sum_fmt, "tf,to->fo", x_one, g_one),
+                (flat_x, flat_g),
+                weights,
+                finite,
+                sum_work(positions, fan_in, fan_out),
+                chunk_bytes=chunk_bytes,
+            )
+        return {"kernel": kernel_sum, **held_sum(bias, weights, finite)}
 
     return sum_bounds([monotone(layer * layer, 1), *bias_q]), summer
 

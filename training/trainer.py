@@ -28,6 +28,7 @@ from dpscale import distributed
 from dpscale.data.identity import keyed_identity, seed_secret
 from dpscale.errors import DataError, InvalidConfigError, storage_faults
 from dpscale.privacy.dpsgd import TrainState
+from dpscale.privacy.example_sum import sum_scale
 from dpscale.privacy.plan import PrivacyPlan, knob_to_solve
 from dpscale.privacy.seeds import resolve_seed
 from dpscale.privacy.streams import Stream, stream_key
@@ -40,6 +41,23 @@ from dpscale.training.run_directory import RunDirectory, RunSecrets, RunSpec, no
 from dpscale.training.run_lock import RunLock
 
 _log = logging.getLogger(__name__)
+# A clip's room for the float32 sum of a micro-batch that costs more than this is said as a warning.
+_ROOM_WORTH_SAYING = 0.02
+
+
+def _log_sum_room(slots: int) -> None:
+    """What the room for the float32 sum over one device's micro-batch of ``slots`` costs each clipped
+    contribution (``privacy.example_sum.sum_scale``): loud where it is worth a smaller micro-batch."""
+    cost = 1.0 - float(sum_scale(slots))
+    level = logging.WARNING if cost > _ROOM_WORTH_SAYING else logging.INFO
+    _log.log(
+        level,
+        "each clipped contribution is scaled by %.4f for the float32 sum of %d slots a micro-batch "
+        "(docs/privacy.md, sensitivity under floating point)%s",
+        1.0 - cost,
+        slots,
+        "; a smaller --microbatch-size costs less" if level == logging.WARNING else "",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +127,8 @@ class Trainer:
             optax.sgd(config.learning_rate, momentum=config.momentum or None),
         )
         clipped_sum_fn = model.clipped_sum_fn(config.clip_norm) if plan.private else None
+        if plan.private:
+            _log_sum_room(self.sampler.layout.microbatch_size)
         self.clip_layers = clipped_sum_fn.layers if clipped_sum_fn is not None else ()
         self.step = plan.dp_step(
             model.loss_fn,

@@ -18,7 +18,7 @@ import optax
 import pytest
 from scipy import stats
 
-from dpscale.privacy.clipping import weighted_sum
+from dpscale.privacy.example_sum import weighted_tree_sum
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.training.feeds import FeatureFeed
@@ -64,7 +64,7 @@ def test_the_clipped_sums_have_no_branch_on_the_data():
     assert not _has_branch(jax.make_jaxpr(lambda p, b, m: clipped(p, {}, b, m))(params, batch, jnp.ones(8)))
     grads = {"w": jnp.zeros((8, 3, 4))}
     assert _has_branch(jax.make_jaxpr(lambda x: jax.lax.cond(x > 0, jnp.sin, jnp.cos, x))(1.0))  # it would see one
-    assert not _has_branch(jax.make_jaxpr(weighted_sum)(grads, jnp.ones(8), jnp.ones(8, bool)))
+    assert not _has_branch(jax.make_jaxpr(weighted_tree_sum)(grads, jnp.ones(8), jnp.ones(8, bool)))
 
 
 def test_per_step_time_is_not_a_default_output():
