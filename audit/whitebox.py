@@ -48,6 +48,7 @@ from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.plan import PrivacyPlan
 from dpscale.privacy.streams import ModelKeys
+from dpscale.privacy.tuning import choose as tuning
 from dpscale.progress import Bar
 from dpscale.training.config import TrainingConfig
 from dpscale.training.vmapped import run_models
@@ -184,8 +185,11 @@ def _task(
                 {},
                 jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), view_rows(np.arange(1))),
             )
-            make = make_bookkeeping_clipped_sum_fn if setup.per_example == "bookkeeping" else make_ghost_clipped_sum_fn
-            base_fn = make(loss_fn, clip_norm=clip, example=example)
+            if setup.per_example == "bookkeeping":
+                base_fn = make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=clip, example=example)
+            else:  # each layer on the path training would take here
+                choose = tuning.chooser(loss_fn, example=example)
+                base_fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=example, choose=choose)
         else:
             base_fn = make_clipped_sum_fn(loss_fn, clip_norm=clip)
         needs_reference = True

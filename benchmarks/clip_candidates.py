@@ -4,7 +4,7 @@
     python -m benchmarks.clip_candidates fit
 
 ``count``: each distinct layer shape of the model at one device's micro-batch, with the GPU's settings
-(``privacy.device_tuning``) forced and its candidates timed (``choose="measure"``; by default a GPU
+(``privacy.tuning.device``) forced and its candidates timed (``choose="measure"``; by default a GPU
 takes the cost model's cheapest and times none): the candidates timed (each a compilation), those pruned by the cost
 model or dropped by the memory guard, and those chunked. ``--memory`` is the device's ``bytes_limit``
 (default: an H200's as JAX sees it, 0.75 of 141 GB). ``fit``: the cost model's estimate of each
@@ -47,8 +47,10 @@ def count(args: argparse.Namespace) -> None:
     import optax
 
     from dpscale.models import registry
-    from dpscale.privacy import bookkeeping, ghost, path_timing
-    from dpscale.privacy.device_tuning import MEMORY_FRACTION, tuning_for
+    from dpscale.privacy import bookkeeping
+    from dpscale.privacy.tuning import timing as path_timing
+    from dpscale.privacy.tuning.choose import timed_calls
+    from dpscale.privacy.tuning.device import MEMORY_FRACTION, tuning_for
 
     tuning = tuning_for("gpu")
     budget = int(MEMORY_FRACTION * args.memory)
@@ -67,7 +69,7 @@ def count(args: argparse.Namespace) -> None:
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         calls = bookkeeping.plan_layers(loss_fn, params, {}, one)
         _, _, groups = path_timing.candidate_groups(
-            loss_fn, calls, ghost.timed_calls(calls, {}), params, {}, batch, tuning, budget=budget
+            loss_fn, calls, timed_calls(calls, {}), params, {}, batch, tuning, budget=budget
         )
         timed = sum(len(g.candidates.timed) for g in groups)
         print(f"\n{args.model}, micro-batch {args.microbatch}, K = {views}, budget {budget / 1e9:.1f} GB:")
@@ -87,13 +89,14 @@ def count(args: argparse.Namespace) -> None:
 
 
 def fit(args: argparse.Namespace) -> None:
-    from dpscale.privacy import path_cost
-    from dpscale.privacy.device_tuning import H200_COST
+    from dpscale.privacy.ghost import LayerShape
     from dpscale.privacy.rounding import ClipPrecision
+    from dpscale.privacy.tuning import cost as path_cost
+    from dpscale.privacy.tuning.device import H200_COST
 
     worst = 1.0
     for layer, ((positions, d, p), ms) in H200_MS.items():
-        shape = path_cost.LayerShape(256, positions, d, p)
+        shape = LayerShape(256, positions, d, p)
         est = {}
         for name in ms:
             strategy, _, fmt = name.partition("/")

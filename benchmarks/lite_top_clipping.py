@@ -51,10 +51,14 @@ def measure(cut: str, size: int, rounds: int) -> dict:
 
     from dpscale.privacy.clipping import make_clipped_sum_fn
     from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
+    from dpscale.privacy.tuning.choose import chooser
 
     loss_fn, params, state, batch = _top(cut, size)
     mask = jnp.ones(size)
-    per_layer = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, state, batch))
+    example = (params, state, batch)
+    per_layer = make_ghost_clipped_sum_fn(
+        loss_fn, clip_norm=1.0, example=example, choose=chooser(loss_fn, example=example)
+    )
     fns = {
         "per_layer": jax.jit(per_layer),
         "vmap": jax.jit(make_clipped_sum_fn(loss_fn, clip_norm=1.0)),

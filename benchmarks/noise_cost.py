@@ -46,13 +46,17 @@ class _Step:
         from dpscale.privacy import dpsgd
         from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
         from dpscale.privacy.plan import PrivacyPlan
+        from dpscale.privacy.tuning.choose import chooser
         from dpscale.training.config import TrainingConfig
 
         dpsgd.add_gaussian_noise = noise_fn
         loss_fn, params, self.batches, linear = _problem(args.workload, args.physical, args.logical // args.physical)
         if linear:
             raise SystemExit("this benchmark times the image workloads' per-layer clipped step")
-        clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, self.batches[0][0]))
+        example = (params, {}, self.batches[0][0])
+        clipped = make_ghost_clipped_sum_fn(
+            loss_fn, clip_norm=1.0, example=example, choose=chooser(loss_fn, example=example)
+        )
         plan = PrivacyPlan(
             num_examples=args.logical,
             batch_size=args.logical,

@@ -62,6 +62,7 @@ def margins(args) -> None:
     from dpscale.privacy import bookkeeping, ghost
     from dpscale.privacy.clipping import per_example_gradients
     from dpscale.privacy.rounding import FORMATS, ClipPrecision
+    from dpscale.privacy.tuning.choose import chooser, describe
 
     loss_fn, params, batch = _problem(args.data, args.model, args.batch, args.views)
     _, grads = jax.jit(lambda p, b: per_example_gradients(loss_fn, p, {}, b))(params, batch)
@@ -80,13 +81,10 @@ def margins(args) -> None:
     for mode in args.modes.split(","):
         for name in FORMATS:
             forced = None if mode == "auto" else {path: mode for path in paths}
-            settings = {
-                "strategies": forced,
-                "example": (params, {}, batch),
-                "precision": ClipPrecision(norms=name, sums=name),
-            }
-            fn = ghost.make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, **settings)  # for its layers
-            bounds = jax.jit(ghost.make_ghost_norm_bounds_fn(loss_fn, **settings))
+            precision = ClipPrecision(norms=name, sums=name)
+            choose = chooser(loss_fn, example=(params, {}, batch), strategies=forced, precision=precision)
+            fn = ghost.make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), choose=choose)
+            bounds = jax.jit(ghost.make_ghost_norm_bounds_fn(loss_fn, choose=choose))
             ratio = np.asarray(bounds(params, {}, batch), np.float64) / exact
             row = {
                 "model": args.model,
@@ -99,7 +97,7 @@ def margins(args) -> None:
                 "max": ratio.max() - 1,
             }
             if mode == "auto":
-                row["layers"] = ghost.describe(fn.layers)
+                row["layers"] = describe(fn.layers)
             print(json.dumps(row), flush=True)
 
 
@@ -129,13 +127,18 @@ def timing(args) -> None:
     import jax.numpy as jnp
 
     from dpscale.privacy import ghost
+    from dpscale.privacy.tuning.choose import chooser
 
     baseline = _baseline_ghost(args.baseline)
     loss_fn, params, batch = _problem(args.data, args.model, args.batch, args.views)
     mask = jnp.ones(args.batch)
     fns = {}  # the baseline twice: the ratio of its two copies is the measurement's own noise
+    example = (params, {}, batch)
     for name, module in (("baseline", baseline), ("this", ghost), ("baseline again", baseline)):
-        fn = jax.jit(module.make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch)))
+        # This tree's paths by the device's chooser; a baseline's by its own default (the shape rule
+        # before the tuning left privacy/ghost.py, explicit after).
+        extra = {"choose": chooser(loss_fn, example=example)} if module is ghost else {}
+        fn = jax.jit(module.make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=example, **extra))
         started = time.perf_counter()
         jax.block_until_ready(fn(params, {}, batch, mask))
         print(f"{name}: compiled and ran once in {time.perf_counter() - started:.1f} s", flush=True)

@@ -82,10 +82,11 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
     import jax
     import optax
 
-    from dpscale.privacy.device_tuning import NAMED_TUNING
-    from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
+    from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
     from dpscale.privacy.linear import softmax_regression_clipped_sum
     from dpscale.privacy.plan import PrivacyPlan
+    from dpscale.privacy.tuning.choose import chooser, describe, describe_layers
+    from dpscale.privacy.tuning.device import NAMED_TUNING
     from dpscale.training.config import TrainingConfig
 
     private = args.framework in ("dpscale", "dpscale-vmap")
@@ -107,7 +108,9 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
             raise SystemExit(f"--clip-tuning must be one of {sorted(NAMED_TUNING)}, got {args.clip_tuning!r}")
         tuning = NAMED_TUNING[args.clip_tuning] if args.clip_tuning else None
         start = time.perf_counter()
-        clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batches[0][0]), tuning=tuning)
+        example = (params, {}, batches[0][0])
+        choose = chooser(loss_fn, example=example, tuning=tuning)
+        clipped = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=example, choose=choose)
         extra["clip_paths"] = describe(clipped.layers)
         extra["clip_layers"] = describe_layers(clipped.layers)
         extra["clip_build_s"] = round(time.perf_counter() - start, 2)

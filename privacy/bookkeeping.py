@@ -48,7 +48,6 @@ from jax.extend import core as jex_core
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_gradients
-from dpscale.privacy.device_tuning import tuning_for
 from dpscale.privacy.layer_rules import RULES, Rule
 from dpscale.privacy.rounding import FORMATS, ClipPrecision, Format
 
@@ -316,11 +315,11 @@ def make_bookkeeping_clipped_sum_fn(
     ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
     ``[b, K, ...]``) checks support now, raising ``UnsupportedModelError``; without it the
     check runs on the first trace. ``precision.norms`` is that of the convolutions' per-example
-    products (``privacy.rounding``; default: the backend's): the gradients are held, so the
+    products (``privacy.rounding``; default: float32): the gradients are held, so the
     clip weights bound what is summed at any precision.
     """
     check_clip_norm(clip_norm)
-    fmt = (precision or tuning_for().precision).norm_format
+    fmt = (precision or ClipPrecision()).norm_format
     if example is not None:
         params, model_state, batch = example
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)

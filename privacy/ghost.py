@@ -48,13 +48,10 @@ and the counts are ``privacy.clipping``'s, and the result has sensitivity 1. Tes
 ``vmap(grad)`` (tests/privacy/test_ghost.py) and on adversarial inputs
 (tests/privacy/test_sensitivity.py, tests/privacy/test_layer_bounds.py).
 
-Speed: the device decides (``privacy.device_tuning``). On a CPU per-example work runs over
-chunks of examples (``lax.map``) sized so one chunk's patches stay in cache (forming a whole
-micro-batch's patches at once is memory-bound and cost more than the contraction itself), and the
-shape rule ``choose_strategy`` picks each path. On a GPU or TPU a micro-batch's per-example work
-runs at once, and each layer's path and precision are chosen, when the clipped sum is built with an
-example of the micro-batch, by the device's cost model (NVIDIA GPUs) or by timing the candidates on
-the device (``privacy.path_timing``).
+Which path each plain layer takes is a speed and memory choice only, made outside this module
+(``privacy.tuning``: a shape rule on a CPU, a cost model or timings on an accelerator) and handed
+in as a ``PathChooser``; every choice is checked against ``PROVEN_PATHS`` before it is used, and
+without a chooser every plain layer is explicit. Nothing here imports the tuning.
 """
 
 from __future__ import annotations
@@ -62,7 +59,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -71,71 +67,101 @@ import jax
 from flax import linen as nn
 
 from dpscale.errors import InvalidConfigError
-from dpscale.models.layers import WSConv, as_pair
-from dpscale.privacy import bookkeeping, layer_bounds, path_cost
+from dpscale.models.layers import WSConv
+from dpscale.privacy import bookkeeping, layer_bounds
 from dpscale.privacy.checks import check_clip_norm
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn, LossFn, clipped_sum_from_norms, hold
-from dpscale.privacy.device_tuning import ALL_STRATEGIES, DeviceTuning, memory_budget, tuning_for
 from dpscale.privacy.layer_bounds import Strategy
-from dpscale.privacy.path_timing import Measured, candidate_name, estimate_paths, measure_paths
 from dpscale.privacy.rounding import ClipPrecision, norm_bound
 
 PyTree = Any
-Path = tuple[str, ...]
-_log = logging.getLogger(__name__)
+#: A layer's name: its path in the parameter tree, e.g. ("backbone", "conv_0").
+LayerName = tuple[str, ...]
+#: The per-layer paths proven for each plain layer kind (layer_bounds: their bounds and summers);
+#: every layer kind also has book-keeping (privacy.layer_rules), which shared and normalisation
+#: layers always take.
+PROVEN_PATHS: dict[type, tuple[Strategy, ...]] = {
+    WSConv: ("explicit", "grouped", "streamed", "ghost"),
+    nn.Dense: ("explicit", "grouped", "streamed", "ghost"),
+}
 
 
-# Ghost when P^2 (d + p) < GHOST_RATIO * d * p (P positions, fan-in d, fan-out p per example).
-# Measured per layer on a 2-core CPU: ghost won at ratios 18-78 (late convolutions of cnn-small and
-# WRN-16-4), tied at 284, lost at 569 and above; the whole step's effect is in
-# benchmarks/results/dp_step_cost.md.
-GHOST_RATIO = 300
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """One layer's shapes for one device's micro-batch: ``positions`` P an example (the K views
+    stacked), fan-in d, fan-out p. ``conv``: a convolution, whose patches (P x d an example) are formed;
+    a dense layer reads its recorded input."""
+
+    examples: int
+    positions: int
+    fan_in: int
+    fan_out: int
+    conv: bool = True
 
 
-def choose_strategy(*, positions: int, fan_in: int, fan_out: int, inputs: int) -> Strategy:
-    """Ghost when its Gram matrices cost less than holding the per-example gradient, else explicit.
-
-    Both paths contract P*d*p per example once (explicit: to form ``U_i``; ghost: in the
-    batch's weight gradient). On top, ghost forms two P x P Gram matrices, ``P^2 (d + p)``
-    multiply-adds, while explicit writes ``d * p`` floats per example and reads them back for
-    the norm and the sum: memory traffic, which costs ~GHOST_RATIO multiply-adds a float here.
-    Explicit holds ``U_i`` (d*p floats per example) where that is no more than what the tape
-    already records for the layer, its input (``inputs`` floats an example) and output gradient
-    (P*p): held gradients at most double a layer's recorded memory. Else it is streamed: one more
-    contraction, the batch's weight gradient, which on a CPU costs more than holding (WRN-16-4,
-    micro-batch 52, a layer alone: (256, 576 -> 128) 64-72 ms streamed against 23-54 ms held at
-    K = 1; (1024, 1152 -> 128) 671 against 151 ms at K = 4; benchmarks/results/dp_step_cost.md).
-    """
-    cost_ghost = positions * positions * (fan_in + fan_out)
-    if cost_ghost < GHOST_RATIO * fan_in * fan_out:
-        return "ghost"
-    return "explicit" if fan_in * fan_out <= inputs + positions * fan_out else "streamed"
-
-
-def input_floats(module: nn.Module, kernel: jax.Array, positions: int) -> int:
-    """Floats of one example's recorded input to a WS convolution or dense layer with ``positions``
-    output positions: a convolution's output position reads ``strides`` input positions of
-    ``kernel.shape[-2] * groups`` channels (padding aside: an estimate for the shape rule's memory
-    comparison, nothing else)."""
-    if isinstance(module, WSConv):
-        channels = kernel.shape[-2] * module.feature_group_count
-        return positions * math.prod(as_pair(module.strides)) * channels
-    return positions * kernel.shape[0]
+def layer_shape(call: bookkeeping.LayerCall, kernel: jax.Array, examples: int) -> LayerShape:
+    """The shapes of a WS convolution or dense call (the one place they are read from a call)."""
+    positions = math.prod(call.out.shape[:-1])  # one example's output: [K, ..., p]
+    conv = isinstance(call.module, WSConv)
+    return LayerShape(examples, positions, math.prod(kernel.shape[:-1]), kernel.shape[-1], conv)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerChoice:
-    """How one layer call is clipped, for the log and the tests."""
+    """How one layer call is clipped: ``strategy`` (the clipping path), ``precision`` and
+    ``chunk_bytes`` (one chunk's per-example working set) are all the clipped sum reads; the rest says,
+    for the log and clip_paths.json, the layer's shape and why (``reason``: "rule", "forced", or the
+    times it was chosen from) and, where the memory guard split the micro-batch, its chunk."""
 
-    path: Path
+    layer: LayerName
     kind: str  # "WSConv", "Dense", ...
-    strategy: str  # "ghost", "explicit", "grouped", "streamed", or "book-keeping" (shared or normalisation layers)
+    strategy: str  # "ghost", "explicit", "grouped", "streamed", or "book-keeping"
     positions: int = 0
     fan_in: int = 0
     fan_out: int = 0
     precision: ClipPrecision = ClipPrecision()
-    reason: str = "rule"  # "rule", "forced", or the times it was chosen from ("measured: ...", "estimated: ...")
+    reason: str = "rule"
     chunk: int = 0  # examples a chunk where the memory guard split the micro-batch (0: it did not)
+    chunk_bytes: int = layer_bounds.DEFAULT_CHUNK_BYTES
+
+    def shape(self, examples: int) -> LayerShape:
+        return LayerShape(examples, self.positions, self.fan_in, self.fan_out, self.kind == "WSConv")
+
+
+@dataclasses.dataclass(frozen=True)
+class PathChooser:
+    """``choose(calls, params_of, examples)``: a ``LayerChoice`` for each plain layer call (by name), at
+    trace time; ``precision``: the contractions' format of the book-keeping layers. A layer it leaves
+    out is explicit."""
+
+    choose: Callable[[tuple[bookkeeping.LayerCall, ...], Callable[[bookkeeping.LayerCall], PyTree], int], Mapping]
+    precision: ClipPrecision = ClipPrecision()
+
+
+def forced(
+    strategies: Mapping[LayerName, Strategy] | None = None, *, precision: ClipPrecision | None = None
+) -> PathChooser:
+    """Every plain layer on the path ``strategies`` gives it (explicit where it gives none), at
+    ``precision``: for tests and measurements, and the default of the clipped sum."""
+    strategies, precision = dict(strategies or {}), precision or ClipPrecision()
+
+    def choose(calls: tuple, params_of: Callable, examples: int) -> dict[LayerName, LayerChoice]:
+        plain = [c for c in calls if c.path not in booked_layers(calls)]
+        unknown = set(strategies) - {c.path for c in plain}
+        if unknown:
+            raise InvalidConfigError(f"no ghost or explicit layer at {sorted('/'.join(p) for p in unknown)}")
+        return {
+            c.path: LayerChoice(
+                c.path,
+                type(c.module).__name__,
+                strategies.get(c.path, "explicit"),
+                precision=precision,
+                reason="forced" if c.path in strategies else "default",
+            )
+            for c in plain
+        }
+
+    return PathChooser(choose, precision=precision)
 
 
 def _plain(module: nn.Module) -> bool:
@@ -151,179 +177,83 @@ def _plain(module: nn.Module) -> bool:
     )
 
 
-def _shape_of(call: bookkeeping.LayerCall, kernel: jax.Array) -> tuple[int, int, int]:
-    """(positions per example, fan-in, fan-out) of a WS convolution or dense call."""
-    positions = math.prod(call.out.shape[:-1])  # one example's output: [K, ..., p]
-    return positions, math.prod(kernel.shape[:-1]), kernel.shape[-1]
-
-
-def plan_strategies(
-    calls: tuple[bookkeeping.LayerCall, ...],
-    params_of: Callable[[bookkeeping.LayerCall], PyTree],
-    overrides: Mapping[Path, Strategy] | None = None,
-    *,
-    precision: ClipPrecision = ClipPrecision(),
-    measured: Mapping[Path, Measured] | None = None,
-    examples: int = 0,
-    budget: int | None = None,
-) -> tuple[LayerChoice, ...]:
-    """Each layer call's path and precision: book-keeping for shared or normalisation layers; else
-    forced (``overrides``), measured on the device or estimated by its cost model (``measured``), or
-    by the shape rule. With ``budget`` (bytes) and ``examples`` (one device's micro-batch), the memory
-    guard chunks a layer whose work does not fit at once (``path_cost.fit``)."""
-    overrides, measured = dict(overrides or {}), measured or {}
-    booked = _booked_paths(calls)
-    choices = []
-    for call in calls:
-        kind = type(call.module).__name__
-        if call.path in booked:
-            choices.append(
-                LayerChoice(
-                    call.path,
-                    kind,
-                    "book-keeping",
-                    precision=precision,
-                    reason="a normalisation, shared or non-plain layer",
-                )
-            )
-            continue
-        kernel = params_of(call)["kernel"]
-        positions, fan_in, fan_out = _shape_of(call, kernel)
-        shape = {"positions": positions, "fan_in": fan_in, "fan_out": fan_out}
-        if call.path in overrides:
-            strategy, chosen, reason = overrides.pop(call.path), precision, "forced"
-        elif call.path in measured:
-            found = measured[call.path]
-            strategy, chosen, reason = found.strategy, found.precision, found.summary()
-        else:
-            inputs = input_floats(call.module, kernel, positions)
-            strategy, chosen, reason = choose_strategy(**shape, inputs=inputs), precision, "rule"
-        if strategy not in ALL_STRATEGIES:
-            raise InvalidConfigError(f"strategy must be one of {ALL_STRATEGIES}, got {strategy!r}")
-        chunk = 0
-        if budget is not None and examples:
-            layer = path_cost.LayerShape(examples, **shape, conv=kind == "WSConv")
-            strategy, chunk, reason = _guarded(strategy, layer, budget, reason, where="/".join(call.path))
-        choices.append(LayerChoice(call.path, kind, strategy, precision=chosen, reason=reason, chunk=chunk, **shape))
-    if overrides:
-        raise InvalidConfigError(f"no ghost or explicit layer at {sorted('/'.join(p) for p in overrides)}")
-    return tuple(choices)
-
-
-def _guarded(
-    strategy: Strategy, shape: path_cost.LayerShape, budget: int, reason: str, *, where: str
-) -> tuple[Strategy, int, str]:
-    """(path, examples a chunk or 0, reason) within the memory budget: chunked where the whole
-    micro-batch does not fit; a path chosen by the rule that does not fit an example at a time gives
-    way to one that does (a forced one stays, and is said)."""
-    chunk = path_cost.fit(strategy, shape, budget)
-    if chunk is None:
-        fitting = [s for s in ("streamed", "ghost") if path_cost.fit(s, shape, budget) is not None]
-        if reason == "forced" or not fitting:
-            _log.warning("clip path %s of %s does not fit the memory budget (%d bytes): kept", strategy, where, budget)
-            return strategy, 0, reason
-        reason = f"{reason}; {strategy} does not fit the memory budget"
-        strategy, chunk = fitting[0], path_cost.fit(fitting[0], shape, budget)
-    said = path_cost.describe_chunk(strategy, shape, chunk, budget)
-    return strategy, (chunk if said else 0), (f"{reason}; {said}" if said else reason)
-
-
-def _booked_paths(calls: tuple[bookkeeping.LayerCall, ...]) -> set[Path]:
+def booked_layers(calls: tuple[bookkeeping.LayerCall, ...]) -> set[LayerName]:
     """The layers book-keeping clips: shared ones (called more than once) and those not plain."""
     uses = collections.Counter(call.path for call in calls)
     return {call.path for call in calls if uses[call.path] > 1 or not _plain(call.module)}
 
 
-def timed_calls(calls: tuple[bookkeeping.LayerCall, ...], forced: Mapping[Path, Strategy]) -> list[int]:
-    """The calls whose path is worth timing: those with a path to choose that is not forced."""
-    skip = _booked_paths(calls) | set(forced)
-    return [i for i, call in enumerate(calls) if call.path not in skip]
-
-
-def describe(choices: tuple[LayerChoice, ...]) -> str:
-    """One line for the log: how many layers take each path and precision, how chosen, which are ghost."""
-    counts = collections.Counter(candidate_name(c.strategy, c.precision) for c in choices)
-    how = collections.Counter(  # "measured", "estimated", "rule" or "forced", whatever the guard added
-        c.reason.split(";")[0].split(":")[0] for c in choices if c.strategy != "book-keeping"
-    )
-    ghost = ["/".join(c.path) for c in choices if c.strategy == "ghost"]
-    return (
-        ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        + (f"; chosen by {', '.join(f'{k} ({n})' for k, n in sorted(how.items()))}" if how else "")
-        + (f" (ghost: {', '.join(ghost)})" if ghost else "")
-    )
-
-
-def describe_layers(choices: tuple[LayerChoice, ...]) -> list[str]:
-    """One log line per layer: its shape, path, precision and why."""
-    return [
-        f"{'/'.join(c.path)} ({c.kind}, {c.positions} positions, {c.fan_in} -> {c.fan_out}): "
-        f"{candidate_name(c.strategy, c.precision)}, {c.reason}"
-        for c in choices
-        if c.strategy != "book-keeping"
-    ]
+def _checked(choice: Any, call: bookkeeping.LayerCall) -> LayerChoice:
+    """``choice`` if it is a proven path of ``call``'s layer kind (whatever chose it), else an error."""
+    proven = PROVEN_PATHS[type(call.module)]
+    if not isinstance(choice, LayerChoice) or choice.strategy not in proven:
+        got = getattr(choice, "strategy", choice)
+        raise InvalidConfigError(f"{'/'.join(call.path)}: clip path {got!r} is not one of {proven}")
+    if not isinstance(choice.precision, ClipPrecision) or not choice.chunk_bytes >= 1:
+        raise InvalidConfigError(f"{'/'.join(call.path)}: a clip choice needs a ClipPrecision and chunk_bytes >= 1")
+    return choice
 
 
 @dataclasses.dataclass(frozen=True)
-class _Planned:
+class _PerLayer:
     """What the clipped sum and the norm bounds share: each layer's path, and the pass that gives
     every example's norm bound and the weighted sum over examples."""
 
-    plan: Callable[[PyTree, PyTree, PyTree], tuple[tuple, tuple[LayerChoice, ...]]]
+    choices: Callable[[PyTree, PyTree, PyTree], tuple[tuple, tuple[LayerChoice, ...]]]
     bounds: Callable[[PyTree, PyTree, PyTree], tuple[jax.Array, Callable[..., PyTree], jax.Array]]
 
 
-def _planned(
-    loss_fn: LossFn,
-    example: tuple[PyTree, PyTree, PyTree] | None,
-    strategies: Mapping[Path, Strategy] | None,
-    precision: ClipPrecision | None,
-    tuning: DeviceTuning | None,
-) -> _Planned:
-    tuning = tuning or tuning_for()
-    if precision is not None:
-        tuning = tuning.with_precision(precision)
-    forced = dict(strategies or {})
-
+def _per_layer(loss_fn: LossFn, chooser: PathChooser) -> _PerLayer:
     def calls_of(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[bookkeeping.LayerCall, ...]:
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         return bookkeeping.plan_layers(loss_fn, params, model_state, one)
 
-    measured: dict[Path, Measured] = {}
-    budget = memory_budget(tuning)
-    if example is not None and tuning.choose != "rule":
-        calls = calls_of(*example)
-        choose = measure_paths if tuning.choose == "measure" else estimate_paths
-        measured = choose(loss_fn, calls, timed_calls(calls, forced), *example, tuning, budget=budget)
-
-    def plan(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
+    def choices(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
         calls = calls_of(params, model_state, batch)
-        return calls, plan_strategies(
-            calls,
-            lambda call: bookkeeping.layer_params(call, params),
-            forced,
-            precision=tuning.precision,
-            measured=measured,
-            examples=jax.tree_util.tree_leaves(batch)[0].shape[0],
-            budget=budget,
-        )
+        examples = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        chosen = chooser.choose(calls, lambda call: bookkeeping.layer_params(call, params), examples)
+        booked = booked_layers(calls)
+        out = []
+        for call in calls:
+            if call.path in booked:
+                why = "a normalisation, shared or non-plain layer"
+                out.append(
+                    LayerChoice(
+                        call.path, type(call.module).__name__, "book-keeping", precision=chooser.precision, reason=why
+                    )
+                )
+            elif call.path in chosen:
+                out.append(_checked(chosen[call.path], call))
+            else:
+                shape = layer_shape(call, bookkeeping.layer_params(call, params)["kernel"], examples)
+                out.append(
+                    LayerChoice(
+                        call.path,
+                        type(call.module).__name__,
+                        "explicit",
+                        shape.positions,
+                        shape.fan_in,
+                        shape.fan_out,
+                        precision=chooser.precision,
+                        reason="default",
+                    )
+                )
+        return calls, tuple(out)
 
     def bounds(
         params: PyTree, model_state: PyTree, batch: PyTree
     ) -> tuple[jax.Array, Callable[..., PyTree], jax.Array]:
         """(each example's norm bound, ``weighted(weights, finite)``, each example's loss)."""
-        calls, choices = plan(params, model_state, batch)
+        calls, chosen = choices(params, model_state, batch)
         tape = bookkeeping.record_layers(loss_fn, calls, params, model_state, batch)
-        by_path: dict[Path, list[int]] = collections.defaultdict(list)
+        by_layer: dict[LayerName, list[int]] = collections.defaultdict(list)
         for index, call in enumerate(calls):
-            by_path[call.path].append(index)
+            by_layer[call.path].append(index)
         squares, summers, booked = [], [], {}
-        for path, indices in by_path.items():
-            first, choice = calls[indices[0]], choices[indices[0]]
-            own = bookkeeping.layer_params(first, params)
-            x, g = tape.inputs[indices[0]], tape.out_grads[indices[0]]
+        for name, indices in by_layer.items():
+            first, choice = calls[indices[0]], chosen[indices[0]]
             if choice.strategy == "book-keeping":
-                booked[path] = layer_bounds.book_keeping_gradients(
+                booked[name] = layer_bounds.book_keeping_gradients(
                     [calls[i] for i in indices],
                     params,
                     [tape.inputs[i] for i in indices],
@@ -332,27 +262,35 @@ def _planned(
                     choice.precision,
                 )
                 continue
+            own = bookkeeping.layer_params(first, params)
+            x, g = tape.inputs[indices[0]], tape.out_grads[indices[0]]
             rule = layer_bounds.wsconv if isinstance(first.module, WSConv) else layer_bounds.dense
-            chunk_bytes = tuning.chunk_bytes
-            if choice.chunk:  # the memory guard's chunks
-                shape = path_cost.LayerShape(x.shape[0], choice.positions, choice.fan_in, choice.fan_out)
-                chunk_bytes = path_cost.chunk_bytes(choice.strategy, shape, choice.chunk, chunk_bytes)
-            part, summer = rule(first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=chunk_bytes)
+            part, summer = rule(
+                first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=choice.chunk_bytes
+            )
             squares.append(part)
-            summers.append((path, summer))
-        for path, per_example in hold(booked).items():  # one loop holds them all (clipping.hold)
+            summers.append((name, summer))
+        for name, per_example in hold(booked).items():  # one loop holds them all (clipping.hold)
             if per_example:  # a normalisation may have neither scale nor bias
                 squares.append(layer_bounds.held_square_bound(per_example))
-                summers.append((path, functools.partial(layer_bounds.held_sum, per_example)))
+                summers.append((name, functools.partial(layer_bounds.held_sum, per_example)))
 
         def weighted(weights: jax.Array, finite: jax.Array) -> PyTree:
-            grads = {path + (name,): grad for path, summer in summers for name, grad in summer(weights, finite).items()}
+            grads = {name + (leaf,): grad for name, summer in summers for leaf, grad in summer(weights, finite).items()}
             flat, treedef = jax.tree_util.tree_flatten_with_path(params)
             return jax.tree_util.tree_unflatten(treedef, [grads[bookkeeping.key_path(p)] for p, _ in flat])
 
         return norm_bound(squares), weighted, tape.losses
 
-    return _Planned(plan, bounds)
+    return _PerLayer(choices, bounds)
+
+
+def _chooser(
+    choose: PathChooser | None, strategies: Mapping[LayerName, Strategy] | None, precision: ClipPrecision | None
+) -> PathChooser:
+    if choose is not None and (strategies or precision is not None):
+        raise InvalidConfigError("give a chooser, or strategies and a precision to force, not both")
+    return choose or forced(strategies, precision=precision)
 
 
 def make_ghost_clipped_sum_fn(
@@ -360,42 +298,38 @@ def make_ghost_clipped_sum_fn(
     *,
     clip_norm: float,
     example: tuple[PyTree, PyTree, PyTree] | None = None,
-    strategies: Mapping[Path, Strategy] | None = None,
+    choose: PathChooser | None = None,
+    strategies: Mapping[LayerName, Strategy] | None = None,
     precision: ClipPrecision | None = None,
-    tuning: DeviceTuning | None = None,
 ) -> ClippedSumFn:
     """Drop-in for ``make_clipped_sum_fn`` on models book-keeping covers (else UnsupportedModelError).
 
     ``example = (params, model_state, batch)`` (arrays or ``ShapeDtypeStruct``; batch leaves
-    ``[b, K, ...]`` with b the micro-batch per device) checks support now, as book-keeping does,
-    fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped and why) and,
-    where the device's tuning chooses (``privacy.device_tuning``: GPUs, TPUs), picks each layer's
-    path at that micro-batch by the device's cost model or by timing the candidates on the device
-    (``privacy.path_timing``). ``strategies`` forces a layer's path (``{("backbone", "conv_0"):
-    "ghost"}``), for tests and benchmarks.
-    ``precision`` forces the per-example contractions' precision (``privacy.rounding``); ``tuning``
-    the device settings (default: the backend's).
+    ``[b, K, ...]`` with b the micro-batch per device) checks support now, as book-keeping does, and
+    fills the result's ``layers`` (a ``LayerChoice`` per layer call: how it is clipped and why).
+    ``choose`` picks each plain layer's path (``privacy.tuning.choose.chooser``: the device's); or
+    ``strategies`` forces some (``{("backbone", "conv_0"): "ghost"}``, the rest explicit) at
+    ``precision`` (``privacy.rounding``), for tests and measurements.
     """
     check_clip_norm(clip_norm)
-    planned = _planned(loss_fn, example, strategies, precision, tuning)
+    per_layer = _per_layer(loss_fn, _chooser(choose, strategies, precision))
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
-        norms, weighted, losses = planned.bounds(params, model_state, batch)
+        norms, weighted, losses = per_layer.bounds(params, model_state, batch)
         return clipped_sum_from_norms(norms, mask, clip_norm=clip_norm, weighted=weighted, losses=losses)
 
-    choices = () if example is None else planned.plan(*example)[1]
-    return ClippedSumFn(clipped_sum, sensitivity=1.0, layers=choices)
+    layers = () if example is None else per_layer.choices(*example)[1]
+    return ClippedSumFn(clipped_sum, sensitivity=1.0, layers=layers)
 
 
 def make_ghost_norm_bounds_fn(
     loss_fn: LossFn,
     *,
-    example: tuple[PyTree, PyTree, PyTree] | None = None,
-    strategies: Mapping[Path, Strategy] | None = None,
+    choose: PathChooser | None = None,
+    strategies: Mapping[LayerName, Strategy] | None = None,
     precision: ClipPrecision | None = None,
-    tuning: DeviceTuning | None = None,
 ) -> Callable[[PyTree, PyTree, PyTree], jax.Array]:
     """``(params, model_state, batch) -> [b]``: each example's norm bound, what the clipped sum of the
     same arguments clips with (for measuring the bounds' margin, ``benchmarks/norm_bounds.py``)."""
-    planned = _planned(loss_fn, example, strategies, precision, tuning)
-    return lambda params, model_state, batch: planned.bounds(params, model_state, batch)[0]
+    per_layer = _per_layer(loss_fn, _chooser(choose, strategies, precision))
+    return lambda params, model_state, batch: per_layer.bounds(params, model_state, batch)[0]

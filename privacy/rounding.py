@@ -25,7 +25,7 @@ Precision. The per-example contractions may run at a reduced precision for speed
 (``FORMATS``: TF32 or bf16 inputs, float32 accumulation, as tensor cores do). The inputs are
 rounded to the format here, explicitly (so the hardware's own conversion is exact, and a CPU runs
 the same arithmetic), and the format's roundoff enters the bounds: a lower precision costs a
-larger margin, never the bound. Which precision each backend uses is ``privacy.device_tuning``'s.
+larger margin, never the bound. Which precision each backend uses is ``privacy.tuning.device``'s.
 """
 
 from __future__ import annotations

@@ -94,6 +94,20 @@ def test_no_package_imports_one_above_it_or_beside_it():
     assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))
 
 
+TUNING = "dpscale.privacy.tuning"
+
+
+def test_the_guarantee_never_imports_the_speed_tuning():
+    """privacy/ carries the bound; privacy/tuning/ chooses paths for speed only. The tuning may import
+    the guarantee (its proven paths, to choose among), never the other way round, so no timing, cost
+    model or device default can reach a bound (docs/architecture.md)."""
+    guarantee = [m for m in MODULES if _package(m) == "privacy" and not m.startswith(TUNING)]
+    assert "dpscale.privacy.ghost" in guarantee and "dpscale.privacy.layer_bounds" in guarantee
+    wrong = [f"{m} -> {o}" for m in guarantee for o in GRAPH[m] if o.startswith(TUNING)]
+    assert not wrong, "the guarantee imports the tuning:\n" + "\n".join(sorted(wrong))
+    assert any(o.startswith(TUNING) for m in MODULES for o in GRAPH[m]), "nothing uses the tuning: the test is void"
+
+
 def test_no_import_cycles_between_modules():
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles = []

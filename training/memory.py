@@ -92,24 +92,22 @@ def estimate(
     )
 
 
-def with_clip_paths(
-    estimate_: MemoryEstimate, layers: Sequence[Any], *, examples: int, chunk_bytes: int
-) -> MemoryEstimate:
+def with_clip_paths(estimate_: MemoryEstimate, layers: Sequence[Any], *, examples: int) -> MemoryEstimate:
     """``estimate_`` with the per-layer clipping's working set in flight added per example: the
-    largest of the chosen paths' patches, products or Gram matrices at once (``path_cost.working_set``),
+    largest of the chosen paths' patches, products or Gram matrices at once (``tuning.cost.working_set``),
     over ``examples`` (one device's micro-batch) in the chunks that ``layer_bounds.chunked`` runs:
-    those of the memory guard or of ``chunk_bytes`` (the device's setting: a CPU's cache, an
-    accelerator's whole micro-batch), the smaller, as ``privacy.ghost`` passes them. The held
-    per-example gradients are in the estimate already (at most the parameters)."""
-    from dpscale.privacy import layer_bounds, path_cost
+    each layer's ``chunk_bytes`` (the memory guard's, or the device's setting: a CPU's cache, an
+    accelerator's whole micro-batch), as ``privacy.ghost`` passes them. The held per-example
+    gradients are in the estimate already (at most the parameters)."""
+    from dpscale.privacy import layer_bounds
+    from dpscale.privacy.tuning import cost
 
     def in_flight(layer: Any) -> float:  # bytes an example
-        shape = path_cost.LayerShape(examples, layer.positions, layer.fan_in, layer.fan_out, layer.kind == "WSConv")
-        _, per_example = path_cost.working_set(layer.strategy, shape)
+        shape = layer.shape(examples)
+        _, per_example = cost.working_set(layer.strategy, shape)
         work = layer_bounds.chunk_work(layer.strategy, layer.positions, layer.fan_in, layer.fan_out)
-        device = path_cost.chunk_bytes(layer.strategy, shape, layer.chunk, chunk_bytes) if layer.chunk else chunk_bytes
         held = layer.strategy in layer_bounds.HELD_STRATEGIES
-        at_once = layer_bounds.chunk_size(examples, work, chunk_bytes=device, held=held)
+        at_once = layer_bounds.chunk_size(examples, work, chunk_bytes=layer.chunk_bytes, held=held)
         return per_example * at_once / examples
 
     work = max((in_flight(layer) for layer in layers if layer.strategy != "book-keeping"), default=0.0)

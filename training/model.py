@@ -43,10 +43,10 @@ from dpscale.models import pretrained, registry
 from dpscale.models.validation import validate_dp_model
 from dpscale.privacy.bookkeeping import UnsupportedModelError
 from dpscale.privacy.clipping import ClippedSumFn
-from dpscale.privacy.device_tuning import tuning_for
-from dpscale.privacy.ghost import LayerChoice, describe, describe_layers, make_ghost_clipped_sum_fn
+from dpscale.privacy.ghost import LayerChoice, make_ghost_clipped_sum_fn
 from dpscale.privacy.linear import softmax_regression_clipped_sum
 from dpscale.privacy.streams import Stream, stream_key
+from dpscale.privacy.tuning import choose as tuning
 from dpscale.training import feature_normalization, memory
 from dpscale.training.config import CACHE_MODES, ImageSettings, TrainingConfig
 from dpscale.training.data_kind import KINDS, detect_mode
@@ -252,15 +252,16 @@ def _layerwise_clipped_sum(
         }
         example = (jax.eval_shape(lambda: init_params(0)), model_state, batch)
         try:
-            fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example)
+            choose = tuning.chooser(loss_fn, example=example)  # the device's paths: speed only
+            fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example, choose=choose)
         except UnsupportedModelError as error:
             _log.info("per-example gradients: vmap(grad) (%s)", error)
             return None
-        _log.info("per-example gradients: per-layer norms from one batched backward: %s", describe(fn.layers))
+        _log.info("per-example gradients: per-layer norms from one batched backward: %s", tuning.describe(fn.layers))
         fits(fn.layers)
         # What the device's timings or cost model chose, and from what, in the run's log.
         chosen_for_device = any(choice.reason.startswith(("measured", "estimated")) for choice in fn.layers)
-        for line in describe_layers(fn.layers):
+        for line in tuning.describe_layers(fn.layers):
             _log.log(logging.INFO if chosen_for_device else logging.DEBUG, "clip path of %s", line)
         return fn
 
@@ -307,9 +308,8 @@ def _check_memory(
         devices=1 if on_cpu else devices,
     )
     check(found)
-    chunk_bytes = tuning_for().chunk_bytes
     per_device = _examples_per_device(config)
-    return lambda layers: check(memory.with_clip_paths(found, layers, examples=per_device, chunk_bytes=chunk_bytes))
+    return lambda layers: check(memory.with_clip_paths(found, layers, examples=per_device))
 
 
 def _feature_model(data: str, config: TrainingConfig) -> TrainModel:

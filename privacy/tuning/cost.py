@@ -1,6 +1,6 @@
 """What a layer's clipping path costs before it runs: its time by the device's cost model, its memory.
 
-Why: timing each candidate path of each layer shape on the device (``privacy.path_timing``) costs a
+Why: timing each candidate path of each layer shape on the device (``privacy.tuning.timing``) costs a
 compilation a candidate (on an H200, 44 of them took 155 s for WRN-16-4), and ghost, which loses by
 10x or more wherever a layer has 1,024 positions an example, was among them; and a whole
 micro-batch's per-example work at once can need more memory than the device has (ghost's Gram
@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpscale.privacy.device_tuning import CostModel
+from dpscale.privacy.ghost import LayerShape
 from dpscale.privacy.layer_bounds import Strategy, chunk_work
 from dpscale.privacy.rounding import ClipPrecision
+from dpscale.privacy.tuning.device import CostModel
 
 # Passes over an example's d*p product (formed, centred, folded, squared, summed) and over its P x P
 # Gram matrices (two formed, read for the inner product, |Y| and the bound's terms): what the fit to
@@ -32,18 +33,6 @@ from dpscale.privacy.rounding import ClipPrecision
 PRODUCT_PASSES = 10
 GRAM_PASSES = 8
 _FLOAT = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerShape:
-    """One layer's shapes for one device's micro-batch. ``conv``: a convolution, whose patches
-    (P x d an example) are formed; a dense layer reads its recorded input."""
-
-    examples: int
-    positions: int
-    fan_in: int
-    fan_out: int
-    conv: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +62,18 @@ def name(strategy: str, precision: ClipPrecision) -> str:
 
 
 def working_set(strategy: Strategy, shape: LayerShape) -> tuple[int, int]:
-    """(bytes held for the whole micro-batch, bytes in flight an example) of one layer's path."""
+    """(bytes held for the whole micro-batch, bytes in flight an example) of one layer's path: the
+    larger of its norm's pass and, for streamed and ghost, its sum's (the product formed again)."""
     positions, d, p = shape.positions, shape.fan_in, shape.fan_out
     patches = positions * d if shape.conv else 0
     if strategy == "explicit":  # a dense layer's explicit product is one contraction, not chunked
         return _FLOAT * shape.examples * d * p, _FLOAT * (patches + 2 * d * p) if shape.conv else 0
     if strategy == "grouped":  # explicit without the patches
         return _FLOAT * shape.examples * d * p, _FLOAT * 2 * d * p if shape.conv else 0
+    summing = patches + 3 * d * p
     if strategy == "streamed":
-        return 0, _FLOAT * (patches + 3 * d * p)
-    return 0, _FLOAT * (2 * patches + 3 * positions * positions)
+        return 0, _FLOAT * summing
+    return 0, _FLOAT * max(2 * patches + 3 * positions * positions, summing)
 
 
 def fit(strategy: Strategy, shape: LayerShape, budget: int) -> int | None:
@@ -106,10 +97,11 @@ def chunk_bytes(strategy: Strategy, shape: LayerShape, chunk: int, default: int)
 def estimate(strategy: Strategy, precision: ClipPrecision, shape: LayerShape, chunk: int, cost: CostModel) -> float:
     """Seconds of one micro-batch's norm bounds and weighted sum on the path, by ``cost``'s rates.
 
-    Each path contracts P*d*p an example once: explicit and streamed to form the product, ghost and
-    streamed in the batch's weight gradient (streamed does both). Explicit and streamed pass over
-    the d*p product; ghost forms two P x P Gram matrices (P^2 (d + p) multiply-adds) and passes
-    over them.
+    Explicit contracts P*d*p an example once, to form the product it holds; streamed twice (for the
+    norm, then again for the sum) and ghost once, for the sum, after its two P x P Gram matrices
+    (P^2 (d + p) multiply-adds). Each pass over a d*p product moves its bytes. (The constants were
+    fitted when streamed and ghost summed by one batch contraction: the same multiply-adds, fewer
+    bytes; benchmarks/results/gpu_step_cost.md.)
     """
     positions, d, p = shape.positions, shape.fan_in, shape.fan_out
     norm_rate, sum_rate = cost.rate(precision.norms), cost.rate(precision.sums)
@@ -121,10 +113,11 @@ def estimate(strategy: Strategy, precision: ClipPrecision, shape: LayerShape, ch
         seconds = product / norm_rate + _FLOAT * (positions * p + PRODUCT_PASSES * d * p) / cost.bytes_per_second
     elif strategy == "streamed":
         seconds = product / norm_rate + product / sum_rate
-        seconds += _FLOAT * (3 * patches + PRODUCT_PASSES * d * p) / cost.bytes_per_second
+        seconds += _FLOAT * (3 * patches + 2 * PRODUCT_PASSES * d * p) / cost.bytes_per_second
     else:
         seconds = positions * positions * (d + p) / norm_rate + product / sum_rate
-        seconds += _FLOAT * (3 * patches + GRAM_PASSES * positions * positions) / cost.bytes_per_second
+        passes = GRAM_PASSES * positions * positions + PRODUCT_PASSES * d * p
+        seconds += _FLOAT * (3 * patches + passes) / cost.bytes_per_second
     chunks = max(1, shape.examples // chunk)
     return cost.launch_seconds * chunks + shape.examples * seconds
 

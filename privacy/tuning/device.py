@@ -8,9 +8,9 @@ small kernels, full float32 contractions skip the tensor cores (the non-private 
 use them), and a rule measured on a CPU says nothing about the cost of a Gram matrix against a held
 gradient there. So a GPU or TPU runs each micro-batch's per-example work at once, and chooses each
 distinct layer shape's path (and precision, where a lower one costs no margin) within a memory
-budget: by a cost model whose constants were measured on that kind of device (``privacy.path_cost``;
+budget: by a cost model whose constants were measured on that kind of device (``privacy.tuning.cost``;
 NVIDIA GPUs), or, where none was, by timing the candidates on the device when the clipped sum is
-built (``privacy.path_timing``), as cuDNN times its convolution algorithms. A run's clip_paths.json
+built (``privacy.tuning.timing``), as cuDNN times its convolution algorithms. A run's clip_paths.json
 says what was chosen, from what estimates or times, and what was left out or chunked.
 
 Every choice here is a speed choice only: each path and precision clips with a proven upper bound of
@@ -28,17 +28,19 @@ import jax
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_choice
+from dpscale.privacy.layer_bounds import DEFAULT_CHUNK_BYTES
 from dpscale.privacy.rounding import ClipPrecision
 
 Choice = Literal["rule", "estimate", "measure"]
 CHOICES: tuple[str, ...] = ("rule", "estimate", "measure")
 # Bytes of one chunk's per-example working set (patches, Gram matrices) on a CPU: about what stays
 # in its last-level cache; measured fastest, per layer, on a 2-core CPU.
-CPU_CHUNK_BYTES = 8 * 2**20
-# Per-example work of a whole micro-batch at once: the device's memory, not a cache, is the limit. The
-# memory guard (``privacy.path_cost.fit``) chunks a layer whose estimated working set exceeds
-# ``MEMORY_FRACTION`` of the device's memory, and drops a path whose held gradients alone exceed it.
-WHOLE_MICROBATCH = 2**62
+CPU_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
+# A chunk_bytes no layer reaches: a micro-batch's per-example work runs at once, where the device's
+# memory, not a cache, is the limit. The memory guard (``tuning.cost.fit``) chunks a layer whose
+# estimated working set exceeds ``MEMORY_FRACTION`` of the device's memory, and drops a path whose
+# held gradients alone exceed it.
+UNLIMITED_CHUNK_BYTES = 2**62
 # One layer's per-example work may take this fraction of the device's memory: the rest is the step's
 # parameters, activations, recorded layer inputs and output gradients, and XLA's own buffers.
 MEMORY_FRACTION = 0.25
@@ -56,7 +58,7 @@ ALL_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "grouped")
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """A device's constants for the paths' cost model (``privacy.path_cost``): a micro-batch's
+    """A device's constants for the paths' cost model (``privacy.tuning.cost``): a micro-batch's
     candidate takes ``launch_seconds`` a chunk plus its multiply-adds at ``macs_per_second`` of its
     contraction format and its bytes moved at ``bytes_per_second``."""
 
@@ -124,7 +126,7 @@ class DeviceTuning:
 # cost ~3% of the clipping's time against the timed ones there (benchmarks/results/gpu_step_cost.md).
 # Other NVIDIA GPUs use the H200's constants too, unmeasured; elsewhere every candidate is timed.
 _ACCELERATOR = DeviceTuning(
-    chunk_bytes=WHOLE_MICROBATCH,
+    chunk_bytes=UNLIMITED_CHUNK_BYTES,
     choose="measure",
     candidates=(("ghost", _HIGHEST), ("streamed", _HIGHEST), ("explicit", _HIGHEST), ("explicit", _TF32)),
 )

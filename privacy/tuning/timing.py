@@ -9,14 +9,15 @@ distinct layer (its module, input and output-gradient shapes) are compiled and t
 random inputs of the micro-batch's shape, when the clipped sum is built; the fastest wins. Only
 speed is at stake: every candidate clips with a proven bound of the norm (``privacy.rounding``).
 
-Before any is timed, ``privacy.path_cost`` leaves out the candidates whose working set does not fit
+Before any is timed, ``privacy.tuning.cost`` leaves out the candidates whose working set does not fit
 the device's memory budget even an example at a time, chunks those that fit only in parts (and
 times them chunked, as they will run), and prunes those the device's cost model puts at many times
 the cheapest: each compilation saved is seconds of a first run. What was left out and why is in the
 layer's reason, with the timings. A candidate that fails to compile or run (out of device memory,
 say) is said and never chosen (and timed again by the next process). Timings are the minimum over a few calls after a first, uncounted one. They are kept
 between processes in a small JSON file (``timings_file``), keyed by the device kind, the JAX
-version, the layer and the candidate, so that a sweep or a resumed run does not time them again.
+version, the layer and the candidate, so that a sweep or a resumed run does not time them again:
+written owner-only, and read only where it is this user's own file that nobody else may write.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import logging
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,13 +39,14 @@ import numpy as np
 
 from dpscale.files import write_json_atomic
 from dpscale.models.layers import WSConv
-from dpscale.privacy import bookkeeping, layer_bounds, path_cost
-from dpscale.privacy.device_tuning import DeviceTuning
+from dpscale.privacy import bookkeeping, layer_bounds
+from dpscale.privacy.ghost import LayerName, layer_shape
 from dpscale.privacy.layer_bounds import Strategy
 from dpscale.privacy.rounding import ClipPrecision
+from dpscale.privacy.tuning import cost as path_cost
+from dpscale.privacy.tuning.device import DeviceTuning
 
 PyTree = Any
-Path = tuple[str, ...]
 _log = logging.getLogger(__name__)
 
 
@@ -110,20 +113,39 @@ def timings_file() -> str | None:
 
 
 def _read_timings(path: str | None) -> dict[str, float]:
-    try:
-        with open(path) as handle:  # type: ignore[arg-type]
-            found = json.load(handle)
-        return {str(k): float(v) for k, v in found.items()} if isinstance(found, dict) else {}
-    except (TypeError, OSError, ValueError):  # none yet, unreadable or corrupt: time again
+    """The kept timings, where the file is this user's own and nobody else may write it: a timing
+    another user could plant would move layers onto other paths (each of them proven, so at worst a
+    slower step; still, nobody else's file is read). Else none, with a warning."""
+    if path is None:
         return {}
+    try:
+        st = os.lstat(path)
+    except OSError:  # none yet: time them
+        return {}
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        _log.warning(
+            "clip path timings in %s ignored: not a regular file of this user that only its owner may write "
+            "(mode %o); the candidates are timed again",
+            path,
+            stat.S_IMODE(st.st_mode),
+        )
+        return {}
+    try:
+        with open(path) as handle:
+            found = json.load(handle)
+        kept = {str(k): float(v) for k, v in found.items()} if isinstance(found, dict) else {}
+    except (OSError, ValueError, TypeError, AttributeError):  # unreadable or corrupt: time again
+        return {}
+    return {k: v for k, v in kept.items() if math.isfinite(v) and v > 0}
 
 
 def _write_timings(path: str | None, timings: dict[str, float]) -> None:
+    """The timings, owner-only (0600, in a folder made 0700 if it is new)."""
     if path is None:
         return
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        write_json_atomic(path, timings)
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        write_json_atomic(path, timings, private=True)
     except OSError as error:  # a read-only home: time again next time
         _log.info("clip path timings not kept (%s)", error)
 
@@ -175,14 +197,8 @@ def candidate_groups(
         groups[key].append(index)
     found = []
     for key, indices in groups.items():
-        kernel, g = bookkeeping.layer_params(calls[indices[0]], params)["kernel"], out_grads[indices[0]]
-        shape = path_cost.LayerShape(
-            examples=g.shape[0],
-            positions=math.prod(g.shape[1:-1]),
-            fan_in=math.prod(kernel.shape[:-1]),
-            fan_out=kernel.shape[-1],
-            conv=isinstance(calls[indices[0]].module, WSConv),
-        )
+        kernel = bookkeeping.layer_params(calls[indices[0]], params)["kernel"]
+        shape = layer_shape(calls[indices[0]], kernel, out_grads[indices[0]].shape[0])
         plan = path_cost.plan(
             tuning.candidates, shape, budget=budget, cost=tuning.cost, prune_factor=tuning.prune_factor
         )
@@ -200,7 +216,7 @@ def estimate_paths(
     tuning: DeviceTuning,
     *,
     budget: int,
-) -> dict[Path, Measured]:
+) -> dict[LayerName, Measured]:
     """The cheapest candidate of each call in ``chosen_calls`` by the device's cost model
     (``tuning.cost``), among those that fit ``budget``: as ``measure_paths`` chooses, from shapes
     alone, with nothing compiled or run."""
@@ -233,11 +249,11 @@ def measure_paths(
     *,
     budget: int,
     repeats: int = 5,
-) -> dict[Path, Measured]:
+) -> dict[LayerName, Measured]:
     """The fastest candidate of each call in ``timed`` (indices into ``calls``, WS convolutions and
     plain dense layers), for micro-batches shaped like ``batch`` (leaves ``[b, K, ...]``; arrays or
     ``ShapeDtypeStruct``). Calls with the same module and shapes are timed once; ``budget``: the
-    bytes one layer's per-example work may take at once (``device_tuning.memory_budget``)."""
+    bytes one layer's per-example work may take at once (``tuning.device.memory_budget``)."""
     inputs, out_grads, groups = candidate_groups(
         loss_fn, calls, timed, params, model_state, batch, tuning, budget=budget
     )

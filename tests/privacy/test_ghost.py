@@ -15,12 +15,14 @@ import optax
 import pytest
 from flax import linen as nn
 
+from dpscale.errors import InvalidConfigError
 from dpscale.models import registry
 from dpscale.models.layers import GroupNorm, WSConv
 from dpscale.privacy.bookkeeping import UnsupportedModelError, plan_layers
 from dpscale.privacy.clipping import ClippedSum, clipped_sum_from_gradients, per_example_gradients
 from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
-from dpscale.privacy.ghost import choose_strategy, input_floats, make_ghost_clipped_sum_fn
+from dpscale.privacy.ghost import LayerChoice, PathChooser, make_ghost_clipped_sum_fn
+from dpscale.privacy.tuning.choose import choose_strategy, chooser, input_floats
 
 RTOL = 1e-5
 # The ghost, streamed and explicit norms are proven upper bounds, a little above the vmap path's
@@ -103,7 +105,8 @@ def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views, ne
     _, grads = _reference(loss_fn, params, batch, mask, 1.0)
     clip = _median_clip(grads, size)
     ref, _ = _reference(loss_fn, params, batch, mask, clip)
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch))
+    example = (params, {}, batch)
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=example, choose=chooser(loss_fn, example=example))
     assert {c.strategy for c in fn.layers} >= {"book-keeping"}
     step = DpsgdStep(
         fn,
@@ -151,7 +154,7 @@ def test_each_path_equals_vmap_on_every_layer_kind(strategy, views, nets):
     ref, _ = _reference(loss_fn, params, batch, mask, clip)
     forced = {(name,): strategy for name in ("a", "b", "c", "d", "fc")}
     fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip, example=(params, {}, batch), strategies=forced)
-    assert {c.path: c.strategy for c in fn.layers} == {**forced, ("n",): "book-keeping", ("shared",): "book-keeping"}
+    assert {c.layer: c.strategy for c in fn.layers} == {**forced, ("n",): "book-keeping", ("shared",): "book-keeping"}
     out = jax.jit(fn)(params, {}, batch, mask)
     assert fn.sensitivity == out.sensitivity == 1.0
     _assert_same(out, ref, nets, margin=GHOST_MARGIN if strategy == "ghost" else MARGIN)
@@ -177,6 +180,30 @@ def test_one_example_moves_the_sum_by_at_most_one(strategy, nets):
             lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), full.value, without.value
         )
         assert np.sqrt(sum(np.sum(d * d) for d in jax.tree_util.tree_leaves(diff))) <= 1.0
+
+
+def _planting(strategy):
+    """A chooser that puts every plain layer on ``strategy``, whatever it is."""
+
+    def choose(calls, params_of, examples):
+        return {c.path: LayerChoice(c.path, type(c.module).__name__, strategy, reason="planted") for c in calls}
+
+    return PathChooser(choose)
+
+
+def test_a_choice_off_the_proven_paths_is_refused_whatever_made_it(nets):
+    """The tuning only chooses among the registry's proven paths: the clipped sum checks each choice."""
+    model = registry.get_model("cnn-small", num_classes=4)
+    shape = (12, 12, 1)
+    params, batch = nets.random_params(model, shape), nets.image_batch(0, 4, 1, shape, classes=4)
+    loss_fn = nets.image_loss(model)
+    for bad in ("vmap-free", "book-keeping", "none"):
+        with pytest.raises(InvalidConfigError, match="is not one of"):
+            make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), choose=_planting(bad))
+    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), choose=_planting("ghost"))
+    assert {c.strategy for c in fn.layers} == {"ghost", "book-keeping"}
+    with pytest.raises(InvalidConfigError, match="not both"):
+        make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, choose=_planting("ghost"), strategies={("x",): "ghost"})
 
 
 def test_ghost_for_late_layers_explicit_or_streamed_for_early_ones():

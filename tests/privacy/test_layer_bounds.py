@@ -18,11 +18,11 @@ from flax import linen as nn
 
 from dpscale.models.layers import WSConv
 from dpscale.privacy import layer_bounds
-from dpscale.privacy.device_tuning import WHOLE_MICROBATCH
 from dpscale.privacy.ghost import make_ghost_clipped_sum_fn
 from dpscale.privacy.layer_bounds import WsGeometry
 from dpscale.privacy.layer_rules import shifted_windows
 from dpscale.privacy.rounding import FORMATS, ClipPrecision
+from dpscale.privacy.tuning.device import UNLIMITED_CHUNK_BYTES
 
 SIZE = 4
 # bound / exact - 1 on natural inputs at full precision, at most (measured: 3e-6 to 8e-5, and 4-13%
@@ -148,7 +148,7 @@ def test_each_path_reads_its_per_example_values_from_a_loop(layer, strategy):
         x, g = jnp.ones((SIZE, 1, 4)), jnp.ones((SIZE, 1, 5))
 
     def run(x, g, weights, finite):
-        square, summer = rule(module, params, x, g, strategy, ClipPrecision(), chunk_bytes=WHOLE_MICROBATCH)
+        square, summer = rule(module, params, x, g, strategy, ClipPrecision(), chunk_bytes=UNLIMITED_CHUNK_BYTES)
         return square, summer(weights, finite)
 
     args = (x, g, jnp.full((SIZE,), 0.5), jnp.ones((SIZE,), bool))

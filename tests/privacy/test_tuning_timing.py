@@ -21,10 +21,15 @@ from flax import linen as nn
 from dpscale.errors import InvalidConfigError
 from dpscale.models import registry
 from dpscale.models.layers import WSConv
-from dpscale.privacy import device_tuning, path_cost, path_timing
 from dpscale.privacy.bookkeeping import plan_layers
 from dpscale.privacy.clipping import clipped_sum_from_gradients, per_example_gradients
-from dpscale.privacy.device_tuning import (
+from dpscale.privacy.ghost import LayerShape, make_ghost_clipped_sum_fn
+from dpscale.privacy.rounding import ClipPrecision
+from dpscale.privacy.tuning import cost as path_cost
+from dpscale.privacy.tuning import device as device_tuning
+from dpscale.privacy.tuning import timing as path_timing
+from dpscale.privacy.tuning.choose import chooser, describe, describe_layers
+from dpscale.privacy.tuning.device import (
     ALL_STRATEGIES,
     CPU_CHUNK_BYTES,
     STRATEGIES,
@@ -32,8 +37,6 @@ from dpscale.privacy.device_tuning import (
     memory_budget,
     tuning_for,
 )
-from dpscale.privacy.ghost import describe, describe_layers, make_ghost_clipped_sum_fn
-from dpscale.privacy.rounding import ClipPrecision
 
 GPU = tuning_for("gpu")
 TIMED = dataclasses.replace(GPU, choose="measure")  # a GPU's candidates timed on the device
@@ -46,6 +49,12 @@ def _cnn(nets, views, size=6, scale=1.0):
     batch = nets.image_batch(5, size, views, SHAPE, classes=4)
     batch["image"] = batch["image"] * scale
     return nets.image_loss(model), params, batch
+
+
+def _tuned(loss_fn, *, clip_norm, tuning, example=None, strategies=None, precision=None):
+    """The clipped sum with each layer's path chosen by ``tuning`` (forced where ``strategies`` says)."""
+    choose = chooser(loss_fn, example=example, strategies=strategies, precision=precision, tuning=tuning)
+    return make_ghost_clipped_sum_fn(loss_fn, clip_norm=clip_norm, example=example, choose=choose)
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +118,7 @@ def test_the_gpu_settings_time_every_layer_and_clip_as_vmap_does(views, nets):
     loss_fn, params, batch = _cnn(nets, views)
     size = batch["label"].shape[0]
     mask = jnp.ones(size).at[0].set(0.0)
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=TIMED)
+    fn = _tuned(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=TIMED)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     assert timed and all(c.reason.startswith("measured: ") for c in timed)
     for choice in timed:  # every candidate was timed (none is hopeless here), the chosen one named first
@@ -133,11 +142,11 @@ def test_the_gpu_default_chooses_by_its_cost_model_compiling_nothing_and_clips_a
     monkeypatch.setattr(path_timing, "_time", never)
     loss_fn, params, batch = _cnn(nets, views)
     size = batch["label"].shape[0]
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=GPU)
+    fn = _tuned(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=GPU)
     chosen = [c for c in fn.layers if c.strategy != "book-keeping"]
     assert chosen and "chosen by estimated" in describe(fn.layers)
     for c in chosen:  # the cheapest of the candidates by the model, named first with every estimate
-        shape = path_cost.LayerShape(size, c.positions, c.fan_in, c.fan_out, c.kind == "WSConv")
+        shape = LayerShape(size, c.positions, c.fan_in, c.fan_out, c.kind == "WSConv")
         estimates = {path_cost.name(s, p): path_cost.estimate(s, p, shape, size, GPU.cost) for s, p in GPU.candidates}
         name = path_timing.candidate_name(c.strategy, c.precision)
         assert estimates[name] == min(estimates.values())
@@ -159,7 +168,7 @@ def test_a_whole_micro_batch_at_once_moves_the_sum_by_at_most_one(strategy, prec
     paths = [c.path for c in plan_layers(loss_fn, params, {}, one) if type(c.module) in (WSConv, nn.Dense)]
     tuning = dataclasses.replace(GPU, choose="rule")
     fn = jax.jit(
-        make_ghost_clipped_sum_fn(
+        _tuned(
             loss_fn,
             clip_norm=0.01,
             strategies={p: strategy for p in paths},
@@ -192,7 +201,7 @@ def test_a_candidate_that_fails_is_said_and_never_chosen(nets, monkeypatch):
         return out_of_memory
 
     monkeypatch.setattr(path_timing, "_layer_fn", ghost_fails)
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
+    fn = _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     assert timed and all(c.strategy != "ghost" and "ghost/highest failed" in c.reason for c in timed)
 
@@ -201,7 +210,7 @@ def test_timings_are_kept_for_the_next_process_and_a_corrupt_file_is_timed_again
     loss_fn, params, batch = _cnn(nets, 1)
     kept = tmp_path / "cache" / "clip_timings.json"
     monkeypatch.setenv("DPSCALE_CLIP_TIMINGS", str(kept))
-    first = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
+    first = _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     timings = json.loads(kept.read_text())
     assert len(timings) == len(GPU.candidates) * sum(c.strategy != "book-keeping" for c in first.layers)
 
@@ -209,11 +218,11 @@ def test_timings_are_kept_for_the_next_process_and_a_corrupt_file_is_timed_again
         raise AssertionError("timed again")
 
     monkeypatch.setattr(path_timing, "_time", never)
-    again = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
+    again = _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     assert again.layers == first.layers
     kept.write_text("{not json")
     monkeypatch.setattr(path_timing, "_time", lambda fn, args, repeats: 1.0)
-    make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
+    _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
     assert set(json.loads(kept.read_text()).values()) == {1.0}
     monkeypatch.delenv("DPSCALE_CLIP_TIMINGS")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -233,14 +242,14 @@ def test_measured_summary_ranks_the_candidates():
 @pytest.mark.parametrize("views", [1, 4])
 def test_a_tiny_memory_budget_chunks_or_drops_and_the_sum_is_still_vmaps(views, nets):
     loss_fn, params, batch = _cnn(nets, views)
-    tuning = dataclasses.replace(GPU, memory_bytes=150_000)
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=tuning)
+    tuning = dataclasses.replace(GPU, memory_bytes=1_000_000)
+    fn = _tuned(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=tuning)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     chunked = [c for c in timed if c.chunk]
     assert chunked and all("chunked " in c.reason and c.chunk < batch["label"].shape[0] for c in chunked)
     assert any(" dropped: needs " in c.reason for c in timed)
     for c in timed:  # never a path whose working set is known not to fit
-        shape = path_cost.LayerShape(batch["label"].shape[0], c.positions, c.fan_in, c.fan_out, c.kind == "WSConv")
+        shape = LayerShape(batch["label"].shape[0], c.positions, c.fan_in, c.fan_out, c.kind == "WSConv")
         held, per_example = path_cost.working_set(c.strategy, shape)
         assert held + per_example * (c.chunk or shape.examples) <= tuning.memory_bytes
     size = batch["label"].shape[0]
@@ -260,8 +269,8 @@ def test_a_rule_path_that_does_not_fit_gives_way_to_one_that_does(nets):
     # The stem (144 positions, 9 -> 16): the rule's explicit holds 3.5 KB and needs 6.3 KB an example;
     # streamed needs 6.9 KB an example and holds nothing.
     tuning = dataclasses.replace(GPU, choose="rule", memory_bytes=8000)
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=tuning)
-    stem = next(c for c in fn.layers if c.path == ("backbone", "conv_0"))
+    fn = _tuned(loss_fn, clip_norm=0.05, example=(params, {}, batch), tuning=tuning)
+    stem = next(c for c in fn.layers if c.layer == ("backbone", "conv_0"))
     assert (stem.strategy, stem.chunk) == ("streamed", 1)
     assert stem.reason.startswith("rule; explicit does not fit the memory budget; chunked 6 x 1 examples")
     assert "chosen by rule (" in describe(fn.layers) and "chunked" not in describe(fn.layers)
@@ -280,7 +289,7 @@ def test_chunked_by_the_memory_guard_one_example_moves_the_sum_by_at_most_one(st
     one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
     paths = [c.path for c in plan_layers(loss_fn, params, {}, one) if type(c.module) in (WSConv, nn.Dense)]
     tuning = dataclasses.replace(GPU, choose="rule", memory_bytes=300_000, precision=ClipPrecision("tf32", "tf32"))
-    made = make_ghost_clipped_sum_fn(
+    made = _tuned(
         loss_fn, clip_norm=0.01, example=(params, {}, batch), strategies={p: strategy for p in paths}, tuning=tuning
     )
     assert any(c.chunk for c in made.layers)
@@ -299,7 +308,7 @@ def test_chunked_by_the_memory_guard_one_example_moves_the_sum_by_at_most_one(st
 def test_pruned_candidates_are_said_in_the_reason_and_in_clip_paths(nets):
     loss_fn, params, batch = _cnn(nets, 1)
     tuning = dataclasses.replace(TIMED, prune_factor=1.0001)  # all but the two cheapest by the model
-    fn = make_ghost_clipped_sum_fn(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=tuning)
+    fn = _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=tuning)
     timed = [c for c in fn.layers if c.strategy != "book-keeping"]
     for choice in timed:
         assert choice.reason.count(" ms") + choice.reason.count(" pruned: est. ") == len(GPU.candidates)
@@ -307,3 +316,28 @@ def test_pruned_candidates_are_said_in_the_reason_and_in_clip_paths(nets):
     assert any(" pruned: est. " in c.reason for c in timed)
     written = json.loads(json.dumps([dataclasses.asdict(c) for c in fn.layers]))  # as the trainer writes them
     assert any("pruned: est." in layer["reason"] for layer in written) and all("chunk" in layer for layer in written)
+
+
+def test_kept_timings_are_owner_only_and_a_planted_file_changes_no_path(nets, monkeypatch, tmp_path, caplog):
+    """Timings another user could write are never read: a group- or world-writable file (or one of
+    another user, or a link) is ignored with a warning, and the paths are those of no file at all."""
+    loss_fn, params, batch = _cnn(nets, 1)
+    kept = tmp_path / "cache" / "clip_timings.json"
+    monkeypatch.setenv("DPSCALE_CLIP_TIMINGS", str(kept))
+    monkeypatch.setattr(path_timing, "_time", lambda fn, args, repeats: 1.0)  # every candidate ties
+    honest = _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
+    assert kept.stat().st_mode & 0o777 == 0o600 and kept.parent.stat().st_mode & 0o777 == 0o700
+    planted = {name: (1e-9 if "streamed" in name else 1e3) for name in json.loads(kept.read_text())}
+    kept.write_text(json.dumps(planted))
+    kept.chmod(0o666)
+    monkeypatch.setattr(path_timing, "_time", lambda fn, args, repeats: 1.0)
+    with caplog.at_level("WARNING"):
+        again = _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
+    assert "ignored: not a regular file of this user" in caplog.text
+    assert [c.strategy for c in again.layers] == [c.strategy for c in honest.layers]
+    assert not any(c.strategy == "streamed" for c in honest.layers)  # ties go to the first candidate
+    kept.write_text(json.dumps(planted))  # the same file, now this user's own and owner-only: read
+    kept.chmod(0o600)
+    monkeypatch.setattr(path_timing, "_time", lambda fn, args, repeats: pytest.fail("timed again"))
+    chosen = _tuned(loss_fn, clip_norm=1.0, example=(params, {}, batch), tuning=TIMED)
+    assert {c.strategy for c in chosen.layers} == {"streamed", "book-keeping"}  # still a proven path

@@ -47,33 +47,32 @@ def test_a_run_that_cannot_fit_is_refused_with_the_micro_batch_that_would():
 
 
 def test_the_clip_paths_working_set_is_added_per_example_as_each_path_is_chunked():
-    from dpscale.privacy.ghost import LayerChoice
+    from dpscale.privacy.ghost import LayerChoice, LayerShape
     from dpscale.privacy.layer_bounds import chunk_work
-    from dpscale.privacy.path_cost import LayerShape, working_set
+    from dpscale.privacy.tuning.cost import working_set
 
     found = memory.MemoryEstimate(state_bytes=0, per_example_bytes=1000, examples=64)
-    ghost = LayerChoice(("conv",), "WSConv", "ghost", positions=4096, fan_in=576, fan_out=64)
+    whole_batch = 2**62  # an accelerator's chunk_bytes: every example at once
+    ghost = LayerChoice(("conv",), "WSConv", "ghost", positions=4096, fan_in=576, fan_out=64, chunk_bytes=whole_batch)
     booked = LayerChoice(("norm",), "GroupNorm", "book-keeping")
-    gram = working_set("ghost", LayerShape(64, 4096, 576, 64))[1]  # bytes an example, Gram matrices
-    whole = memory.with_clip_paths(found, [booked, ghost], examples=64, chunk_bytes=2**62)
-    assert whole.per_example_bytes == 1000 + gram  # every example's at once (an accelerator)
+    in_flight = working_set("ghost", LayerShape(64, 4096, 576, 64))[1]  # bytes an example
+    whole = memory.with_clip_paths(found, [booked, ghost], examples=64)
+    assert whole.per_example_bytes == 1000 + in_flight
+    work = chunk_work("ghost", 4096, 576, 64)
     by_guard = memory.with_clip_paths(
-        found, [booked, dataclasses.replace(ghost, chunk=8)], examples=64, chunk_bytes=2**62
+        found, [booked, dataclasses.replace(ghost, chunk=8, chunk_bytes=8 * work)], examples=64
     )
-    assert by_guard.per_example_bytes == 1000 + gram * 8 // 64  # the guard's chunks of 8
-    on_cpu = memory.with_clip_paths(found, [ghost], examples=64, chunk_bytes=1)  # one example at a time
-    assert on_cpu.per_example_bytes == 1000 + -(-gram // 64)
-    guarded_on_cpu = memory.with_clip_paths(found, [dataclasses.replace(ghost, chunk=8)], examples=64, chunk_bytes=1)
-    assert guarded_on_cpu == on_cpu  # the smaller of the guard's chunk and the device's runs
-    assert memory.with_clip_paths(found, [booked], examples=64, chunk_bytes=2**62) == found
+    assert by_guard.per_example_bytes == 1000 + in_flight * 8 // 64  # the guard's chunks of 8
+    on_cpu = memory.with_clip_paths(found, [dataclasses.replace(ghost, chunk_bytes=1)], examples=64)
+    assert on_cpu.per_example_bytes == 1000 + -(-in_flight // 64)  # one example at a time
+    assert memory.with_clip_paths(found, [booked], examples=64) == found
     # The chunk is the one layer_bounds.chunked runs: a divisor of the micro-batch (room for 5 of
     # 64 runs 4), and an explicit path's held loop has at least two chunks (32 of 64 at once).
-    work = chunk_work("ghost", 4096, 576, 64)
-    five = memory.with_clip_paths(found, [ghost], examples=64, chunk_bytes=5 * work)
-    assert five.per_example_bytes == 1000 + -(-gram * 4 // 64)
+    five = memory.with_clip_paths(found, [dataclasses.replace(ghost, chunk_bytes=5 * work)], examples=64)
+    assert five.per_example_bytes == 1000 + -(-in_flight * 4 // 64)
     explicit = dataclasses.replace(ghost, strategy="explicit")
     product = working_set("explicit", LayerShape(64, 4096, 576, 64))[1]
-    halves = memory.with_clip_paths(found, [explicit], examples=64, chunk_bytes=2**62)
+    halves = memory.with_clip_paths(found, [explicit], examples=64)
     assert halves.per_example_bytes == 1000 + product * 32 // 64
     # A run the estimate alone lets through is refused once the paths' working set is known.
     memory.check_fits(found, model="m", microbatch_size=64, devices=1, available=(2 * 64 * 1000, "RAM"))
