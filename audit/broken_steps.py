@@ -63,5 +63,5 @@ class NoiseOverBTwice(DpsgdStep):
 
     def _privatize_impl(self, total: ClippedSum, step: jax.Array, base_key: jax.Array) -> Any:
         b = self.expected_batch_size
-        noisy = add_gaussian_noise(total.value, step_key(base_key, step), std=self.noise_multiplier / b)
+        noisy = add_gaussian_noise(total.summed(), step_key(base_key, step), std=self.noise_multiplier / b)
         return jax.tree_util.tree_map(lambda x: x / b, noisy)

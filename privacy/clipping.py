@@ -38,7 +38,7 @@ from flax import struct
 
 from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_clip_norm
-from dpscale.privacy.example_sum import pairwise_sum, room, weighted_tree_sum
+from dpscale.privacy.example_sum import pairwise_sum, room, two_sum, weighted_tree_sum
 from dpscale.privacy.rounding import U, inflate, norm_bound, upper_sum_of_squares
 
 PyTree = Any
@@ -62,15 +62,37 @@ class ClippedSum:
     sum_of_norms: jax.Array  # of the unclipped norms of finite real examples
     sum_of_losses: jax.Array  # of the (view-averaged) losses of finite real examples
     sensitivity: float = struct.field(pytree_node=False, default=1.0)
+    # What float32 ``value`` leaves out of the exact sum of the parts added by ``plus`` (None: nothing):
+    # a step's micro-batches are added as two floats, so their sum is exact up to u^2 of its size.
+    value_error: PyTree = None
 
     def plus(self, other: ClippedSum) -> ClippedSum:
         """The sum over two *disjoint* sets of examples (e.g. two micro-batches).
 
         Each example is in one part only, so the sensitivity is the larger of the
-        two, not their sum (an empty sum has sensitivity 0).
+        two, not their sum (an empty sum has sensitivity 0). The values are added with
+        ``example_sum.two_sum``: the rounding error of each addition is kept in ``value_error``.
         """
-        dynamic = jax.tree_util.tree_map(jnp.add, self.replace(sensitivity=0.0), other.replace(sensitivity=0.0))
-        return dynamic.replace(sensitivity=max(self.sensitivity, other.sensitivity))
+        pair = jax.tree_util.tree_map(two_sum, self.value, other.value)
+        value = jax.tree_util.tree_map(lambda p: p[0], pair, is_leaf=lambda x: isinstance(x, tuple))
+        errors = [jax.tree_util.tree_map(lambda p: p[1], pair, is_leaf=lambda x: isinstance(x, tuple))]
+        errors += [e for e in (self.value_error, other.value_error) if e is not None]
+        counts = jax.tree_util.tree_map(
+            jnp.add,
+            self.replace(value=None, value_error=None, sensitivity=0.0),
+            other.replace(value=None, value_error=None, sensitivity=0.0),
+        )
+        return counts.replace(
+            value=value,
+            value_error=jax.tree_util.tree_map(lambda *e: sum(e[1:], e[0]), *errors),
+            sensitivity=max(self.sensitivity, other.sensitivity),
+        )
+
+    def summed(self) -> PyTree:
+        """``value + value_error`` rounded once to float32: the sum the noise is added to."""
+        if self.value_error is None:
+            return self.value
+        return jax.tree_util.tree_map(jnp.add, self.value, self.value_error)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from dpscale.errors import InvalidConfigError
 from dpscale.privacy.checks import check_ema_decay, check_noise_multiplier, check_positive
 from dpscale.privacy.clipping import ClippedSum, ClippedSumFn
 from dpscale.privacy.ema import ema_update
-from dpscale.privacy.example_sum import micro_batch_slots
+from dpscale.privacy.example_sum import StepSums, room, step_sums
 from dpscale.privacy.noise import add_gaussian_noise, step_key
 from dpscale.privacy.streams import Stream, stream_key
 
@@ -70,6 +70,7 @@ def _zeros_like_clipped_sum(params: PyTree, sensitivity: float) -> ClippedSum:
     zero = jnp.zeros((), jnp.float32)
     return ClippedSum(
         value=jax.tree_util.tree_map(jnp.zeros_like, params),
+        value_error=jax.tree_util.tree_map(jnp.zeros_like, params),
         num_examples=zero_int,
         num_clipped=zero_int,
         num_nonfinite=zero_int,
@@ -88,8 +89,10 @@ class DpsgdStep:
     (``privacy.clipping.ClippedSumFn``). The noise of step t is drawn from ``Stream.NOISE``
     of ``seed`` (which must come from ``privacy.seeds.resolve_seed``) at t.
     ``noise_multiplier`` sigma is relative to that sensitivity, ``expected_batch_size`` is
-    the B the noisy sum is divided by (the expected size under Poisson sampling), and
-    ``ema_decay`` the EMA's decay after its warm-up.
+    the B the noisy sum is divided by (the expected size under Poisson sampling),
+    ``ema_decay`` the EMA's decay after its warm-up, and ``capacity`` the most real examples
+    a step holds: every clip leaves room for the float32 sum of that many
+    (``privacy.example_sum.room``), so the step's whole sum moves by at most its sensitivity.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class DpsgdStep:
         seed: int,
         optimizer: optax.GradientTransformation,
         ema_decay: float,
+        capacity: int,
         mesh: Mesh | None = None,
     ) -> None:
         if not isinstance(clipped_sum_fn, ClippedSumFn):
@@ -111,6 +115,8 @@ class DpsgdStep:
         check_noise_multiplier(noise_multiplier, zero_allowed=True)
         check_positive(expected_batch_size, "expected batch size")
         check_ema_decay(ema_decay)
+        check_positive(capacity, "capacity")
+        self.capacity = int(capacity)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.ema_decay = float(ema_decay)
@@ -197,7 +203,18 @@ class DpsgdStep:
         self, params: PyTree, total: ClippedSum, batch: PyTree, mask: jax.Array, model_state: PyTree
     ) -> ClippedSum:
         """``total`` plus the clipped sum of one micro-batch."""
-        return total.plus(self._clipped_sum(params, model_state, batch, mask))
+        with step_sums(self._sums(mask.shape[0])):
+            return total.plus(self._clipped_sum(params, model_state, batch, mask))
+
+    def _sums(self, slots: int) -> StepSums:
+        """How this step adds up the clipped sums of micro-batches of ``slots`` slots."""
+        return StepSums(slots=slots, devices=self.num_devices, step_slots=self.capacity)
+
+    def room(self, slots: int) -> float:
+        """The factor ``c`` every clipped contribution carries in this step, at micro-batches of ``slots``
+        slots: the room for the float32 sum of the whole step (``privacy.example_sum.room``)."""
+        with step_sums(self._sums(slots)):
+            return float(room(slots))
 
     @property
     def accumulate_traceable(self) -> Callable[..., ClippedSum]:
@@ -218,10 +235,10 @@ class DpsgdStep:
         rendezvous timeout. Under ``shard_map`` only the parameter-sized sums cross devices.
         """
 
-        slots = mask.shape[0]  # the whole micro-batch: its clip room is the same on any number of devices
+        sums = self._sums(mask.shape[0])  # the whole micro-batch's room: the same on any number of devices
 
         def local(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
-            with micro_batch_slots(slots):
+            with step_sums(sums):
                 return jax.lax.psum(self._clipped_sum(params, model_state, batch, mask), DATA_AXIS)
 
         # check_vma=False: with it, differentiating w.r.t. the replicated parameters inside
@@ -237,11 +254,11 @@ class DpsgdStep:
 
     def _privatize_impl(self, total: ClippedSum, step: jax.Array, base_key: jax.Array) -> PyTree:
         if self.noise_multiplier == 0:  # no noise: a non-private baseline
-            noisy_sum = total.value
+            noisy_sum = total.summed()
         elif math.isfinite(total.sensitivity):
             key = step_key(base_key, step)
             std = self.noise_multiplier * total.sensitivity
-            noisy_sum = add_gaussian_noise(total.value, key, std=std)
+            noisy_sum = add_gaussian_noise(total.summed(), key, std=std)
         else:
             raise InvalidConfigError("noise cannot be calibrated to a sum of unbounded sensitivity")
         return jax.tree_util.tree_map(lambda x: x / self.expected_batch_size, noisy_sum)

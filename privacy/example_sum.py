@@ -24,14 +24,24 @@ Every weight is then scaled by ``sum_scale(n) = 1 / (1 + 2 gamma_D n)``: ``||t_i
 difference above is at most ``c (1 + 2 gamma_D n) <= 1`` (0.99987 at n = 128: the clip pays
 for the float32 sum of its whole micro-batch, not only for each example's own rounding).
 
-Not bounded here: the sums over micro-batches and devices that the DP step adds up
-(docs/privacy.md, "Sensitivity under floating point").
+A step adds its micro-batches' sums too. The sampler puts a step's examples in random slots, so the
+neighbour without j is the same step with j's slot empty: only j's micro-batch's sum changes. The DP
+step adds the devices' shares of a micro-batch (an all-reduce: ``devices - 1`` more roundings a term)
+and the micro-batches' sums exactly, as two floats (``two_sum``: the error of each addition is kept,
+and only the errors' own sum rounds, by ``u^2`` of the total), and rounds the total to float32 once
+before the noise, which moves it by at most ``u`` of its size, N slots' worth. So ``room`` takes, in a
+``step_sums`` block, the step's slots N too:
+
+    c = 1 / (1 + 2 gamma_D n + 2 u N + 4 u^2 m^2 N),   D = sum_depth(n) + devices - 1,  m = ceil(N / n),
+
+and the step's whole sum, rounded for the noise, moves by at most 1 (docs/privacy.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -40,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpscale.privacy.rounding import gamma
+from dpscale.privacy.rounding import U, gamma
 
 PyTree = Any
 #: Examples summed by one contraction before the pairwise levels.
@@ -64,25 +74,51 @@ def sum_scale(n: int) -> np.float32:
     return scale if float(scale) <= exact else np.nextafter(scale, np.float32(0))
 
 
-_SLOTS: contextvars.ContextVar[int] = contextvars.ContextVar("micro_batch_slots", default=0)
+@dataclasses.dataclass(frozen=True)
+class StepSums:
+    """How a DP step adds up its clipped sums: ``slots`` a micro-batch (all devices together),
+    ``devices`` whose shares an all-reduce adds, and ``step_slots`` N, the most real examples a step
+    holds (its capacity), whose float32 total is rounded once before the noise."""
+
+    slots: int
+    devices: int = 1
+    step_slots: int = 0
+
+
+_STEP: contextvars.ContextVar[StepSums | None] = contextvars.ContextVar("step_sums", default=None)
 
 
 @contextlib.contextmanager
-def micro_batch_slots(slots: int) -> Iterator[None]:
-    """Clipped sums traced inside size their room for a micro-batch of ``slots`` (at least), not for
-    the slice they see: on a mesh each device clips its share, and with the whole micro-batch's room
-    the update does not depend on the number of devices (a larger n only makes the room safer)."""
-    token = _SLOTS.set(slots)
+def step_sums(sums: StepSums) -> Iterator[None]:
+    """Clipped sums traced inside size their room for the DP step that adds them up (``room``), not
+    for the slice of a micro-batch they see: on a mesh each device clips its share, and with the whole
+    micro-batch's room the update does not depend on the number of devices."""
+    token = _STEP.set(sums)
     try:
         yield
     finally:
-        _SLOTS.reset(token)
+        _STEP.reset(token)
 
 
 def room(local_slots: int) -> np.float32:
-    """``sum_scale`` of the micro-batch a clipped sum belongs to: its own slots, or the whole
-    micro-batch's where a ``micro_batch_slots`` block says so."""
-    return sum_scale(max(local_slots, _SLOTS.get()))
+    """The scale ``c`` of every clip weight of a clipped sum over ``local_slots`` slots: for the sum
+    over its micro-batch (``sum_scale``) or, inside ``step_sums``, for the DP step's whole sum."""
+    step = _STEP.get()
+    if step is None:
+        return sum_scale(local_slots)
+    n = max(local_slots, step.slots)
+    big, m = max(step.step_slots, n), -(-max(step.step_slots, n) // n)
+    exact = 1.0 / (1.0 + 2.0 * gamma(sum_depth(n) + step.devices - 1) * n + 2.0 * U * big + 4.0 * U * U * m * m * big)
+    scale = np.float32(exact)
+    return scale if float(scale) <= exact else np.nextafter(scale, np.float32(0))
+
+
+def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(s, e)`` with ``s = fl(a + b)`` and ``s + e = a + b`` exactly (Knuth's TwoSum: six additions,
+    no branch; XLA does not reassociate float additions, tests/privacy/test_example_sum.py checks it)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
 
 
 def pairwise_sum(x: jax.Array) -> jax.Array:

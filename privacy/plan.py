@@ -489,6 +489,7 @@ class PrivacyPlan:
             seed=seed,
             optimizer=optimizer,
             ema_decay=ema_decay,
+            capacity=self.capacity,
             mesh=mesh,
         )
 

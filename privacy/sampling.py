@@ -14,7 +14,9 @@ truncation costs at most 0.1% of epsilon (``privacy.calibration.capacity_stds``;
 gives the numbers and the compute it costs). It does not depend on the micro-batch size, so
 ``dpscale epsilon`` needs no layout to give a run's exact epsilon.
 The capacity is spread over the fewest micro-batches of at most ``microbatch_size`` slots, in
-equal slots (``Layout``), so a large micro-batch size wastes no slot.
+equal slots (``Layout``), so a large micro-batch size wastes no slot. The drawn examples take random
+slots, the padding the rest: so the step without one example is the same step with that slot empty,
+which is what bounds the float32 sum of a whole step (``privacy.example_sum``).
 
 Each step's sample is a pure function of (seed, step), so a resumed run draws the same batches
 it would have drawn without the interruption. ``truncated_poisson_slots`` is the same
@@ -103,15 +105,17 @@ class SampledBatch:
         return int(self.indices.shape[0])
 
 
-def pad_into(indices: np.ndarray, layout: Layout) -> SampledBatch:
-    """``indices`` in the slots of ``layout``, the rest padded with -1 (mask 0)."""
+def pad_into(indices: np.ndarray, layout: Layout, *, slots: np.ndarray | None = None) -> SampledBatch:
+    """``indices`` in the slots of ``layout`` (the first ones, or ``slots``: one distinct slot each), the
+    rest padded with -1 (mask 0)."""
     count = len(indices)
     if count > layout.slots:
         raise ValueError(f"{count} examples do not fit {layout.slots} slots")
+    where = np.arange(count) if slots is None else np.asarray(slots)
     padded = np.full(layout.slots, PADDING_INDEX, dtype=np.int64)
-    padded[:count] = indices
+    padded[where] = indices
     mask = np.zeros(layout.slots, dtype=np.float32)
-    mask[:count] = 1.0
+    mask[where] = 1.0
     shape = (layout.num_microbatches, layout.microbatch_size)
     return SampledBatch(indices=padded.reshape(shape), mask=mask.reshape(shape))
 
@@ -163,7 +167,11 @@ class PoissonSampler:
         rng = stream_rng(self._seed, Stream.SAMPLING, step)
         size = min(int(rng.binomial(self.num_examples, self.sampling_rate)), self.capacity)
         chosen = np.sort(rng.choice(self.num_examples, size=size, replace=False))
-        return pad_into(chosen, self.layout)
+        # Random slots, not the first ones: a neighbour without one example is then the same step
+        # with that example's slot empty, and only its micro-batch's clipped sum rounds otherwise
+        # (privacy.example_sum). The slots are a uniform injection of the chosen examples, whichever
+        # they are, so leaving one out leaves the others' slots uniform too.
+        return pad_into(chosen, self.layout, slots=rng.permutation(self.layout.slots)[:size])
 
 
 class ShuffledSampler:
@@ -210,15 +218,16 @@ def truncated_poisson_slots(
 
     Every eligible row (a boolean ``[rows]``: the data set of this model) joins with
     probability q; if more than ``capacity`` joined, a uniformly random ``capacity`` of them are
-    kept (those with the smallest of independent uniform priorities). Padding points at row 0
-    with mask 0. The work is the same whatever was drawn.
+    kept (those with the smallest of independent uniform priorities), in random slots. Padding
+    points at row 0 with mask 0. The work is the same whatever was drawn.
     """
     import jax
     import jax.numpy as jnp
 
-    join_key, order_key = jax.random.split(key)
+    join_key, order_key, slot_key = jax.random.split(key, 3)
     chosen = jax.random.bernoulli(join_key, sampling_rate, eligible.shape) & eligible
     priority = jnp.where(chosen, jax.random.uniform(order_key, eligible.shape), 2.0)
     neg_top, index = jax.lax.top_k(-priority, capacity)
     mask = (neg_top > -2.0).astype(jnp.float32)
-    return jnp.where(mask > 0, index, 0), mask
+    slots = jax.random.permutation(slot_key, capacity)  # random slots, as PoissonSampler's
+    return jnp.where(mask > 0, index, 0)[slots], mask[slots]

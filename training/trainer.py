@@ -45,18 +45,24 @@ _log = logging.getLogger(__name__)
 _ROOM_WORTH_SAYING = 0.02
 
 
-def _log_sum_room(slots: int) -> None:
-    """What the room for the float32 sum over one device's micro-batch of ``slots`` costs each clipped
-    contribution (``privacy.example_sum.sum_scale``): loud where it is worth a smaller micro-batch."""
-    cost = 1.0 - float(sum_scale(slots))
-    level = logging.WARNING if cost > _ROOM_WORTH_SAYING else logging.INFO
+def _log_sum_room(scale: float, slots: int) -> None:
+    """What the room for the float32 sum of a step costs each clipped contribution
+    (``DpsgdStep.room``), loud where it is large, with what it comes from: the sum over a micro-batch
+    (a smaller micro-batch costs less) or the step's total, rounded once (it grows with the batch)."""
+    level = logging.WARNING if 1.0 - scale > _ROOM_WORTH_SAYING else logging.INFO
+    micro = 1.0 - float(sum_scale(slots))
+    why = (
+        "most of it the sum over a micro-batch: a smaller --microbatch-size costs less"
+        if micro > (1.0 - scale) / 2
+        else "most of it the rounding of the step's total, which grows with the batch size"
+    )
     _log.log(
         level,
-        "each clipped contribution is scaled by %.4f for the float32 sum of %d slots a micro-batch "
-        "(docs/privacy.md, sensitivity under floating point)%s",
-        1.0 - cost,
+        "each clipped contribution is scaled by %.4f for the float32 sum of the step, in micro-batches of "
+        "%d slots (docs/privacy.md, sensitivity under floating point)%s",
+        scale,
         slots,
-        "; a smaller --microbatch-size costs less" if level == logging.WARNING else "",
+        f"; {why}" if level == logging.WARNING else "",
     )
 
 
@@ -127,8 +133,6 @@ class Trainer:
             optax.sgd(config.learning_rate, momentum=config.momentum or None),
         )
         clipped_sum_fn = model.clipped_sum_fn(config.clip_norm) if plan.private else None
-        if plan.private:
-            _log_sum_room(self.sampler.layout.microbatch_size)
         self.clip_layers = clipped_sum_fn.layers if clipped_sum_fn is not None else ()
         self.step = plan.dp_step(
             model.loss_fn,
@@ -139,6 +143,8 @@ class Trainer:
             mesh=mesh,
             ema_decay=config.ema_decay,
         )
+        if plan.private:
+            _log_sum_room(self.step.room(self.sampler.layout.microbatch_size), self.sampler.layout.microbatch_size)
         self.feed = model.make_feed(
             stream_key(seed, Stream.AUGMENTATION), distributed.BatchPlacement(mesh), self.model_state
         )

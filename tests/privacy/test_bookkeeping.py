@@ -120,7 +120,7 @@ def test_dpsgd_update_equals_default_path(nets):
         make_clipped_sum_fn(loss_fn, clip_norm=0.05),
         make_bookkeeping_clipped_sum_fn(loss_fn, clip_norm=0.05),
     ):
-        step = DpsgdStep(clipped, **config, seed=11, optimizer=optax.sgd(0.5), ema_decay=0.9999)
+        step = DpsgdStep(clipped, **config, seed=11, optimizer=optax.sgd(0.5), ema_decay=0.9999, capacity=8)
         results.append(step.update(step.init(params), [(batch, mask)]))
     (ref_state, ref_metrics), (state, metrics) = results
     nets.assert_trees_close(state.params, ref_state.params)

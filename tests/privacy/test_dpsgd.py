@@ -13,12 +13,14 @@ from dpscale.privacy.ema import ema_decay
 from dpscale.privacy.example_sum import sum_scale
 
 
-def _step(loss_fn, *, clip_norm=1.0, optimizer=None, ema_decay=0.9999, **kwargs):
-    """A step over ``vmap`` clipped sums, plain SGD at learning rate 1 unless ``optimizer`` is given."""
+def _step(loss_fn, *, clip_norm=1.0, optimizer=None, ema_decay=0.9999, capacity=64, **kwargs):
+    """A step over ``vmap`` clipped sums, plain SGD at learning rate 1 unless ``optimizer`` is given;
+    ``capacity``: the most examples a step of these tests holds."""
     return DpsgdStep(
         make_clipped_sum_fn(loss_fn, clip_norm=clip_norm),
         optimizer=optimizer or optax.sgd(1.0),
         ema_decay=ema_decay,
+        capacity=capacity,
         **kwargs,
     )
 
@@ -188,7 +190,9 @@ def test_step_rejects_bad_values(toy):
 def test_step_takes_only_a_clipped_sum_with_a_stated_sensitivity(toy):
     plain = make_clipped_sum_fn(toy.loss_fn, clip_norm=1.0).fn  # the function without its bound
     with pytest.raises(TypeError, match="ClippedSumFn"):
-        DpsgdStep(plain, noise_multiplier=1.0, expected_batch_size=8, seed=0, optimizer=optax.sgd(1.0), ema_decay=0.9)
+        DpsgdStep(
+            plain, noise_multiplier=1.0, expected_batch_size=8, seed=0, optimizer=optax.sgd(1.0), ema_decay=0.9, capacity=8
+        )
     with pytest.raises(InvalidConfigError, match="unbounded sensitivity"):
         DpsgdStep(
             make_unclipped_sum_fn(toy.loss_fn),
@@ -197,6 +201,7 @@ def test_step_takes_only_a_clipped_sum_with_a_stated_sensitivity(toy):
             seed=0,
             optimizer=optax.sgd(1.0),
             ema_decay=0.9,
+            capacity=8,
         )
 
 

@@ -115,6 +115,7 @@ def test_equals_vmap_on_every_from_scratch_model_on_four_devices(name, views, ne
         seed=0,
         optimizer=optax.sgd(1.0),
         ema_decay=0.9999,
+        capacity=size,
         mesh=data_mesh(jax.devices()[:4]),
     )
     state = step.init(params)

@@ -408,3 +408,48 @@ def test_folding_the_batch_sum_instead_of_each_example_fails_the_review_case():
         old = jax.jit(folded_batch_sum)
         worst = max(worst, _norm64(old(jnp.ones(128)), old(jnp.ones(128).at[j].set(0.0))))
     assert worst > 1.0 + 1e-3, worst
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_whole_step_of_many_micro_batches_moves_by_at_most_one(devices):
+    """The DP step's sum over 16 micro-batches (and over 4 devices' shares of each), rounded once for
+    the noise: j's slot empty in one micro-batch, 127 others with one large aligned gradient, among
+    which the accumulated total grows to ~127 (the sampler's random slots make this the neighbour)."""
+    import optax
+
+    from dpscale.privacy.dpsgd import DpsgdStep, data_mesh
+
+    loss_fn, params, batches = dense_case(1)
+    per, count = 8, 16  # 16 micro-batches of 8 slots: 128 in all
+    x, g = np.asarray(batches["scales"]["input"][2]), np.asarray(batches["scales"]["target"][2])
+    inputs = np.repeat(x[None], per * count, axis=0)
+    targets = np.repeat(g[None], per * count, axis=0)
+    rng = np.random.default_rng(11)
+    step = DpsgdStep(
+        make_clipped_sum_fn(loss_fn, clip_norm=CLIP),
+        noise_multiplier=1.0,
+        expected_batch_size=per * count,
+        seed=0,
+        optimizer=optax.sgd(1.0),
+        ema_decay=0.9,
+        capacity=per * count,
+        mesh=data_mesh(jax.devices()[:devices]),
+    )
+    state = step.init(params)
+    worst = 0.0
+    for j in (0, 77, 127):
+        inputs_j, targets_j = inputs.copy(), targets.copy()
+        inputs_j[j], targets_j[j] = rng.normal(size=x.shape) * 1e3, rng.normal(size=g.shape)
+        sums = []
+        for mask in (np.ones(per * count), np.ones(per * count) - np.eye(per * count)[j]):
+            total = step.zero_sum(state)
+            for m in range(count):
+                part = slice(m * per, (m + 1) * per)
+                batch = {
+                    "input": jnp.asarray(inputs_j[part], jnp.float32),
+                    "target": jnp.asarray(targets_j[part], jnp.float32),
+                }
+                total = step.accumulate(state, total, batch, jnp.asarray(mask[part], jnp.float32))
+            sums.append(jax.jit(lambda t: t.summed())(total))
+        worst = max(worst, _norm64(*sums))
+    assert 0.99 < worst <= 1.0, worst

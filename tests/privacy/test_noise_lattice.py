@@ -61,6 +61,7 @@ def _releases(canary: bool, seed: int) -> np.ndarray:
         seed=seed,
         optimizer=optax.sgd(1.0),
         ema_decay=0.9,
+        capacity=int(B),
     )
     zero = jnp.zeros((), jnp.int32)
     total = ClippedSum(

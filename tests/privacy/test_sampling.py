@@ -148,3 +148,29 @@ def test_capacity_is_k_standard_deviations_above_the_batch_size():
     assert batch_capacity(50_000, 10_000) == 10_000 + int(np.ceil(4 * np.sqrt(10_000 * 0.8)))
     assert batch_capacity(10_000, 100, stds=8) == 100 + int(np.ceil(8 * np.sqrt(99)))
     assert batch_capacity(10, 9, stds=10) == 11  # never above N + 1
+
+
+def test_the_drawn_examples_take_uniformly_random_slots():
+    """Random slots make the step without one example the same step with that slot empty (the
+    whole sum's bound, privacy/example_sum.py): every slot is as likely to hold an example, and an
+    example's slot says nothing of which others were drawn."""
+    sampler = PoissonSampler(num_examples=400, expected_batch_size=12, microbatch_size=8, seed=5)
+    slots, prefixes = np.zeros(sampler.layout.slots), 0
+    for t in range(3000):
+        mask = sampler.sample(t).mask.ravel()
+        slots += mask
+        prefixes += bool(np.all(mask[: int(mask.sum())] > 0))
+    _, p_value = stats.chisquare(slots, np.full(slots.size, slots.sum() / slots.size))
+    assert p_value > 1e-4 and prefixes < 300
+    same = PoissonSampler(num_examples=400, expected_batch_size=12, microbatch_size=8, seed=5)
+    for t in (0, 17):  # drawn again: the same examples in the same slots
+        first, again = sampler.sample(t), same.sample(t)
+        np.testing.assert_array_equal(first.indices, again.indices)
+    key = jax.random.key(3)
+    slots = np.zeros(16)
+    for i in range(400):
+        index, mask = truncated_poisson_slots(jax.random.fold_in(key, i), 0.05, np.ones(100, bool), 16)
+        slots += np.asarray(mask)
+        assert np.all(np.asarray(index)[np.asarray(mask) == 0] == 0)
+    _, p_value = stats.chisquare(slots, np.full(16, slots.sum() / 16))
+    assert p_value > 1e-4
