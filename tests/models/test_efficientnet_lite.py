@@ -140,7 +140,13 @@ def test_unknown_variant_is_a_config_error():
         efficientnet_lite.efficientnet_lite("efficientnet-lite9")
 
 
-def test_dp_validator_accepts_frozen_batchnorm():
+def test_dp_validator_accepts_the_whole_model_with_its_batchnorms_frozen():
     from dpscale.models.validation import validate_dp_model
 
-    validate_dp_model(efficientnet_lite.efficientnet_lite("efficientnet-lite0", num_classes=3), (64, 64, 3))
+    model = efficientnet_lite.efficientnet_lite("efficientnet-lite0", num_classes=3)
+    x = jax.ShapeDtypeStruct((2, 64, 64, 3), jnp.float32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    # Not vacuous: every MBConv block and the stem and head carry BatchNorm statistics...
+    assert len(jax.tree.leaves(variables["batch_stats"])) == 98
+    # ...which the training forward only reads, so the validator lets the model through.
+    assert validate_dp_model(model, (64, 64, 3), variables=variables) is None

@@ -1,6 +1,7 @@
 """The DP validator refuses example-mixing layers (BatchNorm with batch statistics) and
 accepts frozen-statistics BatchNorm, GroupNorm and the built-in models."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import linen as nn
@@ -58,8 +59,10 @@ def test_any_layer_updating_state_in_training_is_refused():
         validate_dp_model(_RunningMean(), (8, 8, 3))
 
 
-def test_frozen_batchnorm_is_allowed():
-    validate_dp_model(_BNNet(frozen=True), (8, 8, 3))
+def test_frozen_batchnorm_is_allowed_where_the_same_layer_with_batch_statistics_is_not():
+    assert validate_dp_model(_BNNet(frozen=True), (8, 8, 3)) is None
+    with pytest.raises(InvalidConfigError, match="bn_train"):
+        validate_dp_model(_BNNet(frozen=False), (8, 8, 3))
 
 
 def test_training_kwargs_decide_the_mode():
@@ -69,5 +72,8 @@ def test_training_kwargs_decide_the_mode():
 
 
 @pytest.mark.parametrize("name", ["wrn-16-4", "cnn-small", "nf-resnet-50", "nfnet-f0"])
-def test_builtin_models_pass(name):
-    validate_dp_model(get_model(name), get_spec(name).input_shape)
+def test_builtin_models_keep_no_state_and_pass(name):
+    model, shape = get_model(name), get_spec(name).input_shape
+    variables = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((2, *shape), jnp.float32))
+    assert set(variables) == {"params"}  # GroupNorm / WS / no normalisation: nothing computed across a batch
+    assert validate_dp_model(model, shape, variables=variables) is None

@@ -19,5 +19,8 @@ def test_marks_are_counted_and_reported(capsys, monkeypatch):
     assert not os.path.exists(directory)
 
 
-def test_mark_without_directory_is_a_no_op():
+def test_mark_without_a_directory_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a marker with no directory would land here
     mark(None, 5)
+    mark("", 5)
+    assert list(tmp_path.iterdir()) == []
