@@ -142,8 +142,8 @@ def sampler_scores(
         clip_norm=setup.clip_norm,
         optimizer=optax.sgd(setup.learning_rate),
         ema_decay=TrainingConfig.ema_decay,  # unused: the audit scores the parameters
-        clipped_sum_fn=with_gradient_canary(
-            softmax_regression_clipped_sum(clip_norm=setup.clip_norm), canary, clip_norm=setup.clip_norm
+        clipped_sum=lambda clip_norm: with_gradient_canary(
+            softmax_regression_clipped_sum(clip_norm=clip_norm), canary, clip_norm=clip_norm
         ),
     )
     indices, masks = sampled_batches(plan, seed=seed, num_models=len(member), microbatch_size=setup.microbatch_size)

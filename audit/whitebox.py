@@ -240,7 +240,7 @@ def white_box_scores(
         clip_norm=setup.clip_norm,
         optimizer=optax.sgd(setup.learning_rate),
         ema_decay=TrainingConfig.ema_decay,  # unused: the audit scores the parameters, not their EMA
-        clipped_sum_fn=with_gradient_canary(task.base_fn, v, clip_norm=setup.clip_norm),
+        clipped_sum=lambda clip_norm: with_gradient_canary(task.base_fn, v, clip_norm=clip_norm),
         mesh=mesh,
     )
     accumulate = dp_step.accumulate_traceable

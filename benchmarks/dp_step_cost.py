@@ -150,12 +150,11 @@ def xla_step_cost(
     )
     train_model = build_train_model(data, config)
     plan = plan_for(config, train_model)
-    clipped = train_model.clipped_sum_fn(config.clip_norm) if plan.private else None
     step = plan.dp_step(
         train_model.loss_fn,
         seed=seed,
         clip_norm=config.clip_norm,
-        clipped_sum_fn=clipped,
+        clipped_sum=train_model.clipped_sum_fn,
         optimizer=optax.sgd(config.learning_rate),
         ema_decay=config.ema_decay,
     )

@@ -70,7 +70,7 @@ class _Step:
             clip_norm=1.0,
             optimizer=optax.sgd(0.1),
             ema_decay=TrainingConfig.ema_decay,
-            clipped_sum_fn=clipped,
+            clipped_sum=lambda clip_norm: clipped,
         )
         self.state = self.dp.init(params)
         self._copy = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x + 0, tree))

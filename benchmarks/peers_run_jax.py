@@ -130,7 +130,7 @@ def _dpscale_step(args, loss_fn, params, batches, linear: bool, extra: dict):
         clip_norm=1.0,
         optimizer=optax.sgd(0.1),
         ema_decay=TrainingConfig.ema_decay,
-        clipped_sum_fn=clipped,
+        clipped_sum=lambda clip_norm: clipped,
     )
     holder = {"state": dp.init(params)}
 

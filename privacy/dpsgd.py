@@ -125,6 +125,7 @@ class DpsgdStep:
         # Replicated like the state: with several processes every device holds the same key.
         self.noise_key = stream_key(seed, Stream.NOISE)
         self._noise_base_key = self.replicate(self.noise_key)
+        self.clipped_sum_fn = clipped_sum_fn
         self._clipped_sum = clipped_sum_fn
         self._sensitivity = clipped_sum_fn.sensitivity
         if self.noise_multiplier > 0 and not math.isfinite(self._sensitivity):

@@ -77,13 +77,28 @@ from dpscale.privacy.rounding import ClipPrecision, norm_bound
 PyTree = Any
 #: A layer's name: its path in the parameter tree, e.g. ("backbone", "conv_0").
 LayerName = tuple[str, ...]
-#: The per-layer paths proven for each plain layer kind (layer_bounds: their bounds and summers);
-#: every layer kind also has book-keeping (privacy.layer_rules), which shared and normalisation
-#: layers always take.
-PROVEN_PATHS: dict[type, tuple[Strategy, ...]] = {
-    WSConv: ("explicit", "grouped", "streamed", "ghost"),
-    nn.Dense: ("explicit", "grouped", "streamed", "ghost"),
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayerKind:
+    """A layer kind with per-layer paths of its own: the paths proven for it and the function that
+    gives, on each, every example's squared-norm bound and the weighted sum (its docstring's
+    "Guarantee:" says what it proves). Every kind of layer (these, plain and depthwise convolutions,
+    normalisations) also has book-keeping's held per-example gradient (``privacy.layer_rules.RULES``),
+    which shared, normalisation and non-plain layers always take."""
+
+    paths: tuple[Strategy, ...]
+    bounds: Callable[..., tuple[jax.Array, layer_bounds.Summer]]
+
+
+_EVERY_PATH: tuple[Strategy, ...] = ("explicit", "grouped", "streamed", "ghost")
+#: The registry of per-layer paths, by exact layer type.
+PER_LAYER: dict[type, PerLayerKind] = {
+    WSConv: PerLayerKind(_EVERY_PATH, layer_bounds.wsconv),
+    nn.Dense: PerLayerKind(_EVERY_PATH, layer_bounds.dense),
 }
+#: The per-layer paths proven for each plain layer kind.
+PROVEN_PATHS: dict[type, tuple[Strategy, ...]] = {kind: entry.paths for kind, entry in PER_LAYER.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +279,7 @@ def _per_layer(loss_fn: LossFn, chooser: PathChooser) -> _PerLayer:
                 continue
             own = bookkeeping.layer_params(first, params)
             x, g = tape.inputs[indices[0]], tape.out_grads[indices[0]]
-            rule = layer_bounds.wsconv if isinstance(first.module, WSConv) else layer_bounds.dense
-            part, summer = rule(
+            part, summer = PER_LAYER[type(first.module)].bounds(
                 first.module, own, x, g, choice.strategy, choice.precision, chunk_bytes=choice.chunk_bytes
             )
             squares.append(part)

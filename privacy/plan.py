@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import dp_accounting
@@ -465,12 +465,14 @@ class PrivacyPlan:
         clip_norm: float,
         optimizer: optax.GradientTransformation,
         ema_decay: float,
-        clipped_sum_fn: ClippedSumFn | None = None,
+        clipped_sum: Callable[[float], ClippedSumFn | None] | None = None,
         mesh: Any = None,
     ) -> DpsgdStep:
-        """The update of this plan (a ``parts.step``): clipped sums of ``clipped_sum_fn`` (default:
-        ``vmap`` per-example gradients clipped to ``clip_norm``) plus noise sigma, divided by B, then
-        ``optimizer`` and the EMA; a non-private plan sums plain gradients.
+        """The update of this plan (a ``parts.step``): clipped sums of ``clipped_sum(clip_norm)`` (a
+        model's own way to clip to ``clip_norm``; where it gives None, or without it, ``vmap``
+        per-example gradients) plus noise sigma, divided by B, then ``optimizer`` and the EMA; a
+        non-private plan sums plain gradients. The clip norm is given here once and reaches the
+        clipped sum from here only.
 
         No defaults for the optimiser or the EMA: the recipe's live in ``training.config``.
         """
@@ -479,8 +481,9 @@ class PrivacyPlan:
 
         if not self.private:
             clipped_sum_fn = make_unclipped_sum_fn(loss_fn)
-        elif clipped_sum_fn is None:
-            clipped_sum_fn = make_clipped_sum_fn(loss_fn, clip_norm=clip_norm)
+        else:
+            own = clipped_sum(clip_norm) if clipped_sum is not None else None
+            clipped_sum_fn = own or make_clipped_sum_fn(loss_fn, clip_norm=clip_norm)
         step = self.parts.step or DpsgdStep
         return step(
             clipped_sum_fn,

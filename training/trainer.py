@@ -132,17 +132,16 @@ class Trainer:
             optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
             optax.sgd(config.learning_rate, momentum=config.momentum or None),
         )
-        clipped_sum_fn = model.clipped_sum_fn(config.clip_norm) if plan.private else None
-        self.clip_layers = clipped_sum_fn.layers if clipped_sum_fn is not None else ()
         self.step = plan.dp_step(
             model.loss_fn,
             seed=seed,
             clip_norm=config.clip_norm,
-            clipped_sum_fn=clipped_sum_fn,
+            clipped_sum=model.clipped_sum_fn,
             optimizer=optimizer,
             mesh=mesh,
             ema_decay=config.ema_decay,
         )
+        self.clip_layers = self.step.clipped_sum_fn.layers if plan.private else ()
         if plan.private:
             _log_sum_room(self.step.room(self.sampler.layout.microbatch_size), self.sampler.layout.microbatch_size)
         self.feed = model.make_feed(

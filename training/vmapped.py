@@ -86,12 +86,12 @@ def make_dp_step(setup: TrainingSetup, num_classes: int, *, seed: int) -> tuple[
         logits = model.apply({"params": params, **model_state}, views["features"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, views["label"]).mean()
 
-    clipped_sum_fn = softmax_regression_clipped_sum(clip_norm=setup.clip_norm) if setup.model == "linear" else None
+    linear = setup.model == "linear"
     step = setup.plan.dp_step(
         loss,
         seed=seed,
         clip_norm=setup.clip_norm,
-        clipped_sum_fn=clipped_sum_fn,
+        clipped_sum=(lambda clip_norm: softmax_regression_clipped_sum(clip_norm=clip_norm)) if linear else None,
         optimizer=optax.sgd(setup.learning_rate),
         ema_decay=setup.ema_decay,
     )

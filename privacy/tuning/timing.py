@@ -38,9 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpscale.files import write_json_atomic
-from dpscale.models.layers import WSConv
-from dpscale.privacy import bookkeeping, layer_bounds
-from dpscale.privacy.ghost import LayerName, layer_shape
+from dpscale.privacy import bookkeeping
+from dpscale.privacy.ghost import PER_LAYER, LayerName, layer_shape
 from dpscale.privacy.layer_bounds import Strategy
 from dpscale.privacy.rounding import ClipPrecision
 from dpscale.privacy.tuning import cost as path_cost
@@ -93,7 +92,7 @@ def _time(fn: Callable[..., Any], args: tuple, repeats: int) -> float:
 
 
 def _layer_fn(module: Any, strategy: Strategy, precision: ClipPrecision, chunk_bytes: int) -> Callable[..., Any]:
-    rule = layer_bounds.wsconv if isinstance(module, WSConv) else layer_bounds.dense
+    rule = PER_LAYER[type(module)].bounds
 
     def run(own: PyTree, x: jax.Array, g: jax.Array, weights: jax.Array, finite: jax.Array) -> Any:
         square, summer = rule(module, own, x, g, strategy, precision, chunk_bytes=chunk_bytes)

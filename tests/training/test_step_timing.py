@@ -44,7 +44,7 @@ def _setup():
         loss_fn,
         seed=0,
         clip_norm=1.0,
-        clipped_sum_fn=softmax_regression_clipped_sum(clip_norm=1.0),
+        clipped_sum=lambda clip_norm: softmax_regression_clipped_sum(clip_norm=clip_norm),
         optimizer=optax.sgd(0.1),
         ema_decay=0.999,
     )
