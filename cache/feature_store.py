@@ -65,7 +65,6 @@ DATA = "data.zarr"
 MARKERS = "chunks"
 COMPLETE = "COMPLETE"
 ID_BYTES = 32
-DEFAULT_CHUNK_ROWS = 1024  # featurize's default
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -65,9 +65,9 @@ class FeaturizeConfig:
 
     def __post_init__(self) -> None:
         if self.repair is not None:
-            fixed = {"cache_dir": None, "resolution": None, "resize_method": "bilinear", "flip_average": False}
-            fixed |= {"cut": "", "augmult_views": 1, "chunk_rows": 1024}
-            given = [f"--{name.replace('_', '-')}" for name, value in fixed.items() if getattr(self, name) != value]
+            fixed = ("cache_dir", "resolution", "resize_method", "flip_average", "cut", "augmult_views", "chunk_rows")
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            given = [f"--{name.replace('_', '-')}" for name in fixed if getattr(self, name) != defaults[name]]
             if given:
                 raise InvalidConfigError(
                     f"--repair keeps the entry's own key, preprocessing and chunking: leave out {', '.join(given)}"

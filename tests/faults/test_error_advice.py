@@ -127,6 +127,10 @@ def test_a_failed_beam_pipeline_names_a_log_holding_its_trace_and_verbose_shows_
     assert "RuntimeError: boom in the majority step" in err and "Traceback" in err
     code, _, err = dpscale(capfd, "quickstart", "--work-dir", tmp_path / "q", "--verbose", "--no-dedup")
     assert code == 2 and "boom in the majority step" in err and "No such option" not in err
+    from dpscale.cli import cli
+
+    for command in ("ingest", "dedup", "featurize", "quickstart"):  # every command that runs a Beam pipeline
+        assert "verbose" in {param.name for param in cli.commands[command].params}, command
 
 
 def test_ctrl_c_in_a_sweep_says_how_to_continue_and_that_command_does(cache, tmp_path, monkeypatch, capfd):

@@ -278,6 +278,7 @@ def test_a_copied_entry_is_repaired_in_place_and_an_older_one_gets_its_digests(d
     other = str(tmp_path / "other")
     ok(capfd, "ingest", "digits", other, "--classes", "0,1", "--", *IN_MEMORY)
     refused(capfd, "featurize", other, "--backbone", backbone, "--repair", copy, saying="is not the data")
+    refused(capfd, *repair.split()[1:], "--chunk-rows", 64, saying="keeps the entry's own key, preprocessing and")
 
 
 # --- 2. evaluate on features made otherwise ---------------------------------------------------
