@@ -7,8 +7,9 @@ the audit's seam for it (``--bug half-noise``: ``audit.broken_steps.HalfNoise``,
     python -m benchmarks.audit_whitebox /tmp/fmnist --num-examples 100 --steps 10 --num-models 4000
     python -m benchmarks.audit_whitebox /tmp/fmnist --num-examples 100 --steps 10 --num-models 4000 --bug half-noise
 
-Appends a Markdown section (command, machine, per-row load average) to ``--out`` and writes
-the rows as JSON beside it. Exit status 1 if correct code is flagged, or a bug is not.
+Appends a Markdown section (command, machine, per-row load average) to ``--out`` (default: a scratch
+file under the system's temporary directory) and writes the rows as JSON beside it; the figures that
+stand go into the table at the top of ``benchmarks/results/audit.md``. Exit status 1 if correct code is flagged, or a bug is not.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 import jax
@@ -102,7 +104,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=500)
     parser.add_argument("--devices", type=int, default=1, help="white-box: devices of the sharded step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "audit_runs.md"))
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "dpscale-benchmarks", "audit_runs.md"))
     args = parser.parse_args()
     rows = _run_rows(args)
 
@@ -135,6 +137,7 @@ def main() -> None:
         + "\n"
     )
     print(text)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "a") as f:
         f.write(text)
     stem = os.path.splitext(args.out)[0]

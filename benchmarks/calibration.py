@@ -10,7 +10,10 @@ and the median are reported, plus the 1-minute load average (the machine is shar
 Rows "plan" time ``PrivacyPlan.calibrate``, what ``dpscale calibrate`` and ``train`` run: the
 same search, then the batch capacity's choice and the search again with truncated batches.
 
-    python -m benchmarks.calibration --output benchmarks/results/calibration.md
+    python -m benchmarks.calibration --repeats 2        # prints the table; --output FILE writes it too
+
+The figures that stand go, with the command and the commit, into the table at the top of
+``benchmarks/results/calibration.md``.
 """
 
 from __future__ import annotations

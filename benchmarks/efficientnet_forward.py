@@ -4,11 +4,13 @@ Featurizing a data set with the frozen backbone is one forward pass per image, s
 bounds the featurize stage. Weights are random (speed does not depend on them).
 
     python -m benchmarks.efficientnet_forward --batch 32 --resolutions 128,224 --torch --depthwise --grad \\
-        --output benchmarks/results/efficientnet_forward.md
+        --output efficientnet_forward.md
 
 ``--torch`` times the published PyTorch definition (``pip install efficientnet_lite_pytorch``)
 with ``torch.set_num_threads(1)`` and ``(2)``, and checks the imported weights' logits against it.
-The machine is shared, so the 1-minute load average is recorded next to the numbers.
+The machine is shared, so the 1-minute load average is recorded next to the numbers. The figures that
+stand go, with the command and the commit, into the table at the top of
+``benchmarks/results/efficientnet_forward.md``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ normalise, forward, Zarr write, chunk markers) over the first ``--subset`` rows 
 into a fresh cache, timed end to end including worker start-up and compilation.
 
     python -m benchmarks.featurize --data /tmp/cifar10 --backbone efficientnet-lite0 \\
-        --resolutions 128,224 --subset 4096 --output benchmarks/results/featurize.md
+        --resolutions 128,224 --subset 4096 --output featurize.md
+
+The figures that stand go, with the command and the commit, into the table at the top of
+``benchmarks/results/featurize.md``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ Usage (2 host devices split the batch; set before JAX starts, hence the flag her
     python -m benchmarks.model_throughput --devices 2 --model wrn-16-4 --batch-sizes 16,32
     python -m benchmarks.model_throughput --devices 1 --model cnn-small --batch-sizes 128,512
 
-Each run appends a section with its command to ``benchmarks/results/model_throughput.md``.
+Each run appends a section with its command to ``--output`` (default: a scratch file under the system's
+temporary directory); the figures that stand go into the table at the top of
+``benchmarks/results/model_throughput.md``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "model_throughput.md"
+RUNS = Path(tempfile.gettempdir()) / "dpscale-benchmarks" / "model_throughput.md"
 
 
 def _parse() -> argparse.Namespace:
@@ -38,7 +41,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--modes", default="non-private,dp-contract,dp-clip-in-vmap")
     parser.add_argument("--min-seconds", type=float, default=6.0, help="timing budget per config")
     parser.add_argument("--min-steps", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RUNS)
     return parser.parse_args()
 
 

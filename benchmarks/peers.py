@@ -7,7 +7,9 @@ Every (workload, framework) pair runs in its own fresh subprocess, so thread poo
 compilation caches and peak RSS are independent. dpscale runs with this interpreter;
 the peers run with ``--peers-python`` (default ``/work/venv-peers/bin/python``, a separate
 virtualenv -- peers are never dependencies of dpscale). A peer that is not importable
-there is skipped with a note in the table. Results go to ``benchmarks/results/peers.md``.
+there is skipped with a note in the table. Each run appends its tables to ``--output`` (default: a
+scratch file under the system's temporary directory); the figures that stand go, with this command and
+the commit, into the table at the top of ``benchmarks/results/peers.md``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "peers.md"
+RUNS = Path(tempfile.gettempdir()) / "dpscale-benchmarks" / "peers.md"
 NOISE = 1.0
 # workload -> (physical, logical, repeats); quick uses smaller batches and fewer repeats. The conv
 # models' physical batches are benchmarks.dp_step_cost's micro-batches (256 and 64).
@@ -157,7 +160,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
     parser.add_argument("--warmup", type=int, default=1, help="untimed logical steps per row")
     parser.add_argument("--skip-calibration", action="store_true")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RUNS)
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     if args.workloads:
