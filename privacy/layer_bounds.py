@@ -313,6 +313,74 @@ def _ghost_square(
     return jnp.maximum(monotone(inner + monotone(slack, 8), 1), 0.0)
 
 
+def _ws_folded(
+    module: WSConv, geometry: WsGeometry, kernel_shape: tuple[int, ...], strategy: Strategy
+) -> Callable[[Format, jax.Array, jax.Array], jax.Array]:
+    """``(fmt, x_one, g_one) ->`` one example's kernel gradient, folded before any sum: what is summed
+    is what is bounded (grouped: formed as the convolution's weight gradient; else from patches)."""
+    d, p = geometry.d, kernel_shape[-1]
+
+    def folded_one(fmt: Format, x_one: jax.Array, g_one: jax.Array) -> jax.Array:
+        if strategy == "grouped":
+            product = _kernel_gradient(module, kernel_shape, fmt, fmt.round(x_one), fmt.round(g_one)).reshape(d, p)
+        else:
+            product = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one.reshape(-1, p))
+        return geometry.fold(geometry.centre(product))
+
+    return folded_one
+
+
+def _ws_streamed_norm(
+    module: WSConv, geometry: WsGeometry, x: jax.Array, flat_g: jax.Array, fmt: Format, errors: tuple, **chunking: int
+) -> jax.Array:
+    """``>= ||v'_i||`` for the summer's ``v'_i``, from the product formed once more at the norm format.
+
+    The summer's v' = fold(centre(u')) and the measured v = fold(centre(u~)), u' and u~ two evaluations
+    of the product (at the sum and the norm precision): ||v' - v|| <= s_hat (||u' - u~|| + kappa
+    (||u'|| + ||u~||)), ||u' - u~|| <= err_norm + err_sum, and the u~ whose norm was taken may be a third
+    evaluation, within 2 err_norm of the one folded."""
+    d, kappa = geometry.d, geometry.kappa
+    norm_error, sum_error = errors
+
+    def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+        u_one = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)
+        folded = geometry.fold(geometry.centre(u_one))
+        return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
+
+    q_folded, q_u = chunked(norm_one, (x, flat_g), **chunking)
+    slack = geometry.s_hat_max * (
+        np.float32(1 + kappa) * sum_error
+        + np.float32(1 + 5 * kappa) * norm_error
+        + np.float32(2 * kappa) * upper_sqrt(q_u)
+    )
+    return upper_sqrt(q_folded) + monotone(slack, 8)
+
+
+def _ws_ghost_norm(
+    module: WSConv, geometry: WsGeometry, x: jax.Array, flat_g: jax.Array, fmt: Format, errors: tuple, **chunking: int
+) -> jax.Array:
+    """``>= ||v'_i||`` for the summer's ``v'_i``, from Gram matrices: the ghost norm bounds the exact
+    ``||J^T C u||`` (``_ghost_square``), and v' = fold(centre(u')) is within s_hat (err_sum + kappa
+    ||u'||) of it, ||u'|| <= ||A|| ||G|| + err_sum."""
+    d, p, positions = geometry.d, flat_g.shape[-1], flat_g.shape[1]
+    ag, sum_error = errors
+
+    def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
+        patches = _patches(module, x_one, d)
+        rows_a2 = upper_sum_of_squares(patches)
+        total, _ = blocked_sum(patches)
+        centred = patches - (total / np.float32(d))[:, None]
+        rows_g2 = monotone(upper_sum_of_squares(g_one), 1)  # of the exact s_hat G: one rounding more
+        terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
+        return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
+
+    *terms, a2, scaled_g2 = chunked(ghost_one, (x, flat_g * geometry.s_hat), **chunking)
+    square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, a2, scaled_g2)
+    return upper_sqrt(square) + monotone(
+        geometry.s_hat_max * (sum_error + np.float32(geometry.kappa) * (ag + sum_error)), 4
+    )
+
+
 def wsconv(
     module: WSConv,
     params: PyTree,
@@ -341,14 +409,7 @@ def wsconv(
     bias = hold({"bias": jnp.sum(g.reshape(g.shape[0], positions, p), axis=1)}) if module.use_bias else {}
     bias_q = [held_square_bound(bias)] if bias else []
     work = chunk_work(strategy, positions, d, p)
-
-    def folded_one(fmt: Format, x_one: jax.Array, g_one: jax.Array) -> jax.Array:
-        """One example's kernel gradient, folded before any sum: what is summed is what is bounded."""
-        if strategy == "grouped":
-            product = _kernel_gradient(module, kernel.shape, fmt, fmt.round(x_one), fmt.round(g_one)).reshape(d, p)
-        else:
-            product = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one.reshape(-1, p))
-        return geometry.fold(geometry.centre(product))
+    folded_one = _ws_folded(module, geometry, kernel.shape, strategy)
 
     if strategy in HELD_STRATEGIES:
         folded = chunked(lambda *xs: folded_one(fmt, *xs), (x, g), work, chunk_bytes=chunk_bytes, held=True)
@@ -359,59 +420,22 @@ def wsconv(
 
     x, g = hold((x, g))  # the norm and the sum read the same recorded values
     flat_g = g.reshape(g.shape[0], positions, p)
-    g2 = upper_sum_of_squares(flat_g)
-    a2 = _patches_square_bound(module, x)
-    kappa = geometry.kappa
+    a2, g2 = _patches_square_bound(module, x), upper_sum_of_squares(flat_g)
     ag, norm_error = _product_errors(fmt, positions, d, p, a2, g2)
     _, sum_error = _product_errors(precision.sum_format, positions, d, p, a2, g2)
+    chunking = {"bytes_per_example": work, "chunk_bytes": chunk_bytes}
     if strategy == "streamed":
-
-        def norm_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
-            u_one = contract(fmt, "td,tp->dp", _patches(module, x_one, d), g_one)
-            folded = geometry.fold(geometry.centre(u_one))
-            return upper_sum_of_squares(folded, keep=0), upper_sum_of_squares(u_one, keep=0)
-
-        q_folded, q_u = chunked(norm_one, (x, flat_g), work, chunk_bytes=chunk_bytes)
-        # The summer's v' = fold(centre(u')) and the measured v = fold(centre(u~)), u' and u~ two
-        # evaluations of the product (at the sum and the norm precision): ||v' - v|| <= s_hat
-        # (||u' - u~|| + kappa (||u'|| + ||u~||)), ||u' - u~|| <= err_norm + err_sum, and the u~ whose
-        # norm was taken may be a third evaluation, within 2 err_norm of the one folded.
-        slack = geometry.s_hat_max * (
-            np.float32(1 + kappa) * sum_error
-            + np.float32(1 + 5 * kappa) * norm_error
-            + np.float32(2 * kappa) * upper_sqrt(q_u)
-        )
-        layer = upper_sqrt(q_folded) + monotone(slack, 8)
+        layer = _ws_streamed_norm(module, geometry, x, flat_g, fmt, (norm_error, sum_error), **chunking)
     else:
-        scaled_g = flat_g * geometry.s_hat
-
-        def ghost_one(x_one: jax.Array, g_one: jax.Array) -> tuple[jax.Array, ...]:
-            patches = _patches(module, x_one, d)
-            rows_a2 = upper_sum_of_squares(patches)
-            total, _ = blocked_sum(patches)
-            centred = patches - (total / np.float32(d))[:, None]
-            rows_g2 = monotone(upper_sum_of_squares(g_one), 1)  # of the exact s_hat G: one rounding more
-            terms = _gram_terms(centred, upper_sqrt(rows_a2), g_one, upper_sqrt(rows_g2), fmt)
-            return (*terms, upper_sum(rows_a2), upper_sum(rows_g2))
-
-        *terms, ghost_a2, scaled_g2 = chunked(ghost_one, (x, scaled_g), work, chunk_bytes=chunk_bytes)
-        square = _ghost_square(fmt, positions, d, p, geometry.kappa_centre, *terms, ghost_a2, scaled_g2)
-        # The summer's v' = fold(centre(u')): ||v' - J^T C u|| <= s_hat (err_sum + kappa ||u'||), and
-        # ||u'|| <= ||A|| ||G|| + err_sum.
-        layer = upper_sqrt(square) + monotone(
-            geometry.s_hat_max * (sum_error + np.float32(kappa) * (ag + sum_error)), 4
-        )
-
-    sum_fmt = precision.sum_format
-    summing = sum_work(positions, d, p)
+        layer = _ws_ghost_norm(module, geometry, x, flat_g, fmt, (ag, sum_error), **chunking)
 
     def summer(weights: jax.Array, finite: jax.Array) -> dict[str, jax.Array]:
         kernel_sum = chunked_sum(
-            lambda x_one, g_one: folded_one(sum_fmt, x_one, g_one),
+            lambda x_one, g_one: folded_one(precision.sum_format, x_one, g_one),
             (x, g),
             weights,
             finite,
-            summing,
+            sum_work(positions, d, p),
             chunk_bytes=chunk_bytes,
         )
         return {"kernel": kernel_sum.reshape(kernel.shape), **held_sum(bias, weights, finite)}
