@@ -147,7 +147,8 @@ def _default_token() -> str:
     Google's default credentials (a key file, ``gcloud auth application-default login``, a cloud
     VM's service account), else anonymous access, which a private bucket refuses with 401: the
     line then says to sign in. Left to itself, gcsfs asks the metadata server of a cloud VM once
-    more after Google's lookup already found none, with five retries (about 15 s off the cloud).
+    more after Google's lookup already found none, with five retries (benchmarks/results/first_hour.md
+    has what that cost off the cloud).
     """
     try:
         google.auth.default()

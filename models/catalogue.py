@@ -1,7 +1,7 @@
 """The model zoo as ``dpscale models`` lists it, as plain data: listing it needs no JAX or Flax.
 
-Building the registry (``models.registry``) imports every model family, Flax and JAX, which took
-10 s on a loaded machine for a table. Each row here is exactly what ``registry.describe`` says of
+Building the registry (``models.registry``) imports every model family, Flax and JAX, which made a
+table slow to print (benchmarks/results/first_hour.md). Each row here is exactly what ``registry.describe`` says of
 a listed model (its parameter count at the default classes and input: ``registry`` reads it from
 here rather than tracing every model). ``tests/models/test_cli_models.py`` checks every row against
 ``registry.describe`` and ``tests/models/test_registry.py`` every count against the traced model, so a

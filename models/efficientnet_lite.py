@@ -128,7 +128,7 @@ class DepthwiseConv(nn.Module):
     """k x k depthwise convolution, TF SAME padding, computed as k*k shifted multiply-adds.
 
     Same parameter as ``nn.Conv(feature_group_count=C)`` (``kernel`` of shape (k, k, 1, C)),
-    but XLA's CPU grouped convolution ran 10-40x slower than this on Lite's shapes
+    but XLA's CPU grouped convolution ran several times slower than this on Lite's shapes
     (benchmarks/results/efficientnet_forward.md); elementwise ops also vmap cheaply
     for per-example gradients.
     """

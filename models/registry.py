@@ -13,7 +13,8 @@ Each spec carries its parameter count as a constant, read from ``models.catalogu
 ``dpscale models`` prints without importing this module; ``tests/models/test_registry.py``
 recomputes every count with ``jax.eval_shape``, ``tests/models/test_cli_models.py`` checks every
 row against ``describe``):
-tracing all models takes 10-20 s, too slow for ``dpscale models``. Other class counts and
+tracing all models (JAX, then every model's shapes) is too slow for ``dpscale models``
+(benchmarks/results/first_hour.md times ``dpscale models`` before and after it stopped importing JAX). Other class counts and
 on-demand WRNs are traced when asked.
 """
 

@@ -105,7 +105,7 @@ class Truncation:
         return float(stats.binom.sf(self.capacity - 1, self.dataset_size - 1, sampling_rate))
 
 
-@functools.lru_cache(maxsize=256)  # pure, ~0.2 s each; a calibration asks for one step many times
+@functools.lru_cache(maxsize=256)  # pure, slow (benchmarks/results/first_hour_speed.md), asked often
 def _poisson_rdp(noise_multiplier: float, sampling_rate: float) -> tuple[np.ndarray, np.ndarray]:
     """(orders, per-order RDP) of one Poisson-subsampled Gaussian step, from dp-accounting (read-only arrays).
 

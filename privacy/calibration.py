@@ -15,10 +15,11 @@ tolerance for sigma, and rebuilds the accountant from scratch at every probe. We
 keep an explicit [feasible, infeasible] bracket instead, so "never above the
 target" holds by construction and tightness is a stopping rule we can test.
 
-Speed (PLD): a probe at a new (sigma, q) builds that step's PLD, ~0.2-1.7 s on dp-accounting's
-default grid (a truncated step costs two). So the search runs three times, each from where the
-one before ended (:mod:`dpscale.privacy.bracket_search`, with its local slope): on RDP (cheap,
-5-10% looser), on PLD over a 10x coarser grid (~10x cheaper per probe, within ~0.3% of the
+Speed (PLD): a probe at a new (sigma, q) builds that step's PLD on dp-accounting's default grid, a
+Python loop per grid point and most of a search's time (a truncated step builds two; timed in
+benchmarks/results/calibration.md and first_hour_speed.md). So the search runs three times, each
+from where the one before ended (:mod:`dpscale.privacy.bracket_search`, with its local slope): on
+RDP (cheap, 5-10% looser), on PLD over a 10x coarser grid (~10x cheaper per probe, within ~0.3% of the
 answer), and on the reported epsilon itself, which then usually needs 2-3 probes: the answer
 and the next value (an integer) or a value one tolerance below (sigma). Only the last search
 decides: its bracket holds probes of the reported epsilon only, so the answer is its feasible end
@@ -63,7 +64,7 @@ from dpscale.privacy.sampling import batch_capacity
 # The search domain. Targets so loose that less noise or more steps would do get the
 # bound itself (its epsilon, far below the target, is reported): sigma = 0.1 already
 # spends epsilon in the hundreds, and PLD accounting slows down as 1/sigma^2 below it
-# (~10 s per probe at 0.1); 10^7 steps is two orders beyond an ImageNet run, and PLD
+# (its grid grows); 10^7 steps is two orders beyond an ImageNet run, and PLD
 # self-composition beyond it grows without bound in time and memory.
 SIGMA_MIN = 0.1
 SIGMA_MAX = 1e4  # needing more noise than this means the target is impractical
@@ -126,7 +127,7 @@ class _EpsilonCache:
 def _stages(accountant: Accountant, delta: float, *, near: bool) -> tuple[tuple[Accountant, float], ...]:
     """The searches, cheapest first: (accountant, PLD grid). Each starts where the one before ended.
 
-    RDP (~0.03 s a probe) then PLD on a 10x coarser grid (~10x cheaper) bring the start close, so the
+    RDP (cheap: benchmarks/results/calibration.md) then PLD on a 10x coarser grid bring the start close, so the
     search on the reported epsilon (``accountant`` on its own grid) needs only a few probes; with
     ``near`` (a nearby answer given) the RDP search is skipped. Only the last search's answer counts.
     """

@@ -16,7 +16,7 @@ Non-finite gradients are also counted, so a run can report them.
 
 Speed: per-example norms are computed first and the clipped sum is then one
 weighted contraction ``sum_i w_i g_i`` per parameter leaf; clipping each g_i
-inside ``vmap`` is several times slower on CPU (~400 vs ~2,600 examples/s for a small CNN).
+inside ``vmap`` is slower on CPU (benchmarks/results/model_throughput.md).
 
 Floating point: the norms are proven upper bounds of the exact norms of what is summed
 (``privacy.rounding``), and the weights cover their own division and the product ``w_i g_i``,

@@ -4,9 +4,9 @@ For logits ``z_i = W^T x_i + b`` and cross-entropy loss, the per-example gradien
 ``(x_i r_i^T, r_i)`` with ``r_i = softmax(z_i) - onehot(y_i)``, so its squared norm
 is ``(||x_i||^2 + 1) * ||r_i||^2`` in closed form, and the clipped sum is one
 matrix product ``X^T (w * R)`` (in blocks of examples). Nothing of size [batch, d, classes] is ever
-materialised: at batch 2^18 and d=1280, ``vmap(grad)`` needs ~27 GB and fails,
-while this costs about as much as the non-private gradient (0.25 s vs 0.24 s per step on
-2 CPU cores). No library computes this for JAX, hence hand-written; it is tested against the
+materialised: at batch 2^18 and d=1280, ``vmap(grad)`` would hold 2^18 x 12,810 per-example
+gradients (12.5 GiB), while this costs about as much as the non-private gradient
+(benchmarks/results/peers.md). No library computes this for JAX, hence hand-written; it is tested against the
 generic per-example path.
 
 Parameters are a Flax ``Dense`` layer's: ``{"kernel": [d, c], "bias": [c]}``;
@@ -14,7 +14,7 @@ batches are ``{"features": [b, d], "label": [b]}`` (features are cached, so ther
 is no augmentation axis), optionally with ``"features_sq_norm": [b]``, the rows'
 squared norms. Cached features never change, so the feed computes ``||x_i||^2``
 once per dataset; without it every step makes one more pass over ``X`` (1.3 GB at
-2^18 x 1280), which is what made the DP step ~1.6x the non-private one. It must be a float32
+2^18 x 1280) than the non-private step. It must be a float32
 sum of the d squares, in any order (``training.feeds.FeatureFeed``'s): its rounding, at most
 ``gamma_d`` relative, is part of the norm's bound.
 

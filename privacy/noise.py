@@ -65,7 +65,7 @@ def standard_normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = j
     Each draw is what ``jax.random.normal`` computes for float32 (23 uniform bits through
     ``erf_inv``), but its bits come from XLA's native threefry generator (``_native_bits``),
     packed (``summand_bits``): JAX's threefry, written as array operations, made the four
-    draws cost 2.6x one draw; see ``benchmarks/results/noise_cost.md`` for what they cost now.
+    draws cost several times one draw; ``benchmarks/results/noise_cost.md`` has what they cost now.
     """
     total = None
     for bits in summand_bits(key, shape):

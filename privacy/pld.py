@@ -36,7 +36,8 @@ from scipy import stats
 NEIGHBORING_RELATION = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 # dp-accounting's own default interval; every ordinary setting keeps it.
 DEFAULT_DISCRETIZATION = 1e-4
-# Grid points of one step's distribution (building it costs ~10 us per point) and of a
+# Grid points of one step's distribution (built by a Python loop per point, the calibration's
+# cost: benchmarks/results/first_hour_speed.md) and of a
 # composition (FFT in complex128, a few arrays of 16 bytes per point): ~0.3 GB at most.
 MAX_STEP_POINTS = 2**18
 MAX_COMPOSED_POINTS = 2**21

@@ -1,8 +1,8 @@
 """What a layer's clipping path costs before it runs: its time by the device's cost model, its memory.
 
 Why: timing each candidate path of each layer shape on the device (``privacy.tuning.timing``) costs a
-compilation a candidate (on an H200, 44 of them took 155 s for WRN-16-4), and ghost, which loses by
-10x or more wherever a layer has 1,024 positions an example, was among them; and a whole
+compilation a candidate (minutes for WRN-16-4 on an H200: benchmarks/results/gpu_step_cost.md), and
+ghost, which loses by 10x or more wherever a layer has 1,024 positions an example, was among them; and a whole
 micro-batch's per-example work at once can need more memory than the device has (ghost's Gram
 matrices grow with the square of the positions: 17 GB in WRN-16-4's first stage at K = 4). From the
 shapes alone (P positions an example with the K views stacked, fan-in d, fan-out p, b examples):

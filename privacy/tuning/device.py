@@ -122,8 +122,8 @@ class DeviceTuning:
 # on WRN-16-4 (docs/privacy.md, "Sensitivity under floating point"): a clipped example would lose
 # that much of its signal against the same noise, for a faster step.
 # Only NVIDIA GPUs have a measured cost model, and there it chooses: timing the candidates took
-# 133-155 s of a first run on an H200 (WRN-16-4, K = 1; longer at K = 4), while the model's choices
-# cost ~3% of the clipping's time against the timed ones there (benchmarks/results/gpu_step_cost.md).
+# minutes of a first run on an H200 (WRN-16-4), while the model's choices cost little step time
+# against the timed ones there (benchmarks/results/gpu_step_cost.md has both).
 # Other NVIDIA GPUs use the H200's constants too, unmeasured; elsewhere every candidate is timed.
 _ACCELERATOR = DeviceTuning(
     chunk_bytes=UNLIMITED_CHUNK_BYTES,

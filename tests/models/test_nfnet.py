@@ -2,7 +2,7 @@
 
 The big models are only traced (``jax.eval_shape``): no weights are allocated. The counts
 checked against the papers are the registry's constants, which
-``tests/models/test_registry.py`` recomputes from the code (tracing them twice costs ~10 s).
+``tests/models/test_registry.py`` recomputes from the code (tracing them twice would be slow).
 """
 
 import jax

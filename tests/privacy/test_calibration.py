@@ -305,7 +305,8 @@ def test_calibration_with_a_release_meets_the_target_and_leaves_training_less_bu
 def test_the_issues_batch_size_search_builds_few_distributions_on_the_reported_grid(monkeypatch):
     """`dpscale calibrate --epsilon 8 --num-examples 50000 --noise-multiplier 1 --steps 1000` took 100 s under load.
 
-    A probe at a new batch size builds that step's PLD on dp-accounting's grid (~1-2 s truncated): the
+    A probe at a new batch size builds that step's PLD on dp-accounting's grid (slow, the more so
+    truncated: benchmarks/results/first_hour_speed.md): the
     search reaches the answer on RDP and a 10x coarser grid first, then needs two such probes per
     truncation (the answer, and one more example overshooting), and its check and the plan's own
     report reuse the last. Same answer as before (1897), never above the target.
