@@ -1,6 +1,6 @@
 """Fast hyper-parameter search for last-layer DP-SGD on cached features, on a held-out split.
 
-Used for round 3 of ``results/cifar10_last_layer.md``. ``dpscale sweep --holdout`` does the
+Used for the held-out search of ``results/cifar10_last_layer.md``. ``dpscale sweep --holdout`` does the
 same thing run by run; this trains, for each (epsilon, learning rate), all repeats at once
 with the library's own DP step (``training.vmapped``: the plan's Poisson sampling, clipping,
 noise and EMA, ``vmap``-ed over repeats), so a grid costs about as much as a few runs on
