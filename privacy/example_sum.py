@@ -132,12 +132,14 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
 
 
 def _blocks(x: jax.Array) -> jax.Array:
-    """``x`` [n, ...] as [ceil(n / SUM_BLOCK), SUM_BLOCK, ...], zero-padded (zeros add exactly)."""
+    """``x`` [n, ...] as [ceil(n / b), b, ...] with b = min(n, SUM_BLOCK), zero-padded (zeros add
+    exactly): fewer than SUM_BLOCK rows are one block as they are, not padded to SUM_BLOCK."""
     n = x.shape[0]
-    blocks = -(-n // SUM_BLOCK)
-    if blocks * SUM_BLOCK != n:
-        x = jnp.pad(x, [(0, blocks * SUM_BLOCK - n)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((blocks, SUM_BLOCK) + x.shape[1:])
+    size = min(n, SUM_BLOCK)
+    blocks = -(-n // size)
+    if blocks * size != n:
+        x = jnp.pad(x, [(0, blocks * size - n)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape((blocks, size) + x.shape[1:])
 
 
 def guard(finite: jax.Array, a: jax.Array) -> jax.Array:
