@@ -38,7 +38,7 @@ class NoisePerMicrobatch(DpsgdStep):
 
     def _privatize_impl(self, total, step, base_key):
         std = self.noise_multiplier * total.sensitivity / MICRO
-        noisy = total.value
+        noisy = total.summed()
         for key in jax.random.split(step_key(base_key, step), MICRO):
             noise = add_gaussian_noise(jax.tree_util.tree_map(jnp.zeros_like, total.value), key, std=std)
             noisy = jax.tree_util.tree_map(jnp.add, noisy, noise)
@@ -46,7 +46,7 @@ class NoisePerMicrobatch(DpsgdStep):
 
 
 def _unclip_the_canary_path(monkeypatch):
-    def clip_weights(norms, mask, *, clip_norm):
+    def clip_weights(norms, mask, *, clip_norm, scale=None):
         finite = jnp.isfinite(norms)
         return jnp.where(finite & (mask > 0), 1.0 / clip_norm, 0.0).astype(jnp.float32), finite
 
