@@ -115,8 +115,9 @@ def _train(
         str(steps + 1),
         "--seed",
         str(seed),
-        "--private-diagnostics",
     ]
+    if epsilon != "inf":  # per-step times are a DP run's private diagnostic; a non-private run writes them anyway
+        command.append("--private-diagnostics")
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"dpscale train failed ({result.returncode}):\n{result.stderr[-2000:]}")
