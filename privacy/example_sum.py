@@ -66,10 +66,16 @@ def sum_depth(n: int) -> int:
     return SUM_BLOCK + math.ceil(math.log2(max(n, 1))) + 4
 
 
+#: The most parts whose sums a loop adds as two floats (``accumulate``): their lows' own rounding is
+#: then at most ``u^2 MAX_PARTS^2 / 2`` of the total, which ``sum_scale`` covers.
+MAX_PARTS = 256
+
+
 def sum_scale(n: int) -> np.float32:
-    """``c <= 1 / (1 + 2 gamma_D n)``, D = ``sum_depth(n)``, as a float32 rounded down: what every clip
-    weight of a micro-batch of ``n`` slots is multiplied by, so its whole sum moves by at most 1."""
-    exact = 1.0 / (1.0 + 2.0 * gamma(sum_depth(n)) * n)
+    """``c <= 1 / (1 + 2 gamma_D n + 2 u^2 MAX_PARTS^2 n)``, D = ``sum_depth(n)``, as a float32 rounded
+    down: what every clip weight of a micro-batch of ``n`` slots is multiplied by, so its whole sum moves
+    by at most 1 (the last term: the lows of parts added as two floats, ``accumulate``)."""
+    exact = 1.0 / (1.0 + 2.0 * gamma(sum_depth(n)) * n + 2.0 * U * U * MAX_PARTS**2 * n)
     scale = np.float32(exact)
     return scale if float(scale) <= exact else np.nextafter(scale, np.float32(0))
 
@@ -108,9 +114,22 @@ def room(local_slots: int) -> np.float32:
         return sum_scale(local_slots)
     n = max(local_slots, step.slots)
     big, m = max(step.step_slots, n), -(-max(step.step_slots, n) // n)
-    exact = 1.0 / (1.0 + 2.0 * gamma(sum_depth(n) + step.devices - 1) * n + 2.0 * U * big + 4.0 * U * U * m * m * big)
+    parts = 2.0 * U * U * MAX_PARTS**2 * n
+    exact = 1.0 / (
+        1.0 + 2.0 * gamma(sum_depth(n) + step.devices - 1) * n + parts + 2.0 * U * big + 4.0 * U * U * m * m * big
+    )
     scale = np.float32(exact)
     return scale if float(scale) <= exact else np.nextafter(scale, np.float32(0))
+
+
+def accumulate(total: tuple[jax.Array, jax.Array], part: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(high, low) + part`` as two floats: ``high`` takes the float32 sum and ``low`` its exact
+    rounding error (``two_sum``), so ``high + low`` is the exact sum but for the lows' own rounding
+    (at most ``u |low|`` an addition). ``high + low``, rounded once, is then within ``u`` of the exact
+    sum of the parts, plus ``u^2 m^2 / 2`` of it for m parts: one rounding a term, whatever m."""
+    high, low = total
+    high, error = two_sum(high, part)
+    return high, low + error
 
 
 def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:

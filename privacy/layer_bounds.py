@@ -57,7 +57,7 @@ from flax import linen as nn
 from dpscale.models.layers import WSConv, as_pair, standardize_kernel
 from dpscale.privacy import bookkeeping, layer_rules
 from dpscale.privacy.clipping import hold
-from dpscale.privacy.example_sum import pairwise_sum, weighted_outer_sum, weighted_sum
+from dpscale.privacy.example_sum import MAX_PARTS, accumulate, weighted_outer_sum, weighted_sum
 from dpscale.privacy.rounding import (
     ClipPrecision,
     Format,
@@ -145,16 +145,21 @@ def chunked_sum(
 ) -> jax.Array:
     """``sum_i w_i form(arrays_i)`` with ``form`` per example, ``chunk_bytes`` of working set at a time:
     each chunk's vectors are formed, weighted and summed in blocks (``example_sum.weighted_sum``), and
-    the chunks' sums added pairwise, so nothing of the parameter's size is held per example."""
+    the chunks' sums added exactly, as two floats, in a loop (``example_sum.accumulate``), so nothing
+    of the parameter's size is held per example, nor per chunk."""
     size = arrays[0].shape[0]
     chunk = chunk_size(size, bytes_per_example, chunk_bytes=chunk_bytes, held=False)
+    chunk = min(c for c in range(chunk, size + 1) if size % c == 0 and size // c <= MAX_PARTS)
 
-    def one_chunk(xs: tuple[jax.Array, ...]) -> jax.Array:
+    def one_chunk(total: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]) -> tuple[tuple, None]:
         *parts, w, f = xs
-        return weighted_sum(jax.vmap(form)(*parts), w, f)
+        return accumulate(total, weighted_sum(jax.vmap(form)(*parts), w, f)), None
 
     split = [a.reshape((size // chunk, chunk) + a.shape[1:]) for a in (*arrays, weights, finite)]
-    return pairwise_sum(jax.lax.map(one_chunk, tuple(split)))
+    shape = jax.eval_shape(lambda: jax.vmap(form)(*(a[0, :1] for a in split[: len(arrays)])))
+    zero = jnp.zeros(shape.shape[1:], jnp.float32)
+    (high, low), _ = jax.lax.scan(one_chunk, (zero, zero), tuple(split))
+    return high + low
 
 
 def held_square_bound(per_example: dict[str, jax.Array]) -> jax.Array:
