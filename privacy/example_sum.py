@@ -142,11 +142,14 @@ def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def pairwise_sum(x: jax.Array) -> jax.Array:
     """The sum over the leading axis by halving: each level one rounding per element, ``ceil(log2 k)``
-    levels for k rows (an odd row out waits, unrounded, for a later level)."""
+    levels for k rows (zero rows pad k to a power of two once: zeros add exactly)."""
+    rows = x.shape[0]
+    size = 1 << max(rows - 1, 0).bit_length()
+    if size != rows:
+        x = jnp.pad(x, [(0, size - rows)] + [(0, 0)] * (x.ndim - 1))
     while x.shape[0] > 1:
         half = x.shape[0] // 2
-        paired = x[:half] + x[half : 2 * half]
-        x = paired if x.shape[0] % 2 == 0 else jnp.concatenate([paired, x[2 * half :]])
+        x = x[:half] + x[half:]
     return x[0]
 
 
