@@ -8,16 +8,17 @@ weighted sum ``sum_i w_i U_i``. Per layer, two ways to the norm (mixed ghost cli
 
 * explicit: form ``U_i`` (P*d*p multiply-adds and d*p floats per example), keep it, and the
   weighted sum is one contraction over examples;
-* streamed: form ``U_i`` a chunk of examples at a time for its norm only, and take the weighted
-  sum as ghost does: nothing of the parameter's size is held per example;
+* streamed: form ``U_i`` a chunk of examples at a time for its norm, and again for the weighted
+  sum: nothing of the parameter's size is held per example;
 * ghost: ``||U_i||^2 = <A_i A_i^T, G_i G_i^T>`` (P^2 (d + p) per example, nothing of the
-  parameter's size), and the weighted sum is the layer's own weight gradient over the batch
-  (one VJP) with each example's output gradient scaled by ``w_i``.
+  parameter's size), and the weighted sum forms ``U_i`` a chunk at a time, as streamed does.
 
-Ghost wins where positions are few and the kernel large (late, low-resolution convolutions,
-dense heads); explicit wins at high resolution, and is streamed where holding ``U_i`` would
-take more memory than the input and output gradient the layer already records. ``choose_strategy``
-decides from the shapes at trace time. With augmentation multiplicity the K views' positions
+The weighted sum is never the layer's own weight gradient over the batch (one contraction of the
+inputs with the weighted output gradients): that contraction rounds by an amount no clip weight
+bounds (``privacy.layer_bounds`` says why). Ghost wins where positions are few and the kernel large
+(late, low-resolution convolutions, dense heads); explicit wins at high resolution, and is streamed
+where holding ``U_i`` would take more memory than the input and output gradient the layer already
+records; ``privacy.tuning`` chooses. With augmentation multiplicity the K views' positions
 are stacked (P = K*T) and the 1/K of the view average is already inside ``G``: the norm is
 that of the averaged gradient, exactly what the vmap path clips.
 
@@ -29,11 +30,10 @@ Its singular values are ``s_o`` and ``s_o (1 - a_o)``, ``a_o = ||w_o||^2/d = var
 a gradient along the kernel loses almost all its size in the fold, and a float32 fold or norm
 formed from ``u`` loses as many digits. So:
 
-* explicit folds each example's gradient before the sum (``J^T (C u_i)``, per example), and the
-  sum adds exactly the vectors whose norms clip them;
-* streamed and ghost sum ``u`` over the batch (one backward contraction) and fold the sum; their
-  norms carry proven bounds of the fold's and the contraction's rounding, and the ghost norm
-  bounds ``||J_o^T c|| <= s_o max(1, a_o) ||c||`` instead of subtracting the part along ``w_o``.
+every path folds each example's gradient before the sum (``J^T (C u_i)``, per example), so the sum
+adds vectors whose norms clip them; the streamed and ghost norms carry proven bounds of the fold's
+and the products' rounding, and the ghost norm bounds ``||J_o^T c|| <= s_o max(1, a_o) ||c||``
+instead of subtracting the part along ``w_o``.
 
 Norms are proven upper bounds of what each example adds, at the precision the per-example
 contractions run at (``precision``: ``privacy.rounding``); the per-layer pieces are in
@@ -46,7 +46,7 @@ is proven by ``bookkeeping.plan_layers`` exactly as for book-keeping (a layer th
 outputs other than float32 is refused, and the model goes to ``vmap``); weights, the NaN guard
 and the counts are ``privacy.clipping``'s, and the result has sensitivity 1. Tested against
 ``vmap(grad)`` (tests/privacy/test_ghost.py) and on adversarial inputs
-(tests/privacy/test_sensitivity.py, tests/privacy/test_layer_bounds.py).
+(tests/privacy/test_neighbouring_batches.py, tests/privacy/test_layer_bounds.py).
 
 Which path each plain layer takes is a speed and memory choice only, made outside this module
 (``privacy.tuning``: a shape rule on a CPU, a cost model or timings on an accelerator) and handed

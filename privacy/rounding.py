@@ -99,9 +99,9 @@ FORMATS: dict[str, Format] = {
 @dataclasses.dataclass(frozen=True)
 class ClipPrecision:
     """The formats of the per-example contractions: ``norms`` (what a norm is computed from: the
-    per-example products and Gram matrices) and ``sums`` (the batch's weighted sum of a streamed
-    or ghost layer, one backward contraction over the batch). Sums of held per-example gradients
-    always run at full float32: they are matrix-vector products, memory-bound at any precision."""
+    per-example products and Gram matrices) and ``sums`` (the products a streamed or ghost layer
+    forms again for its weighted sum). The sums over examples always run at full float32: they
+    are memory-bound at any precision, and a TF32 default would round each term beyond its bound."""
 
     norms: str = "highest"
     sums: str = "highest"
