@@ -39,9 +39,11 @@ class EvaluateResult(Scores):
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        """Scores of private training rows are a private diagnostic, and a simulation's are not its target's
-        privacy: the reader is told so."""
+        """Scores of private training rows are a private diagnostic, a simulation's are not its target's
+        privacy, and what the run's ledger says its epsilon does not cover (a private selection's choice
+        of the run, held-out rows) is said beside the epsilon it restates: the reader is told so."""
         notes = () if self.covered_by_epsilon else (release.warning(self.path),)
+        notes += tuple(f"the run's ledger: {note}" for note in self.not_covered)
         if self.simulated:
             notes += (
                 f"{release.SIMULATION_NOTE}: the run is a TAN simulation (sweep --simulate-batch), with less "

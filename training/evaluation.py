@@ -44,10 +44,15 @@ class Scores:
     epsilon: float = math.inf  # the run's guarantee, restated beside its scores (inf: non-private)
     delta: float = 0.0
     simulated: bool = False  # a TAN simulation (sweep --simulate-batch): DP at its own epsilon, not its target's
+    # What the run's ledger says its epsilon does not cover (e.g. a private selection's choice of it).
+    not_covered: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         payload = dataclasses.asdict(self)
         payload["epsilon"] = self.epsilon if math.isfinite(self.epsilon) else "inf"  # strict JSON
+        payload["not_covered"] = list(self.not_covered)
+        if not self.not_covered:
+            del payload["not_covered"]
         if self.split == "test" and not self.other_data:
             # The headline figure under the name quickstart gives it: the EMA parameters' top-1 on the
             # run's own test split (the recipe scores the EMA, not the last iterate).
@@ -248,6 +253,7 @@ def score_run(
         epsilon=ledger.epsilon_spent,
         delta=ledger.delta,
         simulated=run.simulated,
+        not_covered=ledger.not_covered,
     )
     if not save:
         return scores, ""

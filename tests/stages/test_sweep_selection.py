@@ -12,7 +12,7 @@ from dpscale.errors import DataError, InvalidConfigError
 from dpscale.privacy.plan import PrivacyTarget
 from dpscale.privacy.repetitions import Repetitions
 from dpscale.privacy.selection import Selection, SelectionPlan
-from dpscale.stages import sweep
+from dpscale.stages import evaluate, sweep
 from dpscale.training import selection_sweep
 from dpscale.training.config import FeatureSettings, TrainingConfig
 from dpscale.training.run_directory import RunDirectory
@@ -105,6 +105,11 @@ def test_a_selection_publishes_its_chosen_run_covered_and_nothing_of_the_others(
     run = RunDirectory(str(out / "chosen" / "eps4-r0"))
     assert run.read_spec().plan == plan.run  # the run executed exactly the mechanism accounted
     assert any("private selection" in note for note in run.read_ledger().not_covered)
+    # Evaluating the chosen run restates its own epsilon, and says beside it that the choice is the selection's.
+    scores = evaluate.run(evaluate.EvaluateConfig(run_dir=run.path, save=False))
+    assert scores.epsilon == pytest.approx(outcome["run_epsilon"])
+    assert any("private selection" in w and "does not cover the choice" in w for w in scores.warnings)
+    assert any("private selection" in note for note in scores.as_dict()["not_covered"])
     # Others may read the chosen run, its outcome, the tables and privacy.json; nothing that counts the runs.
     readable = readable_by_others(str(out))
     assert not any("NOT-PRIVATE" in p for p in readable), readable
