@@ -191,7 +191,13 @@ def test_step_takes_only_a_clipped_sum_with_a_stated_sensitivity(toy):
     plain = make_clipped_sum_fn(toy.loss_fn, clip_norm=1.0).fn  # the function without its bound
     with pytest.raises(TypeError, match="ClippedSumFn"):
         DpsgdStep(
-            plain, noise_multiplier=1.0, expected_batch_size=8, seed=0, optimizer=optax.sgd(1.0), ema_decay=0.9, capacity=8
+            plain,
+            noise_multiplier=1.0,
+            expected_batch_size=8,
+            seed=0,
+            optimizer=optax.sgd(1.0),
+            ema_decay=0.9,
+            capacity=8,
         )
     with pytest.raises(InvalidConfigError, match="unbounded sensitivity"):
         DpsgdStep(
