@@ -18,11 +18,13 @@ the number of slots. Two things keep this small and proven:
   cancellation over positions would shrink afterwards: those can be any size, and their rounding
   with them;
 * the sum over examples runs in blocks of ``SUM_BLOCK`` (one contraction each, any order) and then
-  pairwise, so D is ``SUM_BLOCK`` plus a few levels per doubling of n (``sum_depth``), not n.
+  pairwise, so D is ``SUM_BLOCK`` plus a few levels per doubling of n (``sum_depth``), not n; a
+  streamed or ghost layer adds its chunks' sums as two floats (``accumulate``), exact but for the
+  lows' own rounding (``u^2 m^2`` of the total for m <= MAX_PARTS chunks).
 
-Every weight is then scaled by ``sum_scale(n) = 1 / (1 + 2 gamma_D n)``: ``||t_i|| <= c`` and the
-difference above is at most ``c (1 + 2 gamma_D n) <= 1`` (0.99987 at n = 128: the clip pays
-for the float32 sum of its whole micro-batch, not only for each example's own rounding).
+Every weight is then scaled by ``sum_scale(n) = 1 / (1 + 2 gamma_D n + 2 u^2 MAX_PARTS^2 n)``:
+``||t_i|| <= c`` and the difference above is at most 1 (c = 0.99971 at n = 128: the clip pays for the
+float32 sum of its whole micro-batch, not only for each example's own rounding).
 
 A step adds its micro-batches' sums too. The sampler puts a step's examples in random slots, so the
 neighbour without j is the same step with j's slot empty: only j's micro-batch's sum changes. The DP
@@ -32,7 +34,8 @@ and only the errors' own sum rounds, by ``u^2`` of the total), and rounds the to
 before the noise, which moves it by at most ``u`` of its size, N slots' worth. So ``room`` takes, in a
 ``step_sums`` block, the step's slots N too:
 
-    c = 1 / (1 + 2 gamma_D n + 2 u N + 4 u^2 m^2 N),   D = sum_depth(n) + devices - 1,  m = ceil(N / n),
+    c = 1 / (1 + 2 gamma_D n + 2 u^2 MAX_PARTS^2 n + 2 u N + 4 u^2 m^2 N),
+    D = sum_depth(n) + devices - 1,  m = ceil(N / n),
 
 and the step's whole sum, rounded for the noise, moves by at most 1 (docs/privacy.md).
 """
