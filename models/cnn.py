@@ -63,6 +63,10 @@ def small_cnn(
     )
 
 
+#: The smallest side cnn-tanh's strided convolutions and poolings leave a pixel of.
+TANH_CNN_MIN_SIDE = 16
+
+
 class TanhCNNBackbone(nn.Module):
     """Tramer & Boneh (2021)'s CNN for 28x28 images: tanh activations, no normalisation.
 
@@ -74,6 +78,14 @@ class TanhCNNBackbone(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
+        height, width = x.shape[1:3]
+        if min(height, width) < TANH_CNN_MIN_SIDE:
+            # Smaller images leave no pixel after the second convolution and pooling: say so here
+            # rather than let the dense layer's initialiser divide by its zero inputs.
+            raise InvalidConfigError(
+                f"cnn-tanh needs images of at least {TANH_CNN_MIN_SIDE}x{TANH_CNN_MIN_SIDE} pixels "
+                f"(it was built for 28x28), got {height}x{width}; cnn-small and the wrn models take smaller images"
+            )
         out = jnp.tanh(nn.Conv(16, (8, 8), strides=(2, 2), padding=((2, 2), (2, 2)), name="conv_0")(x))
         out = nn.max_pool(out, (2, 2), strides=(1, 1))
         out = jnp.tanh(nn.Conv(32, (4, 4), strides=(2, 2), padding="VALID", name="conv_1")(out))

@@ -113,3 +113,17 @@ def _imported(path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(part for alias in node.names for part in alias.name.split("."))
     return names
+
+
+@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("side", [8, 4])
+def test_every_model_takes_a_small_image_or_refuses_it_by_name(name, side):
+    """An image smaller than a model was built for (8x8 digits) gives logits or a user error, never a crash."""
+    model = get_model(name, num_classes=10)
+    x = jax.ShapeDtypeStruct((1, side, side, 1), jnp.float32)
+    try:
+        logits = jax.eval_shape(lambda k, x: model.init_with_output(k, x)[0], jax.random.key(0), x)
+    except InvalidConfigError as error:
+        assert f"{side}x{side}" in str(error)
+    else:
+        assert logits.shape == (1, 10)
