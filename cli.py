@@ -381,7 +381,7 @@ def _privacy_line(result: Any) -> str:
 @click.option("--model", default="cnn-small", show_default=True, help="Architecture pre-trained on the public classes.")
 @click.option("--pretrain-steps", type=COUNT, default=200, show_default=True)
 @click.option("--pretrain-batch-size", type=COUNT, default=128, show_default=True)
-@click.option("--pretrain-learning-rate", type=POSITIVE, default=0.03, show_default=True)
+@click.option("--pretrain-learning-rate", type=POSITIVE, default=0.01, show_default=True)
 @click.option(
     "--epsilon", type=POSITIVE, default=8.0, show_default=True, help="Target epsilon of the private training."
 )
@@ -394,7 +394,7 @@ def _privacy_line(result: Any) -> str:
     help="Expected batch size of the DP last-layer training.",
 )
 @click.option("--steps", type=COUNT, default=1000, show_default=True, help="Steps of the DP last-layer training.")
-@click.option("--learning-rate", type=POSITIVE, default=1.0, show_default=True, help="Of the DP last-layer training.")
+@click.option("--learning-rate", type=POSITIVE, default=0.5, show_default=True, help="Of the DP last-layer training.")
 @click.option("--seed", type=SEED, default=None, help="Fix the secret seed (debugging only).")
 @click.option(
     "--private-diagnostics",

@@ -55,14 +55,14 @@ PRETRAIN = TrainingConfig(
     target=PrivacyTarget(epsilon=math.inf),
     batch_size=128,
     steps=200,
-    learning_rate=0.03,
+    learning_rate=0.01,
     momentum=0.9,
     microbatch_size=128,
     images=ImageSettings(model="cnn-small", augmult=1, augment_flip=False),
 )
 #: DP training of the last layer on the private classes' features.
 PRIVATE = TrainingConfig(
-    mode="features", target=PrivacyTarget(epsilon=8.0, delta=1e-5), batch_size=512, steps=1000, learning_rate=1.0
+    mode="features", target=PrivacyTarget(epsilon=8.0, delta=1e-5), batch_size=512, steps=1000, learning_rate=0.5
 )
 
 
