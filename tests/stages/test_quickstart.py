@@ -1,5 +1,6 @@
 """The quickstart: public pre-training -> export -> featurize -> DP last layer, on tiny settings."""
 
+import dataclasses
 import json
 import os
 
@@ -46,6 +47,8 @@ def test_digits_end_to_end_then_a_rerun_reuses_the_backbone_and_features(tmp_pat
     assert os.path.isfile(os.path.join(first["run_dir"], "metrics.json"))
     ledger = json.loads(open(os.path.join(first["run_dir"], "ledger.json")).read())
     assert ledger["private"] and ledger["epsilon_spent"] == first["epsilon"]
+    # The default learning rates were chosen on held-out rows of these digits: the result says so.
+    assert quickstart.TUNED_WARNING in first["warnings"]
 
     again = _quickstart(args)
     assert again["pretrain_reused"] and again["backbone"] == first["backbone"]
@@ -92,9 +95,21 @@ def test_folder_source_without_test_split_dedups_public_against_private(tmp_path
     assert out["public_removed_by_dedup"] >= 1  # the planted copy of a private image
     assert "public_removed_by_dedup" in stderr[0] and "NOT cover" in stderr[0]
     assert any("public_removed_by_dedup" in w for w in out["warnings"])
+    assert quickstart.TUNED_WARNING not in out["warnings"]  # other data: the defaults have not seen it
     assert _quickstart(args)["public_removed_by_dedup"] is None  # a re-run, without the flag
     assert out["test_split"] == "validation" and out["test_examples"] > 0
     assert 0 < out["epsilon"] <= 8.0
+
+
+def test_only_the_data_the_defaults_were_chosen_on_with_those_defaults_gets_the_tuning_warning():
+    config = quickstart.QuickstartConfig()
+    assert quickstart._tuned_on_this_data(config)
+    other_rate = dataclasses.replace(config.private, learning_rate=0.3)
+    assert not quickstart._tuned_on_this_data(dataclasses.replace(config, private=other_rate))
+    other_rate = dataclasses.replace(config.pretrain, learning_rate=0.3)
+    assert not quickstart._tuned_on_this_data(dataclasses.replace(config, pretrain=other_rate))
+    assert not quickstart._tuned_on_this_data(dataclasses.replace(config, data="idx:/data/fashion-mnist"))
+    assert not quickstart._tuned_on_this_data(dataclasses.replace(config, public_classes=("5", "6", "7", "8", "9")))
 
 
 def test_bad_class_splits_and_infinite_epsilon_are_one_line_errors(tmp_path):
