@@ -66,8 +66,7 @@ def count(args: argparse.Namespace) -> None:
             "image": jax.ShapeDtypeStruct((args.microbatch, views, 32, 32, 3), jnp.float32),
             "label": jax.ShapeDtypeStruct((args.microbatch, views), jnp.int32),
         }
-        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-        calls = bookkeeping.plan_layers(loss_fn, params, {}, one)
+        calls = bookkeeping.plan_batch_layers(loss_fn, params, {}, batch)
         _, _, groups = path_timing.candidate_groups(
             loss_fn, calls, timed_calls(calls, {}), params, {}, batch, tuning, budget=budget
         )

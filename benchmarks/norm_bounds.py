@@ -72,10 +72,9 @@ def margins(args) -> None:
             for g in jax.tree_util.tree_leaves(grads)
         )
     )
-    one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
     paths = [
         c.path
-        for c in bookkeeping.plan_layers(loss_fn, params, {}, one)
+        for c in bookkeeping.plan_batch_layers(loss_fn, params, {}, batch)
         if type(c.module).__name__ in ("WSConv", "Dense")
     ]
     for mode in args.modes.split(","):

@@ -100,6 +100,12 @@ def _output_depends_on(jaxpr: jex_core.Jaxpr, tainted_inputs: list[bool]) -> boo
     return any(hit(v) for v in jaxpr.outvars)
 
 
+def plan_batch_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[LayerCall, ...]:
+    """``plan_layers`` on one example of ``batch`` (leaves ``[b, ...]``: arrays or ``ShapeDtypeStruct``)."""
+    one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+    return plan_layers(loss_fn, params, model_state, one)
+
+
 def plan_layers(loss_fn: LossFn, params: PyTree, model_state: PyTree, views: PyTree) -> tuple[LayerCall, ...]:
     """The supported layer calls of ``loss_fn`` on one example's views, or UnsupportedModelError.
 
@@ -291,8 +297,7 @@ def per_example_gradients_bk(
 ) -> tuple[jax.Array, PyTree]:
     """Like ``clipping.per_example_gradients`` (losses ``[b]``, leaves ``[b, *shape]``), by book-keeping;
     the convolutions' per-example products run at ``precision``."""
-    one_example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-    calls = plan_layers(loss_fn, params, model_state, one_example)
+    calls = plan_batch_layers(loss_fn, params, model_state, batch)
     tape = record_layers(loss_fn, calls, params, model_state, batch)
     grads: dict[Path, jax.Array] = {}
     for call, x, g, state in zip(calls, tape.inputs, tape.out_grads, tape.states):
@@ -321,9 +326,7 @@ def make_bookkeeping_clipped_sum_fn(
     check_clip_norm(clip_norm)
     fmt = (precision or ClipPrecision()).norm_format
     if example is not None:
-        params, model_state, batch = example
-        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-        plan_layers(loss_fn, params, model_state, one)
+        plan_batch_layers(loss_fn, *example)
 
     def clipped_sum(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
         losses, grads = per_example_gradients_bk(loss_fn, params, model_state, batch, precision=fmt)

@@ -161,7 +161,8 @@ def forced(
     strategies, precision = dict(strategies or {}), precision or ClipPrecision()
 
     def choose(calls: tuple, params_of: Callable, examples: int) -> dict[LayerName, LayerChoice]:
-        plain = [c for c in calls if c.path not in booked_layers(calls)]
+        booked = booked_layers(calls)
+        plain = [c for c in calls if c.path not in booked]
         unknown = set(strategies) - {c.path for c in plain}
         if unknown:
             raise InvalidConfigError(f"no ghost or explicit layer at {sorted('/'.join(p) for p in unknown)}")
@@ -219,12 +220,8 @@ class _PerLayer:
 
 
 def _per_layer(loss_fn: LossFn, chooser: PathChooser) -> _PerLayer:
-    def calls_of(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[bookkeeping.LayerCall, ...]:
-        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-        return bookkeeping.plan_layers(loss_fn, params, model_state, one)
-
     def choices(params: PyTree, model_state: PyTree, batch: PyTree) -> tuple[tuple, tuple[LayerChoice, ...]]:
-        calls = calls_of(params, model_state, batch)
+        calls = bookkeeping.plan_batch_layers(loss_fn, params, model_state, batch)
         examples = jax.tree_util.tree_leaves(batch)[0].shape[0]
         chosen = chooser.choose(calls, lambda call: bookkeeping.layer_params(call, params), examples)
         booked = booked_layers(calls)

@@ -166,9 +166,7 @@ def chooser(
     budget = memory_budget(tuning)
     measured: dict[LayerName, Measured] = {}
     if example is not None and tuning.choose != "rule":
-        params, model_state, batch = example
-        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-        calls = bookkeeping.plan_layers(loss_fn, params, model_state, one)
+        calls = bookkeeping.plan_batch_layers(loss_fn, *example)
         choose = measure_paths if tuning.choose == "measure" else estimate_paths
         measured = choose(loss_fn, calls, timed_calls(calls, forced), *example, tuning, budget=budget)
 
