@@ -126,7 +126,6 @@ class DpsgdStep:
         self.noise_key = stream_key(seed, Stream.NOISE)
         self._noise_base_key = self.replicate(self.noise_key)
         self.clipped_sum_fn = clipped_sum_fn
-        self._clipped_sum = clipped_sum_fn
         self._sensitivity = clipped_sum_fn.sensitivity
         if self.noise_multiplier > 0 and not math.isfinite(self._sensitivity):
             raise InvalidConfigError("noise cannot be calibrated to a sum of unbounded sensitivity")
@@ -205,7 +204,7 @@ class DpsgdStep:
     ) -> ClippedSum:
         """``total`` plus the clipped sum of one micro-batch."""
         with step_sums(self._sums(mask.shape[0])):
-            return total.plus(self._clipped_sum(params, model_state, batch, mask))
+            return total.plus(self.clipped_sum_fn(params, model_state, batch, mask))
 
     def _sums(self, slots: int) -> StepSums:
         """How this step adds up the clipped sums of micro-batches of ``slots`` slots."""
@@ -240,7 +239,7 @@ class DpsgdStep:
 
         def local(params: PyTree, model_state: PyTree, batch: PyTree, mask: jax.Array) -> ClippedSum:
             with step_sums(sums):
-                return jax.lax.psum(self._clipped_sum(params, model_state, batch, mask), DATA_AXIS)
+                return jax.lax.psum(self.clipped_sum_fn(params, model_state, batch, mask), DATA_AXIS)
 
         # check_vma=False: with it, differentiating w.r.t. the replicated parameters inside
         # would psum every per-example gradient over devices (mixing examples) before clipping.
