@@ -78,7 +78,11 @@ def sum_scale(n: int) -> np.float32:
     """``c <= 1 / (1 + 2 gamma_D n + 2 u^2 MAX_PARTS^2 n)``, D = ``sum_depth(n)``, as a float32 rounded
     down: what every clip weight of a micro-batch of ``n`` slots is multiplied by, so its whole sum moves
     by at most 1 (the last term: the lows of parts added as two floats, ``accumulate``)."""
-    exact = 1.0 / (1.0 + 2.0 * gamma(sum_depth(n)) * n + 2.0 * U * U * MAX_PARTS**2 * n)
+    return _float32_at_most(1.0 / (1.0 + 2.0 * gamma(sum_depth(n)) * n + 2.0 * U * U * MAX_PARTS**2 * n))
+
+
+def _float32_at_most(exact: float) -> np.float32:
+    """The largest float32 not above ``exact`` (a room rounded up would not be a bound)."""
     scale = np.float32(exact)
     return scale if float(scale) <= exact else np.nextafter(scale, np.float32(0))
 
@@ -118,11 +122,10 @@ def room(local_slots: int) -> np.float32:
     n = max(local_slots, step.slots)
     big, m = max(step.step_slots, n), -(-max(step.step_slots, n) // n)
     parts = 2.0 * U * U * MAX_PARTS**2 * n
-    exact = 1.0 / (
-        1.0 + 2.0 * gamma(sum_depth(n) + step.devices - 1) * n + parts + 2.0 * U * big + 4.0 * U * U * m * m * big
+    return _float32_at_most(
+        1.0
+        / (1.0 + 2.0 * gamma(sum_depth(n) + step.devices - 1) * n + parts + 2.0 * U * big + 4.0 * U * U * m * m * big)
     )
-    scale = np.float32(exact)
-    return scale if float(scale) <= exact else np.nextafter(scale, np.float32(0))
 
 
 def accumulate(total: tuple[jax.Array, jax.Array], part: jax.Array) -> tuple[jax.Array, jax.Array]:
